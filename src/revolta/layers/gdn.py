@@ -1,0 +1,78 @@
+"""Gated DeltaNet mixer (spec/model.md §3), torch path.
+
+Per token: in-projections -> causal depthwise conv (q, k, v only) + SiLU -> L2-normed q, k
+-> gated delta rule with fp32 state -> RMS-normed output gated by act(z) -> out_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import TextConfig
+from ..forward import ForwardMeta
+from ..kernels.conv1d import causal_conv1d_ref
+from ..kernels.gdn import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+from ..state import GDNState
+from .norm import GatedRMSNorm
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(Σx² + eps) over the last dim, fp32 (eps on the sum, spec §11.11)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int):
+        super().__init__()
+        self.state_key = f"gdn{layer_idx}"
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.gdn_conv_dim
+        self.conv_kernel = cfg.linear_conv_kernel_dim
+        d = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(d, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(d, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False)
+        # decay parameters stay fp32 whatever the model dtype (spec §2.6); see FlashNextModel.to_dtype
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, cfg.output_gate_type)
+        self.out_proj = nn.Linear(self.value_dim, d, bias=False)
+
+    def new_state(self, device, dtype) -> GDNState:
+        return GDNState(
+            conv=torch.zeros(self.conv_kernel - 1, self.conv_dim, device=device, dtype=dtype),
+            recurrent=torch.zeros(self.num_v_heads, self.head_k_dim, self.head_v_dim, device=device,
+                                  dtype=torch.float32),
+        )
+
+    def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
+        """x: [T, d] block input of all sequences -> [T, d]."""
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim] pre-conv q ‖ k ‖ v
+        z = self.in_proj_z(x)  # [T, value_dim]
+        beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, HV]
+        out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
+        conv_w = self.conv1d.weight[:, 0, :]  # [conv_dim, W]
+        for _, start, end, seq in meta.seq_slices():
+            st = seq.layers.get(self.state_key)
+            if st is None:
+                st = seq.layers[self.state_key] = self.new_state(x.device, x.dtype)
+            conv_out, st.conv = causal_conv1d_ref(mixed[start:end], conv_w, st.conv)
+            q, k, v = F.silu(conv_out).to(x.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            n = end - start
+            rep = self.num_v_heads // self.num_k_heads  # v-head i reads k-head i // rep (repeat-interleave)
+            q = l2_normalize(q.reshape(n, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
+            k = l2_normalize(k.reshape(n, self.num_k_heads, self.head_k_dim))
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+            v = v.reshape(n, self.num_v_heads, self.head_v_dim)
+            rule = recurrent_gated_delta_rule_ref if n == 1 else chunk_gated_delta_rule_ref
+            o, st.recurrent = rule(q, k, v, g[start:end], beta[start:end], st.recurrent)
+            out[start:end] = o
+        y = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)).float())  # [T, HV, V] fp32
+        return self.out_proj(y.to(x.dtype).flatten(-2))

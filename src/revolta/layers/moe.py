@@ -1,0 +1,72 @@
+"""Mixture of experts with a sigmoid-gated shared expert (spec §6). Torch reference path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP: down(silu(gate(x)) * up(x)). Names match `shared_expert.*`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed experts in the checkpoint's grouped layout ([out, in] per expert).
+
+    gate_up_proj: [E, 2I, H] (gate rows, then up rows); down_proj: [E, H, I].
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.intermediate_size = intermediate_size
+
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """x: [T, H]; topk_ids/topk_weights: [T, k] -> Σ_k w_k E_{id_k}(x), accumulated in fp32, [T, H] fp32."""
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        # loop over experts that received tokens (the torch reference; kernels come later)
+        for e in torch.unique(topk_ids).tolist():
+            token_idx, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            xe = x[token_idx]  # [n, H]
+            gate, up = (xe @ self.gate_up_proj[e].t()).split(self.intermediate_size, dim=-1)
+            ye = (F.silu(gate) * up) @ self.down_proj[e].t()  # [n, H]
+            out.index_add_(0, token_idx, ye.float() * topk_weights[token_idx, slot, None])
+        return out
+
+
+class MoE(nn.Module):
+    """softmax(router) over all experts -> top-k -> renormalise; plus σ(w·x)-gated shared expert."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 shared_intermediate_size: int, norm_topk_prob: bool = True):
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x: [T, H] -> (topk_ids [T, k] long, topk_weights [T, k] fp32)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # over all experts, before top-k
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids, weights = self.route(x)
+        routed = self.experts(x, ids, weights)  # [T, H] fp32
+        shared = torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()
+        return (routed + shared).to(x.dtype)

@@ -1,0 +1,166 @@
+"""PLE / Engram n-gram embedding (spec/model.md §5): hashed bigram/trigram rows gated into
+every HyperConnection stream, plus a dilated causal conv.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import TextConfig
+from ..forward import ForwardMeta
+from ..kernels.conv1d import causal_conv1d_ref
+from ..state import PLEState
+from .norm import ZCRMSNorm
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def splitmix64(value: int) -> int:
+    """One SplitMix64 output for state `value` (64-bit wrap-around arithmetic)."""
+    z = (value + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def hash_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """Odd multipliers m_0..m_{n-1}, small enough that id * m fits in int64 (spec §5.2)."""
+    half = max(1, ((2**63 - 1) // max(vocab_size, 1)) // 2)
+    base = seed + 10007 * ple_index
+    return [2 * (splitmix64((base + _GOLDEN * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def head_table_sizes(base: int, num_heads: int, ple_index: int) -> list[int]:
+    """Successive primes >= base; PLE layer `ple_index` continues where the previous one stopped."""
+    primes, p = [], base - 1
+    while len(primes) < (ple_index + 1) * num_heads:
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        primes.append(p)
+    return primes[ple_index * num_heads :]
+
+
+def ngram_context(ids: list[int], history: list[int], eos: int, order: int) -> list[list[int]]:
+    """c_k for k = 0..order-1 at every new position (spec §5.3).
+
+    ids: the new raw token ids; history: the previous order-1 ids (oldest first, EOS-filled at
+    sequence start). c_k = id_{t-k} unless an EOS occurs at t-k..t-1, else EOS.
+    """
+    seq = history + ids
+    out = []
+    for t in range(len(history), len(seq)):
+        ctx, broken = [seq[t]], False
+        for k in range(1, order):
+            broken = broken or seq[t - k] == eos  # EOS at t-k..t-1 cuts everything before it
+            ctx.append(eos if broken else seq[t - k])
+        out.append(ctx)
+    return out
+
+
+class NGramEmbedding(nn.Module):
+    """The hashed table (one [rows, head_dim] weight; on disk split into shards) and its int64 buffers."""
+
+    def __init__(self, cfg: TextConfig, ple_index: int):
+        super().__init__()
+        self.num_heads, self.heads_per_ngram, self.order = cfg.num_ngram_heads, cfg.heads_per_ngram, cfg.ngram_size
+        self.sizes = head_table_sizes(cfg.ngram_vocab_size_base, self.num_heads, ple_index)
+        self.multipliers = hash_multipliers(cfg.vocab_size, self.order, ple_index, cfg.seed)
+        div = cfg.make_ngram_vocab_size_divisible_by
+        rows = math.ceil(sum(self.sizes) / div) * div
+        if rows % cfg.split_ngram_parts:
+            raise ValueError(f"split_ngram_parts={cfg.split_ngram_parts} does not divide the n-gram table's {rows} "
+                             "rows; the on-disk shards must be equal")
+        self.register_buffer("layer_multipliers", torch.zeros(self.order, dtype=torch.int64))
+        self.register_buffer("ngram_heads_vocab_sizes", torch.zeros(self.num_heads, dtype=torch.int64))
+        self.register_buffer("ngram_heads_offsets", torch.zeros(self.num_heads, dtype=torch.int64))
+        self.init_buffers()
+        self.ngram_embedding = nn.Embedding(rows, cfg.ngram_head_dim)
+
+    def init_buffers(self) -> None:
+        """Derive the int64 hash buffers from the config (a checkpoint that ships them overwrites them)."""
+        if self.layer_multipliers.device.type == "meta":
+            return
+        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.layer_multipliers.copy_(torch.tensor(self.multipliers, dtype=torch.int64))
+        self.ngram_heads_vocab_sizes.copy_(torch.tensor(self.sizes, dtype=torch.int64))
+        self.ngram_heads_offsets.copy_(torch.tensor(offsets, dtype=torch.int64))
+
+    def rows(self, contexts: Tensor) -> Tensor:
+        """contexts: [T, order] int64 (c_0, c_1, ...) -> row ids [T, num_heads], bigram heads first."""
+        m = self.layer_multipliers.to(contexts.device)
+        mixes, mix = [], contexts[:, 0] * m[0]
+        for k in range(1, self.order):  # products fit int64: m_k < 2^63 / vocab
+            mix = mix ^ (contexts[:, k] * m[k])
+            mixes.append(mix[:, None].expand(-1, self.heads_per_ngram))
+        mixed = torch.cat(mixes, dim=-1)  # [T, num_heads]
+        sizes = self.ngram_heads_vocab_sizes.to(contexts.device)
+        return self.ngram_heads_offsets.to(contexts.device) + torch.remainder(mixed, sizes)
+
+    def forward(self, contexts: Tensor) -> Tensor:
+        """[T, order] contexts -> [T, num_heads * head_dim] concatenated rows."""
+        rows = self.rows(contexts)
+        weight = self.ngram_embedding.weight
+        return F.embedding(rows.to(weight.device), weight).flatten(-2)
+
+
+class PLELayer(nn.Module):
+    """Adds gated n-gram values and their dilated conv to the wide residual entering its layer."""
+
+    def __init__(self, cfg: TextConfig, layer_idx: int, ple_index: int):
+        super().__init__()
+        self.state_key = f"ple{layer_idx}"
+        self.hc_count, self.hidden_size, self.eos = cfg.hc_count, cfg.hidden_size, cfg.eos_token_id
+        self.order, self.dilation = cfg.ngram_size, cfg.ngram_size
+        wide = cfg.wide_size
+        self.ple_embedding = NGramEmbedding(cfg, ple_index)
+        self.key_proj = nn.Linear(cfg.ple_embed_dim, wide, bias=False)
+        self.value_proj = nn.Linear(cfg.ple_embed_dim, cfg.hidden_size, bias=False)
+        self.norm_key = ZCRMSNorm(wide, cfg.rms_norm_eps, group_size=cfg.hidden_size)
+        self.norm_query = ZCRMSNorm(wide, cfg.rms_norm_eps, group_size=cfg.hidden_size)
+        self.norm_conv = ZCRMSNorm(wide, cfg.rms_norm_eps, group_size=cfg.hidden_size)
+        self.conv1d = nn.Conv1d(wide, wide, cfg.ple_conv_kernel_size, groups=wide, dilation=self.dilation,
+                                bias=False)
+        self.history = (cfg.ple_conv_kernel_size - 1) * self.dilation
+
+    def new_state(self, x: Tensor) -> PLEState:
+        return PLEState(conv=x.new_zeros(self.history, x.shape[-1]), context=[self.eos] * (self.order - 1))
+
+    def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
+        """x: [T, h*d] wide residual entering the layer -> delta [T, h*d] to add to it."""
+        states = []
+        contexts = []
+        ids = meta.input_ids.tolist()
+        for _, start, end, seq in meta.seq_slices():
+            st = seq.layers.get(self.state_key)
+            if st is None:
+                st = seq.layers[self.state_key] = self.new_state(x)
+            contexts += ngram_context(ids[start:end], st.context, self.eos, self.order)
+            st.context = (st.context + ids[start:end])[-(self.order - 1) :]
+            states.append(st)
+        emb = self.ple_embedding(torch.tensor(contexts, dtype=torch.int64, device=x.device)).to(x.dtype)
+        h, d = self.hc_count, self.hidden_size
+        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (h, d))  # [T, h, d]
+        value = self.value_proj(emb)  # [T, d], shared by all branches
+        query = self.norm_query(x).unflatten(-1, (h, d))
+        score = (key * query).sum(-1, keepdim=True) / math.sqrt(d)  # [T, h, 1]
+        score = score.sign() * score.abs().clamp_min(1e-6).sqrt()  # signed square root
+        gated = (torch.sigmoid(score) * value.unsqueeze(-2)).flatten(-2)  # [T, h*d]
+        conv_in = self.norm_conv(gated)
+        conv_w = self.conv1d.weight[:, 0, :]
+        conv_out = torch.empty_like(gated)
+        for (_, start, end, _), st in zip(meta.seq_slices(), states):
+            y, st.conv = causal_conv1d_ref(conv_in[start:end], conv_w, st.conv, self.dilation)
+            conv_out[start:end] = F.silu(y).to(x.dtype)
+        return gated + conv_out

@@ -1,0 +1,59 @@
+"""RMSNorm flavours of Qwen3.8-Flash-Next (spec/model.md §2.1).
+
+All statistics are fp32 with one rounding to the input dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def zc_rms_norm(x: Tensor, weight: Tensor, eps: float, group_size: int | None = None) -> Tensor:
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), per group of `group_size` features.
+
+    x: [..., N]; weight: [N]; group_size divides N (None = one group). Returns x.dtype.
+    """
+    shape = x.shape
+    xf = x.float()
+    if group_size is not None and group_size != shape[-1]:
+        xf = xf.unflatten(-1, (shape[-1] // group_size, group_size))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf.reshape(shape) * (1.0 + weight.float())).to(x.dtype)
+
+
+class ZCRMSNorm(nn.Module):
+    """Zero-centred RMSNorm with stored weight w (zero-initialised), scale (1 + w).
+
+    `group_size` < dim gives the grouped form used on wide HyperConnection tensors: each
+    branch of `group_size` features gets its own statistic.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+        self.group_size = group_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        return zc_rms_norm(x, self.weight, self.eps, self.group_size)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: RMS(o) * w * act(z), plain multiplicative weight (spec §3.6).
+
+    The whole chain is fp32 with one rounding (the NeMo/SGLang choice of spec §11.6).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "sigmoid"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.activation = activation
+
+    def forward(self, o: Tensor, z: Tensor) -> Tensor:
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
+        zf = z.float()
+        gate = torch.sigmoid(zf) if self.activation == "sigmoid" else torch.nn.functional.silu(zf)
+        return (of * self.weight.float() * gate).to(o.dtype)

@@ -1,0 +1,142 @@
+"""QSA (Qwen Sparse Attention) mixer: gated GQA attention over indexer-selected blocks (spec §4).
+
+Each query sees the top-`budget` complete blocks of `c` tokens by indexer score plus the
+tail of its own incomplete block. While a query has at most budget/c complete blocks in
+view it sees the whole causal prefix, so QSA equals dense attention up to the sparse onset.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..config import TextConfig
+from ..forward import ForwardMeta
+from ..state import QSAState
+from .norm import ZCRMSNorm
+from .rope import apply_rope
+
+
+def select_blocks(scores: Tensor, num_visible: Tensor, budget: int) -> Tensor:
+    """Top-`budget` blocks per query with a deterministic tie policy.
+
+    scores: [Tq, NB] fp32 block scores; num_visible: [Tq] complete blocks each query may see.
+    Returns a bool mask [Tq, NB] of chosen blocks. Ties are broken by descending score, then
+    ascending block index (spec §4.4; the references' torch.topk leaves ties undefined).
+    """
+    nb = scores.shape[-1]
+    visible = torch.arange(nb, device=scores.device)[None, :] < num_visible[:, None]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices  # stable: lower index first on ties
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(nb, device=scores.device).expand_as(order))
+    return visible & (rank < budget)
+
+
+class QSAIndexer(nn.Module):
+    """Projects index queries and raw index keys; scores compressed blocks (spec §4.3)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.indexer_n_heads, cfg.indexer_head_dim
+        self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_layernorm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x: [T, d] -> (index queries [T, Hi, Di] normed + RoPEd, raw index keys [T, Di])."""
+        q, k = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        q = apply_rope(self.q_layernorm(q.unflatten(-1, (self.n_heads, self.head_dim))), cos, sin)
+        return q, k
+
+    def block_keys(self, raw: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Compress complete blocks. raw: [nb, c, Di]; cos/sin: [nb, R] of each block's first token -> [nb, Di]."""
+        pooled = raw.float().mean(dim=1).to(raw.dtype)  # fp32 mean, one rounding
+        return apply_rope(self.k_layernorm(pooled)[:, None, :], cos, sin)[:, 0, :]
+
+    def scores(self, q: Tensor, keys: Tensor) -> Tensor:
+        """q: [Tq, Hi, Di], keys: [NB, Di] -> [Tq, NB] fp32: Σ_heads ReLU(q·k) / sqrt(Di)."""
+        dots = torch.einsum("thd,nd->thn", q.float(), keys.float())
+        return dots.relu().sum(dim=1) / math.sqrt(self.head_dim)
+
+
+class QSAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, state_key: str):
+        super().__init__()
+        self.state_key = state_key
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.ratio, self.block_budget = cfg.indexer_compress_ratio, cfg.qsa_block_budget
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * 2, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.q_norm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.indexer = QSAIndexer(cfg)
+
+    def new_state(self, x: Tensor, rotary_dim: int) -> QSAState:
+        kv = x.new_zeros(0, self.num_kv_heads, self.head_dim)
+        idx = x.new_zeros(0, self.indexer.head_dim)
+        table = torch.zeros(0, rotary_dim, device=x.device)
+        return QSAState(k=kv, v=kv.clone(), index_keys=idx, block_keys=idx.clone(), block_cos=table,
+                        block_sin=table.clone())
+
+    def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
+        """x: [T, d] -> [T, d]."""
+        T = x.shape[0]
+        qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # per head [query | gate]
+        q = apply_rope(self.q_norm(q), meta.cos, meta.sin)  # norms before RoPE
+        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)), meta.cos, meta.sin)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        iq, ik = self.indexer.project(x, meta.cos, meta.sin)
+        out = torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for _, start, end, seq in meta.seq_slices():
+            st = seq.layers.get(self.state_key)
+            if st is None:
+                st = seq.layers[self.state_key] = self.new_state(x, meta.cos.shape[-1])
+            self._append(st, k[start:end], v[start:end], ik[start:end], meta.cos[start:end], meta.sin[start:end])
+            out[start:end] = self._attend(st, q[start:end], iq[start:end])
+        out = out.flatten(-2) * torch.sigmoid(gate.flatten(-2))  # elementwise gate per (head, dim)
+        return self.o_proj(out)
+
+    def _append(self, st: QSAState, k: Tensor, v: Tensor, ik: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Add new tokens' K/V and index keys; compress every block they complete."""
+        c = self.ratio
+        st.k, st.v = torch.cat([st.k, k]), torch.cat([st.v, v])
+        st.index_keys = torch.cat([st.index_keys, ik])
+        st.block_cos, st.block_sin = torch.cat([st.block_cos, cos]), torch.cat([st.block_sin, sin])
+        done, total = st.block_keys.shape[0], st.num_tokens // c
+        if total > done:
+            raw = st.index_keys[done * c : total * c].unflatten(0, (total - done, c))  # [nb, c, Di]
+            first = torch.arange(done, total, device=k.device) * c
+            new = self.indexer.block_keys(raw, st.block_cos[first], st.block_sin[first])
+            st.block_keys = torch.cat([st.block_keys, new])
+
+    def _attend(self, st: QSAState, q: Tensor, iq: Tensor) -> Tensor:
+        """Queries are the last len(q) tokens of the state. q: [Tq, H, D] -> [Tq, H, D]."""
+        c = self.ratio
+        n, tq = st.num_tokens, q.shape[0]
+        pos = torch.arange(n - tq, n, device=q.device)  # absolute token index of each query
+        keys = torch.arange(n, device=q.device)
+        allowed = keys[None, :] <= pos[:, None]  # [Tq, n] causal
+        num_blocks = torch.div(pos + 1, c, rounding_mode="floor")  # complete blocks in view (own token counts)
+        sparse = num_blocks > self.block_budget
+        if bool(sparse.any()):
+            scores = self.indexer.scores(iq[sparse], st.block_keys)  # [Ts, NB]
+            chosen = select_blocks(scores, num_blocks[sparse], self.block_budget)  # [Ts, NB]
+            chosen_tokens = chosen.repeat_interleave(c, dim=-1)  # [Ts, NB * c]
+            sel = torch.zeros(chosen.shape[0], n, dtype=torch.bool, device=q.device)
+            sel[:, : chosen_tokens.shape[1]] = chosen_tokens
+            tail = keys[None, :] >= (num_blocks[sparse] * c)[:, None]  # the incomplete block, up to the query
+            allowed[sparse] = allowed[sparse] & (sel | tail)
+        rep = self.num_heads // self.num_kv_heads  # q-head h reads kv-head h // rep
+        kk = st.k.repeat_interleave(rep, dim=1).float()  # [n, H, D]
+        vv = st.v.repeat_interleave(rep, dim=1).float()
+        logits = torch.einsum("qhd,khd->hqk", q.float(), kk) / math.sqrt(self.head_dim)
+        logits = logits.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)

@@ -1,0 +1,289 @@
+"""Qwen3.8-Flash-Next as plain nn.Modules (spec/model.md §2): text trunk, MTP head, vision hookup.
+
+Parameter names equal the official checkpoint names (`model.language_model.*`,
+`model.visual.*`, `lm_head.weight`, `mtp.*`), so loading is a name-for-name copy
+(see `revolta.weights` for the few on-disk differences).
+
+Two ways to call it:
+- full forward: `model(input_ids [B, S])` -> logits [B, S, V], no state kept;
+- incremental: `model(input_ids [T], cu_seqlens=[0, ...], states=[SequenceState, ...])` over a
+  flat varlen batch; each state carries its sequence's GDN/QSA/PLE state between calls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .config import GDN, ModelConfig, TextConfig
+from .forward import ForwardMeta
+from .layers.gdn import GatedDeltaNet
+from .layers.hyperconnection import HyperConnection
+from .layers.moe import MoE
+from .layers.ngram import PLELayer
+from .layers.norm import ZCRMSNorm
+from .layers.qsa import QSAttention
+from .layers.rope import RotaryEmbedding
+from .state import SequenceState
+
+# Parameters kept in fp32 whatever the model dtype (spec §2.6: GDN decay inputs).
+FP32_PARAMS = ("A_log", "dt_bias")
+
+
+class DecoderLayer(nn.Module):
+    """One layer of spec §2.4: [PLE] -> HC read -> GDN|QSA -> HC combine -> HC read -> MoE -> HC combine."""
+
+    def __init__(self, cfg: TextConfig, layer_idx: int, layer_type: str, state_prefix: str = "",
+                 allow_ple: bool = True):
+        super().__init__()
+        self.is_gdn = layer_type == GDN
+        if self.is_gdn:
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = QSAttention(cfg, state_key=f"{state_prefix}qsa{layer_idx}")
+        self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                       cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+        hc = dict(hidden_size=cfg.hidden_size, hc_count=cfg.hc_count, lowrank=cfg.hc_lowrank, eps=cfg.rms_norm_eps)
+        self.attn_hyper_connection = HyperConnection(**hc)
+        self.mlp_hyper_connection = HyperConnection(**hc)
+        ple_ids = cfg.ple_layer_indices if allow_ple else ()
+        self.ple = PLELayer(cfg, layer_idx, ple_ids.index(layer_idx)) if layer_idx in ple_ids else None
+
+    def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
+        """x: [T, h*d] wide residual -> [T, h*d]."""
+        if self.ple is not None:
+            x = x + self.ple(x, meta)
+        u, inject = self.attn_hyper_connection.read(x)
+        u = self.linear_attn(u, meta) if self.is_gdn else self.self_attn(u, meta)
+        x = self.attn_hyper_connection.combine(x, inject, u)
+        u, inject = self.mlp_hyper_connection.read(x)
+        return self.mlp_hyper_connection.combine(x, inject, self.mlp(u))
+
+
+class TextModel(nn.Module):
+    """`model.language_model`: embeddings, decoder stack, final HC mixer."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, t) for i, t in enumerate(cfg.layer_types))
+        self.hyper_connection_mixer = HyperConnection(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank,
+                                                      cfg.rms_norm_eps, with_inject=False)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim)
+
+    def forward(self, embeds: Tensor, meta: ForwardMeta) -> Tensor:
+        """embeds: [T, d] -> wide pre-mixer state X^(L) [T, h*d]."""
+        x = embeds.repeat(1, self.cfg.hc_count)  # h identical copies, branch-major
+        for layer in self.layers:
+            x = layer(x, meta)
+        return x
+
+
+class MTPHead(nn.Module):
+    """`mtp.*`: one draft step from a wide hidden and a token (spec §7.2), sharing embed and lm_head."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        d, wide = cfg.hidden_size, cfg.wide_size
+        self.hc_count = cfg.hc_count
+        self.pre_fc_norm_embedding = ZCRMSNorm(d, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZCRMSNorm(wide, cfg.rms_norm_eps)  # ONE group over all h*d features
+        self.fc_embedding = nn.Linear(d, d, bias=False)
+        self.fc_hidden = nn.Linear(d, d, bias=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, t, state_prefix="mtp", allow_ple=False) for i, t in enumerate(cfg.mtp.layer_types))
+        self.hyper_connection_mixer = HyperConnection(d, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps,
+                                                      with_inject=False)
+
+    def forward(self, hidden: Tensor, token_embeds: Tensor, meta: ForwardMeta, step: int = 0) -> tuple[Tensor, Tensor]:
+        """hidden: [T, h*d] wide state; token_embeds: [T, d] -> (mixed output [T, d], wide M [T, h*d])."""
+        e = self.fc_embedding(self.pre_fc_norm_embedding(token_embeds))  # [T, d]
+        hn = self.pre_fc_norm_hidden(hidden).unflatten(-1, (self.hc_count, -1))  # [T, h, d]
+        x = (self.fc_hidden(hn) + e.unsqueeze(-2)).flatten(-2)  # same matrix per branch, ê on every branch
+        x = self.layers[step % len(self.layers)](x, meta)
+        y, _ = self.hyper_connection_mixer.read(x)
+        return y, x
+
+
+class _Backbone(nn.Module):
+    """Holds `language_model` and `visual` so parameter names match the checkpoint's `model.*`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.language_model = TextModel(cfg.text)
+        if cfg.vision is not None:
+            from .layers.vision import VisionModel
+
+            self.visual = VisionModel(cfg.vision)
+        else:
+            self.visual = None
+
+
+class FlashNextModel(nn.Module):
+    """The whole checkpoint: text trunk, optional vision tower, lm_head and optional MTP head."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = True, with_vision: bool = True):
+        super().__init__()
+        if not with_vision and cfg.vision is not None:
+            cfg = ModelConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "vision": None})
+        self.cfg = cfg
+        t = cfg.text
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+        if t.tie_word_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        self.mtp = MTPHead(t) if (with_mtp and t.mtp is not None) else None
+
+    def init_buffers(self) -> "FlashNextModel":
+        """Recompute derived buffers (RoPE tables, n-gram hash constants) after `to_empty`."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "init_buffers"):
+                m.init_buffers()
+        return self
+
+    # ---- dtype handling --------------------------------------------------------------------
+    def to_dtype(self, dtype: torch.dtype) -> "FlashNextModel":
+        """Cast floating parameters to `dtype`, keeping GDN A_log/dt_bias in fp32 (spec §2.6)."""
+        for name, p in self.named_parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS) else dtype)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    # ---- forward ---------------------------------------------------------------------------
+    def make_meta(self, input_ids: Tensor, cu_seqlens: list[int], states: list[SequenceState],
+                  positions: Tensor | None = None) -> ForwardMeta:
+        """Per-step metadata for a flat batch. Default positions: index + rope_delta on all 3 rows."""
+        if positions is None:
+            positions = torch.cat([
+                torch.arange(st.num_tokens, st.num_tokens + (cu_seqlens[b + 1] - cu_seqlens[b])) + st.rope_delta
+                for b, st in enumerate(states)
+            ]).to(input_ids.device).unsqueeze(0).expand(3, -1)
+        cos, sin = self.model.language_model.rotary(positions)
+        return ForwardMeta(cu_seqlens=list(cu_seqlens), states=states, input_ids=input_ids,
+                           positions=positions, cos=cos, sin=sin)
+
+    def embed(self, input_ids: Tensor, mm_embeds: Tensor | None = None) -> Tensor:
+        """Token embeddings [T, d]; media pad positions take `mm_embeds` [N_mm, d] in order."""
+        e = self.model.language_model.embed_tokens(input_ids)
+        if mm_embeds is not None:
+            is_media = (input_ids == self.cfg.image_token_id) | (input_ids == self.cfg.video_token_id)
+            if int(is_media.sum()) != mm_embeds.shape[0]:
+                raise ValueError(f"{int(is_media.sum())} media pad tokens in the prompt but {mm_embeds.shape[0]} "
+                                 "media embeddings; expand each item's placeholder to its token count")
+            e = e.masked_scatter(is_media[:, None], mm_embeds.to(e.dtype))
+        return e
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, *, cu_seqlens: list[int] | None = None,
+                states: list[SequenceState] | None = None, mm_embeds: Tensor | None = None,
+                logits_indices: Tensor | None = None, return_hidden: bool = False):
+        """Logits for a batch of token ids.
+
+        input_ids: [B, S] (each row one fresh sequence; returns logits [B, S, V]) or a flat [T]
+        with `cu_seqlens` [B+1] and `states` (B SequenceStates, updated in place; returns [T, V]).
+        positions: [3, T] (or [3, B, S]) mRoPE positions; default index + rope_delta.
+        logits_indices: [N] rows of the flat batch to project (e.g. the last token of each sequence).
+        return_hidden: also return the wide pre-mixer state [T, h*d] (the MTP input).
+        Logits are fp32.
+        """
+        batched = input_ids.dim() == 2
+        if batched:
+            B, S = input_ids.shape
+            input_ids = input_ids.reshape(-1)
+            cu_seqlens = [b * S for b in range(B + 1)]
+            states = [SequenceState() for _ in range(B)] if states is None else states
+            if positions is not None and positions.dim() == 3:
+                positions = positions.reshape(3, -1)
+        elif states is None:
+            states = [SequenceState()]
+            cu_seqlens = [0, input_ids.shape[0]]
+        if cu_seqlens is None or len(cu_seqlens) != len(states) + 1 or cu_seqlens[-1] != input_ids.shape[0]:
+            raise ValueError(f"cu_seqlens={cu_seqlens} must have len(states)+1={len(states) + 1} entries ending at "
+                             f"T={input_ids.shape[0]}")
+        meta = self.make_meta(input_ids, cu_seqlens, states, positions)
+        wide = self.model.language_model(self.embed(input_ids, mm_embeds), meta)
+        for b, st in enumerate(states):
+            st.num_tokens += cu_seqlens[b + 1] - cu_seqlens[b]
+        rows = wide if logits_indices is None else wide[logits_indices]
+        logits = self.compute_logits(self.model.language_model.hyper_connection_mixer.read(rows)[0])
+        if batched and logits_indices is None:
+            logits = logits.view(B, S, -1)
+        return (logits, wide) if return_hidden else logits
+
+    def compute_logits(self, y: Tensor) -> Tensor:
+        """y: [N, d] mixed hidden -> [N, V] fp32."""
+        return self.lm_head(y).float()
+
+    def mtp_forward(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, cu_seqlens: list[int],
+                    states: list[SequenceState], step: int = 0) -> tuple[Tensor, Tensor]:
+        """One MTP draft step (spec §7.2-7.3) over a flat batch.
+
+        hidden: [T, h*d] wide state at positions p; token_ids: [T] the token after each hidden;
+        positions: [3, T] = p (position of the hidden). MTP's own QSA cache lives in `states`.
+        Returns (logits [T, V] fp32, wide output M [T, h*d] for the next step).
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (config has no mtp_num_hidden_layers or with_mtp=False)")
+        meta = self.make_meta(token_ids, cu_seqlens, states, positions)
+        y, m = self.mtp(hidden, self.model.language_model.embed_tokens(token_ids), meta, step)
+        return self.compute_logits(y), m
+
+
+def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random init of every parameter, zero-initialised norms included.
+
+    Same seed and config give bitwise-identical weights on any machine (a CPU generator, names
+    visited in sorted order). Norm gains get visible spread so no path is trivially zero.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name in sorted(params):
+        p = params[name]
+        shape = p.shape
+        if name.endswith("A_log"):
+            val = torch.empty(shape).uniform_(0.0, 2.7, generator=gen)  # decay rates exp(A) in [1, 15]
+        elif name.endswith("dt_bias"):
+            val = torch.empty(shape).uniform_(-4.0, 0.0, generator=gen)
+        elif name.endswith("linear_attn.norm.weight"):
+            val = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif "norm" in name and p.dim() == 1:
+            val = 0.2 * torch.randn(shape, generator=gen)  # (1 + w) norms, zero-initialised in the references
+        elif name.endswith("bias"):
+            val = 0.02 * torch.randn(shape, generator=gen)
+        elif "conv1d" in name:
+            val = 0.3 * torch.randn(shape, generator=gen)
+        elif "embed_tokens" in name or "ngram_embedding" in name or "pos_embed" in name:
+            val = torch.randn(shape, generator=gen)
+        else:
+            fan_in = shape[-1] if p.dim() > 1 else 1
+            val = torch.randn(shape, generator=gen) * min(std * 4, fan_in**-0.5)
+        with torch.no_grad():
+            p.copy_(val.to(p.dtype))
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               with_mtp: bool = True, with_vision: bool = True, progress: bool = True) -> FlashNextModel:
+    """Build the model for the checkpoint at `path` and load its weights (memory-mapped, no 2x RAM).
+
+    Returns an eval-mode FlashNextModel in `dtype` on `device`; call it on token ids [B, S] for logits.
+    """
+    from .weights import load_weights
+
+    cfg = ModelConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = FlashNextModel(cfg, with_mtp=with_mtp, with_vision=with_vision)
+    skip = [] if model.mtp is not None else ["mtp."]
+    if model.model.visual is None:
+        skip.append("model.visual.")
+    load_weights(model, path, dtype=dtype, device=device, skip_prefixes=tuple(skip), progress=progress)
+    return model.eval()

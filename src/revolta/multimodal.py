@@ -1,0 +1,243 @@
+"""Images in, vision-tower inputs and prompt positions out (spec/model.md §8.1, §8.3).
+
+* `load_image` / `preprocess_image`: decode, convert to RGB, resize (bicubic) to multiples of patch*merge within a
+  pixel budget (`smart_resize`), normalise, and cut into the flat patch stream `layers.vision.VisionModel` reads.
+* `expand_media_placeholders`: one `<|image_pad|>` / `<|video_pad|>` per item in the prompt becomes t*h*w/m^2 pads,
+  one per vision-tower output row.
+* `mrope_positions`: the 3-row (temporal, height, width) RoPE positions of a prompt with vision items, and the
+  `rope_delta` that decode positions add to the token index.
+
+Grids are (t, h, w) in patches before merging, as the vision tower takes them. Everything here is CPU-side,
+pure, and independent of the model weights.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torch import Tensor
+
+from revolta.config import ModelConfig, VisionConfig
+
+Grid = tuple[int, int, int]  # (t, h, w) in patches, before the m x m merge
+
+DEFAULT_MIN_PIXELS = 256 * 256  # Qwen3-VL processor default: 64 LLM tokens at patch 16, merge 2
+DEFAULT_MAX_PIXELS = 1024 * 1024  # ~1 megapixel: at most 1,024 LLM tokens at patch 16, merge 2
+IMAGE_MEAN = (0.5, 0.5, 0.5)  # spec §8.1 [UNVERIFIED]: read preprocessor_config.json when it ships
+IMAGE_STD = (0.5, 0.5, 0.5)
+MAX_ASPECT_RATIO = 200
+
+
+class MediaError(ValueError):
+    """An image (or other media item) that cannot be decoded or does not fit the model; the message says why."""
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 32,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> tuple[int, int]:
+    """Target (height, width): both multiples of `factor`, area in [min_pixels, max_pixels], aspect kept closely.
+
+    Each side is first rounded to the nearest multiple of `factor`; if the area then leaves the budget, both sides
+    are rescaled by the same factor and floored (too large) or ceiled (too small) to multiples of `factor`.
+    """
+    if height < 1 or width < 1:
+        raise MediaError(f"image has size {width}x{height}; both sides must be at least 1 pixel")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise MediaError(f"image is {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO} is not supported")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def load_image(source: Image.Image | bytes | bytearray | str | os.PathLike) -> Image.Image:
+    """Decode `source` (PIL image, encoded bytes, or a file path) into an RGB PIL image.
+
+    Transparency is composited onto white. Files and bytes are fully decoded here and their EXIF orientation is
+    applied, so truncated or corrupt data raises `MediaError` now rather than later.
+    """
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        try:
+            if isinstance(source, (bytes, bytearray, memoryview)):
+                image = Image.open(io.BytesIO(bytes(source)))
+            elif isinstance(source, (str, os.PathLike)):
+                image = Image.open(source)
+            else:
+                raise MediaError(f"cannot read an image from {type(source).__name__}; pass PIL image, bytes or path")
+            image.load()
+            image = ImageOps.exif_transpose(image)
+        except MediaError:
+            raise
+        except FileNotFoundError as e:
+            raise MediaError(f"image file not found: {e.filename}") from None
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as e:
+            raise MediaError(f"cannot decode image: {e}") from None
+    try:
+        return _to_rgb(image)
+    except (OSError, ValueError) as e:
+        raise MediaError(f"cannot convert image in mode {image.mode!r} to RGB: {e}") from None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if "A" in image.getbands() or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def preprocess_image(
+    image: Image.Image | bytes | bytearray | str | os.PathLike,
+    cfg: VisionConfig,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    image_mean: Sequence[float] = IMAGE_MEAN,
+    image_std: Sequence[float] = IMAGE_STD,
+) -> tuple[Tensor, Grid]:
+    """One image -> (pixel_values [t*h*w, patch_dim] float32, grid (t, h, w)), with t == 1.
+
+    Resize (bicubic, on uint8 RGB) to `smart_resize` of the original size with factor patch*merge, rescale to
+    [0, 1], normalise per channel, repeat the frame temporal_patch_size times, and patchify (see `patchify`).
+    The image needs t*h*w/merge^2 `<|image_pad|>` tokens in the prompt.
+    """
+    rgb = load_image(image)
+    factor = cfg.patch_size * cfg.spatial_merge_size
+    height, width = smart_resize(rgb.height, rgb.width, factor, min_pixels, max_pixels)
+    if (width, height) != rgb.size:
+        rgb = rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
+    pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(height, width, 3)
+    x = pixels.permute(2, 0, 1).double() / 255.0  # [3, H, W]
+    mean = torch.tensor(image_mean, dtype=torch.float64).view(3, 1, 1)
+    std = torch.tensor(image_std, dtype=torch.float64).view(3, 1, 1)
+    x = ((x - mean) / std).float()
+    frames = x.unsqueeze(0).expand(cfg.temporal_patch_size, -1, -1, -1)  # [tp, 3, H, W]: a still is tp equal frames
+    return patchify(frames, cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)
+
+
+def patchify(frames: Tensor, patch_size: int, temporal_patch_size: int, merge_size: int) -> tuple[Tensor, Grid]:
+    """frames [F, C, H, W] -> (patches [t*h*w, C*tp*p*p], (t, h, w)) with t = F/tp, h = H/p, w = W/p.
+
+    Patches are listed in merge-block order (t, h/m, w/m, m, m): the m x m neighbours that merge into one LLM
+    token are consecutive. Each patch is flattened (channel, frame, row, col), the Conv3d weight's layout.
+    """
+    num_frames, c, height, width = frames.shape
+    p, tp, m = patch_size, temporal_patch_size, merge_size
+    if num_frames % tp or height % (p * m) or width % (p * m):
+        raise ValueError(f"frames {tuple(frames.shape)}: need F % {tp} == 0 and H, W multiples of {p * m}")
+    t, h, w = num_frames // tp, height // p, width // p
+    x = frames.reshape(t, tp, c, h // m, m, p, w // m, m, p)
+    # dims: 0 t, 1 tp, 2 C, 3 block row, 4 row in block, 5 pixel row, 6 block col, 7 col in block, 8 pixel col
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, h/m, w/m, m, m, C, tp, p, p]
+    return x.reshape(t * h * w, c * tp * p * p), (t, h, w)
+
+
+def expand_media_placeholders(
+    token_ids: Sequence[int],
+    grids: Sequence[Sequence[int]] | Tensor,
+    image_token_id: int,
+    video_token_id: int,
+    merge_size: int,
+) -> list[int]:
+    """Replace the single pad token of each media item by t*h*w/merge^2 copies of it.
+
+    `grids` lists the (t, h, w) of every image and video in the order their `<|image_pad|>`/`<|video_pad|>`
+    tokens appear in `token_ids` (each pad token is one item). Returns the expanded token ids.
+    """
+    grid_list = _grid_list(grids)
+    out: list[int] = []
+    item = 0
+    for tok in token_ids:
+        if tok != image_token_id and tok != video_token_id:
+            out.append(tok)
+            continue
+        if item == len(grid_list):
+            raise ValueError(f"token_ids hold more media placeholders than the {len(grid_list)} grids given")
+        t, h, w = grid_list[item]
+        if h % merge_size or w % merge_size:
+            raise ValueError(f"grid {grid_list[item]}: h and w must be multiples of merge_size={merge_size}")
+        out.extend([tok] * (t * h * w // merge_size**2))
+        item += 1
+    if item != len(grid_list):
+        raise ValueError(f"{len(grid_list)} grids given but token_ids hold {item} media placeholders")
+    return out
+
+
+def mrope_positions(
+    token_ids: Sequence[int],
+    image_grids: Sequence[Sequence[int]] | Tensor | None,
+    video_grids: Sequence[Sequence[int]] | Tensor | None,
+    cfg: ModelConfig,
+) -> tuple[Tensor, int]:
+    """3-row mRoPE positions of an (already expanded) prompt: (positions LongTensor [3, T], rope_delta).
+
+    Walking the prompt with a running start s = 0:
+    * a text token (vision_start/end included) gets s on all three rows; s += 1;
+    * a vision item with merged grid (t', h', w') = (t, h/m, w/m) covers the next t'*h'*w' pad tokens; token
+      (tau, i, j) in row-major order gets (s + tau, s + i, s + j); then s += max(h', w').
+    Images are consumed from `image_grids` in order. A video (t, h, w) acts as t items of grid (1, h, w), one
+    per temporal patch group, as with Qwen3.5-style prompts where timestamps separate the groups; contiguous
+    groups are placed one after the other. rope_delta = max position + 1 - T; decode token index n is at n + delta.
+    """
+    image_list = _grid_list(image_grids)
+    video_list = [(1, h, w) for t, h, w in _grid_list(video_grids) for _ in range(t)]
+    queues = {cfg.image_token_id: image_list, cfg.video_token_id: video_list}
+    used = {cfg.image_token_id: 0, cfg.video_token_id: 0}
+    if (image_list or video_list) and cfg.vision is None:
+        raise ValueError("vision grids given, but the model config has no vision_config")
+    m = cfg.vision.spatial_merge_size if cfg.vision is not None else 1
+    num_tokens = len(token_ids)
+    positions = torch.empty(3, num_tokens, dtype=torch.long)
+    s = i = 0
+    while i < num_tokens:
+        tok = token_ids[i]
+        if tok not in queues:  # a text run
+            j = i
+            while j < num_tokens and token_ids[j] not in queues:
+                j += 1
+            positions[:, i:j] = torch.arange(s, s + j - i)
+            s, i = s + j - i, j
+            continue
+        k = used[tok]
+        if k == len(queues[tok]):
+            kind = "image" if tok == cfg.image_token_id else "video frame-group"
+            raise ValueError(f"token {i} starts {kind} item {k + 1}, but only {len(queues[tok])} grids were given")
+        t, h, w = queues[tok][k]
+        used[tok] += 1
+        gt, gh, gw = t, h // m, w // m
+        n = gt * gh * gw
+        if i + n > num_tokens or any(x != tok for x in token_ids[i : i + n]):
+            raise ValueError(f"grid {(t, h, w)} needs {n} consecutive pad tokens (id {tok}) from token {i}; "
+                             f"expand placeholders with expand_media_placeholders first")
+        tau, row, col = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
+        positions[:, i : i + n] = s + torch.stack([tau.flatten(), row.flatten(), col.flatten()])
+        s, i = s + max(gh, gw), i + n
+    for tok, grids in queues.items():
+        if used[tok] != len(grids):
+            raise ValueError(f"{len(grids)} grids given for token id {tok}, but the prompt uses {used[tok]}")
+    rope_delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
+    return positions, rope_delta
+
+
+def _grid_list(grids: Sequence[Sequence[int]] | Tensor | None) -> list[Grid]:
+    if grids is None:
+        return []
+    rows = grids.tolist() if isinstance(grids, Tensor) else grids
+    return [(int(t), int(h), int(w)) for t, h, w in rows]
