@@ -1,8 +1,15 @@
 import os
 import sys
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run in the interpreter. The flag is read when a kernel is
+# decorated, so it must be set before any revolta.kernels module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's default-change warning
+
+import pytest  # noqa: E402
 
 # tests/parity holds the oracle helpers (hf_oracle.py); make them importable by name
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "parity"))

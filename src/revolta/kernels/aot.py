@@ -1,0 +1,87 @@
+"""Ahead-of-time compile checks for Triton kernels, without a GPU.
+
+`compile_report(kernel, signature, constexprs, arch=70)` builds PTX and a cubin for the given
+architecture (triton.compile with an explicit GPUTarget) and runs the bundled ptxas once more
+with `-v` to read registers and spills. Tests use it so a kernel that cannot build for V100
+(sm_70), spills past its budget, uses too much shared memory, or emits Ampere/Hopper-only
+instructions fails CI on a CPU machine. Benchmarks record the same report next to timings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+# PTX instructions that do not exist on sm_70: async copies (sm_80), warpgroup MMA and TMA
+# (sm_90), bf16 MMA shapes and packed bf16 arithmetic (sm_80).
+_NOT_ON_SM70 = ("cp.async", "wgmma", "cp.async.bulk", "mma.sync.aligned.m16n8k16", ".bf16x2", "ldmatrix")
+V100_SHARED_LIMIT = 96 * 1024
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    arch: int
+    shared_bytes: int
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    num_warps: int
+    forbidden: tuple[str, ...]  # instructions found that the target architecture lacks (sm_70 only)
+
+    def check(self, max_spill_bytes: int = 0, shared_limit: int = V100_SHARED_LIMIT) -> None:
+        """Raise AssertionError naming every budget this build breaks."""
+        problems = []
+        if self.shared_bytes > shared_limit:
+            problems.append(f"shared memory {self.shared_bytes} B > {shared_limit} B")
+        if self.spill_store_bytes > max_spill_bytes:
+            problems.append(f"register spills {self.spill_store_bytes} B > budget {max_spill_bytes} B")
+        if self.forbidden:
+            problems.append(f"instructions not available on sm_{self.arch}: {list(self.forbidden)}")
+        assert not problems, f"sm_{self.arch} build: " + "; ".join(problems)
+
+
+def _ptxas() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_report(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, arch: int = 70,
+                   num_warps: int = 4, num_stages: int = 2) -> CompileReport:
+    """Compile `kernel` (a @triton.jit function) for sm_<arch> and report resources.
+
+    signature: argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr", ...).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 kernels are InterpretedFunctions
+        kernel = JITFunction(kernel.fn)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs or {})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([_ptxas(), "-v", f"--gpu-name=sm_{arch}", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+    info = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    forbidden = tuple(i for i in _NOT_ON_SM70 if i in ptx) if arch < 80 else ()
+    return CompileReport(
+        arch=arch,
+        shared_bytes=int(compiled.metadata.shared),
+        registers=int(regs.group(1)) if regs else -1,
+        spill_store_bytes=int(spills.group(1)) if spills else 0,
+        spill_load_bytes=int(spills.group(2)) if spills else 0,
+        num_warps=num_warps,
+        forbidden=forbidden,
+    )
