@@ -22,3 +22,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_dir(tmp_path_factory):
+    """The embedded default preset, built once per session into a temporary cache root."""
+    from revolta.presets import default as preset
+
+    return preset.ensure_default_model(tmp_path_factory.getbasetemp() / "revolta_cache")

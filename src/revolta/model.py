@@ -271,7 +271,7 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> N
             p.copy_(val.to(p.dtype))
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                with_mtp: bool = True, with_vision: bool = True, progress: bool = True) -> FlashNextModel:
     """Build the model for the checkpoint at `path` and load its weights (memory-mapped, no 2x RAM).
 
@@ -279,6 +279,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     """
     from .weights import load_weights
 
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype={dtype!r} is not a torch dtype; use 'float32', 'float16' or 'bfloat16'")
+        dtype = getattr(torch, dtype)
     cfg = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = FlashNextModel(cfg, with_mtp=with_mtp, with_vision=with_vision)

@@ -1,0 +1,147 @@
+"""`revolta` command line: generate text and describe checkpoints.
+
+    revolta generate [--model DIR] [--max-tokens N] [--temperature T] [--seed S] [--chat] "prompt" ...
+    revolta info DIR|config.json [--tp N]
+
+With no --model, `generate` uses the embedded default preset (built offline into the cache on first
+use). User mistakes (a missing directory, a bad config, an invalid sampling value) print one line on
+stderr and exit with status 2; set REVOLTA_DEBUG=1 for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: reported in one line, exit status 2."""
+
+
+# ConfigError, CheckpointError, ChatTemplateError and invalid SamplingParams / prompts are all ValueErrors.
+USER_ERRORS = (UserError, ValueError, FileNotFoundError, NotADirectoryError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="revolta", description="Run and study Qwen3.8-Flash-Next.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log loading details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,info}")
+
+    gen = sub.add_parser("generate", help="generate text from prompts",
+                         description="Generate a completion for each prompt (streamed when there is one).")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text ('-' reads stdin)")
+    gen.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the embedded default preset)")
+    gen.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, metavar="T",
+                     help="0 = greedy (default: the checkpoint's generation_config, else 1.0)")
+    gen.add_argument("--top-p", type=float, metavar="P")
+    gen.add_argument("--top-k", type=int, metavar="K")
+    gen.add_argument("--min-p", type=float, metavar="P")
+    gen.add_argument("--seed", type=int, metavar="S", help="sampling seed (default 0)")
+    gen.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--no-thinking", action="store_true", help="with --chat: pre-close the <think> block")
+    gen.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, fp16 on CUDA), float32, float16, bfloat16")
+    gen.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    gen.add_argument("--no-stream", action="store_true", help="print the text only when it is complete")
+
+    info = sub.add_parser("info", help="summarise a checkpoint's config",
+                          description="Config summary, parameter counts by component, KV bytes per token and "
+                                      "fixed state bytes per sequence (spec/model.md §10). Reads no weights.")
+    info.add_argument("path", metavar="DIR", help="checkpoint directory, or a config.json file")
+    info.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size for per-GPU figures")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse exits with status 2 on its own usage errors
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        # the startup summary is one line worth seeing on stderr
+        logging.getLogger("revolta").setLevel(logging.INFO)
+    try:
+        return _generate(args) if args.command == "generate" else _info(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except Exception as e:  # user mistakes as one line; bugs keep their traceback
+        if os.environ.get("REVOLTA_DEBUG") or not isinstance(e, USER_ERRORS):
+            raise
+        print(f"revolta: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _one_line(e: BaseException, limit: int = 600) -> str:
+    text = " | ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .config import ModelConfig
+    from .summary import format_summary
+
+    if args.tp < 1:
+        raise UserError(f"--tp={args.tp} must be >= 1")
+    if not os.path.exists(args.path):
+        raise UserError(f"{args.path}: no such file or directory; pass a checkpoint directory or its config.json")
+    cfg = ModelConfig.from_pretrained(args.path)
+    print(format_summary(cfg, args.path, tp=args.tp))
+    return 0
+
+
+def _sampling_params(args: argparse.Namespace, defaults=None):
+    """SamplingParams from the flags, on top of `defaults` (the checkpoint's generation_config)."""
+    from .sampling import SamplingParams
+
+    base = {k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p")} if defaults else {}
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+             "seed": args.seed}
+    base.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return SamplingParams(**base, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    except ValueError as e:  # name the flag, not the field
+        message = str(e).replace("SamplingParams.", "--")
+        for field in flags.keys() | {"max_tokens"}:
+            message = message.replace(f"--{field}=", f"--{field.replace('_', '-')}=")
+        raise UserError(message) from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    if args.model is not None and not os.path.isdir(args.model):
+        raise UserError(f"--model {args.model}: not a directory; pass a checkpoint directory "
+                        "(config.json + *.safetensors), or leave --model out for the embedded default")
+    from .llm import LLM
+
+    _sampling_params(args)  # reject bad flags before loading anything
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    params = _sampling_params(args, llm.get_default_sampling_params())
+    if args.chat:
+        prompts = [llm.render_chat([{"role": "user", "content": p}], enable_thinking=not args.no_thinking)
+                   for p in prompts]
+    if len(prompts) == 1 and not args.no_stream:
+        printed = 0
+        for out in llm.stream(prompts, params):
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+        sys.stdout.write("\n")
+        return 0
+    for i, out in enumerate(llm.generate(prompts, params, use_tqdm=False)):
+        if len(prompts) > 1:
+            print(f"--- [{i}] {out.outputs[0].finish_reason}, {len(out.outputs[0].token_ids)} tokens")
+        print(out.outputs[0].text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,419 @@
+"""LLM: the offline entry point, with vLLM's call shapes.
+
+    llm = LLM()                                   # the embedded default model, offline
+    llm = LLM(model="/path/to/checkpoint")
+    outs = llm.generate(["Hello", {"prompt_token_ids": [9707]}], SamplingParams(temperature=0, max_tokens=8))
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason
+
+This issue's generation path is a plain batched loop over the model's incremental API: one
+`SequenceState` per request, one flat varlen prefill of every prompt, then one decode step per token
+over the still-running requests. It has no scheduler, no paged cache and no CUDA graphs (the engine
+comes later); what it guarantees already is that a request's tokens do not depend on the rest of the
+batch (greedy rows are argmax, sampled rows use their own generator).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import random
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .config import ModelConfig
+from .model import FlashNextModel, load_model
+from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .sampling import Sampler, SamplingParams, compute_logprobs, make_generator
+from .state import SequenceState
+from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, Mapping[str, Any]]  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
+
+# vLLM `LLM(...)` / `vllm serve` names that revolta accepts. Those not in _USED are recorded for the engine of a
+# later issue and do not change this generation path (the startup log says so).
+ENGINE_ARG_NAMES = frozenset({
+    "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "revision", "tokenizer_revision",
+    "download_dir", "load_format", "quantization", "tensor_parallel_size", "pipeline_parallel_size",
+    "gpu_memory_utilization", "swap_space", "cpu_offload_gb", "max_num_seqs", "max_num_batched_tokens",
+    "kv_cache_dtype", "block_size", "enable_prefix_caching", "enforce_eager", "speculative_config",
+    "limit_mm_per_prompt", "max_logprobs", "disable_log_stats", "generation_config", "compilation_config",
+})
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}  # fmt: skip
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None -> cuda when available, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" -> float32 on CPU, float16 on CUDA (the V100 path has no bf16); else a name or torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', 'float32', 'float16' or 'bfloat16'")
+    return _DTYPES[dtype]
+
+
+def _check_engine_args(engine_args: Mapping[str, Any]) -> None:
+    for name in engine_args:
+        if name not in ENGINE_ARG_NAMES:
+            known = sorted(ENGINE_ARG_NAMES) + ["tokenizer", "dtype", "device", "seed", "max_model_len"]
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"LLM() got an unknown engine argument {name!r}{hint} "
+                            f"(accepted vLLM names: {', '.join(sorted(ENGINE_ARG_NAMES))})")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if engine_args.get(name, 1) != 1:
+            raise ValueError(f"{name}={engine_args[name]}: only 1 is supported by this generation path yet")
+
+
+@dataclass
+class _Request:
+    """One prompt being generated: its state, its output so far, and its stop rules."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_tokens: int  # resolved against max_model_len
+    detokenizer: IncrementalDetokenizer | None
+    metrics: RequestMetrics
+    state: SequenceState = field(default_factory=SequenceState)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.stop_checker = StopChecker(self.params.stop_strings, self.params.include_stop_str_in_output)
+        if self.params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int, eos_token_ids: frozenset[int]) -> None:
+        """Record one sampled token and decide whether the request is done."""
+        self.token_ids.append(token_id)
+        if self.detokenizer is not None:
+            self.text += self.stop_checker.feed(self.detokenizer.add(token_id))
+        if self.stop_checker.finished:
+            self._finish("stop", self.stop_checker.stop)
+        elif token_id in eos_token_ids and not self.params.ignore_eos:
+            self._finish("stop", None)
+        elif token_id in self.params.stop_token_ids:
+            self._finish("stop", token_id)
+        elif len(self.token_ids) >= self.max_tokens:
+            self._finish("length", None)
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        if self.detokenizer is not None and not self.stop_checker.finished:
+            self.text += self.stop_checker.feed(self.detokenizer.flush())
+            self.text += self.stop_checker.flush()
+            if self.stop_checker.finished:  # the held-back tail completed a stop string
+                self.stop_reason = self.stop_checker.stop
+        self.metrics.finished_time = time.time()
+
+    def output(self) -> RequestOutput:
+        self.metrics.num_generation_tokens = len(self.token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
+                             finished=self.finished, metrics=self.metrics)
+
+
+class LLM:
+    """Load a checkpoint (or the embedded default) and generate from prompts, vLLM-style.
+
+    Args:
+        model: checkpoint directory (config.json, *.safetensors, tokenizer.json, ...); None = the embedded
+            default preset, built offline into the cache on first use.
+        tokenizer: directory with tokenizer.json when the checkpoint has none.
+        dtype: "auto" (float32 on CPU, float16 on CUDA), "float32", "float16", "bfloat16" or a torch dtype.
+        device: None = cuda when available, else cpu.
+        seed: seeds the per-request generators of requests that have no `SamplingParams.seed`.
+        max_model_len: longest prompt + output in tokens; default the model's max_position_embeddings.
+        **engine_args: other vLLM `LLM` arguments (see ENGINE_ARG_NAMES); unknown names raise TypeError.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
+                 dtype: str | torch.dtype = "auto", device: str | torch.device | None = None, seed: int = 0,
+                 max_model_len: int | None = None, **engine_args: Any):
+        _check_engine_args(engine_args)
+        start = time.perf_counter()
+        self.is_default_model = model is None
+        if model is None:
+            from .presets.default import ensure_default_model
+
+            model = ensure_default_model()
+        self.model_path = Path(model).expanduser()
+        if not self.model_path.is_dir():
+            raise FileNotFoundError(f"model={str(model)!r} is not a directory; pass a local checkpoint directory "
+                                    "(config.json + *.safetensors), or no model for the embedded default")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model: FlashNextModel = load_model(self.model_path, dtype=self.dtype, device=self.device,
+                                                with_mtp=False, progress=not self.is_default_model)
+        self.cfg: ModelConfig = self.model.cfg
+        self.tokenizer = self._load_tokenizer(tokenizer, engine_args.get("skip_tokenizer_init", False))
+        self.max_model_len = self._resolve_max_model_len(max_model_len)
+        eos = {self.cfg.text.eos_token_id}
+        if self.tokenizer is not None:
+            eos.update(self.tokenizer.stop_token_ids)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        # embedding rows past the tokenizer's ids are padding with no text; they are never sampled
+        self._num_text_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.cfg.text.vocab_size
+        self.generation_config = self._read_json("generation_config.json")
+        self.engine_args = dict(engine_args)
+        self.sampler = Sampler()
+        self._seed_rng = random.Random(seed)
+        self._next_request_id = 0
+        self._log_summary(time.perf_counter() - start)
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _load_tokenizer(self, tokenizer: str | Path | None, skip: bool) -> Tokenizer | None:
+        if skip:
+            return None
+        path = Path(tokenizer).expanduser() if tokenizer is not None else self.model_path
+        if not (path / "tokenizer.json").is_file():
+            if tokenizer is not None:
+                raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} has no tokenizer.json")
+            logger.warning("%s has no tokenizer.json: only {'prompt_token_ids': [...]} prompts work and outputs "
+                           "have no text (pass tokenizer=DIR to fix)", self.model_path)
+            return None
+        return Tokenizer.from_pretrained(path)
+
+    def _resolve_max_model_len(self, max_model_len: int | None) -> int:
+        limit = self.cfg.text.max_position_embeddings
+        if max_model_len is None:
+            return limit
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len} must be >= 2")
+        if max_model_len > limit:
+            logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d", max_model_len, limit)
+        return int(max_model_len)
+
+    def _read_json(self, name: str) -> dict[str, Any]:
+        path = self.model_path / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def _log_summary(self, seconds: float) -> None:
+        t, v = self.cfg.text, self.cfg.vision
+        num_params = sum(p.numel() for p in self.model.parameters())
+        origin = "embedded default preset (random weights: output is not meaningful text)" \
+            if self.is_default_model else "checkpoint"
+        parts = [f"{t.num_hidden_layers} layers ({t.num_gdn_layers} GDN + {t.num_qsa_layers} QSA)",
+                 f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
+                 f"MTP {t.num_mtp_layers} (not loaded)" if t.num_mtp_layers else "no MTP",
+                 f"vision {v.depth} blocks" if v is not None else "no vision"]
+        logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | max_model_len %d | ready in %.1f s",
+                    origin, self.model_path, str(self.dtype).removeprefix("torch."), self.device, ", ".join(parts),
+                    num_params / 1e6, self.max_model_len, seconds)
+        unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"})
+        if unused:
+            logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))
+
+    # ---- public API ----------------------------------------------------------------------------
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams from the checkpoint's generation_config.json (as vLLM does), else the defaults."""
+        gc = self.generation_config
+        kwargs = {k: gc[k] for k in ("temperature", "top_p", "top_k", "min_p") if gc.get(k) is not None}
+        if gc.get("do_sample") is False:
+            kwargs["temperature"] = 0.0
+        if gc.get("max_new_tokens") is not None:
+            kwargs["max_tokens"] = gc["max_new_tokens"]
+        return SamplingParams(**kwargs)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate a completion for each prompt; results come back in prompt order.
+
+        prompts: a string, {"prompt": str}, {"prompt_token_ids": [int, ...]}, or a list of those.
+        sampling_params: one for all prompts, one per prompt, or None (the checkpoint's generation_config).
+        """
+        requests = self._make_requests(prompts, sampling_params)
+        with tqdm(total=len(requests), desc="Generating", unit="prompt", disable=not use_tqdm) as bar:
+            for changed in self._run(requests):
+                bar.update(sum(r.finished for r in changed))
+        return [r.output() for r in requests]
+
+    def stream(self, prompts: PromptType | Sequence[PromptType],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Like `generate`, but yield a RequestOutput (cumulative text and tokens) each time a request
+        gains a token; the last one for each request has `finished=True`. Use `request_id` to tell them apart."""
+        requests = self._make_requests(prompts, sampling_params)
+        for changed in self._run(requests):
+            yield from (r.output() for r in changed)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """Render one conversation (a list of {role, content} messages) or a list of conversations with the
+        checkpoint's chat template and generate a reply for each."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [self.render_chat(c, tools=tools, enable_thinking=enable_thinking,
+                                    add_generation_prompt=add_generation_prompt, **dict(chat_template_kwargs or {}))
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+        """The prompt text `chat` would generate from (tools=, enable_thinking=, ... as in `chat`)."""
+        return self._require_tokenizer("chat").apply_chat_template(messages, **kwargs)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _require_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, but {self.model_path} has none; pass tokenizer=DIR or "
+                             "use {'prompt_token_ids': [...]} prompts")
+        return self.tokenizer
+
+    def _make_requests(self, prompts: PromptType | Sequence[PromptType],
+                       sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[_Request]:
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params; pass one "
+                                 "SamplingParams for all or one per prompt")
+        arrival = time.time()
+        return [self._make_request(p, sp, arrival) for p, sp in zip(prompts, params_list)]
+
+    def _make_request(self, prompt: PromptType, params: SamplingParams, arrival: float) -> _Request:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        vocab = self.cfg.text.vocab_size
+        if not ids:
+            raise ValueError("a prompt is empty; give at least one token")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[:5]}, outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves no "
+                             "room to generate; shorten the prompt or raise max_model_len")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        generator = None if params.greedy else make_generator(seed, self.device)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1
+        return _Request(request_id, text, ids, params, generator, max_tokens, detok,
+                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer("a text prompt").encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "multi_modal_data" in prompt:
+                raise NotImplementedError("multi_modal_data prompts are not supported by LLM.generate yet")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(i) for i in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self._require_tokenizer("a text prompt").encode(prompt["prompt"])
+        raise TypeError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+                        f"got {prompt!r:.80}")
+
+    # ---- the loop ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run(self, requests: list[_Request]) -> Iterator[list[_Request]]:
+        """Prefill every prompt in one flat forward, then decode one token per running request per step.
+
+        Yields the requests that gained a token, after each step.
+        """
+        if not requests:
+            return
+        lengths = [len(r.prompt_token_ids) for r in requests]
+        cu_seqlens = [0]
+        for n in lengths:
+            cu_seqlens.append(cu_seqlens[-1] + n)
+        input_ids = torch.tensor([t for r in requests for t in r.prompt_token_ids], device=self.device)
+        last = torch.tensor(cu_seqlens[1:], device=self.device) - 1
+        now = time.time()
+        for r in requests:
+            r.metrics.first_scheduled_time = now
+        logits = self.model(input_ids, cu_seqlens=cu_seqlens, states=[r.state for r in requests],
+                            logits_indices=last)  # [B, V]
+        self._sample_and_append(requests, logits)
+        now = time.time()
+        for r in requests:
+            r.metrics.first_token_time = now
+        yield requests
+        running = [r for r in requests if not r.finished]
+        while running:
+            input_ids = torch.tensor([r.token_ids[-1] for r in running], device=self.device)
+            logits = self.model(input_ids, cu_seqlens=list(range(len(running) + 1)),
+                                states=[r.state for r in running])  # [B, V]
+            self._sample_and_append(running, logits)
+            yield running
+            running = [r for r in running if not r.finished]
+
+    def _sample_and_append(self, requests: list[_Request], logits: Tensor) -> None:
+        if self._num_text_ids < logits.shape[-1]:
+            logits[:, self._num_text_ids:] = float("-inf")
+        params = [r.params for r in requests]
+        token_ids = self.sampler(logits, params, [r.generator for r in requests])
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if num_top is not None:
+            self._record_logprobs(requests, logits, token_ids, num_top)
+        for r, token_id in zip(requests, token_ids.tolist()):
+            r.append(token_id, self.eos_token_ids)
+
+    def _record_logprobs(self, requests: list[_Request], logits: Tensor, token_ids: Tensor, num_top: int) -> None:
+        chosen, rank, top_lp, top_ids = (x.tolist() for x in compute_logprobs(logits, token_ids, num_top))
+        tok = self.tokenizer
+
+        def decode(i: int) -> str | None:
+            return tok.decode([i], skip_special_tokens=False) if tok is not None else None
+
+        for b, r in enumerate(requests):
+            if r.params.logprobs is None:
+                continue
+            token_id = int(token_ids[b])
+            entry = {token_id: Logprob(chosen[b], rank[b], decode(token_id))}
+            for k in range(r.params.logprobs):
+                entry.setdefault(top_ids[b][k], Logprob(top_lp[b][k], k + 1, decode(top_ids[b][k])))
+            r.logprobs.append(entry)
+            r.cumulative_logprob += chosen[b]

@@ -1,0 +1,181 @@
+"""SamplingParams (vLLM names) and the Sampler that turns logits into token ids.
+
+The Sampler works on a whole step at once: logits [N, V] fp32 plus one SamplingParams and one
+torch.Generator per row. Temperature, top-k, top-p and min-p are applied as [N]-shaped tensors
+(no Python loop over the vocabulary); a row with temperature 0 is greedy. Sampling uses the
+exponential-race form of the Gumbel-max trick, argmax(p / E) with E ~ Exp(1), so it needs no
+`multinomial` and each row's noise comes from that row's own generator: a seeded request draws
+the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, with vLLM's field names and defaults.
+
+    n: completions per prompt (only 1 is supported yet).
+    temperature: 0 is greedy; otherwise logits are divided by it.
+    top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off).
+    top_k: keep the k most likely tokens (0 or -1 = off).
+    min_p: drop tokens less likely than min_p times the most likely one (0 = off).
+    seed: per-request seed; the same seed gives the same tokens whatever the batch.
+    max_tokens: most tokens to generate (None: up to the model's max length).
+    stop: strings that end generation; the output text is cut before them.
+    stop_token_ids: token ids that end generation (kept in token_ids).
+    ignore_eos: keep going past the end-of-sequence tokens (stop_token_ids still apply).
+    logprobs: return the log-probabilities of the sampled token and of the top `logprobs` tokens.
+    skip_special_tokens: drop special tokens from the output text.
+    include_stop_str_in_output: keep the matched stop string in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # normalised views, filled in __post_init__
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def fail(name: str, allowed: str) -> None:
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        if self.n != 1:
+            fail("n", "only n=1 is supported yet (one completion per prompt); repeat the prompt for more samples")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
+            fail("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1] (1 = off)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "must be an integer >= 1, or 0 / -1 (off)")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "must be in [0, 1] (0 = off)")
+        if self.seed is not None and not _is_int(self.seed):
+            fail("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1, or None (up to the model's max length)")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and not (isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)):
+            fail("stop", "must be a string or a list of strings")
+        ids = self.stop_token_ids
+        if ids is not None and not (isinstance(ids, Sequence) and all(_is_int(i) and i >= 0 for i in ids)):
+            fail("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        object.__setattr__(self, "stop_strings", tuple(s for s in (stop or ()) if s))
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids) if ids is not None else ())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A torch.Generator on `device` seeded with `seed` (one per request)."""
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+class Sampler:
+    """logits [N, V] fp32 + one SamplingParams and generator per row -> token ids [N]."""
+
+    def __call__(self, logits: Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None]) -> Tensor:
+        """Pick one token per row.
+
+        logits: [N, V] fp32 raw model logits (not modified).
+        params: N SamplingParams; rows with temperature 0 take the argmax.
+        generators: N generators on logits.device (None only for greedy rows).
+        Returns: [N] int64 token ids on logits.device.
+        """
+        N = logits.shape[0]
+        if len(params) != N or len(generators) != N:
+            raise ValueError(f"{N} logits rows but {len(params)} params and {len(generators)} generators")
+        greedy_ids = logits.argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        if bool(is_greedy.all()):
+            return greedy_ids
+        probs = self.probs(logits, params)
+        noise = torch.empty_like(probs)
+        for row, (p, gen) in enumerate(zip(params, generators)):
+            if p.greedy:
+                noise[row].fill_(1.0)
+            else:
+                noise[row].exponential_(generator=gen)
+        sampled_ids = (probs / noise).argmax(dim=-1)
+        return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+    @staticmethod
+    def probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+        """The sampling distribution of each row: [N, V] after temperature, top-k, top-p and min-p.
+
+        Greedy rows get temperature 1 here (their distribution is not used for the pick).
+        """
+        device = logits.device
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        logits = logits / temperature[:, None]
+        V = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=device).clamp(max=V)
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+        if bool((top_k < V).any()) or bool((top_p < 1.0).any()):
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        if bool((min_p > 0).any()):
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+
+def _apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask (to -inf) everything outside each row's top-k, then outside its top-p nucleus.
+
+    logits: [N, V]; top_k: [N] int in [1, V]; top_p: [N] in (0, 1]. The most likely token always stays.
+    """
+    k_max = int(top_k.max())
+    if k_max < logits.shape[-1]:  # every row has a top-k: a partial sort is enough
+        sorted_logits, order = logits.topk(k_max, dim=-1)  # [N, k_max], descending
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    rank = torch.arange(sorted_logits.shape[-1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # a token is dropped when the tokens ranked above it already reach top_p
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (mass_before >= top_p[:, None]) & (rank[None, :] > 0) & (top_p[:, None] < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+
+
+def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Raw-model log-probabilities for the chosen tokens and the top `num_top` alternatives.
+
+    logits: [N, V]; token_ids: [N].
+    Returns (chosen_logprob [N], chosen_rank [N] (1 = most likely), top_logprobs [N, k], top_ids [N, k]).
+    """
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None])  # [N, 1]
+    rank = (logprobs > chosen).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # num_top may be 0: [N, 0]
+    return chosen[:, 0], rank, top_logprobs, top_ids

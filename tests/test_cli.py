@@ -1,0 +1,91 @@
+"""`revolta generate` and `revolta info`: output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from revolta.cli import main
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture
+def cache_env(default_dir, monkeypatch):
+    monkeypatch.setenv("REVOLTA_CACHE", str(default_dir.parent))
+    return default_dir
+
+
+def _revolta() -> list[str]:
+    exe = shutil.which("revolta")
+    return [exe] if exe else [sys.executable, "-m", "revolta.cli"]
+
+
+def test_generate_subprocess(cache_env):
+    env = {**os.environ, "REVOLTA_CACHE": str(cache_env.parent)}
+    proc = subprocess.run([*_revolta(), "generate", "--max-tokens", "12", "hello"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "embedded default preset" in proc.stderr  # the startup summary
+
+
+def test_generate_in_process(cache_env, capsys):
+    args = ["generate", "--max-tokens", "6", "--temperature", "0", "hello"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main([*args, "--no-stream"]) == 0
+    assert capsys.readouterr().out == first and first.strip()
+    assert main(["generate", "--max-tokens", "4", "--seed", "3", "--chat", "a", "b"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- [") == 2 and "length, 4 tokens" in out
+
+
+def test_info(default_dir, capsys):
+    config = DATA / "qwen3_8_flash_next_config.json"
+    target = config if config.is_file() else default_dir
+    assert main(["info", str(target)]) == 0
+    out = capsys.readouterr().out
+    assert "parameters" in out and "kv" in out.lower()
+    assert main(["info", str(default_dir), "--tp", "2"]) == 0
+    assert "8 = 6 GDN + 2 QSA" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["info", "/no/such/dir"], "no such file or directory"),
+    (["info", "{tmp}"], "no config.json"),
+    (["info", "{tmp}/config.json"], "not valid JSON"),
+    (["info", "{default}", "--tp", "0"], "--tp=0"),
+    (["generate", "--model", "/no/such/dir", "x"], "not a directory"),
+    (["generate", "--model", "{tmp}", "x"], "no config.json"),
+    (["generate", "--top-p", "1.5", "x"], "--top-p=1.5"),
+    (["generate", "--max-tokens", "0", "x"], "--max-tokens=0"),
+])  # fmt: skip
+def test_user_errors_are_one_line(argv, needle, tmp_path, default_dir, monkeypatch, capsys):
+    monkeypatch.setenv("REVOLTA_CACHE", str(default_dir.parent))
+    if "{tmp}/config.json" in argv:
+        (tmp_path / "config.json").write_text("{not json")
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{default}", str(default_dir)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([line for line in err if line.startswith("revolta: error:")]) == 1
+    assert needle in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_bad_checkpoint_directory_subprocess(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    proc = subprocess.run([*_revolta(), "info", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("revolta: error:")
+    assert "not a Qwen3.8-Flash-Next" in proc.stderr and not proc.stdout
+
+
+def test_usage_error_exit_code(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2
