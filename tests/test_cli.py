@@ -89,3 +89,14 @@ def test_usage_error_exit_code(capsys):
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
     assert e.value.code == 2
+
+
+def test_info_dry_run_plans_a_deployment(capsys):
+    config = DATA / "qwen3_8_flash_next_config.json"
+    assert main(["info", str(config), "--gpu-memory", "32", "--tp", "4", "--max-model-len", "524288",
+                 "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU KV cache size:" in out and "Maximum concurrency for 524,288 tokens per request:" in out
+    assert main(["info", str(config), "--gpu-memory", "32", "--tp", "4", "--kv-cache-dtype", "fp9"]) == 2
+    captured = capsys.readouterr()
+    assert "fp9" in captured.err and captured.out == ""

@@ -56,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
                                       "fixed state bytes per sequence (spec/model.md §10). Reads no weights.")
     info.add_argument("path", metavar="DIR", help="checkpoint directory, or a config.json file")
     info.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size for per-GPU figures")
+    plan = info.add_argument_group("deployment dry run (with --gpu-memory): cache capacity without a GPU")
+    plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU, e.g. 32 for a V100 32 GB")
+    plan.add_argument("--max-model-len", type=int, default=None, metavar="L", help="tokens per request (default: "
+                      "the config's max_position_embeddings)")
+    plan.add_argument("--kv-cache-dtype", default="auto", metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
+    plan.add_argument("--max-num-seqs", type=int, default=None, metavar="N")
+    plan.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                      help="MTP drafts per step (default: the planner's default; 0 turns speculation off)")
+    plan.add_argument("--weights-gib", type=float, default=None, metavar="GiB",
+                      help="measured weights per GPU (default: estimated for AWQ experts)")
     return parser
 
 
@@ -93,7 +104,18 @@ def _info(args: argparse.Namespace) -> int:
     if not os.path.exists(args.path):
         raise UserError(f"{args.path}: no such file or directory; pass a checkpoint directory or its config.json")
     cfg = ModelConfig.from_pretrained(args.path)
+    plan = None
+    if args.gpu_memory is not None:  # planned first, so a rejected deployment prints only its error
+        from .cache.capacity import dry_run_report
+
+        options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                     ("num_speculative_tokens", args.num_speculative_tokens)) if v is not None}
+        weights = None if args.weights_gib is None else int(args.weights_gib * 2**30)
+        plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
+                              args.kv_cache_dtype, args.gpu_memory_utilization, weights, **options)
     print(format_summary(cfg, args.path, tp=args.tp))
+    if plan is not None:
+        print("\n" + plan)
     return 0
 
 

@@ -1,0 +1,473 @@
+"""Cache planning: memory budget -> block size, KV blocks, state slots -> tokens and concurrency.
+
+Pure arithmetic on the config (no weights, no GPU), so `revolta info --gpu-memory ...` can
+plan a deployment. Byte counts come from `revolta.summary` (kv_bytes_breakdown,
+fixed_state_breakdown); `storage.CacheStorage` allocates exactly `CachePlan.storage_bytes`.
+
+Method (spec/engine.md §4.1-4.2, docs/cache.md has a worked example):
+
+    budget      = memory * gpu_memory_utilization - weights - activation peak
+                  - CUDA-graph reserve - other (CUDA context, NCCL, allocator slack)
+    page        = block_size * KV bytes per token (every QSA layer + MTP layer: K, V, int8
+                  scales, compressed index keys); block b's page lines up in every layer
+    state pages = cdiv(state bytes per slot, page)   (a slot is charged whole pages, like the
+                  mamba page padded to the attention page)
+    pool pages  = budget // page;  slots = 1 dummy + max_num_seqs * (1 + per-draft slots)
+                  + snapshot slots;  KV blocks = pool pages - slots * state pages (block 0 = null)
+    per request = cdiv(L, block_size) + (1 + per-draft slots) * state pages
+    max concurrency       = (pool pages - null block - dummy slot) / per request
+    "GPU KV cache size"   = int(max concurrency * L)   (spec §4.2: not num_blocks * block_size)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..config import ModelConfig
+from ..summary import fixed_state_breakdown, human_bytes, kv_bytes_breakdown, parameter_counts
+
+GiB, MiB = 2**30, 2**20
+KERNEL_PAGE = 16  # attention / int8-scale kernels address 16-token pages inside a block
+AUTO_BLOCK_SIZE = 256
+DEFAULT_CUDAGRAPH_RESERVE_MIB = 700.0  # ReVolta TP4 profile for MTP and non-speculative runs (spec §4.7)
+DEFAULT_OTHER_RESERVE_MIB = 512.0  # CUDA context, NCCL buffers, allocator slack
+CPU_TIER_STATE_FRACTION = 0.25  # share of the CPU tier that holds state snapshots
+
+_KV_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16",
+               "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "int8": "int8"}
+_ACT_DTYPES = {"float16": "fp16", "fp16": "fp16", "half": "fp16", "bfloat16": "bf16", "bf16": "bf16",
+               "float32": "fp32", "fp32": "fp32"}
+_TORCH_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+WEIGHT_FORMATS = {  # bits per routed-expert parameter; everything else is 16-bit
+    "bf16": 16.0, "fp16": 16.0,
+    "awq": 4 + 16 / 32 + 4 / 32,  # AWQ g32: 4-bit weights, fp16 scale and 4-bit zero per 32
+    "fp8": 8 + 32 / (128 * 128),  # block FP8 with one fp32 scale per 128x128
+    "nvfp4": 4 + 8 / 16,  # 4-bit values, fp8 scale per 16
+}
+
+
+class CacheConfigError(ValueError):
+    """A cache configuration that cannot work; raised before any weight is loaded, says what to change."""
+
+
+def resolve_kv_dtype(name: str, dtype: str = "float16") -> str:
+    """`auto` -> the activation dtype (bf16 for fp32 activations); aliases -> fp16 | bf16 | fp8_e4m3 | int8."""
+    act = _act(dtype)
+    if name == "auto":
+        return "bf16" if act == "fp32" else act
+    try:
+        return _KV_ALIASES[name]
+    except KeyError:
+        raise CacheConfigError(f"kv_cache_dtype={name!r} is not supported; use one of auto, fp16, bf16, "
+                               "fp8_e4m3 (alias fp8) or int8") from None
+
+
+def _act(dtype: str) -> str:
+    try:
+        return _ACT_DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise CacheConfigError(f"activation dtype {dtype!r}; use float16, bfloat16 or float32") from None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Engine knobs that shape the cache (vLLM names where vLLM has one)."""
+
+    max_model_len: int
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None  # None: AUTO_BLOCK_SIZE (capped by max_model_len)
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 8192
+    num_speculative_tokens: int = 0  # > 0: MTP drafts; adds the MTP layer's K/V to every page
+    spec_state_replay: bool = False  # True: no per-draft state slots (the replay kernel commits in place)
+    draft_kv_cache_dtype: str | None = None  # None: inherit kv_cache_dtype
+    enable_prefix_caching: bool = True
+    num_snapshot_slots: int | None = None  # None: max_num_seqs with prefix caching, else 0
+    snapshot_interval: int = 0  # extra snapshots every N tokens of prefill (multiple of block_size)
+    kv_offload_gib: float = 0.0  # CPU tier, GiB in total over the TP ranks (pinned host memory)
+    pending_ring: int | None = None  # QSA pending index keys per slot; None: compress_ratio - 1
+
+    @property
+    def num_draft_slots(self) -> int:
+        """Per-draft state slots per running request."""
+        return 0 if self.spec_state_replay else self.num_speculative_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBudget:
+    """Per-GPU memory and what is not cache; `cache_bytes` is what the pools may use."""
+
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float = 0.9
+    weights_bytes: int = 0
+    activation_bytes: int = 0
+    cudagraph_reserve_bytes: int = int(DEFAULT_CUDAGRAPH_RESERVE_MIB * MiB)
+    other_bytes: int = int(DEFAULT_OTHER_RESERVE_MIB * MiB)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.gpu_memory_bytes * self.gpu_memory_utilization)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.weights_bytes + self.activation_bytes + self.cudagraph_reserve_bytes + self.other_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.usable_bytes - self.reserved_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """What `storage.CacheStorage` needs to build the tensors (counts include id 0)."""
+
+    num_blocks: int
+    block_size: int
+    num_slots: int
+    kv_cache_dtype: str  # resolved: fp16 | bf16 | fp8_e4m3 | int8
+    draft_kv_cache_dtype: str  # the MTP layer's (resolved)
+    dtype: str  # activation dtype of conv/PLE/pending state: float16 | bfloat16 | float32
+    tp: int = 1
+    with_mtp: bool = False
+    pending_ring: int | None = None  # None: compress_ratio - 1
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """Sizes and capacity for one configuration; see the module docstring for the method."""
+
+    cache: CacheConfig
+    budget: MemoryBudget
+    layout: CacheLayout
+    kv_bytes_per_token: int
+    page_bytes: int
+    state_bytes: int  # per slot
+    state_pages: int  # per slot, rounded up
+    pool_pages: int
+    num_running_slots: int  # max_num_seqs * (1 + draft slots)
+    num_snapshot_slots: int
+    pages_per_request: int
+    max_concurrency: float  # requests of max_model_len the allocated KV blocks hold at once
+    kv_cache_tokens: int  # tokens the allocated KV blocks hold (block 0 excluded)
+    unified_concurrency: float  # the release note's method: state as pages of one shared pool
+    num_cpu_blocks: int = 0
+    num_cpu_slots: int = 0
+    scalar_bytes: int = 0  # per-layer fp8 scales
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.layout.num_slots
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every GPU cache tensor `CacheStorage` allocates for this plan."""
+        return self.num_blocks * self.page_bytes + self.num_slots * self.state_bytes + self.scalar_bytes
+
+    @property
+    def cpu_storage_bytes(self) -> int:
+        return self.num_cpu_blocks * self.page_bytes + self.num_cpu_slots * self.state_bytes + self.scalar_bytes
+
+    def cpu_layout(self) -> CacheLayout | None:
+        if not self.num_cpu_blocks:
+            return None
+        return replace(self.layout, num_blocks=self.num_cpu_blocks, num_slots=self.num_cpu_slots)
+
+    def allocator_config(self):
+        from .hybrid import AllocatorConfig
+
+        c = self.cache
+        return AllocatorConfig(num_blocks=self.num_blocks, block_size=self.block_size, num_slots=self.num_slots,
+                               enable_prefix_caching=c.enable_prefix_caching,
+                               per_draft_state=not c.spec_state_replay, snapshot_interval=c.snapshot_interval,
+                               num_cpu_blocks=self.num_cpu_blocks, num_cpu_slots=self.num_cpu_slots)
+
+    def capacity_lines(self) -> list[str]:
+        """The two startup log lines (spec §8.27)."""
+        return [f"GPU KV cache size: {self.kv_cache_tokens:,} tokens",
+                f"Maximum concurrency for {self.cache.max_model_len:,} tokens per request: "
+                f"{self.max_concurrency:.2f}x"]
+
+
+def choose_block_size(cfg: ModelConfig, cache: CacheConfig) -> int:
+    """One block size for every group: a multiple of the 16-token kernel page and of the
+    indexer compress ratio c (so index pages hold bs/c whole keys). Auto: 256, or the smallest
+    such multiple >= max_model_len when that is shorter."""
+    align = math.lcm(KERNEL_PAGE, cfg.text.indexer_compress_ratio)
+    if cache.block_size is not None:
+        if cache.block_size < 1 or cache.block_size % align:
+            raise CacheConfigError(f"block_size={cache.block_size} must be a positive multiple of {align} "
+                                   f"(16-token kernel pages and indexer_compress_ratio="
+                                   f"{cfg.text.indexer_compress_ratio}); leave it unset for {AUTO_BLOCK_SIZE}")
+        return cache.block_size
+    auto = max(align, AUTO_BLOCK_SIZE // align * align)
+    return min(auto, -(-cache.max_model_len // align) * align)
+
+
+def kv_page_bytes_per_token(cfg: ModelConfig, kv_dtype: str, draft_dtype: str, with_mtp: bool, tp: int) -> int:
+    """Bytes one token occupies across all pages of a block (trunk QSA layers + MTP layer)."""
+    trunk = kv_bytes_breakdown(cfg, kv_dtype, "compressed", include_mtp=False, tp=tp)["total"]
+    if not with_mtp:
+        return trunk
+    m = kv_bytes_breakdown(cfg, draft_dtype, "compressed", include_mtp=True, tp=tp)
+    return trunk + m["mtp_main_kv"] + m["mtp_kv_scales"] + m["mtp_index_keys"]
+
+
+def state_bytes_per_slot(cfg: ModelConfig, tp: int, dtype: str, with_mtp: bool, pending_ring: int | None = None) -> int:
+    """Bytes of one state slot: fixed per-sequence state with conv/PLE/pending in `dtype`."""
+    f = fixed_state_breakdown(replace(cfg, dtype=_TORCH_NAMES[_act(dtype)]), include_mtp=with_mtp, tp=tp)
+    c1 = cfg.text.indexer_compress_ratio - 1
+    ring = c1 if pending_ring is None else pending_ring
+    pending = f["qsa_pending"] + f["qsa_pending_positions"]
+    return f["total"] - pending + pending // c1 * ring
+
+
+def _scalar_bytes(cfg: ModelConfig, kv_dtype: str, draft_dtype: str, with_mtp: bool) -> int:
+    n = cfg.text.num_qsa_layers * (kv_dtype == "fp8_e4m3")
+    n += cfg.text.num_mtp_layers * (with_mtp and draft_dtype == "fp8_e4m3")
+    return n * 2 * 4  # fp32 k_scale and v_scale per layer
+
+
+def validate_cache_config(cfg: ModelConfig, cache: CacheConfig, tp: int = 1) -> None:
+    """Reject what cannot work, before anything is loaded; messages name the knob to change."""
+    def fail(msg: str) -> None:
+        raise CacheConfigError(msg)
+
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(cache, name) < 1:
+            fail(f"{name}={getattr(cache, name)} must be >= 1")
+    if tp < 1:
+        fail(f"tensor_parallel_size={tp} must be >= 1")
+    resolve_kv_dtype(cache.kv_cache_dtype)
+    if cache.draft_kv_cache_dtype is not None:
+        resolve_kv_dtype(cache.draft_kv_cache_dtype)
+    if cache.num_speculative_tokens < 0:
+        fail(f"num_speculative_tokens={cache.num_speculative_tokens} must be >= 0")
+    if cache.num_speculative_tokens and not cfg.text.num_mtp_layers:
+        fail(f"num_speculative_tokens={cache.num_speculative_tokens} needs the checkpoint's MTP layer, and this "
+             "config has none (mtp_num_hidden_layers = 0); turn speculative decoding off")
+    if cache.kv_offload_gib < 0:
+        fail(f"kv_offload_gib={cache.kv_offload_gib} must be >= 0")
+    if cache.num_snapshot_slots is not None and cache.num_snapshot_slots < 0:
+        fail(f"num_snapshot_slots={cache.num_snapshot_slots} must be >= 0")
+    if cache.pending_ring is not None and cache.pending_ring < cfg.text.indexer_compress_ratio - 1:
+        fail(f"pending_ring={cache.pending_ring} must hold at least indexer_compress_ratio - 1 = "
+             f"{cfg.text.indexer_compress_ratio - 1} keys")
+    bs = choose_block_size(cfg, cache)
+    if cache.snapshot_interval < 0 or cache.snapshot_interval % bs:
+        fail(f"snapshot_interval={cache.snapshot_interval} must be a non-negative multiple of block_size={bs}")
+    try:
+        kv_bytes_breakdown(cfg, "fp16", tp=tp)
+        fixed_state_breakdown(cfg, tp=tp)
+    except ValueError as e:
+        fail(f"tensor_parallel_size={tp}: {e}")
+
+
+def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: int = 1,
+               dtype: str = "float16") -> CachePlan:
+    """Size the pools for `budget` (per GPU) and compute the capacity figures; raises
+    CacheConfigError when the configuration cannot serve one request of max_model_len."""
+    validate_cache_config(cfg, cache, tp)
+    if not 0 < budget.gpu_memory_utilization <= 1:
+        raise CacheConfigError(f"gpu_memory_utilization={budget.gpu_memory_utilization} must be in (0, 1]")
+    if budget.cudagraph_reserve_bytes < 0:
+        raise CacheConfigError("the CUDA-graph reserve must be >= 0 MiB (0 disables it)")
+    kv = resolve_kv_dtype(cache.kv_cache_dtype, dtype)
+    draft = resolve_kv_dtype(cache.draft_kv_cache_dtype, dtype) if cache.draft_kv_cache_dtype else kv
+    with_mtp = cache.num_speculative_tokens > 0
+    bs = choose_block_size(cfg, cache)
+    kvpt = kv_page_bytes_per_token(cfg, kv, draft, with_mtp, tp)
+    page = bs * kvpt
+    state = state_bytes_per_slot(cfg, tp, dtype, with_mtp, cache.pending_ring)
+    state_pages = -(-state // page)
+    scalars = _scalar_bytes(cfg, kv, draft, with_mtp)
+    avail = budget.cache_bytes - scalars
+    if avail <= 0:
+        raise CacheConfigError(
+            f"no memory left for the KV cache: weights {human_bytes(budget.weights_bytes)} + activations "
+            f"{human_bytes(budget.activation_bytes)} + CUDA graphs {human_bytes(budget.cudagraph_reserve_bytes)} + "
+            f"other {human_bytes(budget.other_bytes)} exceed gpu_memory_utilization x memory = "
+            f"{human_bytes(budget.usable_bytes)} by {human_bytes(-avail)}; raise --gpu-memory-utilization, use more "
+            "GPUs (--tp), a smaller weight format, or lower --max-num-batched-tokens")
+    pool_pages = avail // page
+    slots_per_request = 1 + cache.num_draft_slots
+    running = cache.max_num_seqs * slots_per_request
+    snapshots = cache.num_snapshot_slots
+    if snapshots is None:
+        snapshots = cache.max_num_seqs if cache.enable_prefix_caching else 0
+    num_slots = 1 + running + snapshots
+    num_blocks = pool_pages - num_slots * state_pages
+    L = cache.max_model_len
+    need = -(-(L + cache.num_speculative_tokens) // bs)
+    if num_blocks - 1 < need:
+        fit = max(0, (num_blocks - 1) * bs - cache.num_speculative_tokens)
+        raise CacheConfigError(
+            f"max_model_len={L:,} needs {need:,} KV blocks of {bs} tokens ({human_bytes(need * page)} per GPU), "
+            f"but after {num_slots} state slots ({human_bytes(num_slots * state)}) the pool holds "
+            f"{max(0, num_blocks - 1):,} blocks ({human_bytes(max(0, num_blocks - 1) * page)}), i.e. "
+            f"{fit:,} tokens; lower --max-model-len to {fit:,} or less, use --kv-cache-dtype fp8_e4m3, raise "
+            "--gpu-memory-utilization, use more GPUs (--tp) or lower --max-num-seqs")
+    per_request = -(-L // bs) + slots_per_request * state_pages
+    # Reported capacity is what the allocated tensors physically hold: the KV blocks (state
+    # slots are separate tensors sized for max_num_seqs), capped by the running slots.
+    kv_tokens = (num_blocks - 1) * bs
+    conc = min(kv_tokens / (L + cache.num_speculative_tokens), float(cache.max_num_seqs))
+    # The release note's method counts state as pages of one shared pool; kept for comparison.
+    unified = (pool_pages - 1 - state_pages) / per_request
+    cpu_blocks = cpu_slots = 0
+    if cache.kv_offload_gib > 0:
+        host = cache.kv_offload_gib * GiB / tp
+        cpu_slots = int(host * CPU_TIER_STATE_FRACTION // state)
+        cpu_blocks = int(host * (1 - CPU_TIER_STATE_FRACTION) // page)
+        if cpu_slots < 2 or cpu_blocks < 2:  # id 0 is reserved in the CPU pools too
+            raise CacheConfigError(f"kv_offload_gib={cache.kv_offload_gib} is too small for one state snapshot "
+                                   f"({human_bytes(state)} per rank) and one block; raise it or set 0")
+    layout = CacheLayout(num_blocks=num_blocks, block_size=bs, num_slots=num_slots, kv_cache_dtype=kv,
+                         draft_kv_cache_dtype=draft, dtype=_TORCH_NAMES[_act(dtype)], tp=tp, with_mtp=with_mtp,
+                         pending_ring=cache.pending_ring)
+    return CachePlan(cache=cache, budget=budget, layout=layout, kv_bytes_per_token=kvpt, page_bytes=page,
+                     state_bytes=state, state_pages=state_pages, pool_pages=pool_pages, num_running_slots=running,
+                     num_snapshot_slots=snapshots, pages_per_request=per_request, max_concurrency=conc,
+                     kv_cache_tokens=kv_tokens, unified_concurrency=unified, num_cpu_blocks=cpu_blocks,
+                     num_cpu_slots=cpu_slots, scalar_bytes=scalars)
+
+
+# ---- estimates for a dry run (no weights, no GPU) ------------------------------------------
+
+def estimate_weight_bytes(cfg: ModelConfig, tp: int = 1, weight_format: str = "awq",
+                          ple_on_gpu: bool = False) -> dict[str, int]:
+    """Per-GPU weight bytes from exact parameter counts. Routed experts (trunk + MTP) use the
+    format's bits; everything else is 16-bit. Split by TP: experts, embedding/lm_head (vocab
+    parallel), GDN/QSA mixers, shared experts, vision, MTP dense. Replicated: hyper-connections,
+    final mixer, PLE projections. The PLE table stays in host memory unless `ple_on_gpu`
+    (then stored at 1 byte per value, as the AWQ release ships it). An estimate: a real run
+    measures the loaded weights."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise CacheConfigError(f"weight_format={weight_format!r}; use one of {', '.join(WEIGHT_FORMATS)} "
+                               "or pass the measured weights bytes")
+    c = parameter_counts(cfg)
+    experts = c["routed_experts"] + c["mtp_routed_experts"]
+    split = (c["embed_tokens"] + c["lm_head"] + c["gdn_mixers"] + c["qsa_mixers"] + c["moe_shared"] + c["vision"]
+             + c["mtp"] - c["mtp_routed_experts"])
+    replicated = c["hyper_connections"] + c["final_mixer"] + c["ple_modules"]
+    out = {
+        "routed_experts": int(experts * WEIGHT_FORMATS[weight_format] / 8) // tp,
+        "dense_split": split * 2 // tp,
+        "dense_replicated": replicated * 2,
+        "ple_table": c["ple_table"] if ple_on_gpu else 0,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def estimate_activation_bytes(cfg: ModelConfig, tp: int, max_num_batched_tokens: int, max_num_seqs: int,
+                              num_speculative_tokens: int = 0, dtype: str = "float16") -> int:
+    """Peak transient memory of one forward of `max_num_batched_tokens` tokens on one GPU: the
+    HC residual streams (3 live copies) + the largest mixer/MoE workspace + fp32 logits of the
+    sampled rows. Attention/indexer scores are assumed tiled by the kernels. An estimate; a real
+    run profiles one forward."""
+    t, T = cfg.text, max_num_batched_tokens
+    ab = 4 if _act(dtype) == "fp32" else 2
+    hv = t.linear_num_value_heads // tp
+    residual = 3 * T * t.wide_size * ab
+    gdn_in = (t.gdn_conv_dim + t.gdn_value_dim) // tp + 2 * hv
+    gdn = 2 * T * gdn_in * ab + 2 * T * hv * 4 + -(-T // 64) * hv * t.linear_key_head_dim * t.linear_value_head_dim * 4
+    qsa = T * (2 * t.num_attention_heads * t.head_dim + 4 * t.num_key_value_heads * t.head_dim) // tp * ab
+    moe = T * t.num_experts_per_tok * (3 * t.moe_intermediate_size // tp + t.hidden_size) * ab + T * t.num_experts * 4
+    logits = max_num_seqs * (1 + num_speculative_tokens) * (t.vocab_size // tp) * 4
+    return residual + max(gdn, qsa, moe) + logits
+
+
+def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len: int,
+                   kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
+                   weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
+                   activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
+                   other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, **cache_options) -> str:
+    """What `revolta info DIR --gpu-memory GiB --tp N --max-model-len L --kv-cache-dtype D` prints:
+    the budget, the pool layout and the two capacity lines, computed without weights or a GPU.
+
+    gpu_memory_gib: memory of one GPU. weights_bytes: per-GPU weights when known (else estimated
+    for `weight_format`). cache_options: further `CacheConfig` fields (max_num_seqs,
+    num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
+    Raises CacheConfigError for configurations that cannot work.
+    """
+    return format_plan(dry_run_plan(cfg, gpu_memory_gib, tp, max_model_len, kv_cache_dtype, gpu_memory_utilization,
+                                    weights_bytes, weight_format=weight_format, dtype=dtype,
+                                    activation_bytes=activation_bytes, cudagraph_reserve_mib=cudagraph_reserve_mib,
+                                    other_reserve_mib=other_reserve_mib, **cache_options), cfg)
+
+
+def dry_run_plan(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len: int,
+                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
+                 weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
+                 activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
+                 other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, **cache_options) -> CachePlan:
+    """The `CachePlan` behind `dry_run_report` (same arguments)."""
+    if gpu_memory_gib <= 0:
+        raise CacheConfigError(f"--gpu-memory={gpu_memory_gib} GiB must be > 0")
+    cache = CacheConfig(max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, **cache_options)
+    validate_cache_config(cfg, cache, tp)
+    if weights_bytes is None:
+        weights_bytes = estimate_weight_bytes(cfg, tp, weight_format)["total"]
+    if activation_bytes is None:
+        activation_bytes = estimate_activation_bytes(cfg, tp, cache.max_num_batched_tokens, cache.max_num_seqs,
+                                                     cache.num_speculative_tokens, dtype)
+    graphs = DEFAULT_CUDAGRAPH_RESERVE_MIB if cudagraph_reserve_mib is None else cudagraph_reserve_mib
+    if graphs < 0:
+        raise CacheConfigError(f"cudagraph reserve {graphs} MiB must be >= 0 (0 disables it)")
+    budget = MemoryBudget(gpu_memory_bytes=int(gpu_memory_gib * GiB), gpu_memory_utilization=gpu_memory_utilization,
+                          weights_bytes=int(weights_bytes), activation_bytes=int(activation_bytes),
+                          cudagraph_reserve_bytes=int(graphs * MiB), other_bytes=int(other_reserve_mib * MiB))
+    return plan_cache(cfg, cache, budget, tp, dtype)
+
+
+def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
+    """Human-readable budget, layout and capacity of a plan (the dry-run text)."""
+    c, b, lay = plan.cache, plan.budget, plan.layout
+    spec = (f"MTP x{c.num_speculative_tokens} ({'replay' if c.spec_state_replay else 'per-draft state slots'})"
+            if c.num_speculative_tokens else "off")
+    kv_dt = lay.kv_cache_dtype + (f" (MTP draft {lay.draft_kv_cache_dtype})"
+                                  if lay.with_mtp and lay.draft_kv_cache_dtype != lay.kv_cache_dtype else "")
+    usable_blocks = plan.num_blocks - 1
+    kv_tokens = usable_blocks * plan.block_size
+    full_len = kv_tokens // c.max_model_len if c.max_model_len else 0
+    lines = [
+        f"cache plan per GPU (TP {lay.tp}, KV {kv_dt}, activations {lay.dtype}, speculative decoding {spec}, "
+        f"prefix caching {'on' if c.enable_prefix_caching else 'off'}):",
+        f"  memory: {human_bytes(b.gpu_memory_bytes)} x {b.gpu_memory_utilization:g} = {human_bytes(b.usable_bytes)}",
+        f"    - weights {human_bytes(b.weights_bytes)} - activation peak {human_bytes(b.activation_bytes)}"
+        f" ({c.max_num_batched_tokens:,}-token batch) - CUDA graphs {human_bytes(b.cudagraph_reserve_bytes)}"
+        f" - other {human_bytes(b.other_bytes)}",
+        f"    = cache budget {human_bytes(b.cache_bytes)} ({b.cache_bytes:,} B)",
+        f"  block: {plan.block_size} tokens x {plan.kv_bytes_per_token:,} B/token = {plan.page_bytes:,} B page "
+        f"(every QSA layer{' + MTP layer' if lay.with_mtp else ''}: K, V, compressed index keys"
+        f"{', int8 scales' if lay.kv_cache_dtype == 'int8' else ''})",
+        f"  state slot: {plan.state_bytes:,} B ({human_bytes(plan.state_bytes)}: GDN + PLE + QSA pending keys)"
+        f" = {plan.state_pages} pages",
+        f"  pool: {plan.pool_pages:,} pages = {plan.num_blocks:,} KV blocks (block 0 null) + {plan.num_slots} state "
+        f"slots x {plan.state_pages} pages (1 dummy + {plan.num_running_slots} running"
+        f"{' and per-draft' if c.num_draft_slots else ''} for {c.max_num_seqs} seqs + {plan.num_snapshot_slots} "
+        f"snapshots)",
+        f"  allocated: {human_bytes(plan.storage_bytes)} ({plan.storage_bytes:,} B); KV blocks hold "
+        f"{kv_tokens:,} tokens = {full_len} full {c.max_model_len:,}-token requests",
+        f"  per {c.max_model_len:,}-token request: {-(-c.max_model_len // plan.block_size):,} KV pages + "
+        f"{1 + c.num_draft_slots} state slots x {plan.state_pages} = {plan.pages_per_request:,} pages",
+        f"  release-note method (state pages drawn from one shared pool): ({plan.pool_pages:,} - 1 null - "
+        f"{plan.state_pages} dummy) / {plan.pages_per_request:,} = {plan.unified_concurrency:.2f}x, i.e. "
+        f"{int(plan.unified_concurrency * c.max_model_len):,} tokens; revolta's state slots are separate tensors, "
+        "so it reports what its KV blocks hold:",
+    ]
+    if plan.num_cpu_blocks:
+        lines.append(f"  CPU tier: {c.kv_offload_gib:g} GiB / {lay.tp} ranks: {plan.num_cpu_blocks - 1:,} blocks "
+                     f"({(plan.num_cpu_blocks - 1) * plan.block_size:,} tokens) + {plan.num_cpu_slots - 1} snapshots "
+                     "per rank, pinned host memory")
+    lines += ["  " + x for x in plan.capacity_lines()]
+    return "\n".join(lines) + "\n"
