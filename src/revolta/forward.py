@@ -3,10 +3,47 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from .state import SequenceState
+
+if TYPE_CHECKING:
+    from .cache.storage import CacheStorage
+    from .kernels.ops import KernelOps
+
+
+@dataclass
+class PagedMeta:
+    """Where a step's state lives when it runs on the paged hybrid cache (cache/storage.py).
+
+    All tensors are on the model's device. B sequences, T new tokens.
+    storage: the cache tensors; ops: torch references or Triton kernels (kernels/ops.py).
+    slots: [B] int32 state slot of each sequence (GDN, PLE, QSA pending keys).
+    has_initial_state: [B] bool, False where a sequence starts at token 0 this step.
+    cu_seqlens: [B + 1] int32; seq_lens: [B] int32 tokens in the cache after this step.
+    block_table: [B, max_blocks] int32; slot_mapping: [T] int64 page slot of each new token.
+    group_cos, group_sin: [B, R] fp32 rotary tables of the first token of the compress group
+    each sequence's first new token falls in (its pooled index key is rotated with them).
+    max_new_tokens: the largest per-sequence token count of the step (python int, no sync).
+    """
+
+    storage: "CacheStorage"
+    ops: "KernelOps"
+    slots: Tensor
+    has_initial_state: Tensor
+    cu_seqlens: Tensor
+    seq_lens: Tensor
+    block_table: Tensor
+    slot_mapping: Tensor
+    group_cos: Tensor
+    group_sin: Tensor
+    max_new_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_new_tokens == 1
 
 
 @dataclass
@@ -14,7 +51,9 @@ class ForwardMeta:
     """One forward over B sequences laid end to end: T = cu_seqlens[-1] tokens.
 
     cu_seqlens: [B + 1] python ints; sequence b owns tokens cu_seqlens[b]:cu_seqlens[b+1].
-    states: B per-sequence states; state.num_tokens is the index of each sequence's first new token.
+    states: B per-sequence states (the simple torch path); state.num_tokens is the index of each
+    sequence's first new token. With `paged` set, state lives in the paged cache instead and
+    `states` only carries token counts and rope deltas.
     input_ids: [T] long (raw ids; the n-gram hash reads them, media pads included).
     positions: [3, T] long mRoPE positions (all rows equal for text).
     cos, sin: [T, rotary_dim] fp32 rotary tables for `positions`, shared by all QSA layers.
@@ -26,6 +65,7 @@ class ForwardMeta:
     positions: Tensor
     cos: Tensor
     sin: Tensor
+    paged: PagedMeta | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GDN, ModelConfig, TextConfig
-from .forward import ForwardMeta
+from .forward import ForwardMeta, PagedMeta
 from .layers.gdn import GatedDeltaNet
 from .layers.hyperconnection import HyperConnection
 from .layers.moe import MoE
@@ -42,7 +42,8 @@ class DecoderLayer(nn.Module):
         if self.is_gdn:
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:
-            self.self_attn = QSAttention(cfg, state_key=f"{state_prefix}qsa{layer_idx}")
+            self.self_attn = QSAttention(cfg, state_key=f"{state_prefix}qsa{layer_idx}",
+                                         cache_key="mtp" if state_prefix == "mtp" else layer_idx)
         self.mlp = MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                        cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
         hc = dict(hidden_size=cfg.hidden_size, hc_count=cfg.hc_count, lowrank=cfg.hc_lowrank, eps=cfg.rms_norm_eps)
@@ -186,7 +187,7 @@ class FlashNextModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, *, cu_seqlens: list[int] | None = None,
                 states: list[SequenceState] | None = None, mm_embeds: Tensor | None = None,
-                logits_indices: Tensor | None = None, return_hidden: bool = False):
+                logits_indices: Tensor | None = None, return_hidden: bool = False, paged: PagedMeta | None = None):
         """Logits for a batch of token ids.
 
         input_ids: [B, S] (each row one fresh sequence; returns logits [B, S, V]) or a flat [T]
@@ -194,6 +195,7 @@ class FlashNextModel(nn.Module):
         positions: [3, T] (or [3, B, S]) mRoPE positions; default index + rope_delta.
         logits_indices: [N] rows of the flat batch to project (e.g. the last token of each sequence).
         return_hidden: also return the wide pre-mixer state [T, h*d] (the MTP input).
+        paged: run on the paged hybrid cache instead of `states` (see runner.ModelRunner).
         Logits are fp32.
         """
         batched = input_ids.dim() == 2
@@ -211,6 +213,7 @@ class FlashNextModel(nn.Module):
             raise ValueError(f"cu_seqlens={cu_seqlens} must have len(states)+1={len(states) + 1} entries ending at "
                              f"T={input_ids.shape[0]}")
         meta = self.make_meta(input_ids, cu_seqlens, states, positions)
+        meta.paged = paged
         wide = self.model.language_model(self.embed(input_ids, mm_embeds), meta)
         for b, st in enumerate(states):
             st.num_tokens += cu_seqlens[b + 1] - cu_seqlens[b]

@@ -49,8 +49,8 @@ def test_shapes_dtypes_and_bytes_match_the_plan(kv, tp, caplog):
     assert p.conv.shape == (ns, 9, t.wide_size) and p.conv.dtype == torch.bfloat16
     assert p.context_ids.shape == (ns, 2) and p.context_ids.dtype == torch.int64
     assert (p.context_ids == t.eos_token_id).all()
-    assert set(st.pending_keys) == {3, "mtp"} and st.pending_keys[3].shape == (ns, c - 1, di)
-    assert st.pending_positions.shape == (ns, c - 1, 3) and st.pending_positions.dtype == torch.int64
+    assert set(st.pending_keys) == {3, "mtp"} and st.pending_keys[3].shape == (ns, 2 * c, di)
+    assert st.pending_positions.shape == (ns, 2 * c, 3) and st.pending_positions.dtype == torch.int64
     assert st.nbytes() == plan.storage_bytes
     assert plan.storage_bytes <= plan.budget.cache_bytes
 

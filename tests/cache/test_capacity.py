@@ -20,7 +20,7 @@ from revolta.cache.capacity import (
     resolve_kv_dtype,
 )
 from revolta.config import ModelConfig
-from revolta.summary import fixed_state_bytes_per_sequence, kv_bytes_per_token
+from revolta.summary import fixed_state_breakdown, fixed_state_bytes_per_sequence, kv_bytes_per_token
 
 REAL_CONFIG = Path(__file__).parents[1] / "data" / "qwen3_8_flash_next_config.json"
 L512K = 524_288
@@ -60,7 +60,13 @@ def test_real_config_4x32gb_tp4_512k_fp8(real, spec):
     # the byte figures are summary's (per GPU at TP4: one KV head per rank, GDN heads split by 4)
     assert plan.kv_bytes_per_token == kv_bytes_per_token(real, "fp8_e4m3", "compressed", include_mtp=spec > 0, tp=4)
     assert plan.kv_bytes_per_token == (7072 if spec else 6528)
-    assert plan.state_bytes == fixed_state_bytes_per_sequence(real, include_mtp=spec > 0, tp=4)
+    # summary's fixed state counts the c-1 pending index keys of an incomplete group; the slot
+    # holds a ring of 2c raw keys (+ positions) per QSA layer instead
+    f = fixed_state_breakdown(real, include_mtp=spec > 0, tp=4)
+    pending = f["qsa_pending"] + f["qsa_pending_positions"]
+    c = real.text.indexer_compress_ratio
+    assert f["total"] == fixed_state_bytes_per_sequence(real, include_mtp=spec > 0, tp=4)
+    assert plan.state_bytes == f["total"] - pending + pending // (c - 1) * (2 * c)
     assert plan.block_size == 256
     assert plan.capacity_lines()[0] in report and plan.capacity_lines()[1] in report
     # plausibility against the release note (1,153,143 tokens / 2.20x at 512K with MTP4): same order

@@ -130,7 +130,7 @@ class CacheLayout:
     dtype: str  # activation dtype of conv/PLE/pending state: float16 | bfloat16 | float32
     tp: int = 1
     with_mtp: bool = False
-    pending_ring: int | None = None  # None: compress_ratio - 1
+    pending_ring: int | None = None  # None: default_pending_ring (2 x compress ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,11 +221,17 @@ def kv_page_bytes_per_token(cfg: ModelConfig, kv_dtype: str, draft_dtype: str, w
     return trunk + m["mtp_main_kv"] + m["mtp_kv_scales"] + m["mtp_index_keys"]
 
 
+def default_pending_ring(cfg: ModelConfig) -> int:
+    """Entries of the per-slot ring of raw index keys: 2c, so a speculative verify of up to c
+    tokens never overwrites keys of the group it still needs (spec/model.md §4.6)."""
+    return 2 * cfg.text.indexer_compress_ratio
+
+
 def state_bytes_per_slot(cfg: ModelConfig, tp: int, dtype: str, with_mtp: bool, pending_ring: int | None = None) -> int:
     """Bytes of one state slot: fixed per-sequence state with conv/PLE/pending in `dtype`."""
     f = fixed_state_breakdown(replace(cfg, dtype=_TORCH_NAMES[_act(dtype)]), include_mtp=with_mtp, tp=tp)
-    c1 = cfg.text.indexer_compress_ratio - 1
-    ring = c1 if pending_ring is None else pending_ring
+    c1 = cfg.text.indexer_compress_ratio - 1  # summary counts the c-1 keys of an incomplete group
+    ring = default_pending_ring(cfg) if pending_ring is None else pending_ring
     pending = f["qsa_pending"] + f["qsa_pending_positions"]
     return f["total"] - pending + pending // c1 * ring
 

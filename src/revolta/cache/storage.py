@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..config import GDN, QSA, ModelConfig
 from ..summary import _kv_heads_per_rank
-from .capacity import CacheLayout
+from .capacity import CacheLayout, default_pending_ring
 from .hybrid import Allocation, SwapOuts
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class CacheStorage:
         kvh, c = _kv_heads_per_rank(cfg, L.tp), t.indexer_compress_ratio
         if L.block_size % c:
             raise ValueError(f"block_size={L.block_size} is not a multiple of indexer_compress_ratio={c}")
-        ring = c - 1 if L.pending_ring is None else L.pending_ring
+        ring = default_pending_ring(cfg) if L.pending_ring is None else L.pending_ring
         nb, ns, bs = L.num_blocks, L.num_slots, L.block_size
         pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
 

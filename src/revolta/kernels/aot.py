@@ -43,10 +43,21 @@ class CompileReport:
         assert not problems, f"sm_{self.arch} build: " + "; ".join(problems)
 
 
-def _ptxas() -> str:
+def _ptxas(arch: int) -> tuple[str, str]:
+    """The assembler Triton itself uses for sm_<arch> and the target name it expects.
+
+    Recent Triton emits `.target sm_90a` PTX for Hopper and assembles it with its newest
+    ptxas; older versions have no `get_ptxas` and ship one `ptxas`.
+    """
     import triton
 
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(arch).path, target
+    except (ImportError, AttributeError, TypeError):
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"), target
 
 
 def compile_report(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, arch: int = 70,
@@ -70,7 +81,10 @@ def compile_report(kernel, signature: dict[str, str], constexprs: dict[str, obje
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        out = subprocess.run([_ptxas(), "-v", f"--gpu-name=sm_{arch}", path, "-o", os.devnull],
+        ptxas, target = _ptxas(arch)
+        if f".target {target}" not in ptx:
+            target = f"sm_{arch}"
+        out = subprocess.run([ptxas, "-v", f"--gpu-name={target}", path, "-o", os.devnull],
                              capture_output=True, text=True, check=True)
     info = out.stdout + out.stderr
     regs = re.search(r"Used (\d+) registers", info)

@@ -27,7 +27,7 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int):
         super().__init__()
-        self.state_key = f"gdn{layer_idx}"
+        self.state_key, self.layer_idx = f"gdn{layer_idx}", layer_idx
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.gdn_conv_dim
@@ -57,14 +57,45 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)  # [T, value_dim]
         beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, HV]
-        out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
+        if meta.paged is not None:
+            out = self._mix_paged(mixed, g, beta, meta)
+        else:
+            out = self._mix_states(mixed, g, beta, meta)
+        y = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)).float())  # [T, HV, V] fp32
+        return self.out_proj(y.to(x.dtype).flatten(-2))
+
+    def _mix_paged(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:
+        """Conv + delta rule on the slot-indexed state pools of the paged cache -> o [T, HV, V]."""
+        pm = meta.paged
+        cache = pm.storage.gdn[self.layer_idx]
+        conv_w = self.conv1d.weight[:, 0, :]
+        T = mixed.shape[0]
+        if pm.is_decode:  # one token per sequence: the in-place update kernels
+            conv_out = pm.ops.causal_conv1d_update(mixed, conv_w, cache.conv_state, pm.slots, activation="silu")
+        else:
+            conv_out = pm.ops.causal_conv1d_varlen(mixed, conv_w, cache.conv_state, pm.slots, pm.cu_seqlens,
+                                                   pm.has_initial_state, activation="silu")
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        scale = self.head_k_dim**-0.5
+        if pm.is_decode:
+            return pm.ops.gdn_recurrent_update(q, k, v, g, beta, cache.ssm_state, pm.slots, scale)
+        return pm.ops.gdn_chunk_prefill(q, k, v, g, beta, pm.cu_seqlens, cache.ssm_state, pm.slots,
+                                        pm.has_initial_state, scale)
+
+    def _mix_states(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:
+        """Conv + delta rule with per-sequence state objects (the simple torch path) -> o [T, HV, V]."""
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32,
+                          device=mixed.device)
         conv_w = self.conv1d.weight[:, 0, :]  # [conv_dim, W]
         for _, start, end, seq in meta.seq_slices():
             st = seq.layers.get(self.state_key)
             if st is None:
-                st = seq.layers[self.state_key] = self.new_state(x.device, x.dtype)
+                st = seq.layers[self.state_key] = self.new_state(mixed.device, mixed.dtype)
             conv_out, st.conv = causal_conv1d_ref(mixed[start:end], conv_w, st.conv)
-            q, k, v = F.silu(conv_out).to(x.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k, v = F.silu(conv_out).to(mixed.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
             n = end - start
             rep = self.num_v_heads // self.num_k_heads  # v-head i reads k-head i // rep (repeat-interleave)
             q = l2_normalize(q.reshape(n, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
@@ -74,5 +105,4 @@ class GatedDeltaNet(nn.Module):
             rule = recurrent_gated_delta_rule_ref if n == 1 else chunk_gated_delta_rule_ref
             o, st.recurrent = rule(q, k, v, g[start:end], beta[start:end], st.recurrent)
             out[start:end] = o
-        y = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)).float())  # [T, HV, V] fp32
-        return self.out_proj(y.to(x.dtype).flatten(-2))
+        return out

@@ -120,7 +120,7 @@ class PLELayer(nn.Module):
 
     def __init__(self, cfg: TextConfig, layer_idx: int, ple_index: int):
         super().__init__()
-        self.state_key = f"ple{layer_idx}"
+        self.state_key, self.layer_idx = f"ple{layer_idx}", layer_idx
         self.hc_count, self.hidden_size, self.eos = cfg.hc_count, cfg.hidden_size, cfg.eos_token_id
         self.order, self.dilation = cfg.ngram_size, cfg.ngram_size
         wide = cfg.wide_size
@@ -139,16 +139,13 @@ class PLELayer(nn.Module):
 
     def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
         """x: [T, h*d] wide residual entering the layer -> delta [T, h*d] to add to it."""
-        states = []
-        contexts = []
         ids = meta.input_ids.tolist()
-        for _, start, end, seq in meta.seq_slices():
-            st = seq.layers.get(self.state_key)
-            if st is None:
-                st = seq.layers[self.state_key] = self.new_state(x)
-            contexts += ngram_context(ids[start:end], st.context, self.eos, self.order)
-            st.context = (st.context + ids[start:end])[-(self.order - 1) :]
-            states.append(st)
+        histories = self._histories(x, meta)  # last order-1 ids of each sequence before this step
+        contexts = []
+        for (b, start, end, _), hist in zip(meta.seq_slices(), histories):
+            contexts += ngram_context(ids[start:end], hist, self.eos, self.order)
+        self._store_histories(meta, [(hist + ids[s:e])[-(self.order - 1):]
+                                     for (_, s, e, _), hist in zip(meta.seq_slices(), histories)])
         emb = self.ple_embedding(torch.tensor(contexts, dtype=torch.int64, device=x.device)).to(x.dtype)
         h, d = self.hc_count, self.hidden_size
         key = self.norm_key(self.key_proj(emb)).unflatten(-1, (h, d))  # [T, h, d]
@@ -159,8 +156,39 @@ class PLELayer(nn.Module):
         gated = (torch.sigmoid(score) * value.unsqueeze(-2)).flatten(-2)  # [T, h*d]
         conv_in = self.norm_conv(gated)
         conv_w = self.conv1d.weight[:, 0, :]
+        pm = meta.paged
+        if pm is not None:
+            conv_out = pm.ops.causal_conv1d_varlen(conv_in, conv_w, pm.storage.ple[self.layer_idx].conv, pm.slots,
+                                                   pm.cu_seqlens, pm.has_initial_state, activation="silu",
+                                                   dilation=self.dilation)
+            return gated + conv_out
         conv_out = torch.empty_like(gated)
-        for (_, start, end, _), st in zip(meta.seq_slices(), states):
+        for _, start, end, seq in meta.seq_slices():
+            st = seq.layers[self.state_key]
             y, st.conv = causal_conv1d_ref(conv_in[start:end], conv_w, st.conv, self.dilation)
             conv_out[start:end] = F.silu(y).to(x.dtype)
         return gated + conv_out
+
+    def _histories(self, x: Tensor, meta: ForwardMeta) -> list[list[int]]:
+        """The n-gram context carried into this step, per sequence (EOS-filled at sequence start)."""
+        fresh = [self.eos] * (self.order - 1)
+        pm = meta.paged
+        if pm is not None:
+            rows = pm.storage.ple[self.layer_idx].context_ids[pm.slots.long()].tolist()
+            starts = pm.has_initial_state.tolist()
+            return [row if started else fresh for row, started in zip(rows, starts)]
+        out = []
+        for _, _, _, seq in meta.seq_slices():
+            if self.state_key not in seq.layers:
+                seq.layers[self.state_key] = self.new_state(x)
+            out.append(seq.layers[self.state_key].context)
+        return out
+
+    def _store_histories(self, meta: ForwardMeta, histories: list[list[int]]) -> None:
+        pm = meta.paged
+        if pm is not None:
+            ctx = pm.storage.ple[self.layer_idx].context_ids
+            ctx[pm.slots.long()] = torch.tensor(histories, dtype=ctx.dtype, device=ctx.device)
+            return
+        for (_, _, _, seq), hist in zip(meta.seq_slices(), histories):
+            seq.layers[self.state_key].context = hist

@@ -63,9 +63,9 @@ class QSAIndexer(nn.Module):
 
 
 class QSAttention(nn.Module):
-    def __init__(self, cfg: TextConfig, state_key: str):
+    def __init__(self, cfg: TextConfig, state_key: str, cache_key: int | str):
         super().__init__()
-        self.state_key = state_key
+        self.state_key, self.cache_key = state_key, cache_key  # cache_key: layer index, or "mtp"
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.ratio, self.block_budget = cfg.indexer_compress_ratio, cfg.qsa_block_budget
         d = cfg.hidden_size
@@ -93,6 +93,9 @@ class QSAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)), meta.cos, meta.sin)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         iq, ik = self.indexer.project(x, meta.cos, meta.sin)
+        if meta.paged is not None:
+            out = self._attend_paged(q, gate, k, v, iq, ik, meta)
+            return self.o_proj(out.flatten(-2))
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for _, start, end, seq in meta.seq_slices():
             st = seq.layers.get(self.state_key)
@@ -102,6 +105,34 @@ class QSAttention(nn.Module):
             out[start:end] = self._attend(st, q[start:end], iq[start:end])
         out = out.flatten(-2) * torch.sigmoid(gate.flatten(-2))  # elementwise gate per (head, dim)
         return self.o_proj(out)
+
+    def _attend_paged(self, q: Tensor, gate: Tensor, k: Tensor, v: Tensor, iq: Tensor, ik: Tensor,
+                      meta: ForwardMeta) -> Tensor:
+        """Store K/V and index keys in the paged cache, then gated sparse attention -> [T, H, D]."""
+        pm = meta.paged
+        cache = pm.storage.mtp if self.cache_key == "mtp" else pm.storage.qsa[self.cache_key]
+        kv_dtype = pm.storage.layout.draft_kv_cache_dtype if self.cache_key == "mtp" \
+            else pm.storage.layout.kv_cache_dtype
+        pm.ops.store_kv(k.contiguous(), v.contiguous(), cache.k_cache, cache.v_cache, pm.slot_mapping, kv_dtype,
+                        cache.k_scale, cache.v_scale)
+        # every group this step completes is compressed before selection: a query's own complete
+        # group is a candidate like any other (spec §4.4)
+        pm.ops.index_compress(ik.contiguous(), meta.cos, meta.sin, pm.storage.pending_keys[self.cache_key],
+                              pm.group_cos, pm.group_sin, self.indexer.k_layernorm.weight,
+                              self.indexer.k_layernorm.eps, cache.index_cache, pm.block_table, pm.cu_seqlens,
+                              pm.seq_lens, pending_slots=pm.slots, max_new_tokens=pm.max_new_tokens,
+                              ratio=self.ratio)
+        scale = self.head_dim**-0.5
+        if pm.is_decode:
+            selected = pm.ops.qsa_select_decode(iq.contiguous(), cache.index_cache, pm.block_table, pm.seq_lens,
+                                                self.block_budget, ratio=self.ratio)
+            return pm.ops.qsa_sparse_decode(q.contiguous(), gate.contiguous(), cache.k_cache, cache.v_cache,
+                                            pm.block_table, pm.seq_lens, selected, scale, kv_dtype,
+                                            cache.k_scale, cache.v_scale, ratio=self.ratio)
+        return pm.ops.qsa_prefill(q.contiguous(), gate.contiguous(), cache.k_cache, cache.v_cache, pm.block_table,
+                                  pm.cu_seqlens, pm.seq_lens, scale, self.block_budget, index_q=iq.contiguous(),
+                                  index_cache=cache.index_cache, kv_dtype=kv_dtype, k_scale=cache.k_scale,
+                                  v_scale=cache.v_scale, ratio=self.ratio)
 
     def _append(self, st: QSAState, k: Tensor, v: Tensor, ik: Tensor, cos: Tensor, sin: Tensor) -> None:
         """Add new tokens' K/V and index keys; compress every block they complete."""

@@ -1,0 +1,55 @@
+"""The one switch between the torch references and the Triton kernels.
+
+`kernel_ops("torch")` and `kernel_ops("triton")` return the same set of functions with the
+same signatures; layers call whatever the ForwardMeta carries, so the whole model runs on
+either path (the torch path is the numerics contract, the Triton path is checked against it).
+The references live beside their kernels, so both tables import Triton (without a GPU the
+kernels run under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    backend: str
+    causal_conv1d_varlen: Callable
+    causal_conv1d_update: Callable
+    gdn_chunk_prefill: Callable
+    gdn_recurrent_update: Callable
+    store_kv: Callable
+    index_compress: Callable
+    qsa_prefill: Callable
+    qsa_select_decode: Callable
+    qsa_sparse_decode: Callable
+    hc_read: Callable | None  # None: the layer's own torch code
+    moe_route: Callable | None
+    fused_moe: Callable | None
+
+
+def kernel_ops(backend: str) -> KernelOps:
+    """The op table of `backend` ("torch" references or "triton" kernels)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kernels={backend!r}; use one of {BACKENDS}")
+    from importlib import import_module
+
+    def op(module: str, name: str) -> Callable:
+        return getattr(import_module(f"{__package__}.{module}"), name)
+
+    sfx = "_ref" if backend == "torch" else ""
+    table = {name: op(module, name + sfx) for module, name in (
+        ("conv1d", "causal_conv1d_varlen"), ("conv1d", "causal_conv1d_update"),
+        ("gdn.chunk" if sfx == "" else "gdn.ref", "gdn_chunk_prefill"),
+        ("gdn.recurrent" if sfx == "" else "gdn.ref", "gdn_recurrent_update"),
+        ("qsa.store_kv", "store_kv"), ("qsa.index_compress", "index_compress"), ("qsa.prefill", "qsa_prefill"),
+        ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"))}
+    fused = {"hc_read": None, "moe_route": None, "fused_moe": None}
+    if backend == "triton":
+        fused = {"hc_read": op("hc", "hc_read"), "moe_route": op("moe", "moe_route"),
+                 "fused_moe": op("moe", "fused_moe")}
+    return KernelOps(backend=backend, **table, **fused)

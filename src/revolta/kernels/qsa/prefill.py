@@ -1,0 +1,70 @@
+"""QSA prefill / chunked-prefill attention (varlen, causal, paged).
+
+Row i of the step (a query token of request b at token index t) attends like a decode query at t:
+dense over 0..t while n = floor((t + 1) / c) <= budget, else over its selected groups + its tail.
+This first version reuses the row kernel of sparse_attn.py (one program per query row and KV head,
+flash-decoding splits), with per-row selections from `qsa_select_rows`. It is correct for any chunking
+(groups are keyed by absolute token index) but re-reads K/V per query row: it is not a tiled
+FlashAttention prefill. On sm_70 its tl.dot runs on the FMA units (no tensor cores).
+
+Call order for a step: store_kv (new K/V into the pages), index_compress (new complete groups), then this.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .common import check, varlen_rows
+from .select import qsa_select_rows, qsa_select_rows_ref
+from .sparse_attn import attend_rows, attend_rows_ref, check_attn
+
+SELECT_WORKSPACE_BYTES = 256 << 20
+
+
+def _rows(q, cu_seqlens, seq_lens):
+    check(cu_seqlens.dim() == 1 and cu_seqlens.shape[0] == seq_lens.shape[0] + 1 and cu_seqlens.dtype == torch.int32,
+          f"cu_seqlens: expected [B + 1] int32, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+    return varlen_rows(cu_seqlens, seq_lens, q.shape[0])
+
+
+def qsa_prefill_ref(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,
+                    seq_lens: Tensor, scale: float, budget_blocks: int, index_q: Tensor | None = None,
+                    index_cache: Tensor | None = None, selected: Tensor | None = None, kv_dtype: str = "auto",
+                    k_scale: Tensor | None = None, v_scale: Tensor | None = None, ratio: int = 4) -> Tensor:
+    """Torch reference of `qsa_prefill`."""
+    row_req, row_pos = _rows(q, cu_seqlens, seq_lens)
+    if selected is None:
+        selected = qsa_select_rows_ref(index_q, index_cache, block_table, seq_lens, row_req, row_pos, budget_blocks,
+                                       ratio)
+    return attend_rows_ref(q, gate, k_cache, v_cache, block_table, selected, row_req, row_pos, scale, kv_dtype,
+                           k_scale, v_scale, ratio, budget_blocks)
+
+
+def qsa_prefill(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,
+                seq_lens: Tensor, scale: float, budget_blocks: int, index_q: Tensor | None = None,
+                index_cache: Tensor | None = None, selected: Tensor | None = None, kv_dtype: str = "auto",
+                k_scale: Tensor | None = None, v_scale: Tensor | None = None, ratio: int = 4) -> Tensor:
+    """Varlen causal QSA attention of a prefill (or mixed) step.
+
+    q, gate: [T, Hq, D], T = cu_seqlens[-1] new tokens; request b owns rows cu_seqlens[b]:cu_seqlens[b+1], the
+    last seq_lens[b] - 1 being its final token index. k_cache, v_cache (+ scales): the paged caches, already
+    holding this step's tokens. Selection: `selected` [T, budget] int32, or computed here from index_q
+    [T, Hi, Di] and index_cache (rows under the sparse onset take every group and need no scores).
+    Returns [T, Hq, D] in q's dtype, gated.
+    """
+    row_req, row_pos = _rows(q, cu_seqlens, seq_lens)
+    T = q.shape[0]
+    if selected is None:
+        check(index_q is not None and index_cache is not None, "qsa_prefill needs `selected` or index_q + index_cache")
+        check(index_q.dim() == 3 and index_q.shape[0] == T, f"index_q: expected [T={T}, Hi, Di]")
+        selected = torch.empty(T, budget_blocks, dtype=torch.int32, device=q.device)
+        max_groups = block_table.shape[1] * index_cache.shape[1]
+        chunk = max(1, SELECT_WORKSPACE_BYTES // (4 * max(1, max_groups)))
+        for r0 in range(0, T, chunk):
+            r1 = min(T, r0 + chunk)
+            selected[r0:r1] = qsa_select_rows(index_q[r0:r1], index_cache, block_table, seq_lens, row_req[r0:r1],
+                                              row_pos[r0:r1], budget_blocks, ratio)
+    check_attn(q, gate, k_cache, v_cache, block_table, seq_lens, selected, kv_dtype, k_scale, v_scale)
+    return attend_rows(q, gate, k_cache, v_cache, block_table, seq_lens, selected, row_req, row_pos, scale, kv_dtype,
+                       k_scale, v_scale, ratio, 1, True)

@@ -1,0 +1,139 @@
+"""Ahead-of-time builds of the GDN and conv1d kernels for sm_70 (V100) and sm_90 (H200) at the
+real model's shapes and the launch configurations the wrappers use (no GPU needed).
+
+Real shapes: H = 16 q/k heads, HV = 48 value heads, K = V = 128, GDN conv C = 10240 (W = 4),
+PLE conv C = 10240 (W = 4, dilation 3). sm_70 builds use fp16 activations (no bf16 on V100),
+sm_90 builds bf16.
+
+Spill budgets on sm_70 (bytes of spill stores per thread, from ptxas -v): the memory-bound
+kernels (conv, recurrent decode/verify, commit) must not spill at all; the chunk kernels run
+tl.dot on FMA units on Volta (no tensor cores) and may spill up to SPILL_BUDGET_CHUNK[arch].
+"""
+
+import multiprocessing
+import os
+
+import pytest
+
+from revolta.kernels import aot
+from revolta.kernels import conv1d as conv
+from revolta.kernels.aot import compile_report
+from revolta.kernels.gdn import chunk, recurrent
+
+H, HV, K, V, C_GDN, C_PLE = 16, 48, 128, 128, 10240, 10240
+# sm_70: tl.dot is FMA-only (Triton has no Volta MMA) and spills; the V100 fast path for chunked
+# prefill is the torch.bmm variant (follow-up). sm_90: wgmma tiles, small spills allowed.
+SPILL_BUDGET_CHUNK = {70: 8192, 90: 1024}
+
+ACT = {70: "*fp16", 90: "*bf16"}
+
+
+def _sig(names, types, act):
+    """types: one letter per arg: a = activation pointer, f = fp32 pointer, i = int32 pointer,
+    b = bool pointer (as i8), n = int32 scalar, s = fp32 scalar, c = constexpr."""
+    table = {"a": act, "f": "*fp32", "i": "*i32", "b": "*i1", "n": "i32", "s": "fp32", "c": "constexpr"}
+    names = names.split()
+    assert len(names) == len(types), (names, types)
+    return {n: table[t] for n, t in zip(names, types)}
+
+
+def _recurrent(draft_mode, store_output, store_final, limit):
+    bv, warps = recurrent.recurrent_config(1 * HV, V, K)  # batch 1: the smallest BV, most programs
+    names = ("q k v g beta o ssm_state slots draft draft_slots num_steps scale T stride_q_b stride_q_t stride_k_b "
+             "stride_k_t stride_v_b stride_v_t stride_g_b stride_g_t stride_beta_b stride_beta_t H HV K V BK BV "
+             "USE_L2NORM STORE_OUTPUT STORE_FINAL DRAFT_MODE LIMIT_STEPS")
+    consts = dict(H=H, HV=HV, K=K, V=V, BK=K, BV=bv, USE_L2NORM=True, STORE_OUTPUT=store_output,
+                  STORE_FINAL=store_final, DRAFT_MODE=draft_mode, LIMIT_STEPS=limit)
+    return (recurrent._gdn_recurrent_fwd_kernel, names, "aaaffafifii" + "s" + "n" * 11 + "c" * 11, consts, warps)
+
+
+def _builds(arch):
+    cfg = chunk.chunk_config(K, V, arch)
+    yield "conv1d_varlen", (conv._causal_conv1d_varlen_fwd_kernel,
+                            "x weight conv_state slots cu_seqlens has_initial_state y T C NUM_SEQ stride_x stride_y "
+                            "stride_slot W DIL ACT LOG_NUM_SEQ BT BC", "aaaiibannnnnncccccc",
+                            dict(W=4, DIL=1, ACT=True, LOG_NUM_SEQ=3, BT=16, BC=128), 4)
+    yield "conv1d_state", (conv._causal_conv1d_state_kernel,
+                           "x conv_state slots cu_seqlens has_initial_state num_keep C stride_x stride_slot S BS BC "
+                           "USE_INIT_FLAGS USE_NUM_KEEP", "aaiibinnnccccc",
+                           dict(S=9, BS=16, BC=256, USE_INIT_FLAGS=True, USE_NUM_KEEP=False), 4)
+    yield "conv1d_update_ple", (conv._causal_conv1d_update_kernel,
+                                "x weight conv_state slots y C stride_x stride_y stride_slot W DIL ACT BS BC",
+                                "aaaiannnnccccc", dict(W=4, DIL=3, ACT=True, BS=8, BC=256), 4)
+    yield "gdn_decode", _recurrent(0, True, True, False)
+    yield "gdn_verify_keep", _recurrent(1, True, False, False)
+    yield "gdn_replay", _recurrent(0, False, True, True)
+    yield "gdn_commit", (recurrent._gdn_commit_kernel,
+                         "draft ssm_state slots draft_slots num_accepted T NUMEL DRAFT_MODE BLOCK", "ffiiinccc",
+                         dict(NUMEL=HV * K * V, DRAFT_MODE=1, BLOCK=2048), 4)
+    yield "chunk_kkt_solve", (chunk._gdn_chunk_kkt_solve_kernel,
+                              "k g beta cu_seqlens cu_chunks ainv gcum k_rstd NUM_SEQ stride_k stride_g stride_beta "
+                              "H HV K BK USE_L2NORM DOT_PREC LOG_NUM_SEQ", "affiifffnnnnccccccc",
+                              dict(H=H, HV=HV, K=K, BK=cfg["kkt_bk"], USE_L2NORM=True, DOT_PREC="ieee", LOG_NUM_SEQ=3),
+                              cfg["kkt_warps"])
+    yield "chunk_wu", (chunk._gdn_chunk_wu_kernel,
+                       "k v beta ainv gcum k_rstd w u cu_seqlens cu_chunks NUM_SEQ stride_k stride_v stride_beta "
+                       "H HV K V BK BV DOT_PREC LOG_NUM_SEQ", "aaffffaaii" + "nnnn" + "c" * 8,
+                       dict(H=H, HV=HV, K=K, V=V, BK=cfg["wu_bk"], BV=cfg["wu_bv"], DOT_PREC="ieee", LOG_NUM_SEQ=3),
+                       cfg["wu_warps"])
+    yield "chunk_h", (chunk._gdn_chunk_h_kernel,
+                      "k w u gcum k_rstd h v_new ssm_state slots has_initial_state cu_seqlens cu_chunks stride_k "
+                      "H HV K V BK BV DOT_PREC", "aaaffaafibiinccccccc",
+                      dict(H=H, HV=HV, K=K, V=V, BK=K, BV=cfg["h_bv"], DOT_PREC="ieee"), cfg["h_warps"])
+    yield "chunk_o", (chunk._gdn_chunk_o_kernel,
+                      "q k h v_new gcum k_rstd o cu_seqlens cu_chunks NUM_SEQ scale stride_q stride_k "
+                      "H HV K V BK BV USE_L2NORM DOT_PREC LOG_NUM_SEQ", "aaaaffaiinsnnccccccccc",
+                      dict(H=H, HV=HV, K=K, V=V, BK=cfg["o_bk"], BV=cfg["o_bv"], USE_L2NORM=True, DOT_PREC="ieee",
+                           LOG_NUM_SEQ=3), cfg["o_warps"])
+
+
+BUILDS = {arch: dict(_builds(arch)) for arch in (70, 90)}
+NAMES = list(BUILDS[70])
+MEMORY_BOUND = {"conv1d_varlen", "conv1d_state", "conv1d_update_ple", "gdn_decode", "gdn_verify_keep", "gdn_replay",
+                "gdn_commit"}
+
+
+def build(name, arch):
+    kernel, names, types, consts, warps = BUILDS[arch][name]
+    return compile_report(kernel, _sig(names, types, ACT[arch]), consts, arch=arch, num_warps=warps, num_stages=2)
+
+
+def _build_all():
+    jobs = [(n, a) for a in (70, 90) for n in NAMES]
+    # Compiles are CPU-bound and independent: use every core (CI has 2). Fresh worker processes
+    # with the interpreter off, so kernels and the @triton.jit helpers they call are JITFunctions
+    # (under TRITON_INTERPRET=1 nested helpers cannot be compiled).
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        with multiprocessing.get_context("spawn").Pool(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            return dict(zip(jobs, pool.starmap(build, jobs)))
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return _build_all()
+
+
+def _budget(name, arch):
+    return 0 if name in MEMORY_BOUND else SPILL_BUDGET_CHUNK[arch]
+
+
+@pytest.mark.parametrize("arch", [70, 90])
+@pytest.mark.parametrize("name", NAMES)
+def test_builds_within_budget(reports, name, arch):
+    report = reports[name, arch]
+    shared_limit = aot.V100_SHARED_LIMIT if arch == 70 else 227 * 1024
+    report.check(max_spill_bytes=_budget(name, arch), shared_limit=shared_limit)
+
+
+if __name__ == "__main__":  # print the resource table: python tests/kernels/test_gdn_aot.py
+    for (name, arch), r in sorted(_build_all().items(), key=lambda x: (x[0][1], NAMES.index(x[0][0]))):
+        print(f"sm_{arch} {name:18s} shared {r.shared_bytes:6d} B  regs {r.registers:3d}  "
+              f"spill st/ld {r.spill_store_bytes:5d}/{r.spill_load_bytes:5d} B  warps {r.num_warps}  "
+              f"budget {_budget(name, arch)}  forbidden {list(r.forbidden)}")

@@ -1,0 +1,97 @@
+"""GDN chunked prefill kernel vs the chunked and recurrent torch references (interpreter on CPU).
+
+bf16 is not tested here: Triton's interpreter computes bf16 tl.dot wrongly (triton#11584); the
+H200 benchmark checks bf16 against the reference instead.
+"""
+
+import pytest
+import torch
+
+from revolta.kernels.gdn.chunk import gdn_chunk_prefill
+from revolta.kernels.gdn.ref import _prepare_qk, gdn_chunk_prefill_ref, recurrent_gated_delta_rule_ref
+
+# fp16 intermediates (W, U, h, V') as in fla; the state itself is accumulated in fp32
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=5e-3, atol=5e-3)}
+STATE_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=5e-3, atol=5e-3)}
+NUM_SLOTS = 6
+
+
+def make(lens, H, HV, K, V, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q = torch.randn(T, H, K, generator=gen).to(dtype)
+    k = torch.randn(T, H, K, generator=gen).to(dtype)
+    v = torch.randn(T, HV, V, generator=gen).to(dtype)
+    g = -torch.rand(T, HV, generator=gen) * 0.7
+    beta = torch.rand(T, HV, generator=gen)
+    pool = torch.randn(NUM_SLOTS, HV, K, V, generator=gen) * 0.5
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k, v, g, beta, pool, cu
+
+
+CASES = [
+    ([1, 63, 2], dict(H=2, HV=4, K=16, V=32), torch.float32),
+    ([1, 63, 2], dict(H=2, HV=4, K=16, V=32), torch.float16),
+    ([65, 0, 130], dict(H=2, HV=4, K=32, V=16), torch.float32),
+    ([130, 64], dict(H=1, HV=3, K=32, V=32), torch.float16),
+]
+
+
+@pytest.mark.parametrize("lens,shape,dtype", CASES, ids=lambda x: str(x).replace(" ", ""))
+def test_chunk_prefill(lens, shape, dtype):
+    q, k, v, g, beta, pool0, cu = make(lens, dtype=dtype, seed=len(lens), **shape)
+    B = len(lens)
+    slots = torch.tensor([4, 1, 5][:B], dtype=torch.int32)
+    has_init = torch.tensor([True, False, True][:B])
+    pool, pool_ref = pool0.clone(), pool0.clone()
+    o = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init)
+    o_ref = gdn_chunk_prefill_ref(q, k, v, g, beta, cu, pool_ref, slots, has_init)
+    assert not o.isnan().any()
+    torch.testing.assert_close(o, o_ref, **TOL[dtype])
+    torch.testing.assert_close(pool, pool_ref, **STATE_TOL[dtype])
+    written = [int(slots[b]) for b in range(B) if lens[b] > 0]
+    others = [s for s in range(NUM_SLOTS) if s not in written]
+    assert torch.equal(pool[others], pool0[others]), "only the addressed slots of non-empty sequences change"
+
+    # the definition: token-by-token recurrence from the pool's initial states
+    HV = v.shape[1]
+    qe, ke = _prepare_qk(q, k, HV, None, True)
+    for b in range(B):
+        bos, eos = int(cu[b]), int(cu[b + 1])
+        if eos == bos:
+            continue
+        s0 = pool0[slots[b]] if has_init[b] else torch.zeros_like(pool0[0])
+        o_r, s_r = recurrent_gated_delta_rule_ref(qe[bos:eos], ke[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], s0)
+        torch.testing.assert_close(o[bos:eos].float(), o_r, **TOL[dtype])
+        torch.testing.assert_close(pool[slots[b]], s_r, **STATE_TOL[dtype])
+
+
+def test_chunk_prefill_strided_views_no_l2norm():
+    """q, k, v as head-contiguous column slices of one fused buffer; no in-kernel normalisation."""
+    lens, H, HV, K, V = [70, 5], 2, 4, 16, 16
+    T = sum(lens)
+    gen = torch.Generator().manual_seed(9)
+    mixed = torch.randn(T, 2 * H * K + HV * V, generator=gen) * 0.25
+    q, k, v = (t.unflatten(-1, (-1, d)) for t, d in zip(mixed.split([H * K, H * K, HV * V], -1), (K, K, V)))
+    g = -torch.rand(T, HV, generator=gen)
+    beta = torch.rand(T, HV, generator=gen)
+    pool = torch.randn(3, HV, K, V, generator=gen)
+    pool_ref = pool.clone()
+    cu = torch.tensor([0, 70, 75], dtype=torch.int32)
+    slots = torch.tensor([2, 1], dtype=torch.int32)
+    has_init = torch.tensor([True, True])
+    o = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init, scale=0.5, use_qk_l2norm=False)
+    o_ref = gdn_chunk_prefill_ref(q, k, v, g, beta, cu, pool_ref, slots, has_init, scale=0.5, use_qk_l2norm=False)
+    torch.testing.assert_close(o, o_ref, **TOL[torch.float32])
+    torch.testing.assert_close(pool, pool_ref, **STATE_TOL[torch.float32])
+
+
+def test_wrapper_messages():
+    q, k, v, g, beta, pool, cu = make([3], 2, 4, 16, 16, torch.float32, 0)
+    slots = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(AssertionError, match="has_initial_state must be bool"):
+        gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, torch.tensor([1]))
+    with pytest.raises(AssertionError, match="cu_seqlens must be int32"):
+        gdn_chunk_prefill(q, k, v, g, beta, cu.long(), pool, slots, torch.tensor([True]))
+    with pytest.raises(AssertionError, match="multiple of q/k heads"):
+        gdn_chunk_prefill(q, k, v[:, :3], g[:, :3], beta[:, :3], cu, pool[:, :3], slots, torch.tensor([True]))
