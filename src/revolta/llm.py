@@ -29,10 +29,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .config import ModelConfig
+from .engine import Engine, EngineConfig
 from .model import FlashNextModel, load_model
 from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling import Sampler, SamplingParams, compute_logprobs, make_generator
-from .state import SequenceState
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,9 @@ ENGINE_ARG_NAMES = frozenset({
     "kv_cache_dtype", "block_size", "enable_prefix_caching", "enforce_eager", "speculative_config",
     "limit_mm_per_prompt", "max_logprobs", "disable_log_stats", "generation_config", "compilation_config",
 })
+# vLLM arguments the engine consumes (the rest are accepted for compatibility and logged)
+_ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
+                       "gpu_memory_utilization", "block_size")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -98,7 +101,6 @@ class _Request:
     max_tokens: int  # resolved against max_model_len
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
-    state: SequenceState = field(default_factory=SequenceState)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
@@ -196,6 +198,7 @@ class LLM:
         self._num_text_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.cfg.text.vocab_size
         self.generation_config = self._read_json("generation_config.json")
         self.engine_args = dict(engine_args)
+        self.engine = self._build_engine()
         self.sampler = Sampler()
         self._seed_rng = random.Random(seed)
         self._next_request_id = 0
@@ -240,9 +243,15 @@ class LLM:
         logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | max_model_len %d | ready in %.1f s",
                     origin, self.model_path, str(self.dtype).removeprefix("torch."), self.device, ", ".join(parts),
                     num_params / 1e6, self.max_model_len, seconds)
-        unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"})
+        unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"} - set(_ENGINE_CONFIG_ARGS))
         if unused:
             logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))
+
+    def _build_engine(self) -> Engine:
+        args = {name: self.engine_args[name] for name in _ENGINE_CONFIG_ARGS if name in self.engine_args}
+        if self.device.type == "cpu":
+            args.setdefault("max_num_seqs", 16)
+        return Engine(self.model, EngineConfig(max_model_len=self.max_model_len, **args))
 
     # ---- public API ----------------------------------------------------------------------------
     def get_tokenizer(self) -> Tokenizer | None:
@@ -359,36 +368,28 @@ class LLM:
     # ---- the loop ------------------------------------------------------------------------------
     @torch.inference_mode()
     def _run(self, requests: list[_Request]) -> Iterator[list[_Request]]:
-        """Prefill every prompt in one flat forward, then decode one token per running request per step.
+        """Feed the requests to the engine (continuous batching on the paged cache) until all finish.
 
         Yields the requests that gained a token, after each step.
         """
-        if not requests:
-            return
-        lengths = [len(r.prompt_token_ids) for r in requests]
-        cu_seqlens = [0]
-        for n in lengths:
-            cu_seqlens.append(cu_seqlens[-1] + n)
-        input_ids = torch.tensor([t for r in requests for t in r.prompt_token_ids], device=self.device)
-        last = torch.tensor(cu_seqlens[1:], device=self.device) - 1
-        now = time.time()
         for r in requests:
-            r.metrics.first_scheduled_time = now
-        logits = self.model(input_ids, cu_seqlens=cu_seqlens, states=[r.state for r in requests],
-                            logits_indices=last)  # [B, V]
-        self._sample_and_append(requests, logits)
-        now = time.time()
-        for r in requests:
-            r.metrics.first_token_time = now
-        yield requests
-        running = [r for r in requests if not r.finished]
-        while running:
-            input_ids = torch.tensor([r.token_ids[-1] for r in running], device=self.device)
-            logits = self.model(input_ids, cu_seqlens=list(range(len(running) + 1)),
-                                states=[r.state for r in running])  # [B, V]
-            self._sample_and_append(running, logits)
-            yield running
-            running = [r for r in running if not r.finished]
+            self.engine.add_request(r)
+        try:
+            while self.engine.has_unfinished():
+                now = time.time()
+                for r in requests:
+                    if r.metrics.first_scheduled_time is None:
+                        r.metrics.first_scheduled_time = now
+                stepped = self.engine.step(self._sample_and_append)
+                now = time.time()
+                for r in stepped:
+                    if r.metrics.first_token_time is None:
+                        r.metrics.first_token_time = now
+                if stepped:
+                    yield stepped
+        finally:  # an exception or an abandoned stream frees every cache block the requests hold
+            for r in requests:
+                self.engine.abort(r.request_id)
 
     def _sample_and_append(self, requests: list[_Request], logits: Tensor) -> None:
         if self._num_text_ids < logits.shape[-1]:

@@ -15,8 +15,11 @@ Method (spec/engine.md §4.1-4.2, docs/cache.md has a worked example):
     pool pages  = budget // page;  slots = 1 dummy + max_num_seqs * (1 + per-draft slots)
                   + snapshot slots;  KV blocks = pool pages - slots * state pages (block 0 = null)
     per request = cdiv(L, block_size) + (1 + per-draft slots) * state pages
-    max concurrency       = (pool pages - null block - dummy slot) / per request
-    "GPU KV cache size"   = int(max concurrency * L)   (spec §4.2: not num_blocks * block_size)
+    "GPU KV cache size"   = (num_blocks - 1) * block_size: what the allocated K/V blocks hold
+    max concurrency       = that / (L + drafts), capped at max_num_seqs
+    release-note method   = (pool pages - null block - dummy slot) / per request, printed beside it
+                            (it counts state as pages of one shared pool; revolta's slots are
+                            separate tensors, so it would promise more than is allocated)
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class CacheConfig:
     num_snapshot_slots: int | None = None  # None: max_num_seqs with prefix caching, else 0
     snapshot_interval: int = 0  # extra snapshots every N tokens of prefill (multiple of block_size)
     kv_offload_gib: float = 0.0  # CPU tier, GiB in total over the TP ranks (pinned host memory)
-    pending_ring: int | None = None  # QSA pending index keys per slot; None: compress_ratio - 1
+    pending_ring: int | None = None  # QSA pending index keys per slot; None: default_pending_ring
 
     @property
     def num_draft_slots(self) -> int:

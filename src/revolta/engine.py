@@ -1,0 +1,125 @@
+"""Engine: add_request / step / abort over the scheduler, the hybrid cache and the model runner.
+
+One `step()` = schedule (chunked prefills and decodes within the token budget) -> cache copies
+(swap-ins, prefix-hit state restores, fresh-slot resets) -> one varlen forward on the paged cache
+-> sampling for every request whose known tokens are all computed -> commit / free. Sampling and
+stop rules belong to the caller (`sample_fn`), so `LLM` and the server share one engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .cache.capacity import CacheConfig, MemoryBudget, plan_cache
+from .cache.hybrid import HybridAllocator
+from .cache.storage import CacheStorage
+from .model import FlashNextModel
+from .runner import ModelRunner, StepSequence
+from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
+
+logger = logging.getLogger(__name__)
+
+SampleFn = Callable[[list[SchedRequest], Tensor], None]  # (requests, logits [N, V]) -> append tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """vLLM-named knobs of the engine. Cache size: `gpu_memory_utilization` of the device's memory
+    on CUDA, `cpu_kv_cache_gib` on CPU (both after the weights)."""
+
+    max_model_len: int
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 0.5
+    block_size: int | None = None
+    kernels: str = "torch"  # "torch" references or "triton" kernels
+
+
+class Engine:
+    def __init__(self, model: FlashNextModel, config: EngineConfig):
+        self.model, self.config = model, config
+        cfg = model.cfg
+        dtype = str(model.dtype).removeprefix("torch.")
+        cache = CacheConfig(max_model_len=config.max_model_len, kv_cache_dtype=config.kv_cache_dtype,
+                            block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            enable_prefix_caching=config.enable_prefix_caching)
+        self.plan = plan_cache(cfg, cache, self._budget(), tp=1, dtype=dtype)
+        self.storage = CacheStorage(cfg, self.plan.layout, device=model.device)
+        self.allocator = HybridAllocator(self.plan.allocator_config())
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.storage, kernels=config.kernels)
+        self._seqs: dict[str, Sequence] = {}
+        for line in self.plan.capacity_lines():
+            logger.info(line)
+
+    def _budget(self) -> MemoryBudget:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.model.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.model.device).total_memory
+            return MemoryBudget(gpu_memory_bytes=total, gpu_memory_utilization=self.config.gpu_memory_utilization,
+                                weights_bytes=weights, activation_bytes=0)
+        # CPU: the cache gets a fixed allowance, no graph or activation reserve
+        cache = int(self.config.cpu_kv_cache_gib * 2**30)
+        return MemoryBudget(gpu_memory_bytes=cache, gpu_memory_utilization=1.0, weights_bytes=0,
+                            activation_bytes=0, cudagraph_reserve_bytes=0, other_bytes=0)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request: SchedRequest) -> None:
+        if request.request_id in self._seqs:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; pass at least one token")
+        if n >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but max_model_len={self.config.max_model_len}; shorten "
+                             "it or raise max_model_len")
+        seq = Sequence(request)
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request at once: its blocks and slot go back to the pools."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self, sample_fn: SampleFn) -> list[SchedRequest]:
+        """Run one scheduled step; returns the requests that got a new token."""
+        items = self.scheduler.schedule()
+        if not items:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("no request fits in the cache even alone; raise the cache size or lower "
+                                   "max_model_len")
+            return []
+        self.storage.pre_forward([it.alloc for it in items], self.allocator.take_swap_outs())
+        logits = self.runner.execute([self._step_sequence(it) for it in items])  # [B, V]
+        self.storage.post_forward([it.alloc for it in items])
+        ready = [i for i, it in enumerate(items)  # all known tokens computed: the next token is due
+                 if it.alloc.num_computed_tokens + it.num_new_tokens == len(it.seq.all_token_ids)]
+        sampled = [items[i].seq.request for i in ready]
+        if ready:
+            sample_fn(sampled, logits[torch.tensor(ready, device=logits.device)])
+        self.scheduler.update(items)
+        for it in items:
+            if it.seq.request.finished:
+                self._seqs.pop(it.seq.request_id, None)
+        return sampled
+
+    def _step_sequence(self, it: ScheduledSeq) -> StepSequence:
+        a, seq = it.alloc, it.seq
+        start = a.num_computed_tokens
+        return StepSequence(token_ids=seq.all_token_ids[start:start + a.num_new_tokens], num_computed=start,
+                            block_ids=list(self.allocator.block_ids(seq)), slot=a.state_slot)
