@@ -54,13 +54,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
         """x: [T, h*d] wide residual -> [T, h*d]."""
+        ops = meta.paged.ops if meta.paged is not None else None
         if self.ple is not None:
             x = x + self.ple(x, meta)
-        u, inject = self.attn_hyper_connection.read(x)
+        u, inject = self.attn_hyper_connection.read(x, ops)
         u = self.linear_attn(u, meta) if self.is_gdn else self.self_attn(u, meta)
         x = self.attn_hyper_connection.combine(x, inject, u)
-        u, inject = self.mlp_hyper_connection.read(x)
-        return self.mlp_hyper_connection.combine(x, inject, self.mlp(u))
+        u, inject = self.mlp_hyper_connection.read(x, ops)
+        return self.mlp_hyper_connection.combine(x, inject, self.mlp(u, ops))
 
 
 class TextModel(nn.Module):

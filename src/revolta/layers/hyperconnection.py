@@ -26,8 +26,15 @@ class HyperConnection(nn.Module):
         self.input_mix_weight_up = nn.Linear(lowrank, wide, bias=False)
         self.block_inject_weight = nn.Linear(wide, hc_count, bias=False) if with_inject else None
 
-    def read(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        """x: [T, h*d] wide residual -> (block input [T, d], inject gates [T, h] in (0, 2) or None)."""
+    def read(self, x: Tensor, ops=None) -> tuple[Tensor, Tensor | None]:
+        """x: [T, h*d] wide residual -> (block input [T, d], inject gates [T, h] in (0, 2) or None).
+
+        ops: a kernels.ops.KernelOps whose `hc_read` (the fused Triton kernel) replaces this torch code.
+        """
+        if ops is not None and ops.hc_read is not None:
+            inj = self.block_inject_weight.weight if self.block_inject_weight is not None else None
+            return ops.hc_read(x.contiguous(), self.hc_norm.weight, self.input_mix_weight_down.weight,
+                               self.input_mix_weight_up.weight, inj, self.hc_count, self.hc_norm.eps)
         h = self.hc_count
         normed = self.hc_norm(x)  # [T, h*d]
         # the division by h sits after each matmul, before its nonlinearity (spec §11.4)

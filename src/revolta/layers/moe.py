@@ -65,8 +65,15 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights
 
-    def forward(self, x: Tensor) -> Tensor:
-        ids, weights = self.route(x)
-        routed = self.experts(x, ids, weights)  # [T, H] fp32
+    def forward(self, x: Tensor, ops=None) -> Tensor:
+        """x: [T, H] -> [T, H]. ops: a kernels.ops.KernelOps whose routing and fused expert GEMMs
+        (Triton) replace the torch reference."""
+        if ops is not None and ops.fused_moe is not None:
+            ids, weights = ops.moe_route(self.gate(x).float().contiguous(), self.top_k, self.norm_topk_prob)
+            routed = ops.fused_moe(x.contiguous(), self.experts.gate_up_proj, self.experts.down_proj, ids,
+                                   weights).float()
+        else:
+            ids, weights = self.route(x)
+            routed = self.experts(x, ids, weights)  # [T, H] fp32
         shared = torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()
         return (routed + shared).to(x.dtype)

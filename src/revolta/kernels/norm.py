@@ -1,0 +1,107 @@
+"""RMSNorm kernels (spec/model.md §2.1, §3.6): fp32 statistics, one rounding to the input dtype.
+
+  * `zc_rms_norm(x, w, eps, group_size)`: zero-centred (1 + w) RMSNorm, one statistic per group of
+    `group_size` features (the grouped form of the wide HyperConnection tensors, the PLE norms;
+    q/k norms with group_size = head_dim on a flattened [T, heads·head_dim] view).
+  * `gated_rms_norm(o, w, z, eps, activation)`: the GDN output norm RMS(o)·w·act(z), fp32 chain.
+
+One program per (row, group); the group is loaded once (BLOCK = next power of two of the group,
+up to 16384 features). Rows may be strided (views into a larger projection output); the last
+dimension must be contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..layers.norm import zc_rms_norm as _zc_rms_norm_layer
+
+
+def zc_rms_norm_ref(x: Tensor, w: Tensor, eps: float, group_size: int | None = None) -> Tensor:
+    """x: [..., N]; w: [N]; group_size divides N (None: one group). Returns x.dtype (ZCRMSNorm)."""
+    return _zc_rms_norm_layer(x, w, eps, group_size)
+
+
+@triton.jit
+def _zc_rms_norm_kernel(x, w, y, N, G, stride_x, stride_y, eps,
+                        BLOCK: tl.constexpr):
+    i_m = tl.program_id(0).to(tl.int64)
+    i_g = tl.program_id(1)
+    o = i_g * G + tl.arange(0, BLOCK)
+    m = tl.arange(0, BLOCK) < G
+    b_x = tl.load(x + i_m * stride_x + o, mask=m, other=0.0).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 0) / G + eps)
+    b_w = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + i_m * stride_y + o, (b_x * b_r * (1.0 + b_w)).to(y.dtype.element_ty), mask=m)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """[..., N] -> [rows, N] without a copy when possible; last dim must be contiguous."""
+    assert x.stride(-1) == 1, ("last dimension must be contiguous", x.stride())
+    return x.reshape(-1, x.shape[-1])
+
+
+def zc_rms_norm(x: Tensor, w: Tensor, eps: float, group_size: int | None = None, out: Tensor | None = None) -> Tensor:
+    """Triton version of `zc_rms_norm_ref`. `out` (same shape, any row stride) may alias x."""
+    N = x.shape[-1]
+    G = N if group_size is None else group_size
+    assert N % G == 0 and w.shape == (N,) and w.is_contiguous(), (x.shape, w.shape, group_size)
+    assert G <= 16384, G
+    x2 = _rows(x)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.stride(-1) == 1, (out.shape, x.shape)
+    y2 = out.view(-1, N)  # raises when `out` cannot be viewed as rows
+    if x2.shape[0] == 0:
+        return out
+    block = triton.next_power_of_2(G)
+    _zc_rms_norm_kernel[(x2.shape[0], N // G)](x2, w, y2, N, G, x2.stride(0), y2.stride(0), eps,
+                                               BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out
+
+
+def gated_rms_norm_ref(o: Tensor, w: Tensor, z: Tensor, eps: float, activation: str = "sigmoid") -> Tensor:
+    """RMS(o)·w·act(z) over the last dim (GatedRMSNorm.forward), fp32 chain, one rounding to o.dtype.
+
+    o, z: [..., D]; w: [D]; activation "sigmoid" (the real model) or "silu".
+    """
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    zf = z.float()
+    gate = torch.sigmoid(zf) if activation == "sigmoid" else torch.nn.functional.silu(zf)
+    return (of * w.float() * gate).to(o.dtype)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(o, w, z, y, D, stride_o, stride_z, stride_y, eps,
+                           BLOCK: tl.constexpr, SILU: tl.constexpr):
+    i_m = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    m = c < D
+    b_o = tl.load(o + i_m * stride_o + c, mask=m, other=0.0).to(tl.float32)
+    b_z = tl.load(z + i_m * stride_z + c, mask=m, other=0.0).to(tl.float32)
+    b_w = tl.load(w + c, mask=m, other=0.0).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_o * b_o, 0) / D + eps)
+    b_gate = tl.sigmoid(b_z)
+    if SILU:
+        b_gate = b_z * b_gate
+    tl.store(y + i_m * stride_y + c, (b_o * b_r * b_w * b_gate).to(y.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm(o: Tensor, w: Tensor, z: Tensor, eps: float, activation: str = "sigmoid") -> Tensor:
+    """Triton version of `gated_rms_norm_ref`; o and z: [..., D] with a contiguous last dim."""
+    assert activation in ("sigmoid", "silu"), activation
+    D = o.shape[-1]
+    assert z.shape == o.shape and w.shape == (D,) and w.is_contiguous(), (o.shape, z.shape, w.shape)
+    o2, z2 = _rows(o), _rows(z)
+    y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    y2 = y.view(-1, D)
+    if o2.shape[0] == 0:
+        return y
+    block = triton.next_power_of_2(D)
+    _gated_rms_norm_kernel[(o2.shape[0],)](o2, w, z2, y2, D, o2.stride(0), z2.stride(0), y2.stride(0), eps,
+                                           BLOCK=block, SILU=activation == "silu", num_warps=min(8, max(1, block // 256)))
+    return y

@@ -1,0 +1,178 @@
+"""Ahead-of-time builds (no GPU) of the MoE, norm, HyperConnection, RoPE and sampling kernels for sm_70
+(V100, fp16 activations) and sm_90 (H200, bf16) at the real model's shapes, in the launch
+configurations the wrappers pick.
+
+Real shapes: hidden 2560, ffn 640, 512 routed experts + the shared one as expert 512, top-10 (+1),
+HC d = 2560, h = 4, r = 320, QSA head dim 256 / indexer 128 with R = 64, vocab 248320.
+
+Spill budget on sm_70: 0 bytes for every build listed here (SM70_SPILL_BUDGET).
+
+The builds run in a child process with TRITON_INTERPRET=0: under the interpreter (which conftest
+turns on without a GPU) triton.language's own @jit helpers (tl.sum, tl.max, tl.sigmoid, ...) are
+interpreter objects and cannot be compiled. For sm_90 under Triton >= 3.9 the resource read-out
+uses the Hopper ptxas that Triton itself uses (`ptxas-blackwell`, target sm_90a): aot.py's
+`ptxas -v --gpu-name=sm_90` rejects Triton 3.9's PTX 9.4 (the default ptxas is CUDA 12.9).
+Print the table: `python tests/kernels/test_moe_aot.py`.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+
+SM70_SPILL_BUDGET = 0
+ACT = {70: "*fp16", 90: "*bf16"}
+
+
+def _sig(names, types, act):
+    """One letter per arg: a = activation pointer, f = fp32 ptr, i = int32 ptr, l = int64 ptr,
+    n = int32 scalar, s = fp32 scalar, c = constexpr."""
+    table = {"a": act, "f": "*fp32", "i": "*i32", "l": "*i64", "n": "i32", "s": "fp32", "c": "constexpr"}
+    names = names.split()
+    assert len(names) == len(types), (names, types)
+    return {n: table[t] for n, t in zip(names, types)}
+
+
+def _builds(arch):
+    """name -> (kernel, arg names, arg types, constexprs, num_warps, num_stages)."""
+    from revolta.kernels import hc, moe, norm, rope, sample
+
+    b = {}
+    b["moe_route"] = (moe._moe_route_kernel, "logits shared ids_out w_out E stride_l stride_s stride_o TOP_K NUM_OUT "
+                      "BLOCK_E BLOCK_K RENORM HAS_SHARED", "aaifnnnncccccc",
+                      dict(TOP_K=10, NUM_OUT=11, BLOCK_E=512, BLOCK_K=16, RENORM=True, HAS_SHARED=True), 4, 2)
+    b["moe_count"] = (moe._moe_count_kernel, "topk_ids counts ranks T BLOCK", "iiinc", dict(BLOCK=1024), 4, 2)
+    b["moe_prefix"] = (moe._moe_prefix_kernel, "counts starts sorted_ids expert_ids num_post_pad T E num_blocks "
+                       "BLOCK_E BLOCK_M BLOCK_B BLOCK_P", "iiiiinnncccc",
+                       dict(BLOCK_E=1024, BLOCK_M=64, BLOCK_B=16, BLOCK_P=1024), 4, 2)
+    b["moe_scatter"] = (moe._moe_scatter_kernel, "topk_ids ranks starts sorted_ids T BLOCK", "iiiinc", dict(BLOCK=1024), 4, 2)
+    b["moe_sum"] = (moe._moe_sum_kernel, "y out H stride_ym stride_om TOP_K BLOCK_N", "fannncc", dict(TOP_K=11, BLOCK_N=1024), 4, 2)
+    seen = set()
+    for M in (1, 5, 8, 40, 64, 8192):
+        cfg = moe.moe_config(M, 11, 513, arch)
+        key = tuple(sorted(cfg.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        w, s = cfg["num_warps"], cfg["num_stages"]
+        b[f"moe_gate_up_M{M}"] = (moe._moe_gate_up_kernel, "x w act sorted_ids expert_ids T H I stride_xm stride_we "
+                                  "stride_wn stride_am TOP_K BLOCK_M BLOCK_N BLOCK_K USE_DOT", "aaaiinnnnnnnccccc",
+                                  dict(TOP_K=11, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"],
+                                       BLOCK_K=cfg["BLOCK_K_UP"], USE_DOT=cfg["USE_DOT"]), w, s)
+        b[f"moe_down_M{M}"] = (moe._moe_down_kernel, "act w topk_weights y sorted_ids expert_ids T H I stride_am "
+                               "stride_we stride_wn stride_ym BLOCK_M BLOCK_N BLOCK_K USE_DOT", "aaffiinnnnnnncccc",
+                               dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"],
+                                    USE_DOT=cfg["USE_DOT"]), w, s)
+    for G, warps in ((2560, 16), (256, 1), (10240, 16)):
+        b[f"zc_rms_norm_G{G}"] = (norm._zc_rms_norm_kernel, "x w y N G stride_x stride_y eps BLOCK", "aaannnnsc",
+                                  dict(BLOCK=1 << (G - 1).bit_length()), warps, 2)
+    b["gated_rms_norm"] = (norm._gated_rms_norm_kernel, "o w z y D stride_o stride_z stride_y eps BLOCK SILU",
+                           "aaaannnnscc", dict(BLOCK=128, SILU=False), 1, 2)
+    d, r, h = 2560, 320, 4
+    seen = set()
+    for M in (1, 5, 8, 64, 8192):
+        cfg = hc.hc_config(M, d, r, h, arch)
+        key = tuple(sorted(cfg.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        w = cfg["num_warps"]
+        b[f"hc_down_M{M}"] = (hc._hc_down_kernel, "x norm_w w_down w_inject partial sumsq M R RH WIDE KSPLIT stride_x "
+                              "stride_wd stride_wi BLOCK_M BLOCK_R BLOCK_K HAS_INJECT USE_DOT", "aaaaffnnnnnnnnccccc",
+                              dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], HAS_INJECT=True,
+                                   USE_DOT=cfg["USE_DOT"]), w, 2)
+        b[f"hc_up_M{M}"] = (hc._hc_up_kernel, "x norm_w mix w_up rstd out M R D stride_x stride_wu stride_o NH BLOCK_M "
+                            "BLOCK_C BLOCK_K USE_DOT", "aaaafannnnnnccccc",
+                            dict(NH=h, BLOCK_M=cfg["BLOCK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K_UP"],
+                                 USE_DOT=cfg["USE_DOT"]), w, 2)
+    b["hc_mix"] = (hc._hc_mix_kernel, "partial sumsq mix rstd inject M R RH D S eps NH BLOCK_R BLOCK_S HAS_INJECT",
+                   "ffafannnnnscccc", dict(NH=h, BLOCK_R=512, BLOCK_S=64, HAS_INJECT=True), 4, 2)
+    b["hc_combine"] = (hc._hc_combine_kernel, "x inject u y D stride_x stride_i stride_u stride_y NH BLOCK",
+                       "aaaannnnncc", dict(NH=h, BLOCK=1024), 4, 2)
+    for D, bh in ((256, 16), (128, 4)):
+        b[f"rope_D{D}"] = (rope._rope_kernel, "x cos sin y H D R2 stride_xt stride_xh stride_yt stride_yh stride_c "
+                           "BLOCK_H BLOCK_R2 BLOCK_REST COPY_REST", "affannnnnnnncccc",
+                           dict(BLOCK_H=bh, BLOCK_R2=32, BLOCK_REST=1 << (D - 65).bit_length(), COPY_REST=True), 4, 2)
+    b["rope_inplace"] = (rope._rope_kernel, "x cos sin y H D R2 stride_xt stride_xh stride_yt stride_yh stride_c "
+                         "BLOCK_H BLOCK_R2 BLOCK_REST COPY_REST", "affannnnnnnncccc",
+                         dict(BLOCK_H=16, BLOCK_R2=32, BLOCK_REST=1, COPY_REST=False), 4, 2)
+    b["mrope_cos_sin"] = (rope._mrope_kernel, "positions inv_freq rows cos sin T F stride_p scale BLOCK_T BLOCK_F",
+                          "lflffnnnscc", dict(BLOCK_T=16, BLOCK_F=32), 4, 2)
+    b["sample"] = (sample._sample_kernel, "logits temperature top_k top_p min_p seeds offsets out V stride_l BLOCK_V",
+                   "ffifflllnnc", dict(BLOCK_V=4096), 8, 2)
+    return b
+
+
+def _compile(kernel, signature, constexprs, arch, num_warps, num_stages):
+    from revolta.kernels import aot
+
+    if arch < 90:
+        return aot.compile_report(kernel, signature, constexprs, arch=arch, num_warps=num_warps, num_stages=num_stages)
+    real_run = subprocess.run
+
+    def run(cmd, *a, **k):
+        hopper = cmd[0] + "-blackwell"
+        if "--gpu-name=sm_90" in cmd and os.path.exists(hopper):
+            cmd = [hopper] + ["--gpu-name=sm_90a" if c == "--gpu-name=sm_90" else c for c in cmd[1:]]
+        return real_run(cmd, *a, **k)
+
+    with mock.patch.object(aot.subprocess, "run", run):
+        return aot.compile_report(kernel, signature, constexprs, arch=arch, num_warps=num_warps, num_stages=num_stages)
+
+
+def build_all(arch):
+    """{name: CompileReport as a dict}; call with TRITON_INTERPRET unset or 0."""
+    out = {}
+    for name, (kernel, names, types, consts, warps, stages) in _builds(arch).items():
+        out[name] = dataclasses.asdict(_compile(kernel, _sig(names, types, ACT[arch]), consts, arch, warps, stages))
+    return out
+
+
+_CHILDREN = {}
+
+
+def _build_in_child(arch):
+    """Both architectures build in parallel child processes (started on first use)."""
+    if not _CHILDREN:
+        env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+        for a in (70, 90):
+            code = (f"import sys, json; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_moe_aot as t; "
+                    f"print('@@' + json.dumps(t.build_all({a})))")
+            _CHILDREN[a] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True)
+    out, err = _CHILDREN[arch].communicate(timeout=600)
+    assert _CHILDREN[arch].returncode == 0, err[-4000:]
+    line = [ln for ln in out.splitlines() if ln.startswith("@@")][-1]
+    return json.loads(line[2:])
+
+
+@pytest.mark.parametrize("arch", [70, 90])
+def test_aot_real_shapes(arch):
+    from revolta.kernels.aot import CompileReport
+
+    problems = []
+    for name, fields in _build_in_child(arch).items():
+        fields["forbidden"] = tuple(fields["forbidden"])
+        report = CompileReport(**fields)
+        print(f"sm_{arch} {name}: regs {report.registers} spill {report.spill_store_bytes} B smem {report.shared_bytes} B")
+        try:
+            if arch == 70:
+                report.check(max_spill_bytes=SM70_SPILL_BUDGET)
+            else:
+                report.check(max_spill_bytes=1 << 20, shared_limit=227 * 1024)
+        except AssertionError as e:
+            problems.append(f"{name}: {e}")
+    assert not problems, "\n".join(problems)
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"
+    for arch in (70, 90):
+        for name, r in build_all(arch).items():
+            print(f"sm_{arch} {name:22s} shared {r['shared_bytes']:6d} B  regs {r['registers']:3d}  "
+                  f"spill st/ld {r['spill_store_bytes']}/{r['spill_load_bytes']} B  warps {r['num_warps']}  "
+                  f"forbidden {r['forbidden']}")
