@@ -348,15 +348,18 @@ def main():
     RESULTS["meta"] = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            peer=PEER, date=time.strftime("%Y-%m-%d %H:%M:%S"), shape=dict(H=H, HV=HV, K=K, V=V))
     log(RESULTS["meta"])
-    correctness()
-    v100_configs()
-    k2_decode()
-    k3_verify()
-    k1_prefill()
-    RESULTS["meta"]["wall_s"] = time.time() - T_START
     path = os.path.join(out_dir, "bench_gdn.json")
-    with open(path, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+
+    def save():  # after every stage: a crash later (a CUDA fault poisons the context) keeps what ran
+        RESULTS["meta"]["wall_s"] = time.time() - T_START
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+    # prefill and verify first, decode last: the fla decode peer at batch 256 has hit an illegal
+    # memory access on the H200 (2026-12-02), which ends the process
+    for stage in (correctness, v100_configs, k1_prefill, k3_verify, k2_decode):
+        stage()
+        save()
     print("\n== GDN kernels, µs per layer call ==")
     for r in RESULTS["rows"]:
         if r["kernel"].startswith("K1"):

@@ -5,7 +5,9 @@ set -u
 export PYTHONPATH=src OUT=${OUT:-bench_out} TRITON_DEFAULT_FP_FUSION=1
 mkdir -p "$OUT"
 if ls .device_wheels/*.whl >/dev/null 2>&1; then  # flash-linear-attention, the GDN peer (pure Python + Triton)
-  pip install --no-deps --no-index -q .device_wheels/*.whl 2>&1 | tail -1
+  for w in .device_wheels/*.whl; do python -m zipfile -e "$w" /tmp/peers; done
+  export PYTHONPATH=src:/tmp/peers
+  python -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

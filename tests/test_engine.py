@@ -75,7 +75,7 @@ def assert_clean(engine):
 
 
 def make_engine(model, **kw):
-    cfg = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, block_size=16, cpu_kv_cache_gib=0.002)
+    cfg = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, block_size=16, kv_cache_gib=0.002)
     cfg.update(kw)
     return Engine(model, EngineConfig(**cfg))
 
@@ -96,7 +96,7 @@ def test_concurrent_chunked_requests_equal_single_runs(model):
 def test_preemption_recomputes_to_identical_tokens(model):
     prompts = [ids(70 + 9 * i, seed=100 + i) for i in range(4)]
     reqs = [Req(f"p{i}", p, max_tokens=30) for i, p in enumerate(prompts)]
-    engine = make_engine(model, cpu_kv_cache_gib=0.00035, max_num_batched_tokens=64)
+    engine = make_engine(model, kv_cache_gib=0.0005, max_num_batched_tokens=64)
     preempted = []
     orig = engine.scheduler._preempt
     engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))

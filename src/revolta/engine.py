@@ -29,8 +29,8 @@ SampleFn = Callable[[list[SchedRequest], Tensor], None]  # (requests, logits [N,
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """vLLM-named knobs of the engine. Cache size: `gpu_memory_utilization` of the device's memory
-    on CUDA, `cpu_kv_cache_gib` on CPU (both after the weights)."""
+    """vLLM-named knobs of the engine. Cache size: `kv_cache_gib` when given; else on CUDA
+    `gpu_memory_utilization` of the device's memory minus the weights, on CPU 0.5 GiB."""
 
     max_model_len: int
     max_num_seqs: int = 16
@@ -38,7 +38,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = 0.5
+    kv_cache_gib: float | None = None
     block_size: int | None = None
     kernels: str = "torch"  # "torch" references or "triton" kernels
 
@@ -63,12 +63,12 @@ class Engine:
 
     def _budget(self) -> MemoryBudget:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if self.model.device.type == "cuda":
+        if self.model.device.type == "cuda" and self.config.kv_cache_gib is None:
             total = torch.cuda.get_device_properties(self.model.device).total_memory
             return MemoryBudget(gpu_memory_bytes=total, gpu_memory_utilization=self.config.gpu_memory_utilization,
                                 weights_bytes=weights, activation_bytes=0)
-        # CPU: the cache gets a fixed allowance, no graph or activation reserve
-        cache = int(self.config.cpu_kv_cache_gib * 2**30)
+        # a fixed allowance (CPU default 0.5 GiB): no graph or activation reserve
+        cache = int((0.5 if self.config.kv_cache_gib is None else self.config.kv_cache_gib) * 2**30)
         return MemoryBudget(gpu_memory_bytes=cache, gpu_memory_utilization=1.0, weights_bytes=0,
                             activation_bytes=0, cudagraph_reserve_bytes=0, other_bytes=0)
 

@@ -53,7 +53,8 @@ def prompts():
 
 def generate(model, kernels, n=24):
     engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96,
-                                        kernels=kernels, enable_prefix_caching=False))
+                                        kernels=kernels, enable_prefix_caching=False,
+                                        kv_cache_gib=1.0))
     reqs = [Req(str(i), p, n) for i, p in enumerate(prompts())]
     for r in reqs:
         engine.add_request(r)

@@ -38,7 +38,8 @@ DEFAULT_OTHER_RESERVE_MIB = 512.0  # CUDA context, NCCL buffers, allocator slack
 CPU_TIER_STATE_FRACTION = 0.25  # share of the CPU tier that holds state snapshots
 
 _KV_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16",
-               "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "int8": "int8"}
+               "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "int8": "int8",
+               "fp32": "fp32", "float32": "fp32"}
 _ACT_DTYPES = {"float16": "fp16", "fp16": "fp16", "half": "fp16", "bfloat16": "bf16", "bf16": "bf16",
                "float32": "fp32", "fp32": "fp32"}
 _TORCH_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -55,10 +56,10 @@ class CacheConfigError(ValueError):
 
 
 def resolve_kv_dtype(name: str, dtype: str = "float16") -> str:
-    """`auto` -> the activation dtype (bf16 for fp32 activations); aliases -> fp16 | bf16 | fp8_e4m3 | int8."""
+    """`auto` -> the activation dtype; aliases -> fp16 | bf16 | fp32 | fp8_e4m3 | int8."""
     act = _act(dtype)
     if name == "auto":
-        return "bf16" if act == "fp32" else act
+        return act
     try:
         return _KV_ALIASES[name]
     except KeyError:
@@ -217,10 +218,16 @@ def choose_block_size(cfg: ModelConfig, cache: CacheConfig) -> int:
 
 def kv_page_bytes_per_token(cfg: ModelConfig, kv_dtype: str, draft_dtype: str, with_mtp: bool, tp: int) -> int:
     """Bytes one token occupies across all pages of a block (trunk QSA layers + MTP layer)."""
-    trunk = kv_bytes_breakdown(cfg, kv_dtype, "compressed", include_mtp=False, tp=tp)["total"]
+
+    def breakdown(dt: str, include_mtp: bool) -> dict[str, int]:
+        if dt == "fp32":  # fp32 models (CPU parity runs) keep fp32 pages: twice the 16-bit bytes
+            return {k: 2 * v for k, v in kv_bytes_breakdown(cfg, "bf16", "compressed", include_mtp, tp).items()}
+        return kv_bytes_breakdown(cfg, dt, "compressed", include_mtp=include_mtp, tp=tp)
+
+    trunk = breakdown(kv_dtype, False)["total"]
     if not with_mtp:
         return trunk
-    m = kv_bytes_breakdown(cfg, draft_dtype, "compressed", include_mtp=True, tp=tp)
+    m = breakdown(draft_dtype, True)
     return trunk + m["mtp_main_kv"] + m["mtp_kv_scales"] + m["mtp_index_keys"]
 
 

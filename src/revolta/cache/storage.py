@@ -42,8 +42,10 @@ from .hybrid import Allocation, SwapOuts
 
 logger = logging.getLogger(__name__)
 
-_KV_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.uint8, "int8": torch.int8}
-_INDEX_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.uint8, "int8": torch.uint8}
+_KV_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8_e4m3": torch.uint8,
+             "int8": torch.int8}
+_INDEX_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8_e4m3": torch.uint8,
+                "int8": torch.uint8}
 _SCALE_NAME = re.compile(r"(?:model\.language_model\.layers\.(\d+)|mtp\.layers\.\d+)\.self_attn\.([kv])_scale$")
 
 MTP = "mtp"

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-KV_FORMATS = {"auto": 0, "fp16": 0, "bf16": 0, "fp8_e4m3": 1, "int8": 2}
+KV_FORMATS = {"auto": 0, "fp16": 0, "bf16": 0, "fp32": 0, "fp8_e4m3": 1, "int8": 2}
 E4M3_MAX = 448.0
 FP8_DECODE_FACTOR = 256.0  # e4m3_decode returns value * 2^-8
 _RNE_MAGIC = 12582912.0  # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 to nearest even
