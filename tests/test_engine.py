@@ -125,6 +125,23 @@ def test_prefix_hit_gives_identical_outputs(model):
 
 
 @torch.no_grad()
+def test_cpu_tier_brings_evicted_prefixes_back(model):
+    """A GPU pool too small to keep old prefixes: they go to the CPU tier and come back on a hit."""
+    shared = [ids(60, seed=300 + i) for i in range(9)]  # 9 x 4 blocks > the 26 usable GPU blocks
+    engine = make_engine(model, kv_cache_gib=0.0005, kv_offload_gib=0.002, max_num_batched_tokens=64)
+    assert engine.cpu_storage is not None
+    first = [Req(f"f{i}", s + [7], max_tokens=4) for i, s in enumerate(shared)]
+    for r in first:  # one after another: each evicts the previous prefixes from the GPU pool
+        run(engine, [r])
+    again = [Req(f"g{i}", s + [9, 9], max_tokens=4) for i, s in enumerate(shared)]
+    run(engine, again[:1])
+    assert engine.allocator.stats.cpu_hit_blocks > 0, engine.allocator.stats
+    for r in first + again[:1]:
+        assert r.token_ids == reference(model, r.prompt_token_ids, 4), r.request_id
+    assert_clean(engine)
+
+
+@torch.no_grad()
 def test_abort_frees_everything_and_others_continue(model):
     reqs = [Req(f"x{i}", ids(30, seed=200 + i), max_tokens=12) for i in range(3)]
     engine = make_engine(model, enable_prefix_caching=False)

@@ -39,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_gib: float | None = None
+    kv_offload_gib: float = 0.0  # CPU tier: evicted prefix blocks and snapshots in pinned host memory
     block_size: int | None = None
     kernels: str = "torch"  # "torch" references or "triton" kernels
 
@@ -51,9 +52,12 @@ class Engine:
         cache = CacheConfig(max_model_len=config.max_model_len, kv_cache_dtype=config.kv_cache_dtype,
                             block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
-                            enable_prefix_caching=config.enable_prefix_caching)
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            kv_offload_gib=config.kv_offload_gib)
         self.plan = plan_cache(cfg, cache, self._budget(), tp=1, dtype=dtype)
         self.storage = CacheStorage(cfg, self.plan.layout, device=model.device)
+        cpu_layout = self.plan.cpu_layout()
+        self.cpu_storage = None if cpu_layout is None else CacheStorage(cfg, cpu_layout, "cpu", pin_memory=True)
         self.allocator = HybridAllocator(self.plan.allocator_config())
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.storage, kernels=config.kernels)
@@ -104,7 +108,7 @@ class Engine:
                 raise RuntimeError("no request fits in the cache even alone; raise the cache size or lower "
                                    "max_model_len")
             return []
-        self.storage.pre_forward([it.alloc for it in items], self.allocator.take_swap_outs())
+        self.storage.pre_forward([it.alloc for it in items], self.allocator.take_swap_outs(), self.cpu_storage)
         logits = self.runner.execute([self._step_sequence(it) for it in items])  # [B, V]
         self.storage.post_forward([it.alloc for it in items])
         ready = [i for i, it in enumerate(items)  # all known tokens computed: the next token is due
