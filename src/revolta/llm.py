@@ -251,6 +251,8 @@ class LLM:
         args = {name: self.engine_args[name] for name in _ENGINE_CONFIG_ARGS if name in self.engine_args}
         if self.device.type == "cpu":
             args.setdefault("max_num_seqs", 16)
+        # the torch references are the CPU path; on a GPU the Triton kernels run the cache
+        args["kernels"] = "triton" if self.device.type == "cuda" else "torch"
         return Engine(self.model, EngineConfig(max_model_len=self.max_model_len, **args))
 
     # ---- public API ----------------------------------------------------------------------------
