@@ -295,3 +295,26 @@ def test_accepts_vllm_engine_args(tiny_dir):
     assert llm.dtype == torch.bfloat16 and llm.engine_args["max_num_seqs"] == 4
     out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3
+
+
+def test_min_tokens_holds_back_eos(llm):
+    ref = _greedy(llm, PROMPTS[0]).token_ids
+    first = ref.index(ref[3])
+    saved = llm.eos_token_ids
+    llm.eos_token_ids = frozenset({ref[3]})  # pretend the model's 4th token is end-of-sequence
+    try:
+        out = _greedy(llm, PROMPTS[0], min_tokens=first + 3)
+        assert len(out.token_ids) >= first + 3
+        assert ref[3] not in out.token_ids[: first + 2]  # masked while too few tokens exist
+    finally:
+        llm.eos_token_ids = saved
+
+
+def test_frequency_penalty_changes_repetitive_greedy_output(llm):
+    from collections import Counter
+
+    plain = _greedy(llm, PROMPTS[0], max_tokens=24).token_ids
+    penalised = _greedy(llm, PROMPTS[0], max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0).token_ids
+    assert Counter(penalised).most_common(1)[0][1] <= Counter(plain).most_common(1)[0][1]
+    if Counter(plain).most_common(1)[0][1] > 1:
+        assert penalised != plain

@@ -32,7 +32,7 @@ from .config import ModelConfig
 from .engine import Engine, EngineConfig
 from .model import FlashNextModel, load_model
 from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling import Sampler, SamplingParams, compute_logprobs, make_generator
+from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -397,7 +397,12 @@ class LLM:
         if self._num_text_ids < logits.shape[-1]:
             logits[:, self._num_text_ids:] = float("-inf")
         params = [r.params for r in requests]
-        token_ids = self.sampler(logits, params, [r.generator for r in requests])
+        sample_logits = logits  # logprobs report the raw model distribution, as vLLM does
+        if any(p.has_penalties or p.min_tokens for p in params):
+            stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids)) for p in params]
+            sample_logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
+                                            [r.token_ids for r in requests], stops)
+        token_ids = self.sampler(sample_logits, params, [r.generator for r in requests])
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_top is not None:
             self._record_logprobs(requests, logits, token_ids, num_top)

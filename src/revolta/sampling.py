@@ -36,6 +36,11 @@ class SamplingParams:
     logprobs: return the log-probabilities of the sampled token and of the top `logprobs` tokens.
     skip_special_tokens: drop special tokens from the output text.
     include_stop_str_in_output: keep the matched stop string in the text.
+    presence_penalty: subtracted from the logit of every token already generated (0 = off).
+    frequency_penalty: subtracted once per earlier occurrence in the output (0 = off).
+    repetition_penalty: tokens seen in the prompt or output have positive logits divided and
+        negative ones multiplied by it (1 = off), as in vLLM / HF.
+    min_tokens: end-of-sequence and stop_token_ids are masked until this many tokens exist.
     """
 
     n: int = 1
@@ -51,6 +56,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     # normalised views, filled in __post_init__
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -74,6 +83,16 @@ class SamplingParams:
             fail("max_tokens", "must be an integer >= 1, or None (up to the model's max length)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                fail(name, "must be in [-2, 2] (0 = off)")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty < float("inf"):
+            fail("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens={self.max_tokens}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and not (isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)):
             fail("stop", "must be a string or a list of strings")
@@ -86,6 +105,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _is_int(x: object) -> bool:
@@ -146,6 +169,37 @@ class Sampler:
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
+
+
+def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
+                    output_ids: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]]) -> Tensor:
+    """Logit processors applied before sampling, vectorised over the batch (returns a new tensor).
+
+    logits: [N, V] fp32; prompt_ids / output_ids: each row's tokens so far; stop_ids: per row the
+    end-of-sequence and stop token ids that `min_tokens` masks while too few tokens exist.
+    """
+    N, V = logits.shape
+    device = logits.device
+    out = logits.clone()
+    if any(p.has_penalties for p in params):
+        counts = torch.zeros(N, V, device=device)
+        seen = torch.zeros(N, V, dtype=torch.bool, device=device)
+        for row, (prompt, output) in enumerate(zip(prompt_ids, output_ids)):
+            if output:
+                ids = torch.tensor(output, device=device)
+                counts[row].index_add_(0, ids, torch.ones(len(output), device=device))
+            if prompt:
+                seen[row, torch.tensor(prompt, device=device)] = True
+        seen |= counts > 0
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        out = out - freq * counts - pres * (counts > 0).float()
+    for row, (p, output, stops) in enumerate(zip(params, output_ids, stop_ids)):
+        if len(output) < p.min_tokens and stops:
+            out[row, torch.tensor([t for t in stops if t < V], device=device, dtype=torch.long)] = float("-inf")
+    return out
 
 
 def _apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:

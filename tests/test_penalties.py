@@ -1,0 +1,42 @@
+"""Presence / frequency / repetition penalties and min_tokens (vLLM semantics) on hand-made logits."""
+
+import pytest
+import torch
+
+from revolta.sampling import SamplingParams, apply_penalties
+
+
+def test_presence_and_frequency_penalties():
+    logits = torch.zeros(2, 6)
+    p = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), SamplingParams()]
+    out = apply_penalties(logits, p, [[5], [5]], [[1, 1, 2], [1]], [(), ()])
+    assert out[0].tolist() == [0.0, -1.0, -0.75, 0.0, 0.0, 0.0]  # 0.5 + 2 * 0.25; 0.5 + 0.25
+    assert out[1].tolist() == [0.0] * 6  # no penalties on this row
+    assert logits.abs().sum() == 0  # the input is not modified
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    out = apply_penalties(logits, [SamplingParams(repetition_penalty=2.0)], [[0]], [[1]], [()])
+    assert out[0].tolist() == [1.0, -4.0, 2.0, -2.0]  # prompt token 0 and output token 1 are penalised
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    logits = torch.zeros(1, 5)
+    p = [SamplingParams(min_tokens=2, max_tokens=4)]
+    out = apply_penalties(logits, p, [[1]], [[3]], [(4, 2)])
+    assert out[0, 4] == float("-inf") and out[0, 2] == float("-inf") and out[0, 0] == 0
+    out = apply_penalties(logits, p, [[1]], [[3, 3]], [(4, 2)])
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 3.0), ("frequency_penalty", -2.5),
+                                         ("repetition_penalty", 0.0), ("min_tokens", -1)])
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_cannot_exceed_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
