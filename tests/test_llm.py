@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 # ---- SamplingParams -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
+    ("n", 0), ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
     ("top_k", -2), ("top_k", 1.5), ("min_p", -0.1), ("min_p", 1.1), ("seed", "x"), ("max_tokens", 0),
     ("logprobs", -1), ("logprobs", 21), ("stop", 3), ("stop", ["a", 1]), ("stop_token_ids", [-1]),
     ("stop_token_ids", "abc"),
@@ -39,8 +39,8 @@ def test_sampling_params_normalises():
     assert p.stop_strings == ("END",) and p.stop_token_ids == (5, 7)
     assert SamplingParams(stop=["a", "", "b"]).stop_strings == ("a", "b")
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
-    with pytest.raises(ValueError, match="only n=1"):
-        SamplingParams(n=3)
+    with pytest.raises(ValueError, match="n=0"):
+        SamplingParams(n=0)
 
 
 # ---- Sampler --------------------------------------------------------------------------------------
@@ -318,3 +318,16 @@ def test_frequency_penalty_changes_repetitive_greedy_output(llm):
     assert Counter(penalised).most_common(1)[0][1] <= Counter(plain).most_common(1)[0][1]
     if Counter(plain).most_common(1)[0][1] > 1:
         assert penalised != plain
+
+
+def test_n_completions_per_prompt(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert len(outs) == 2 and [len(o.outputs) for o in outs] == [3, 3]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    samples = {tuple(c.token_ids) for c in outs[0].outputs}
+    assert len(samples) > 1  # siblings draw with seed + i
+    again = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outs[0].outputs]
+    greedy = llm.generate(PROMPTS[0], SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids

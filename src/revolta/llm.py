@@ -107,6 +107,8 @@ class _Request:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    index: int = 0  # which of the prompt's n completions this is
+    parent_id: str | None = None  # the prompt's request id when n > 1
 
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.params.stop_strings, self.params.include_stop_str_in_output)
@@ -142,8 +144,12 @@ class _Request:
 
     def output(self) -> RequestOutput:
         self.metrics.num_generation_tokens = len(self.token_ids)
-        completion = CompletionOutput(
-            index=0,
+        return RequestOutput(self.parent_id or self.request_id, self.prompt, list(self.prompt_token_ids),
+                             [self.completion()], finished=self.finished, metrics=self.metrics)
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
             text=self.text,
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
@@ -151,8 +157,6 @@ class _Request:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
-                             finished=self.finished, metrics=self.metrics)
 
 
 class LLM:
@@ -278,10 +282,17 @@ class LLM:
         sampling_params: one for all prompts, one per prompt, or None (the checkpoint's generation_config).
         """
         requests = self._make_requests(prompts, sampling_params)
-        with tqdm(total=len(requests), desc="Generating", unit="prompt", disable=not use_tqdm) as bar:
+        with tqdm(total=len(requests), desc="Generating", unit="seq", disable=not use_tqdm) as bar:
             for changed in self._run(requests):
                 bar.update(sum(r.finished for r in changed))
-        return [r.output() for r in requests]
+        outputs: list[RequestOutput] = []
+        for r in requests:  # the n completions of a prompt are consecutive
+            if r.index == 0:
+                outputs.append(r.output())
+            else:
+                outputs[-1].outputs.append(r.completion())
+                outputs[-1].metrics.num_generation_tokens += len(r.token_ids)
+        return outputs
 
     def stream(self, prompts: PromptType | Sequence[PromptType],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
@@ -330,9 +341,18 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params; pass one "
                                  "SamplingParams for all or one per prompt")
         arrival = time.time()
-        return [self._make_request(p, sp, arrival) for p, sp in zip(prompts, params_list)]
+        requests = []
+        for p, sp in zip(prompts, params_list):
+            first = self._make_request(p, sp, arrival)
+            requests.append(first)
+            for i in range(1, sp.n):  # n > 1: siblings share the prompt (and its prefix-cache blocks)
+                sib = self._make_request(p, sp, arrival, seed_offset=i)
+                sib.index, sib.parent_id = i, first.request_id
+                requests.append(sib)
+        return requests
 
-    def _make_request(self, prompt: PromptType, params: SamplingParams, arrival: float) -> _Request:
+    def _make_request(self, prompt: PromptType, params: SamplingParams, arrival: float,
+                      seed_offset: int = 0) -> _Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
@@ -347,7 +367,7 @@ class LLM:
                              "room to generate; shorten the prompt or raise max_model_len")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seed = params.seed + seed_offset if params.seed is not None else self._seed_rng.getrandbits(63)
         generator = None if params.greedy else make_generator(seed, self.device)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1

@@ -23,7 +23,7 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 class SamplingParams:
     """How to pick tokens and when to stop, with vLLM's field names and defaults.
 
-    n: completions per prompt (only 1 is supported yet).
+    n: completions per prompt (sibling i of a seeded request uses seed + i).
     temperature: 0 is greedy; otherwise logits are divided by it.
     top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off).
     top_k: keep the k most likely tokens (0 or -1 = off).
@@ -67,8 +67,8 @@ class SamplingParams:
         def fail(name: str, allowed: str) -> None:
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {allowed}")
 
-        if self.n != 1:
-            fail("n", "only n=1 is supported yet (one completion per prompt); repeat the prompt for more samples")
+        if not _is_int(self.n) or self.n < 1:
+            fail("n", "must be an integer >= 1")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
             fail("temperature", "must be a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
