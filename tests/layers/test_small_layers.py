@@ -56,3 +56,19 @@ def test_rope_text_positions_and_yarn_scale():
     assert abs(scale - (0.1 * torch.log(torch.tensor(2.0)).item() + 1)) < 1e-6
     assert inv_y[0] == inv_d[0]  # highest frequency kept (extrapolated)
     torch.testing.assert_close(inv_y[-1], inv_d[-1] / 2)  # lowest frequency interpolated by the factor
+
+
+def test_vectorised_ngram_contexts_equal_the_definition():
+    from revolta.layers.ngram import ngram_contexts
+
+    g = torch.Generator().manual_seed(0)
+    eos, order = 9, 3
+    lens = [1, 2, 7, 13, 4]
+    seqs = [torch.randint(0, 11, (n,), generator=g).tolist() for n in lens]  # ids 9 = EOS appear often
+    hists = [[eos, eos], [3, eos], [9, 4], [5, 6], [2, 9]]
+    ids = torch.tensor([t for s in seqs for t in s])
+    seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    local = torch.cat([torch.arange(n) for n in lens])
+    got = ngram_contexts(ids, torch.tensor(hists), seq_index, local, eos)
+    want = [c for s, h in zip(seqs, hists) for c in ngram_context(s, h, eos, order)]
+    assert got.tolist() == want

@@ -69,6 +69,24 @@ def ngram_context(ids: list[int], history: list[int], eos: int, order: int) -> l
     return out
 
 
+def ngram_contexts(ids: Tensor, history: Tensor, seq_index: Tensor, local_index: Tensor, eos: int) -> Tensor:
+    """Vectorised `ngram_context` over a flat varlen batch, on the ids' device (no host sync).
+
+    ids: [T] raw token ids; history: [B, n-1] each sequence's previous ids (oldest first);
+    seq_index, local_index: [T] the sequence of each token and its index inside this step.
+    Returns contexts [T, n] = (c_0 .. c_{n-1}).
+    """
+    order = history.shape[1] + 1
+    ctx, broken = [ids], torch.zeros_like(ids, dtype=torch.bool)
+    for k in range(1, order):
+        from_step = local_index >= k  # id_{t-k} is in this step, else it is history entry n-1-(k-i)
+        prev = torch.where(from_step, ids[(torch.arange(ids.shape[0], device=ids.device) - k).clamp_min(0)],
+                           history[seq_index, (order - 1 - k + local_index).clamp(0, order - 2)])
+        broken = broken | (prev == eos)  # an EOS at t-k..t-1 cuts everything before it
+        ctx.append(torch.where(broken, torch.full_like(prev, eos), prev))
+    return torch.stack(ctx, dim=-1)
+
+
 class NGramEmbedding(nn.Module):
     """The hashed table (one [rows, head_dim] weight; on disk split into shards) and its int64 buffers."""
 
@@ -139,14 +157,12 @@ class PLELayer(nn.Module):
 
     def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
         """x: [T, h*d] wide residual entering the layer -> delta [T, h*d] to add to it."""
-        ids = meta.input_ids.tolist()
-        histories = self._histories(x, meta)  # last order-1 ids of each sequence before this step
-        contexts = []
-        for (b, start, end, _), hist in zip(meta.seq_slices(), histories):
-            contexts += ngram_context(ids[start:end], hist, self.eos, self.order)
-        self._store_histories(meta, [(hist + ids[s:e])[-(self.order - 1):]
-                                     for (_, s, e, _), hist in zip(meta.seq_slices(), histories)])
-        emb = self.ple_embedding(torch.tensor(contexts, dtype=torch.int64, device=x.device)).to(x.dtype)
+        ids = meta.input_ids.long()
+        seq_index, local_index = self._token_layout(meta, ids.device)
+        history = self._histories(x, meta)  # [B, n-1] last ids of each sequence before this step
+        contexts = ngram_contexts(ids, history, seq_index, local_index, self.eos)  # [T, n]
+        self._store_histories(meta, self._new_histories(ids, history, meta))
+        emb = self.ple_embedding(contexts).to(x.dtype)
         h, d = self.hc_count, self.hidden_size
         key = self.norm_key(self.key_proj(emb)).unflatten(-1, (h, d))  # [T, h, d]
         value = self.value_proj(emb)  # [T, d], shared by all branches
@@ -169,26 +185,40 @@ class PLELayer(nn.Module):
             conv_out[start:end] = F.silu(y).to(x.dtype)
         return gated + conv_out
 
-    def _histories(self, x: Tensor, meta: ForwardMeta) -> list[list[int]]:
-        """The n-gram context carried into this step, per sequence (EOS-filled at sequence start)."""
-        fresh = [self.eos] * (self.order - 1)
+    @staticmethod
+    def _token_layout(meta: ForwardMeta, device) -> tuple[Tensor, Tensor]:
+        """[T] sequence index and in-step index of every token (from cu_seqlens, host ints)."""
+        cu = meta.cu_seqlens
+        lens = torch.tensor([cu[b + 1] - cu[b] for b in range(len(cu) - 1)], device=device)
+        seq_index = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+        starts = torch.tensor(cu[:-1], device=device)
+        return seq_index, torch.arange(cu[-1], device=device) - starts[seq_index]
+
+    def _histories(self, x: Tensor, meta: ForwardMeta) -> Tensor:
+        """[B, n-1] n-gram context carried into this step (EOS-filled at sequence start)."""
         pm = meta.paged
         if pm is not None:
-            rows = pm.storage.ple[self.layer_idx].context_ids[pm.slots.long()].tolist()
-            starts = pm.has_initial_state.tolist()
-            return [row if started else fresh for row, started in zip(rows, starts)]
+            rows = pm.storage.ple[self.layer_idx].context_ids[pm.slots.long()].to(x.device)
+            return torch.where(pm.has_initial_state[:, None].to(x.device), rows, torch.full_like(rows, self.eos))
         out = []
         for _, _, _, seq in meta.seq_slices():
             if self.state_key not in seq.layers:
                 seq.layers[self.state_key] = self.new_state(x)
             out.append(seq.layers[self.state_key].context)
-        return out
+        return torch.tensor(out, dtype=torch.long, device=x.device).view(len(out), self.order - 1)
 
-    def _store_histories(self, meta: ForwardMeta, histories: list[list[int]]) -> None:
+    def _new_histories(self, ids: Tensor, history: Tensor, meta: ForwardMeta) -> Tensor:
+        """[B, n-1]: the last n-1 ids of each sequence after this step."""
+        rows = []
+        for b, start, end, _ in meta.seq_slices():
+            rows.append(torch.cat([history[b], ids[start:end]])[-(self.order - 1):])
+        return torch.stack(rows)
+
+    def _store_histories(self, meta: ForwardMeta, histories: Tensor) -> None:
         pm = meta.paged
         if pm is not None:
             ctx = pm.storage.ple[self.layer_idx].context_ids
-            ctx[pm.slots.long()] = torch.tensor(histories, dtype=ctx.dtype, device=ctx.device)
+            ctx[pm.slots.long()] = histories.to(ctx.device, ctx.dtype)
             return
-        for (_, _, _, seq), hist in zip(meta.seq_slices(), histories):
+        for (_, _, _, seq), hist in zip(meta.seq_slices(), histories.tolist()):
             seq.layers[self.state_key].context = hist
