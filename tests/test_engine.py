@@ -163,3 +163,40 @@ def test_bad_requests_are_rejected_cleanly(model):
         engine.add_request(Req("ok", ids(4, seed=2), 3))
     run(engine, [])
     assert_clean(engine)
+
+
+def test_fp8_kv_scales_from_the_checkpoint_reach_the_cache(model, tmp_path):
+    """A checkpoint that ships `self_attn.{k,v}_scale` loads (they are cache metadata, not unexpected
+    weights) and the fp8 pages use them; one without them falls back to 1.0."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from revolta.model import load_model
+    from revolta.weights import save_checkpoint
+
+    save_checkpoint(model, tmp_path, progress=False)
+    model.cfg.save(tmp_path)
+    plain = load_model(tmp_path, progress=False)
+    assert plain.kv_scales == {}
+    engine = Engine(plain, EngineConfig(max_model_len=64, kv_cache_dtype="fp8_e4m3", block_size=16,
+                                        kv_cache_gib=0.01))
+    assert float(engine.storage.qsa[3].k_scale) == 1.0
+    files = sorted(tmp_path.glob("*.safetensors"))
+    tensors = load_file(files[0])
+    tensors["model.language_model.layers.3.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.language_model.layers.3.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, files[0])
+    index = tmp_path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        for k in ("k", "v"):
+            data["weight_map"][f"model.language_model.layers.3.self_attn.{k}_scale"] = files[0].name
+        index.write_text(json.dumps(data))
+    scaled = load_model(tmp_path, progress=False)
+    engine = Engine(scaled, EngineConfig(max_model_len=64, kv_cache_dtype="fp8_e4m3", block_size=16,
+                                         kv_cache_gib=0.01))
+    assert (float(engine.storage.qsa[3].k_scale), float(engine.storage.qsa[3].v_scale)) == (0.5, 0.25)
+    req = Req("s", ids(20, seed=1), max_tokens=3)
+    run(engine, [req])
+    assert len(req.token_ids) == 3

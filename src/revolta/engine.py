@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .cache.capacity import CacheConfig, MemoryBudget, plan_cache
 from .cache.hybrid import HybridAllocator
-from .cache.storage import CacheStorage
+from .cache.storage import CacheStorage, kv_scales_from_state_dict
 from .model import FlashNextModel
 from .runner import ModelRunner, StepSequence
 from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
@@ -55,7 +55,8 @@ class Engine:
                             enable_prefix_caching=config.enable_prefix_caching,
                             kv_offload_gib=config.kv_offload_gib)
         self.plan = plan_cache(cfg, cache, self._budget(), tp=1, dtype=dtype)
-        self.storage = CacheStorage(cfg, self.plan.layout, device=model.device)
+        self.storage = CacheStorage(cfg, self.plan.layout, device=model.device,
+                                    kv_scales=kv_scales_from_state_dict(model.kv_scales))
         cpu_layout = self.plan.cpu_layout()
         self.cpu_storage = None if cpu_layout is None else CacheStorage(cfg, cpu_layout, "cpu", pin_memory=True)
         self.allocator = HybridAllocator(self.plan.allocator_config())

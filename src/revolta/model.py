@@ -138,6 +138,7 @@ class FlashNextModel(nn.Module):
         if t.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
         self.mtp = MTPHead(t) if (with_mtp and t.mtp is not None) else None
+        self.kv_scales: dict[str, Tensor] = {}  # `*.self_attn.{k,v}_scale` of the checkpoint (see load_model)
 
     def init_buffers(self) -> "FlashNextModel":
         """Recompute derived buffers (RoPE tables, n-gram hash constants) after `to_empty`."""
@@ -281,7 +282,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
 
     Returns an eval-mode FlashNextModel in `dtype` on `device`; call it on token ids [B, S] for logits.
     """
-    from .weights import load_weights
+    from .weights import load_weights, read_kv_scales
 
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -294,4 +295,5 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     if model.model.visual is None:
         skip.append("model.visual.")
     load_weights(model, path, dtype=dtype, device=device, skip_prefixes=tuple(skip), progress=progress)
+    model.kv_scales = read_kv_scales(path)  # fp8 KV calibration, if the checkpoint ships it (cache metadata)
     return model.eval()

@@ -46,6 +46,8 @@ _IGNORED_IF_ABSENT = (re.compile(r"(^|\.)hyper_connection_mixer\.block_inject_we
 # Kept fp32 in memory whatever the model or checkpoint dtype (spec §2.6, §9.1).
 _FP32_PARAMS = (re.compile(r"(^|\.)linear_attn\.(A_log|dt_bias)$"),)
 # May be absent on disk: the module derives them from the config (spec §5.1).
+# fp8 KV-cache calibration scales: cache metadata, not model weights; read by `read_kv_scales`.
+_KV_SCALE = re.compile(r"\.self_attn\.[kv]_scale$")
 _OPTIONAL_ON_DISK = (re.compile(r"\.ple_embedding\.(layer_multipliers|ngram_heads_vocab_sizes|ngram_heads_offsets)$"),)
 
 
@@ -192,7 +194,7 @@ def _plan(
                              files[scale] if scale else None, headers[scale][0] if scale else None))
 
     for name in sorted(headers):
-        if name in scales or name.startswith(skip_prefixes):
+        if name in scales or name.startswith(skip_prefixes) or _KV_SCALE.search(name):
             continue
         m = _PLE_SHARD.match(name) if name not in target_shapes else None
         if m:
@@ -515,6 +517,21 @@ def load_weights(
             bar.update()
         reader.close()
     bar.close()
+
+
+def read_kv_scales(path: str | Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's fp8 KV-cache scales (`*.self_attn.k_scale` / `v_scale`), by name; {} when none ship.
+
+    They size no parameter: `cache.storage.kv_scales_from_state_dict` turns them into per-layer scales.
+    """
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    files = checkpoint_files(path)
+    for name in sorted(n for n in files if _KV_SCALE.search(n)):
+        with safe_open(str(files[name]), framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- save
