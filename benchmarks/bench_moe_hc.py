@@ -224,16 +224,16 @@ def bench_hc(Ms, copy_gbs, mm_tflops):
         n = 2 if M >= 4096 else num_mods
         xs = [torch.randn(M, NH * D, device="cuda", dtype=dt) * 2 for _ in range(n)]
         ref_u, ref_i = HC.hc_read_ref(xs[0], *weights[0], NH, 1e-6)
-        u, inj = HC.hc_read(xs[0], *weights[0], NH, 1e-6)
+        u, inj = HC.hc_read(xs[0], *weights[0], NH, 1e-6, path="triton")
         checks.append(dict(what=f"hc_read M={M}", rel_err_u=rel_err(u, ref_u), rel_err_inject=rel_err(inj, ref_i)))
         xh = xs[0].half()
         wh = [w.half() for w in weights[0]]
         cfg70 = HC.hc_config(M, D, R, NH, arch=70)
-        u70, _ = HC.hc_read(xh, *wh, NH, 1e-6, config=cfg70)
+        u70, _ = HC.hc_read(xh, *wh, NH, 1e-6, path="triton", config=cfg70)
         checks.append(dict(what=f"hc_read sm70 config fp16 M={M}",
                            rel_err_u=rel_err(u70, HC.hc_read_ref(xh, *wh, NH, 1e-6)[0])))
         res = dict(M=M, weight_MB=wbytes / 1e6, x_MB=xs[0].numel() * 2 / 1e6)
-        res["ours_us"] = graph_time_us([(lambda i=i: HC.hc_read(xs[i], *weights[i % num_mods], NH, 1e-6)) for i in range(n)])
+        res["ours_us"] = graph_time_us([(lambda i=i: HC.hc_read(xs[i], *weights[i % num_mods], NH, 1e-6, path="triton")) for i in range(n)])
         with torch.no_grad():
             res["torch_graph_us"] = graph_time_us([(lambda i=i: mods[i % num_mods].read(xs[i])) for i in range(n)])
             res["torch_eager_us"] = eager_time_us([(lambda i=i: mods[i % num_mods].read(xs[i])) for i in range(n)])

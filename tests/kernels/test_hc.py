@@ -55,7 +55,7 @@ def test_hc_read(M, dtype, cfg):
     mod = _module(dtype)
     x = (torch.randn(M, h * d) * 2).to(dtype)
     norm_w, w_dn, w_up, w_inj = _weights(mod)
-    out, inj = K.hc_read(x, norm_w, w_dn, w_up, w_inj, h, 1e-6, config=CONFIGS[cfg])
+    out, inj = K.hc_read(x, norm_w, w_dn, w_up, w_inj, h, 1e-6, path="triton", config=CONFIGS[cfg])
     ref_out, ref_inj = K.hc_read_ref(x, norm_w, w_dn, w_up, w_inj, h, 1e-6)
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
     torch.testing.assert_close(inj, ref_inj, **TOL[dtype])
@@ -72,7 +72,7 @@ def test_hc_read_without_inject_and_ref_matches_layer():
         assert (w is None) == (ref_w is None) == (not with_inject)
         if with_inject:
             torch.testing.assert_close(ref_w, w, atol=0, rtol=0)
-        out, inj = K.hc_read(x, *_weights(mod), h, 1e-6)
+        out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, path="triton")
         torch.testing.assert_close(out, u, **TOL[torch.float32])
         assert (inj is None) == (not with_inject)
 

@@ -188,8 +188,15 @@ def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None) ->
 
 
 def hc_read(x: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor, w_inject: Tensor | None,
-            hc_count: int, eps: float, path: str = "triton", config: dict | None = None) -> tuple[Tensor, Tensor | None]:
-    """Triton version of `hc_read_ref` (path="torch" runs the reference on cuBLAS)."""
+            hc_count: int, eps: float, path: str = "auto", config: dict | None = None) -> tuple[Tensor, Tensor | None]:
+    """Triton version of `hc_read_ref` (path="torch" runs the reference on cuBLAS).
+
+    path="auto": the reference for 2 <= M <= 8 rows, where it beat this kernel on the H200 (0.7x at
+    M = 5 and 8; the down projection is split too little at small M, benchmarks/RESULTS.md K7), the
+    kernel otherwise (1.66x at M = 1, 1.30x at M = 8192).
+    """
+    if path == "auto":
+        path = "torch" if 2 <= x.shape[0] <= 8 else "triton"
     if path == "torch":
         return hc_read_ref(x, norm_w, w_down, w_up, w_inject, hc_count, eps)
     assert path == "triton", path

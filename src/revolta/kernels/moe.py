@@ -384,7 +384,12 @@ def fused_moe(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tens
     k = topk_ids.shape[1]
     arch = _arch(x.device)
     if path == "auto":
-        path = "torch" if arch is not None and arch < 80 and M * k >= 16 * E else "triton"
+        # sm70: tl.dot has no tensor cores, so big batches go to cuBLAS. sm90 + bf16: torch._grouped_mm
+        # beat the Triton GEMV path for M = 8..64 on the H200 (benchmarks/RESULTS.md, K5), Triton won at
+        # M = 1 and 8192; sizes in between were not measured and stay on Triton.
+        grouped = (hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and arch is not None and arch >= 90
+                   and 8 <= M <= 64)
+        path = "torch" if grouped or (arch is not None and arch < 80 and M * k >= 16 * E) else "triton"
     if path == "torch":
         return fused_moe_torch(x, gate_up_proj, down_proj, topk_ids, topk_weights)
     assert path == "triton", path
