@@ -30,6 +30,8 @@ class KernelOps:
     hc_read: Callable | None  # None: the layer's own torch code
     moe_route: Callable | None
     fused_moe: Callable | None
+    gated_rms_norm: Callable | None
+    apply_rope: Callable | None
 
 
 def kernel_ops(backend: str) -> KernelOps:
@@ -48,8 +50,9 @@ def kernel_ops(backend: str) -> KernelOps:
         ("gdn.recurrent" if sfx == "" else "gdn.ref", "gdn_recurrent_update"),
         ("qsa.store_kv", "store_kv"), ("qsa.index_compress", "index_compress"), ("qsa.prefill", "qsa_prefill"),
         ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"))}
-    fused = {"hc_read": None, "moe_route": None, "fused_moe": None}
+    fused = dict.fromkeys(("hc_read", "moe_route", "fused_moe", "gated_rms_norm", "apply_rope"))
     if backend == "triton":
         fused = {"hc_read": op("hc", "hc_read"), "moe_route": op("moe", "moe_route"),
-                 "fused_moe": op("moe", "fused_moe")}
+                 "fused_moe": op("moe", "fused_moe"), "gated_rms_norm": op("norm", "gated_rms_norm"),
+                 "apply_rope": op("rope", "apply_rope")}
     return KernelOps(backend=backend, **table, **fused)

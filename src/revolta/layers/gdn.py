@@ -61,7 +61,13 @@ class GatedDeltaNet(nn.Module):
             out = self._mix_paged(mixed, g, beta, meta)
         else:
             out = self._mix_states(mixed, g, beta, meta)
-        y = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)).float())  # [T, HV, V] fp32
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        ops = meta.paged.ops if meta.paged is not None else None
+        if ops is not None and ops.gated_rms_norm is not None:  # the fused kernel, one rounding
+            y = ops.gated_rms_norm(out.contiguous(), self.norm.weight, z.contiguous(), self.norm.eps,
+                                   self.norm.activation)
+        else:
+            y = self.norm(out, z.float())  # [T, HV, V], fp32 chain
         return self.out_proj(y.to(x.dtype).flatten(-2))
 
     def _mix_paged(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:

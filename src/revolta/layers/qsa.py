@@ -45,10 +45,10 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_layernorm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, rope=apply_rope) -> tuple[Tensor, Tensor]:
         """x: [T, d] -> (index queries [T, Hi, Di] normed + RoPEd, raw index keys [T, Di])."""
         q, k = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
-        q = apply_rope(self.q_layernorm(q.unflatten(-1, (self.n_heads, self.head_dim))), cos, sin)
+        q = rope(self.q_layernorm(q.unflatten(-1, (self.n_heads, self.head_dim))).contiguous(), cos, sin)
         return q, k
 
     def block_keys(self, raw: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -89,10 +89,13 @@ class QSAttention(nn.Module):
         T = x.shape[0]
         qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # per head [query | gate]
-        q = apply_rope(self.q_norm(q), meta.cos, meta.sin)  # norms before RoPE
-        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)), meta.cos, meta.sin)
+        ops = meta.paged.ops if meta.paged is not None else None
+        rope = ops.apply_rope if ops is not None and ops.apply_rope is not None else apply_rope
+        q = rope(self.q_norm(q).contiguous(), meta.cos, meta.sin)  # norms before RoPE
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
+        k = rope(k.contiguous(), meta.cos, meta.sin)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        iq, ik = self.indexer.project(x, meta.cos, meta.sin)
+        iq, ik = self.indexer.project(x, meta.cos, meta.sin, rope)
         if meta.paged is not None:
             out = self._attend_paged(q, gate, k, v, iq, ik, meta)
             return self.o_proj(out.flatten(-2))
