@@ -492,11 +492,8 @@ def test_hf_meta_model_without_buffer_hooks_is_refused(hf_checkpoint):
 
 
 def _flash_next():
-    try:
-        from revolta.model import FlashNextModel
-    except ImportError as e:  # the model module is written in parallel with this one
-        pytest.skip(f"revolta.model.FlashNextModel is not importable yet: {e}")
     from revolta.config import ModelConfig
+    from revolta.model import FlashNextModel
 
     return FlashNextModel, ModelConfig
 

@@ -379,7 +379,8 @@ class LLM:
             return prompt, self._require_tokenizer("a text prompt").encode(prompt)
         if isinstance(prompt, Mapping):
             if "multi_modal_data" in prompt:
-                raise NotImplementedError("multi_modal_data prompts are not supported by LLM.generate yet")
+                raise ValueError("multi_modal_data prompts are not supported by LLM.generate yet (the vision tower "
+                                 "runs through revolta.load_model; engine support is the multimodal issue)")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(i) for i in prompt["prompt_token_ids"]]
             if "prompt" in prompt:
