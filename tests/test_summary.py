@@ -24,22 +24,9 @@ from revolta.summary import (
 
 REAL_CONFIG = Path(__file__).parent / "data" / "qwen3_8_flash_next_config.json"
 
-L, F = "linear_attention", "full_attention"
-# T4 of spec §12.2 (values as in tests/parity/hf_oracle.py, copied: that module imports transformers)
-T4_TEXT = dict(
-    vocab_size=512, eos_token_id=511, hidden_size=64, num_hidden_layers=4, layer_types=[L, L, L, F],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
-                         mrope_interleaved=True),
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-    hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=64, heads_per_ngram=2, ngram_vocab_size_base=97,
-    make_ngram_vocab_size_divisible_by=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
-    indexer_budget=8, indexer_compress_ratio=4, split_ngram_parts=1, output_gate_type="sigmoid",
-    rms_norm_eps=1e-6, hidden_act="silu", mtp_num_hidden_layers=1,
-)
-V_TINY = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, num_position_embeddings=16, patch_size=4,
-              temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64)
+from tiny_configs import F, L, T4_TEXT as _T4, V_TINY  # noqa: E402  (tests/parity, on sys.path)
+
+T4_TEXT = dict(_T4, mtp_num_hidden_layers=1)  # T4 of spec §12.2 plus one MTP layer
 
 
 def tiny_config(vision: bool = True, **text_overrides) -> ModelConfig:

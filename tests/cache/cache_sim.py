@@ -12,20 +12,9 @@ from revolta.cache.capacity import CacheLayout
 from revolta.cache.hybrid import Allocation, HybridAllocator
 from revolta.cache.storage import CacheStorage
 from revolta.config import ModelConfig
+from tiny_configs import F, L, T4_TEXT  # tests/parity, on sys.path via tests/conftest.py
 
-L, F = "linear_attention", "full_attention"
-TINY_TEXT = dict(
-    vocab_size=512, eos_token_id=511, hidden_size=64, num_hidden_layers=4, layer_types=[L, L, L, F],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
-                         mrope_interleaved=True),
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-    hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=64, heads_per_ngram=2, ngram_vocab_size_base=97,
-    make_ngram_vocab_size_divisible_by=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
-    indexer_budget=8, indexer_compress_ratio=4, split_ngram_parts=1, output_gate_type="sigmoid",
-    rms_norm_eps=1e-6, hidden_act="silu", mtp_num_hidden_layers=1,
-)
+TINY_TEXT = dict(T4_TEXT, mtp_num_hidden_layers=1)
 
 
 def tiny_config() -> ModelConfig:
