@@ -331,3 +331,27 @@ def test_n_completions_per_prompt(llm):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outs[0].outputs]
     greedy = llm.generate(PROMPTS[0], SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False)[0]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_incremental_api_matches_generate(llm):
+    """add_request/step/abort_request: the same tokens as generate, abort frees the cache."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    free_before = llm.engine.allocator.num_free_blocks
+    a = llm.add_request(PROMPTS[0], params, request_id="a")
+    b = llm.add_request(PROMPTS[1], params)
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request(PROMPTS[0], params, request_id="a")
+    c = llm.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    final = {}
+    steps = 0
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 3:
+            llm.abort_request(c)
+    assert final[a] == expected[0] and final[b] == expected[1]
+    assert c not in final
+    assert llm.engine.allocator.num_free_blocks == free_before

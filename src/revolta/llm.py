@@ -206,6 +206,7 @@ class LLM:
         self.sampler = Sampler()
         self._seed_rng = random.Random(seed)
         self._next_request_id = 0
+        self._live: dict[str, list[_Request]] = {}  # request id -> its n completions, while running
         self._log_summary(time.perf_counter() - start)
 
     # ---- setup -------------------------------------------------------------------------------
@@ -370,6 +371,8 @@ class LLM:
         seed = params.seed + seed_offset if params.seed is not None else self._seed_rng.getrandbits(63)
         generator = None if params.greedy else make_generator(seed, self.device)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        while str(self._next_request_id) in self._live:  # skip ids a caller chose in add_request
+            self._next_request_id += 1
         request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1
         return _Request(request_id, text, ids, params, generator, max_tokens, detok,
                         RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
@@ -388,6 +391,57 @@ class LLM:
         raise TypeError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
                         f"got {prompt!r:.80}")
 
+    # ---- incremental API (the server drives the engine with these) -------------------------------
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one prompt for `step()`; returns its request id (generated when not given).
+
+        With `sampling_params.n > 1` the n completions run as siblings under this one id. The prompt is
+        validated here: a bad prompt raises (ValueError / TypeError) and nothing is queued.
+        """
+        if request_id is not None and (request_id in self._live or not isinstance(request_id, str)):
+            raise ValueError(f"request_id {request_id!r} is already in use or not a string; pass a new one")
+        requests = self._make_requests(prompt, sampling_params)  # validates before anything is queued
+        rid = request_id or requests[0].request_id
+        for r in requests:
+            if request_id is not None:
+                r.parent_id = request_id
+            self.engine.add_request(r)
+        self._live[rid] = requests
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (all its n completions) now and free its cache blocks; unknown ids are ignored."""
+        for r in self._live.pop(request_id, ()):
+            self.engine.abort(r.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished()
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (one forward over every scheduled request).
+
+        Returns one RequestOutput per completion that gained a token: cumulative text and token ids,
+        `outputs[0].index` says which of the n completions it is, `finished=True` on its last one.
+        """
+        return [r.output() for r in self._step()]
+
+    def _step(self) -> list[_Request]:
+        now = time.time()
+        for group in self._live.values():
+            for r in group:
+                if r.metrics.first_scheduled_time is None:
+                    r.metrics.first_scheduled_time = now
+        stepped = self.engine.step(self._sample_and_append)
+        now = time.time()
+        for r in stepped:
+            if r.metrics.first_token_time is None:
+                r.metrics.first_token_time = now
+        for rid in [rid for rid, group in self._live.items() if all(r.finished for r in group)]:
+            del self._live[rid]
+        return stepped
+
     # ---- the loop ------------------------------------------------------------------------------
     @torch.inference_mode()
     def _run(self, requests: list[_Request]) -> Iterator[list[_Request]]:
@@ -395,24 +449,22 @@ class LLM:
 
         Yields the requests that gained a token, after each step.
         """
+        groups: dict[str, list[_Request]] = {}
+        for r in requests:
+            groups.setdefault(r.parent_id or r.request_id, []).append(r)
         for r in requests:
             self.engine.add_request(r)
+        self._live.update(groups)
         try:
-            while self.engine.has_unfinished():
-                now = time.time()
-                for r in requests:
-                    if r.metrics.first_scheduled_time is None:
-                        r.metrics.first_scheduled_time = now
-                stepped = self.engine.step(self._sample_and_append)
-                now = time.time()
-                for r in stepped:
-                    if r.metrics.first_token_time is None:
-                        r.metrics.first_token_time = now
+            while any(not r.finished for r in requests):
+                if not self.engine.has_unfinished():
+                    raise RuntimeError("the engine has no work left but requests are unfinished")
+                stepped = self._step()
                 if stepped:
                     yield stepped
         finally:  # an exception or an abandoned stream frees every cache block the requests hold
-            for r in requests:
-                self.engine.abort(r.request_id)
+            for rid in groups:
+                self.abort_request(rid)
 
     def _sample_and_append(self, requests: list[_Request], logits: Tensor) -> None:
         if self._num_text_ids < logits.shape[-1]:
