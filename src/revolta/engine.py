@@ -9,22 +9,32 @@ stop rules belong to the caller (`sample_fn`), so `LLM` and the server share one
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from .cache.capacity import CacheConfig, MemoryBudget, plan_cache
+from .cache.capacity import CacheConfig, MemoryBudget, plan_cache, resolve_kv_dtype
 from .cache.hybrid import HybridAllocator
-from .cache.storage import CacheStorage, kv_scales_from_state_dict
+from .cache.storage import MTP, CacheStorage, kv_scales_from_state_dict
+from .forward import PagedMeta
 from .model import FlashNextModel
 from .runner import ModelRunner, StepSequence
 from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
+from .spec.commit import commit_verified
+from .spec.config import SpeculativeConfig
+from .spec.mtp import DraftItem, MTPDrafter
+from .spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
-SampleFn = Callable[[list[SchedRequest], Tensor], None]  # (requests, logits [N, V]) -> append tokens
+# (requests, logits [N, V]) -> append tokens. With speculation it is called as (requests, logits, drafts):
+# request i owns 1 + len(drafts[i]) consecutive rows (its definite token's row, then one per draft) and
+# appends the tokens it emits (accepted drafts + one more, spec/verify.py); the engine commits the drafts
+# that match what it appended.
+SampleFn = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,9 @@ class EngineConfig:
     kv_offload_gib: float = 0.0  # CPU tier: evicted prefix blocks and snapshots in pinned host memory
     block_size: int | None = None
     kernels: str = "torch"  # "torch" references or "triton" kernels
+    # vLLM's dict ({"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": False}); None: MTP4
+    # when the model has its MTP head loaded, else off; {"method": None}: off (spec/config.py)
+    speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
 
 
 class Engine:
@@ -49,20 +62,30 @@ class Engine:
         self.model, self.config = model, config
         cfg = model.cfg
         dtype = str(model.dtype).removeprefix("torch.")
+        self.spec = SpeculativeConfig.resolve(config.speculative_config, has_mtp=model.mtp is not None)
+        kv_scales = kv_scales_from_state_dict(model.kv_scales)
+        if self.spec.enabled:
+            check_draft_kv_dtype(self.spec, config.kv_cache_dtype, kv_scales, dtype)
         cache = CacheConfig(max_model_len=config.max_model_len, kv_cache_dtype=config.kv_cache_dtype,
                             block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             enable_prefix_caching=config.enable_prefix_caching,
-                            kv_offload_gib=config.kv_offload_gib)
+                            kv_offload_gib=config.kv_offload_gib,
+                            num_speculative_tokens=self.spec.num_speculative_tokens,
+                            spec_state_replay=self.spec.spec_state_replay,
+                            draft_kv_cache_dtype=self.spec.kv_cache_dtype)
         self.plan = plan_cache(cfg, cache, self._budget(), tp=1, dtype=dtype)
-        self.storage = CacheStorage(cfg, self.plan.layout, device=model.device,
-                                    kv_scales=kv_scales_from_state_dict(model.kv_scales))
+        self.storage = CacheStorage(cfg, self.plan.layout, device=model.device, kv_scales=kv_scales)
         cpu_layout = self.plan.cpu_layout()
         self.cpu_storage = None if cpu_layout is None else CacheStorage(cfg, cpu_layout, "cpu", pin_memory=True)
         self.allocator = HybridAllocator(self.plan.allocator_config())
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.storage, kernels=config.kernels)
+        self.drafter = MTPDrafter(self.runner, self.spec.num_speculative_tokens) if self.spec.enabled else None
+        self.spec_stats = SpecStats()  # summed over every verify round of this engine
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   lookahead_fn=self._num_drafts if self.spec.enabled else None)
         self._seqs: dict[str, Sequence] = {}
+        logger.info("speculative decoding: %s", self.spec.describe())
         for line in self.plan.capacity_lines():
             logger.info(line)
 
@@ -96,6 +119,8 @@ class Engine:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq)
+            if self.drafter is not None:
+                self.drafter.drop(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -109,6 +134,8 @@ class Engine:
                 raise RuntimeError("no request fits in the cache even alone; raise the cache size or lower "
                                    "max_model_len")
             return []
+        if self.spec.enabled:
+            return self._spec_step(items, sample_fn)
         self.storage.pre_forward([it.alloc for it in items], self.allocator.take_swap_outs(), self.cpu_storage)
         logits = self.runner.execute([self._step_sequence(it) for it in items])  # [B, V]
         self.storage.post_forward([it.alloc for it in items])
@@ -128,3 +155,107 @@ class Engine:
         start = a.num_computed_tokens
         return StepSequence(token_ids=seq.all_token_ids[start:start + a.num_new_tokens], num_computed=start,
                             block_ids=list(self.allocator.block_ids(seq)), slot=a.state_slot)
+
+    # ---- speculative decoding (spec/): drafts with the MTP head, one verify forward -------------
+    def _num_drafts(self, seq: Sequence) -> int:
+        """Drafts a decoding request verifies this step: k, fewer near max_model_len or its
+        max_tokens (no draft could be kept), none without pending MTP rows (just preempted)."""
+        if not self.drafter.has_pending(seq.request_id, seq.num_computed_tokens, seq.num_preemptions):
+            return 0
+        known = len(seq.request.prompt_token_ids) + len(seq.request.token_ids)
+        room = self.config.max_model_len - known - 1  # a round emits up to drafts + 1 tokens
+        max_tokens = getattr(seq.request, "max_tokens", None)
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(seq.request.token_ids) - 1)
+        return max(0, min(self.spec.num_speculative_tokens, room))
+
+    def _spec_step(self, items: list[ScheduledSeq], sample_fn: SampleFn) -> list[SchedRequest]:
+        """A step with speculation: MTP seeds and drafts, the prefill chunks run as usual and the
+        decoding requests run one verify forward over their definite token and drafts; after
+        sampling (sample_fn gets the drafts and every verify row) the accepted state is committed."""
+        is_verify = [it.num_new_tokens == 1 and it.alloc.num_computed_tokens + 1 == len(it.seq.all_token_ids)
+                     and it.alloc.num_computed_tokens > 0 for it in items]
+        self.storage.pre_forward([it.alloc for it in items], self.allocator.take_swap_outs(), self.cpu_storage)
+        steps = [self._step_sequence(it) for it in items]
+        drafts = self.drafter.propose([
+            DraftItem(it.seq.request_id, st, it.seq.all_token_ids, it.seq.num_preemptions,
+                      it.alloc.num_lookahead_tokens if v else 0) for it, st, v in zip(items, steps, is_verify)])
+        pre = [i for i, v in enumerate(is_verify) if not v]
+        ver = [i for i, v in enumerate(is_verify) if v]
+        rows: dict[int, tuple[Tensor, Tensor]] = {}  # item -> (logits rows, wide rows)
+        if pre:
+            logits, wide = self.runner.execute([steps[i] for i in pre], all_logits=False, return_hidden=True)
+            self.storage.post_forward([items[i].alloc for i in pre])
+            offset = 0
+            for j, i in enumerate(pre):
+                n = items[i].num_new_tokens
+                rows[i] = (logits[j:j + 1], wide[offset:offset + n])
+                offset += n
+        paged = None
+        if ver:
+            vsteps = [replace(steps[i], token_ids=steps[i].token_ids + drafts[i]) for i in ver]
+            slot_rows = None if self.spec.spec_state_replay else \
+                [[items[i].alloc.state_slot, *items[i].alloc.draft_slots] for i in ver]
+            logits, wide, paged = self.runner.verify(vsteps, slot_rows)
+            cu = paged.cu_seqlens.tolist()
+            for j, i in enumerate(ver):
+                rows[i] = (logits[cu[j]:cu[j + 1]], wide[cu[j]:cu[j + 1]])
+        # sample: the final prefill chunks' last rows, every verify row
+        ready = [i for i, it in enumerate(items)
+                 if is_verify[i] or it.alloc.num_computed_tokens + it.num_new_tokens == len(it.seq.all_token_ids)]
+        sampled = [items[i].seq.request for i in ready]
+        before = [len(r.token_ids) for r in sampled]
+        if ready:
+            sample_fn(sampled, torch.cat([rows[i][0] for i in ready]), [drafts[i] for i in ready])
+        accepted = [0] * len(items)
+        for i, r, n0 in zip(ready, sampled, before):
+            new, d = r.token_ids[n0:], drafts[i]
+            a = 0
+            while a < min(len(d), len(new) - 1) and new[a] == d[a]:
+                a += 1
+            accepted[i] = a
+            if d:
+                stats = getattr(r, "spec_stats", None)
+                if isinstance(stats, SpecStats):
+                    stats.record(len(d), a)
+                self.spec_stats.record(len(d), a)
+        if ver:
+            input_ids = torch.tensor([t for i in ver for t in steps[i].token_ids + drafts[i]], device=paged.slots.device)
+            self._commit_verified(paged, input_ids, [items[i] for i in ver], [accepted[i] for i in ver])
+            self.storage.post_forward([items[i].alloc for i in ver])
+        for i, it in enumerate(items):
+            if not it.seq.request.finished:
+                keep = it.num_new_tokens + accepted[i]
+                self.drafter.keep(it.seq.request_id, rows[i][1][:keep], it.alloc.num_computed_tokens,
+                                  it.seq.num_preemptions)
+        self.scheduler.update(items, accepted)
+        for it in items:
+            if it.seq.request.finished:
+                self._seqs.pop(it.seq.request_id, None)
+                self.drafter.drop(it.seq.request_id)
+        if ver and self.spec_stats.num_rounds and self.spec_stats.num_rounds % SPEC_LOG_INTERVAL < len(ver):
+            logger.info("speculative decoding: %s", self.spec_stats.summary())
+        return sampled
+
+    def _commit_verified(self, paged: PagedMeta, input_ids: Tensor, items: list[ScheduledSeq],
+                         accepted: list[int]) -> None:
+        """Recurrent state of the verified requests: the state after the definite token and the
+        accepted drafts goes to the slot the allocator keeps as running (spec/commit.py)."""
+        device = paged.slots.device
+        keep = [it.alloc.draft_slots[a - 1] if a and it.alloc.draft_slots else it.alloc.state_slot
+                for it, a in zip(items, accepted)]
+        commit_verified(self.storage, self.runner.ops, paged.spec, paged.cu_seqlens, input_ids,
+                        paged.slots, torch.tensor(keep, dtype=torch.int32, device=device),
+                        torch.tensor([a + 1 for a in accepted], dtype=torch.int32, device=device))
+
+
+SPEC_LOG_INTERVAL = 64  # verify rounds between acceptance-statistics log lines
+
+
+def check_draft_kv_dtype(spec: SpeculativeConfig, kv_cache_dtype: str, kv_scales: Mapping, dtype: str) -> None:
+    """An E4M3 draft KV cache needs calibrated MTP K/V scales (release note, spec/engine.md §2.8)."""
+    draft = resolve_kv_dtype(spec.kv_cache_dtype or kv_cache_dtype, dtype)
+    if draft == "fp8_e4m3" and MTP not in kv_scales:
+        raise ValueError("the MTP draft KV cache would be fp8_e4m3, but the checkpoint has no calibrated draft K/V "
+                         "scales (mtp.layers.0.self_attn.{k,v}_scale); set speculative_config "
+                         "{'kv_cache_dtype': 'auto'} for a 16-bit draft cache, or use a checkpoint with MTP scales")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -12,6 +12,57 @@ from .state import SequenceState
 if TYPE_CHECKING:
     from .cache.storage import CacheStorage
     from .kernels.ops import KernelOps
+
+
+@dataclass
+class GDNRecord:
+    """What one GDN layer's verify leaves for the commit. mixed: [T, conv_dim] pre-conv inputs;
+    q, k: [B, R, H, K], v: [B, R, HV, V], g, beta: [B, R, HV] fp32 (padded; only kept for replay)."""
+
+    layer_idx: int
+    mixed: Tensor
+    replay_inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None
+    scale: float
+
+
+@dataclass
+class PLERecord:
+    """One PLE layer: conv_in [T, h*d] pre-conv inputs; history [B, n-1] the n-gram context before the step."""
+
+    layer_idx: int
+    conv_in: Tensor
+    history: Tensor
+
+
+@dataclass
+class VerifyMeta:
+    """A speculative verify step: every sequence runs its definite token plus its drafts, and the
+    recurrent layers leave the committed state untouched until the accepted count is known.
+
+    B sequences padded to `num_rows` rows each (the longest; padding rows get zero inputs, which
+    leave a GDN state unchanged).
+    flat_index: [T] int64, the padded position (b * num_rows + j) of each token of the flat stream.
+    draft_slots: int32 [B, num_rows] state slots that receive the GDN state after each row
+    (column 0 is the running slot, then the per-draft slots; padding rows point at the dummy
+    slot 0), or None for replay (`spec_state_replay`: nothing is kept, the commit recomputes).
+    record: filled by the layers with what the commit needs (spec/commit.py), keyed by layer.
+    """
+
+    num_seqs: int
+    num_rows: int
+    flat_index: Tensor
+    draft_slots: Tensor | None
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def pad(self, x: Tensor) -> Tensor:
+        """[T, ...] flat rows -> [B, num_rows, ...] contiguous, zeros in the padding rows."""
+        out = x.new_zeros(self.num_seqs * self.num_rows, *x.shape[1:])
+        out[self.flat_index] = x
+        return out.view(self.num_seqs, self.num_rows, *x.shape[1:])
+
+    def unpad(self, x: Tensor) -> Tensor:
+        """[B, num_rows, ...] -> [T, ...] flat rows."""
+        return x.reshape(-1, *x.shape[2:])[self.flat_index]
 
 
 @dataclass
@@ -40,10 +91,11 @@ class PagedMeta:
     group_cos: Tensor
     group_sin: Tensor
     max_new_tokens: int
+    spec: VerifyMeta | None = None  # set on a speculative verify step
 
     @property
     def is_decode(self) -> bool:
-        return self.max_new_tokens == 1
+        return self.max_new_tokens == 1 and self.spec is None
 
 
 @dataclass

@@ -230,18 +230,21 @@ class FlashNextModel(nn.Module):
         return self.lm_head(y).float()
 
     def mtp_forward(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, cu_seqlens: list[int],
-                    states: list[SequenceState], step: int = 0) -> tuple[Tensor, Tensor]:
+                    states: list[SequenceState], step: int = 0, paged: PagedMeta | None = None,
+                    logits_indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One MTP draft step (spec §7.2-7.3) over a flat batch.
 
         hidden: [T, h*d] wide state at positions p; token_ids: [T] the token after each hidden;
-        positions: [3, T] = p (position of the hidden). MTP's own QSA cache lives in `states`.
-        Returns (logits [T, V] fp32, wide output M [T, h*d] for the next step).
+        positions: [3, T] = p (position of the hidden). MTP's own QSA cache lives in `states`, or
+        in the paged cache (`paged`, the MTP layer's K/V pages). logits_indices: [N] rows to project.
+        Returns (logits [T or N, V] fp32, wide output M [T, h*d] for the next step).
         """
         if self.mtp is None:
             raise ValueError("this model has no MTP head (config has no mtp_num_hidden_layers or with_mtp=False)")
         meta = self.make_meta(token_ids, cu_seqlens, states, positions)
+        meta.paged = paged
         y, m = self.mtp(hidden, self.model.language_model.embed_tokens(token_ids), meta, step)
-        return self.compute_logits(y), m
+        return self.compute_logits(y if logits_indices is None else y[logits_indices]), m
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

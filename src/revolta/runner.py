@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .cache.storage import CacheStorage
-from .forward import PagedMeta
+from .forward import PagedMeta, VerifyMeta
 from .kernels.ops import kernel_ops
 from .model import FlashNextModel
 from .state import SequenceState
@@ -46,16 +46,15 @@ class ModelRunner:
         self.ops = kernel_ops(kernels)
         self.block_size = storage.layout.block_size
         self.ratio = model.cfg.text.indexer_compress_ratio
+        self.num_mtp_layers = max(1, model.cfg.text.num_mtp_layers)
 
     def _positions(self, seq: StepSequence, start: int, end: int) -> Tensor:
         if seq.positions is not None:
             return seq.positions[:, start:end]
         return torch.arange(start, end).unsqueeze(0).expand(3, -1) + seq.rope_delta
 
-    @torch.no_grad()
-    def execute(self, seqs: list[StepSequence], all_logits: bool = False,
-                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """Forward the step; logits [B, V] of each sequence's last new token ([T, V] with all_logits)."""
+    def _layout(self, seqs: list[StepSequence]) -> tuple[Tensor, Tensor, list[int], list[SequenceState], PagedMeta]:
+        """The step as flat varlen tensors: (input_ids [T], positions [3, T], cu_seqlens, states, paged meta)."""
         device = self.model.device
         lens = [len(s.token_ids) for s in seqs]
         if not seqs or min(lens) < 1:
@@ -89,9 +88,52 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             group_cos=group_cos, group_sin=group_sin, max_new_tokens=max(lens))
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=device)
-        mm = [s.mm_embeds for s in seqs if s.mm_embeds is not None]
         states = [SequenceState(num_tokens=s.num_computed, rope_delta=s.rope_delta) for s in seqs]
-        rows = None if all_logits else torch.tensor(cu[1:], device=device) - 1
-        return self.model(input_ids, torch.cat(positions, dim=1).to(device), cu_seqlens=cu, states=states,
+        return input_ids, torch.cat(positions, dim=1).to(device), cu, states, paged
+
+    @torch.no_grad()
+    def execute(self, seqs: list[StepSequence], all_logits: bool = False,
+                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Forward the step; logits [B, V] of each sequence's last new token ([T, V] with all_logits)."""
+        input_ids, positions, cu, states, paged = self._layout(seqs)
+        mm = [s.mm_embeds for s in seqs if s.mm_embeds is not None]
+        rows = None if all_logits else torch.tensor(cu[1:], device=input_ids.device) - 1
+        return self.model(input_ids, positions, cu_seqlens=cu, states=states,
                           mm_embeds=torch.cat(mm) if mm else None, logits_indices=rows,
                           return_hidden=return_hidden, paged=paged)
+
+    # ---- speculative decoding (spec/) -----------------------------------------------------------
+    @torch.no_grad()
+    def verify(self, seqs: list[StepSequence], draft_slots: list[list[int]] | None
+               ) -> tuple[Tensor, Tensor, PagedMeta]:
+        """Verify forward: each sequence's definite token and drafts, every row like a decode row.
+
+        draft_slots: per sequence the slots receiving the GDN state after each row (running slot
+        first), or None for replay. Returns (logits [T, V] of every row, wide hidden [T, h*d],
+        the step's PagedMeta whose `spec.record` feeds spec.commit.commit_verified).
+        """
+        input_ids, positions, cu, states, paged = self._layout(seqs)
+        device = input_ids.device
+        R = paged.max_new_tokens
+        flat = [b * R + j for b, s in enumerate(seqs) for j in range(len(s.token_ids))]
+        table = None
+        if draft_slots is not None:
+            table = torch.tensor([d + [0] * (R - len(d)) for d in draft_slots], dtype=torch.int32, device=device)
+        paged.spec = VerifyMeta(num_seqs=len(seqs), num_rows=R, draft_slots=table,
+                                flat_index=torch.tensor(flat, dtype=torch.long, device=device))
+        logits, wide = self.model(input_ids, positions, cu_seqlens=cu, states=states, return_hidden=True,
+                                  paged=paged)
+        return logits, wide, paged
+
+    @torch.no_grad()
+    def mtp(self, seqs: list[StepSequence], hidden: Tensor, step: int = 0,
+            logits_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """One MTP forward on the paged cache (the MTP layer's own K/V pages).
+
+        seqs: per sequence token_ids = the token after each hidden row, num_computed = the
+        position of its first hidden row; hidden: [T, h*d]. Returns (logits of `logits_rows`
+        (default every row) [N, V] fp32, wide output M [T, h*d]).
+        """
+        input_ids, positions, cu, states, paged = self._layout(seqs)
+        return self.model.mtp_forward(hidden, input_ids, positions, cu, states, step=step % self.num_mtp_layers,
+                                      paged=paged, logits_indices=logits_rows)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .cache.hybrid import Allocation, HybridAllocator
 
@@ -55,11 +55,15 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, allocator: HybridAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: HybridAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead_fn: Callable[[Sequence], int] | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} "
                              "must be >= 1")
         self.allocator = allocator
+        # speculative decoding: how many drafts a decoding request verifies this step (they are
+        # lookahead tokens in the budget and the allocation); None = no speculation
+        self.lookahead_fn = lookahead_fn
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -78,12 +82,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            alloc = self._allocate(seq, min(seq.num_pending_tokens, budget), scheduled)
+            lookahead = 0
+            if self.lookahead_fn is not None and seq.num_pending_tokens == 1:
+                lookahead = max(0, min(self.lookahead_fn(seq), budget - 1))
+            alloc = self._allocate(seq, min(seq.num_pending_tokens, budget), scheduled, lookahead)
             if alloc is None:  # seq itself was preempted
                 continue
             out.append(ScheduledSeq(seq, alloc))
             scheduled.add(seq.request_id)
-            budget -= alloc.num_new_tokens
+            budget -= alloc.num_new_tokens + alloc.num_lookahead_tokens
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -98,9 +105,9 @@ class Scheduler:
             budget -= alloc.num_new_tokens
         return out
 
-    def _allocate(self, seq: Sequence, num_tokens: int, scheduled: set[str]) -> Allocation | None:
+    def _allocate(self, seq: Sequence, num_tokens: int, scheduled: set[str], lookahead: int = 0) -> Allocation | None:
         while True:
-            alloc = self.allocator.allocate(seq, num_tokens)
+            alloc = self.allocator.allocate(seq, num_tokens, lookahead)
             if alloc is not None:
                 return alloc
             # preempt the newest running request that is not already in this step
@@ -117,11 +124,13 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, items: list[ScheduledSeq]) -> None:
-        """After the forward and sampling: commit the computed tokens, free finished requests."""
-        for it in items:
-            it.seq.num_computed_tokens += it.alloc.num_new_tokens
-            self.allocator.commit(it.seq, 0)
+    def update(self, items: list[ScheduledSeq], num_accepted: list[int] | None = None) -> None:
+        """After the forward and sampling: commit the computed tokens (and the accepted drafts of
+        each item, `num_accepted`, default none), free finished requests."""
+        for j, it in enumerate(items):
+            accepted = num_accepted[j] if num_accepted is not None else 0
+            it.seq.num_computed_tokens += it.alloc.num_new_tokens + accepted
+            self.allocator.commit(it.seq, accepted)
             if it.seq.request.finished:
                 self.finish(it.seq)
 

@@ -148,11 +148,12 @@ class CacheStorage:
                 out += [q.k_scale, q.v_scale]
         return out
 
-    def slot_tensors(self) -> list[Tensor]:
-        """Every tensor indexed by state slot (dim 0), in a fixed order."""
+    def slot_tensors(self, skip_gdn_state: bool = False) -> list[Tensor]:
+        """Every tensor indexed by state slot (dim 0), in a fixed order (without the GDN recurrent
+        states when `skip_gdn_state`: a speculative commit carries the rest to a per-draft slot)."""
         out = []
         for g in self.gdn.values():
-            out += [g.ssm_state, g.conv_state]
+            out += [g.conv_state] if skip_gdn_state else [g.ssm_state, g.conv_state]
         for p in self.ple.values():
             out += [p.conv, p.context_ids]
         return out + list(self.pending_keys.values()) + [self.pending_positions]
@@ -172,9 +173,10 @@ class CacheStorage:
         """Copy block src (here) -> block dst (in `dst`, default here) for each (src, dst) pair."""
         _copy(self.block_tensors(), (dst or self).block_tensors(), pairs)
 
-    def copy_slots(self, pairs: Iterable[tuple[int, int]], dst: CacheStorage | None = None) -> None:
+    def copy_slots(self, pairs: Iterable[tuple[int, int]], dst: CacheStorage | None = None,
+                   skip_gdn_state: bool = False) -> None:
         """Copy state slot src (here) -> slot dst (in `dst`, default here): snapshots, restores, swaps."""
-        _copy(self.slot_tensors(), (dst or self).slot_tensors(), pairs)
+        _copy(self.slot_tensors(skip_gdn_state), (dst or self).slot_tensors(skip_gdn_state), pairs)
 
     def reset_slots(self, slots: Sequence[int]) -> None:
         """Fresh-sequence state: zeros, and EOS n-gram context ids (spec §5.3)."""

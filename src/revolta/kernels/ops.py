@@ -22,6 +22,9 @@ class KernelOps:
     causal_conv1d_update: Callable
     gdn_chunk_prefill: Callable
     gdn_recurrent_update: Callable
+    gdn_verify: Callable  # speculative verify, keeps per-row states or nothing (replay)
+    gdn_replay_commit: Callable
+    causal_conv1d_commit: Callable
     store_kv: Callable
     index_compress: Callable
     qsa_prefill: Callable
@@ -48,6 +51,9 @@ def kernel_ops(backend: str) -> KernelOps:
         ("conv1d", "causal_conv1d_varlen"), ("conv1d", "causal_conv1d_update"),
         ("gdn.chunk" if sfx == "" else "gdn.ref", "gdn_chunk_prefill"),
         ("gdn.recurrent" if sfx == "" else "gdn.ref", "gdn_recurrent_update"),
+        ("gdn.recurrent" if sfx == "" else "gdn.ref", "gdn_verify"),
+        ("gdn.recurrent" if sfx == "" else "gdn.ref", "gdn_replay_commit"),
+        ("conv1d", "causal_conv1d_commit"),
         ("qsa.store_kv", "store_kv"), ("qsa.index_compress", "index_compress"), ("qsa.prefill", "qsa_prefill"),
         ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"))}
     fused = dict.fromkeys(("hc_read", "moe_route", "fused_moe", "gated_rms_norm", "apply_rope"))

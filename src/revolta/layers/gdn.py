@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import TextConfig
-from ..forward import ForwardMeta
+from ..forward import ForwardMeta, GDNRecord
 from ..kernels.conv1d import causal_conv1d_ref
 from ..kernels.gdn import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 from ..state import GDNState
@@ -57,7 +57,9 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)  # [T, value_dim]
         beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, HV]
-        if meta.paged is not None:
+        if meta.paged is not None and meta.paged.spec is not None:
+            out = self._mix_verify(mixed, g, beta, meta)
+        elif meta.paged is not None:
             out = self._mix_paged(mixed, g, beta, meta)
         else:
             out = self._mix_states(mixed, g, beta, meta)
@@ -90,6 +92,27 @@ class GatedDeltaNet(nn.Module):
             return pm.ops.gdn_recurrent_update(q, k, v, g, beta, cache.ssm_state, pm.slots, scale)
         return pm.ops.gdn_chunk_prefill(q, k, v, g, beta, pm.cu_seqlens, cache.ssm_state, pm.slots,
                                         pm.has_initial_state, scale)
+
+    def _mix_verify(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:
+        """Speculative verify on the paged cache: every row computed like a single-token decode
+        (token-by-token recurrence from the committed state), nothing committed -> o [T, HV, V].
+        The commit (spec/commit.py) uses what this records."""
+        pm, sv = meta.paged, meta.paged.spec
+        cache = pm.storage.gdn[self.layer_idx]
+        conv_w = self.conv1d.weight[:, 0, :]
+        conv_out = pm.ops.causal_conv1d_varlen(mixed, conv_w, cache.conv_state, pm.slots, pm.cu_seqlens,
+                                               pm.has_initial_state, activation="silu", write_state=False)
+        T = mixed.shape[0]
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = sv.pad(q.reshape(T, self.num_k_heads, self.head_k_dim))  # [B, R, H, K]
+        k = sv.pad(k.reshape(T, self.num_k_heads, self.head_k_dim))
+        v = sv.pad(v.reshape(T, self.num_v_heads, self.head_v_dim))  # [B, R, HV, V]
+        g, beta = sv.pad(g), sv.pad(beta)  # [B, R, HV] fp32
+        scale = self.head_k_dim**-0.5
+        o = pm.ops.gdn_verify(q, k, v, g, beta, cache.ssm_state, pm.slots, scale, draft_states=sv.draft_slots)
+        replay = (q, k, v, g, beta) if sv.draft_slots is None else None
+        sv.record[self.state_key] = GDNRecord(self.layer_idx, mixed, replay, scale)
+        return sv.unpad(o)
 
     def _mix_states(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:
         """Conv + delta rule with per-sequence state objects (the simple torch path) -> o [T, HV, V]."""

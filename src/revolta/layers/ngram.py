@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import TextConfig
-from ..forward import ForwardMeta
+from ..forward import ForwardMeta, PLERecord
 from ..kernels.conv1d import causal_conv1d_ref
 from ..state import PLEState
 from .norm import ZCRMSNorm
@@ -161,7 +161,9 @@ class PLELayer(nn.Module):
         seq_index, local_index = self._token_layout(meta, ids.device)
         history = self._histories(x, meta)  # [B, n-1] last ids of each sequence before this step
         contexts = ngram_contexts(ids, history, seq_index, local_index, self.eos)  # [T, n]
-        self._store_histories(meta, self._new_histories(ids, history, meta))
+        verify = meta.paged.spec if meta.paged is not None else None
+        if verify is None:
+            self._store_histories(meta, self._new_histories(ids, history, meta))
         emb = self.ple_embedding(contexts).to(x.dtype)
         h, d = self.hc_count, self.hidden_size
         key = self.norm_key(self.key_proj(emb)).unflatten(-1, (h, d))  # [T, h, d]
@@ -174,9 +176,12 @@ class PLELayer(nn.Module):
         conv_w = self.conv1d.weight[:, 0, :]
         pm = meta.paged
         if pm is not None:
+            # a verify step only reads the window; spec/commit.py advances it by the accepted rows
             conv_out = pm.ops.causal_conv1d_varlen(conv_in, conv_w, pm.storage.ple[self.layer_idx].conv, pm.slots,
                                                    pm.cu_seqlens, pm.has_initial_state, activation="silu",
-                                                   dilation=self.dilation)
+                                                   dilation=self.dilation, write_state=verify is None)
+            if verify is not None:
+                verify.record[self.state_key] = PLERecord(self.layer_idx, conv_in, history)
             return gated + conv_out
         conv_out = torch.empty_like(gated)
         for _, start, end, seq in meta.seq_slices():

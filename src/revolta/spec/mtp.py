@@ -1,0 +1,124 @@
+"""The MTP drafter (spec/model.md §7.3, spec/engine.md §2.8): k recursive steps of the
+checkpoint's MTP layer from the target's last hidden state, with the MTP layer's own K/V.
+
+Pairing: the MTP row at position p takes the target's wide pre-mixer state at p and the token
+at p + 1. Every target row of a committed position becomes such a row once the next token is
+known, so the MTP K/V always covers what the target has computed:
+
+- after a forward, the request's committed target rows (a prefill chunk, or the definite token
+  and the accepted drafts of a verify) are kept as *pending rows*;
+- at the request's next step, one varlen MTP forward runs the pending rows (the token after the
+  last one is the step's first token, now known) and writes their MTP K/V; for a request about
+  to verify, its last row's logits give draft d_1 (a guess for the token after the definite one);
+- draft j >= 2: one MTP step at the next position from the previous step's wide output M and
+  d_{j-1}. These rows' K/V are overwritten when the positions are seeded from target rows.
+
+Drafts are the argmax ("greedy" draft_sample_method: q is one-hot in rejection sampling). A
+request that was preempted (its pages are gone) or hit the prefix cache restarts without pending
+rows; the MTP K/V it finds in hit pages came from the request that computed them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from ..runner import ModelRunner, StepSequence
+
+
+@dataclass
+class PendingRows:
+    """Target wide states [m, h*d] at positions start .. start + m - 1, not yet run through MTP."""
+
+    hidden: Tensor
+    start: int
+    num_preemptions: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.hidden.shape[0]
+
+
+@dataclass
+class DraftItem:
+    """One scheduled request: where its step runs (`step`: block table, slot, positions; its
+    num_computed is the position of the step's first token), all its known token ids, its
+    preemption count and how many drafts to propose (0 for prefill chunks)."""
+
+    request_id: str
+    step: StepSequence
+    all_token_ids: list[int]
+    num_preemptions: int
+    num_drafts: int
+
+
+class MTPDrafter:
+    """Keeps each request's pending target rows and proposes drafts with the MTP head."""
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
+        self.runner = runner
+        self.k = num_speculative_tokens
+        self.pending: dict[str, PendingRows] = {}
+
+    def has_pending(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:
+        """Whether the request can draft: its pending rows end where its computed tokens end."""
+        p = self.pending.get(request_id)
+        return p is not None and p.end == num_computed and p.num_preemptions == num_preemptions
+
+    def keep(self, request_id: str, hidden: Tensor, start: int, num_preemptions: int) -> None:
+        """Rows [m, h*d] of committed target positions start .. start + m - 1."""
+        self.pending[request_id] = PendingRows(hidden, start, num_preemptions)
+
+    def drop(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    @torch.no_grad()
+    def propose(self, items: list[DraftItem]) -> list[list[int]]:
+        """Seed the MTP K/V with every item's pending rows and draft `num_drafts` tokens for each.
+
+        Returns one list of draft token ids per item (empty where num_drafts is 0).
+        """
+        drafts: list[list[int]] = [[] for _ in items]
+        seed_seqs, seed_hidden, seed_items = [], [], []
+        for i, it in enumerate(items):
+            c = it.step.num_computed
+            if not self.has_pending(it.request_id, c, it.num_preemptions):
+                self.drop(it.request_id)
+                if it.num_drafts:
+                    raise ValueError(f"request {it.request_id!r} was scheduled with {it.num_drafts} drafts but has "
+                                     "no pending MTP rows")
+                continue
+            p = self.pending.pop(it.request_id)
+            seed_seqs.append(replace(it.step, token_ids=it.all_token_ids[p.start + 1:c + 1], num_computed=p.start,
+                                     mm_embeds=None))
+            seed_hidden.append(p.hidden)
+            seed_items.append(i)
+        if not seed_seqs:
+            return drafts
+        lens = [len(s.token_ids) for s in seed_seqs]
+        last = torch.tensor(lens).cumsum(0) - 1  # the last row of each seeded sequence
+        want = [j for j, i in enumerate(seed_items) if items[i].num_drafts]
+        if not want:
+            self.runner.mtp(seed_seqs, torch.cat(seed_hidden), logits_rows=last[:0])
+            return drafts
+        rows = last[want].to(self.runner.model.device)
+        logits, m = self.runner.mtp(seed_seqs, torch.cat(seed_hidden), logits_rows=rows)
+        active = [seed_items[j] for j in want]  # item index of each drafting row
+        tokens = logits.argmax(-1).tolist()
+        hidden = m[rows]
+        for i, t in zip(active, tokens):
+            drafts[i].append(t)
+        for step in range(1, self.k):
+            keep = [r for r, i in enumerate(active) if items[i].num_drafts > step]
+            if not keep:
+                break
+            active = [active[r] for r in keep]
+            hidden = hidden[torch.tensor(keep, device=hidden.device)]
+            seqs = [replace(items[i].step, token_ids=[drafts[i][-1]], num_computed=items[i].step.num_computed + step - 1,
+                            mm_embeds=None) for i in active]
+            logits, hidden = self.runner.mtp(seqs, hidden, step=step)
+            for i, t in zip(active, logits.argmax(-1).tolist()):
+                drafts[i].append(t)
+        return drafts
