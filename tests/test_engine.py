@@ -53,15 +53,17 @@ def reference(model, prompt, n):
     return out
 
 
-def run(engine, reqs, abort_after=None):
+def run(engine, reqs, abort_after=None, sample_fn=greedy, on_step=None):
     for r in reqs:
         engine.add_request(r)
     steps = 0
     while engine.has_unfinished():
-        engine.step(greedy)
+        engine.step(sample_fn)
         steps += 1
         if abort_after is not None and steps == abort_after[0]:
             engine.abort(abort_after[1])
+        if on_step is not None:
+            on_step(engine)
         assert steps < 10_000
     return steps
 

@@ -14,6 +14,7 @@ batch (greedy rows are argmax, sampled rows use their own generator).
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import logging
@@ -33,6 +34,9 @@ from .engine import Engine, EngineConfig
 from .model import FlashNextModel, load_model
 from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
+from .spec.config import SpeculativeConfig
+from .spec.stats import SpecStats
+from .spec.verify import greedy_accept, rejection_sample
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ ENGINE_ARG_NAMES = frozenset({
 })
 # vLLM arguments the engine consumes (the rest are accepted for compatibility and logged)
 _ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
-                       "gpu_memory_utilization", "block_size")
+                       "gpu_memory_utilization", "block_size", "speculative_config")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -109,6 +113,7 @@ class _Request:
     stop_reason: int | str | None = None
     index: int = 0  # which of the prompt's n completions this is
     parent_id: str | None = None  # the prompt's request id when n > 1
+    spec_stats: SpecStats | None = None  # acceptance statistics (the engine records them) when speculating
 
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.params.stop_strings, self.params.include_stop_str_in_output)
@@ -144,6 +149,8 @@ class _Request:
 
     def output(self) -> RequestOutput:
         self.metrics.num_generation_tokens = len(self.token_ids)
+        if self.spec_stats is not None:
+            self.metrics.spec_decode = copy.deepcopy(self.spec_stats)
         return RequestOutput(self.parent_id or self.request_id, self.prompt, list(self.prompt_token_ids),
                              [self.completion()], finished=self.finished, metrics=self.metrics)
 
@@ -189,8 +196,13 @@ class LLM:
                                     "(config.json + *.safetensors), or no model for the embedded default")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        # speculative decoding: MTP4 when the checkpoint has an MTP layer and no method is given
+        has_mtp = ModelConfig.from_pretrained(self.model_path).text.mtp is not None
+        self.speculative_config = SpeculativeConfig.resolve(engine_args.get("speculative_config"), has_mtp)
+        engine_args = {**engine_args, "speculative_config": self.speculative_config}
         self.model: FlashNextModel = load_model(self.model_path, dtype=self.dtype, device=self.device,
-                                                with_mtp=False, progress=not self.is_default_model)
+                                                with_mtp=self.speculative_config.enabled,
+                                                progress=not self.is_default_model)
         self.cfg: ModelConfig = self.model.cfg
         self.tokenizer = self._load_tokenizer(tokenizer, engine_args.get("skip_tokenizer_init", False))
         self.max_model_len = self._resolve_max_model_len(max_model_len)
@@ -243,7 +255,8 @@ class LLM:
             if self.is_default_model else "checkpoint"
         parts = [f"{t.num_hidden_layers} layers ({t.num_gdn_layers} GDN + {t.num_qsa_layers} QSA)",
                  f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
-                 f"MTP {t.num_mtp_layers} (not loaded)" if t.num_mtp_layers else "no MTP",
+                 f"MTP {t.num_mtp_layers}, speculative decoding {self.speculative_config.describe()}"
+                 if t.num_mtp_layers else "no MTP",
                  f"vision {v.depth} blocks" if v is not None else "no vision"]
         logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | max_model_len %d | ready in %.1f s",
                     origin, self.model_path, str(self.dtype).removeprefix("torch."), self.device, ", ".join(parts),
@@ -375,7 +388,8 @@ class LLM:
             self._next_request_id += 1
         request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1
         return _Request(request_id, text, ids, params, generator, max_tokens, detok,
-                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
+                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
+                        spec_stats=SpecStats() if self.speculative_config.enabled else None)
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -466,9 +480,13 @@ class LLM:
             for rid in groups:
                 self.abort_request(rid)
 
-    def _sample_and_append(self, requests: list[_Request], logits: Tensor) -> None:
+    def _sample_and_append(self, requests: list[_Request], logits: Tensor,
+                           drafts: Sequence[Sequence[int]] | None = None) -> None:
         if self._num_text_ids < logits.shape[-1]:
             logits[:, self._num_text_ids:] = float("-inf")
+        if drafts is not None:
+            self._verify_and_append(requests, logits, drafts)
+            return
         params = [r.params for r in requests]
         sample_logits = logits  # logprobs report the raw model distribution, as vLLM does
         if any(p.has_penalties or p.min_tokens for p in params):
@@ -481,6 +499,31 @@ class LLM:
             self._record_logprobs(requests, logits, token_ids, num_top)
         for r, token_id in zip(requests, token_ids.tolist()):
             r.append(token_id, self.eos_token_ids)
+
+    def _verify_and_append(self, requests: list[_Request], logits: Tensor, drafts: Sequence[Sequence[int]]) -> None:
+        """Speculative rows: request i owns 1 + len(drafts[i]) rows; accept drafts (spec/verify.py) and
+        append the emitted tokens one by one, so EOS or a stop inside them ends the request where
+        decoding without drafts would."""
+        offset = 0
+        for r, d in zip(requests, drafts):
+            n = len(d) + 1
+            rows, offset = logits[offset:offset + n], offset + n  # [n, V]
+            p = r.params
+            sample_rows = rows
+            if p.has_penalties or p.min_tokens:  # row j sees the output extended by the drafts before it
+                stops = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+                sample_rows = apply_penalties(rows, [p] * n, [r.prompt_token_ids] * n,
+                                              [r.token_ids + list(d[:j]) for j in range(n)], [stops] * n)
+            if p.greedy:
+                emitted = greedy_accept(sample_rows.argmax(-1).tolist(), d)
+            else:
+                emitted = rejection_sample(self.sampler.probs(sample_rows, [p] * n), d, None, r.generator)
+            for j, token_id in enumerate(emitted):
+                if r.finished:
+                    break
+                if p.logprobs is not None:
+                    self._record_logprobs([r], rows[j:j + 1], torch.tensor([token_id], device=rows.device), p.logprobs)
+                r.append(token_id, self.eos_token_ids)
 
     def _record_logprobs(self, requests: list[_Request], logits: Tensor, token_ids: Tensor, num_top: int) -> None:
         chosen, rank, top_lp, top_ids = (x.tolist() for x in compute_logprobs(logits, token_ids, num_top))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .spec.stats import SpecStats
+
 
 @dataclass
 class Logprob:
@@ -49,6 +51,8 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # speculative decoding: rounds, drafts proposed / accepted, per-position acceptance (None when off)
+    spec_decode: SpecStats | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

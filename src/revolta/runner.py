@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .cache.storage import CacheStorage
 from .forward import PagedMeta, VerifyMeta
+from .kernels.batch_invariant import row_invariant
 from .kernels.ops import kernel_ops
 from .model import FlashNextModel
 from .state import SequenceState
@@ -41,9 +42,13 @@ class StepSequence:
 class ModelRunner:
     """Runs `model` on `storage` with the torch references or the Triton kernels."""
 
-    def __init__(self, model: FlashNextModel, storage: CacheStorage, kernels: str = "torch"):
+    def __init__(self, model: FlashNextModel, storage: CacheStorage, kernels: str = "torch",
+                 batch_invariant: bool | None = None):
         self.model, self.storage = model, storage
         self.ops = kernel_ops(kernels)
+        # decode and verify rows computed one at a time (kernels/batch_invariant.py); default on for the
+        # torch path, whose greedy output and state must not depend on the batch or on speculation
+        self.row_invariant = kernels == "torch" if batch_invariant is None else batch_invariant
         self.block_size = storage.layout.block_size
         self.ratio = model.cfg.text.indexer_compress_ratio
         self.num_mtp_layers = max(1, model.cfg.text.num_mtp_layers)
@@ -98,9 +103,10 @@ class ModelRunner:
         input_ids, positions, cu, states, paged = self._layout(seqs)
         mm = [s.mm_embeds for s in seqs if s.mm_embeds is not None]
         rows = None if all_logits else torch.tensor(cu[1:], device=input_ids.device) - 1
-        return self.model(input_ids, positions, cu_seqlens=cu, states=states,
-                          mm_embeds=torch.cat(mm) if mm else None, logits_indices=rows,
-                          return_hidden=return_hidden, paged=paged)
+        with row_invariant(self.row_invariant and paged.is_decode):
+            return self.model(input_ids, positions, cu_seqlens=cu, states=states,
+                              mm_embeds=torch.cat(mm) if mm else None, logits_indices=rows,
+                              return_hidden=return_hidden, paged=paged)
 
     # ---- speculative decoding (spec/) -----------------------------------------------------------
     @torch.no_grad()
@@ -121,8 +127,9 @@ class ModelRunner:
             table = torch.tensor([d + [0] * (R - len(d)) for d in draft_slots], dtype=torch.int32, device=device)
         paged.spec = VerifyMeta(num_seqs=len(seqs), num_rows=R, draft_slots=table,
                                 flat_index=torch.tensor(flat, dtype=torch.long, device=device))
-        logits, wide = self.model(input_ids, positions, cu_seqlens=cu, states=states, return_hidden=True,
-                                  paged=paged)
+        with row_invariant(self.row_invariant):
+            logits, wide = self.model(input_ids, positions, cu_seqlens=cu, states=states, return_hidden=True,
+                                      paged=paged)
         return logits, wide, paged
 
     @torch.no_grad()

@@ -1,0 +1,199 @@
+"""Speculative decoding with the MTP head on the paged engine (spec/engine.md §2.4, §2.8, §3).
+
+Greedy output with speculation must equal greedy output without it, token for token, by
+construction: every verify row is computed the way a single-token decode row is (token-by-token
+GDN recurrence from the committed state, per-row QSA), and the recurrent state committed for the
+accepted position is bitwise the state of the run without speculation. The MTP head of the tiny
+model has random weights, so its drafts are mostly rejected; forced drafters (the target's own
+greedy tokens, or those with draft j corrupted) exercise every accept/reject path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from revolta.config import ModelConfig
+from revolta.engine import Engine, EngineConfig
+from revolta.model import FlashNextModel, init_random_weights
+from revolta.spec.verify import greedy_accept
+from test_engine import Req, assert_clean, ids
+from test_engine import run as run_engine
+from test_paged_model import TINY
+
+TINY_MTP = dict(TINY, mtp_num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = FlashNextModel(ModelConfig.from_dict(TINY_MTP)).eval()
+    init_random_weights(m, seed=11)
+    return m
+
+
+def greedy_verify(requests, logits, drafts=None):
+    """The greedy acceptance rule over each request's rows, stopping at max_tokens."""
+    drafts = drafts if drafts is not None else [[] for _ in requests]
+    offset = 0
+    for r, d in zip(requests, drafts):
+        rows = logits[offset:offset + len(d) + 1]
+        offset += len(d) + 1
+        for t in greedy_accept(rows.argmax(-1).tolist(), d):
+            if r.finished:
+                break
+            r.token_ids.append(t)
+
+
+def make_engine(model, spec, **kw):
+    cfg = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16, kv_cache_gib=0.004,
+               speculative_config=spec)
+    cfg.update(kw)
+    return Engine(model, EngineConfig(**cfg))
+
+
+def run(engine, reqs, on_step=None):
+    return run_engine(engine, reqs, sample_fn=greedy_verify, on_step=on_step)
+
+
+def force_drafts(engine, refs: dict[str, list[int]], corrupt: int | None = None):
+    """Replace the MTP drafts by the target's own greedy continuation (draft `corrupt` altered).
+    The MTP head still runs (its K/V seeding is part of what is under test)."""
+    propose = engine.drafter.propose
+    vocab = engine.model.cfg.text.vocab_size
+
+    def forced(items):
+        out = propose(items)
+        for it, d in zip(items, out):
+            if it.num_drafts:
+                prompt_len, ref = refs[it.request_id]
+                g = len(it.all_token_ids) - prompt_len
+                new = list(ref[g:g + it.num_drafts])
+                assert len(new) == it.num_drafts, "drafts past max_tokens: the draft count was not trimmed"
+                if corrupt is not None and corrupt < len(new):
+                    new[corrupt] = (new[corrupt] + 1) % vocab
+                d[:] = new
+        return out
+
+    engine.drafter.propose = forced
+
+
+def recurrent_state(engine, slot):
+    """Every committed recurrent tensor of a slot: GDN state and conv window, PLE conv and n-gram ids."""
+    st = engine.storage
+    return [x[slot].clone() for g in st.gdn.values() for x in (g.ssm_state, g.conv_state)] + \
+        [x[slot].clone() for p in st.ple.values() for x in (p.conv, p.context_ids)]
+
+
+def state_trace(engine, request_id, trace):
+    """on_step hook: the request's committed state keyed by its number of computed tokens."""
+    def hook(e):
+        a = e.allocator
+        if request_id in a._seqs and a._seqs[request_id].pending is None:
+            trace[a.num_computed_tokens(type("R", (), {"request_id": request_id})())] = \
+                recurrent_state(e, a._seqs[request_id].running_slot)
+    return hook
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "forced"])
+@torch.no_grad()
+def test_greedy_spec_equals_no_spec_8_concurrent_with_preemption_and_prefix_hits(model, drafter):
+    """8 requests in a pool too small for all (preemption), half sharing a prefix (hits): the
+    MTP head's own drafts, or forced drafts where request i's draft i % 5 is wrong (every
+    accept length under batching)."""
+    shared = ids(33, seed=77)
+    prompts = [shared + ids(2 + 3 * i, seed=i) if i % 2 else ids(7 + 6 * i, seed=50 + i) for i in range(8)]
+    plain = [Req(f"r{i}", p, max_tokens=7 + i) for i, p in enumerate(prompts)]
+    run(make_engine(model, {"method": None}, max_num_seqs=1), plain)  # one at a time, no speculation
+    reqs = [Req(r.request_id, r.prompt_token_ids, r.max_tokens) for r in plain]
+    engine = make_engine(model, {"method": "mtp", "num_speculative_tokens": 4}, kv_cache_gib=0.0017,
+                         max_model_len=128)
+    if drafter == "forced":
+        refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in plain}
+        propose = engine.drafter.propose
+        force_drafts(engine, refs)
+        forced = engine.drafter.propose
+
+        def mixed(items):  # request i: draft i % 5 wrong (4 = all right)
+            out = forced(items)
+            for it, d in zip(items, out):
+                j = int(it.request_id[1:]) % 5
+                if j < len(d):
+                    d[j] = (d[j] + 1) % model.cfg.text.vocab_size
+            return out
+
+        engine.drafter.propose = mixed
+        assert propose is not mixed
+    preempted = []
+    orig = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))
+    run(engine, reqs)
+    assert preempted, "the pool was large enough for everything: no preemption happened"
+    assert engine.allocator.stats.hit_tokens > 0, "no prefix-cache hit happened"
+    assert engine.spec_stats.num_draft_tokens > 0
+    if drafter == "forced":
+        assert engine.spec_stats.num_accepted_tokens > 0
+    assert_clean(engine)
+    for r, p in zip(reqs, plain):
+        assert r.token_ids == p.token_ids, r.request_id
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["per-draft-slots", "replay"])
+@pytest.mark.parametrize("corrupt", [None, 0, 2], ids=["accept-all", "reject-0", "reject-2"])
+@torch.no_grad()
+def test_forced_acceptance_commits_the_state_of_the_non_spec_run(model, corrupt, replay):
+    prompt = ids(21, seed=5)
+    n = 17
+    base_trace: dict[int, list] = {}
+    base = make_engine(model, {"method": None})
+    plain = Req("a", prompt, n)
+    run(base, [plain], state_trace(base, "a", base_trace))
+    ref = plain.token_ids
+
+    engine = make_engine(model, {"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": replay})
+    assert engine.allocator.config.per_draft_state is (not replay)
+    force_drafts(engine, {"a": (len(prompt), ref)}, corrupt)
+    trace: dict[int, list] = {}
+    req = Req("a", prompt, n)
+    run(engine, [req], state_trace(engine, "a", trace))
+    assert req.token_ids == ref
+    s = engine.spec_stats
+    j = 4 if corrupt is None else corrupt
+    assert s.num_rounds > 0
+    assert s.accepted_per_position == [d if p < j else 0 for p, d in enumerate(s.drafted_per_position)], s
+    assert len(trace) >= 3 and set(trace) <= set(base_trace)
+    for computed, state in trace.items():  # bitwise, every committed tensor
+        for x, y in zip(state, base_trace[computed]):
+            assert torch.equal(x, y), f"state differs after {computed} tokens"
+    assert_clean(engine)
+
+
+@torch.no_grad()
+def test_fewer_drafts_near_max_model_len_and_max_tokens(model):
+    prompt = ids(30, seed=9)
+    plain = Req("a", prompt, 10)  # prompt + 10 = max_model_len
+    run(make_engine(model, {"method": None}, max_model_len=40), [plain])
+    ref = plain.token_ids + [0] * 2  # drafts past the end are never verified (the count is trimmed)
+    engine = make_engine(model, {"method": "mtp"}, max_model_len=40)
+    force_drafts(engine, {"a": (len(prompt), ref), "b": (len(prompt), ref)})
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        items = schedule()
+        for it in items:
+            if it.alloc.num_lookahead_tokens:
+                seen.append((it.seq.request_id, len(it.seq.all_token_ids), len(it.seq.request.token_ids),
+                             it.alloc.num_lookahead_tokens))
+        return items
+
+    engine.scheduler.schedule = spy
+    a, b = Req("a", prompt, 10), Req("b", prompt, 6)
+    run(engine, [a, b])
+    assert a.token_ids == plain.token_ids
+    assert b.token_ids == plain.token_ids[:6]
+    assert seen
+    for rid, known, generated, drafts in seen:
+        assert known + drafts + 1 <= 40 and drafts <= 4
+        assert generated + drafts + 1 <= (10 if rid == "a" else 6)
+    assert any(d < 4 for _, _, _, d in seen), "no request drafted fewer near its limits"
+    assert_clean(engine)
