@@ -97,12 +97,13 @@ def test_sampler_seed_is_independent_of_batch():
 
 # ---- LLM on a tiny random checkpoint --------------------------------------------------------------
 
-def tiny_config() -> ModelConfig:
+def tiny_config(with_mtp: bool = False) -> ModelConfig:
     raw = copy.deepcopy(DEFAULT_CONFIG)
     raw.pop("vision_config")
     t = raw["text_config"]
-    for key in ("mtp", "mtp_num_hidden_layers"):
-        t.pop(key)
+    if not with_mtp:
+        for key in ("mtp", "mtp_num_hidden_layers"):
+            t.pop(key)
     t.update(hidden_size=64, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
              linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
              moe_intermediate_size=32, shared_expert_intermediate_size=32, hc_lowrank=8, ple_embed_dim=64,
@@ -114,8 +115,12 @@ def tiny_config() -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_ckpt")
-    cfg = tiny_config()
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"))
+
+
+def write_tiny_checkpoint(path, with_mtp: bool = False):
+    """The tiny random model with the real tokenizer as a checkpoint directory (with its MTP layer on request)."""
+    cfg = tiny_config(with_mtp)
     with torch.device("meta"):
         model = FlashNextModel(cfg)
     model.to_empty(device="cpu").init_buffers()
