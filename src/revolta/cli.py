@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-num-seqs", type=int, default=None, metavar="N")
     plan.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                       help="MTP drafts per step (default: the planner's default; 0 turns speculation off)")
+    plan.add_argument("--spec-state-replay", action="store_true",
+                      help="plan for speculative state replay: no per-draft state slots (spec/engine.md §3.3)")
     plan.add_argument("--weights-gib", type=float, default=None, metavar="GiB",
                       help="measured weights per GPU (default: estimated for AWQ experts)")
     return parser
@@ -109,7 +111,8 @@ def _info(args: argparse.Namespace) -> int:
         from .cache.capacity import dry_run_report
 
         options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                     ("num_speculative_tokens", args.num_speculative_tokens)) if v is not None}
+                                     ("num_speculative_tokens", args.num_speculative_tokens),
+                                     ("spec_state_replay", args.spec_state_replay or None)) if v is not None}
         weights = None if args.weights_gib is None else int(args.weights_gib * 2**30)
         plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
                               args.kv_cache_dtype, args.gpu_memory_utilization, weights, **options)

@@ -1,0 +1,164 @@
+"""MTP speculative decoding on the engine (issue 6, spec/performance.md §6.3): time per verify
+round and decode speedup over no speculation at C1 and C8, for synthetic acceptance rates
+(forced drafts: draft j is the target's own greedy token with probability `rate`, independently,
+so a round accepts up to the first wrong one), with per-draft state slots and with replay, for a
+greedy and a sampling target (sampling rows: the cost of a round at the acceptance it measures).
+
+    python benchmarks/bench_spec.py [--model small|wide] [--tokens 64]   (JSON in $OUT/bench_spec.json)
+
+`small` is the GPU test model (tests/gpu/test_kernel_path_gpu.py); `wide` keeps the real model's
+per-layer widths (hidden 2560, GDN 16/48 heads of 128, QSA 32/2 heads of 256) with 4 layers and
+64 experts, so one step is bandwidth-shaped like a slice of the real model. Verify steps run
+eagerly (no CUDA graph yet). Times are wall clock around `engine.step`, with a device sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "gpu"))
+
+from revolta.config import ModelConfig  # noqa: E402
+from revolta.engine import Engine, EngineConfig  # noqa: E402
+from revolta.model import FlashNextModel, init_random_weights  # noqa: E402
+from revolta.sampling import Sampler, SamplingParams  # noqa: E402
+from revolta.spec.verify import greedy_accept, rejection_sample  # noqa: E402
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script with the torch path
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def model_config(name: str) -> dict:
+    from test_kernel_path_gpu import SMALL
+
+    if name == "small":
+        return dict(SMALL, mtp_num_hidden_layers=1)
+    L, F = "linear_attention", "full_attention"
+    return dict(SMALL, hidden_size=2560, num_hidden_layers=4, layer_types=[L, L, L, F], num_attention_heads=32,
+                num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                linear_key_head_dim=128, linear_value_head_dim=128, num_experts=64, num_experts_per_tok=8,
+                moe_intermediate_size=512, shared_expert_intermediate_size=512, hc_lowrank=64, ple_embed_dim=1024,
+                indexer_n_heads=16, indexer_head_dim=128, vocab_size=32768, eos_token_id=32767,
+                mtp_num_hidden_layers=1)
+
+
+class Req:
+    def __init__(self, rid, prompt, n, temperature):
+        self.request_id, self.prompt_token_ids, self.max_tokens, self.token_ids = rid, prompt, n, []
+        self.params = SamplingParams(temperature=temperature, seed=int(rid[1:]), max_tokens=n)
+        self.generator = torch.Generator(device=DEVICE).manual_seed(int(rid[1:])) if temperature else None
+
+    @property
+    def finished(self):
+        return len(self.token_ids) >= self.max_tokens
+
+
+def sample(requests, logits, drafts=None):
+    drafts = drafts if drafts is not None else [[] for _ in requests]
+    offset = 0
+    for r, d in zip(requests, drafts):
+        rows = logits[offset:offset + len(d) + 1]
+        offset += len(d) + 1
+        if r.params.greedy:
+            out = greedy_accept(rows.argmax(-1).tolist(), d)
+        else:
+            out = rejection_sample(Sampler.probs(rows, [r.params] * rows.shape[0]), d, None, r.generator)
+        for t in out:
+            if r.finished:
+                break
+            r.token_ids.append(t)
+
+
+def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed=0, prompt=128):
+    engine = Engine(model, EngineConfig(max_model_len=4096, max_num_seqs=max(8, concurrency),
+                                        max_num_batched_tokens=4096, kv_cache_gib=4.0 if DEVICE == "cuda" else 0.5,
+                                        kernels="triton" if DEVICE == "cuda" else "torch",
+                                        speculative_config=spec))
+    rng = random.Random(seed)
+    if refs is not None:
+        propose = engine.drafter.propose
+
+        def forced(items):
+            out = propose(items)
+            for it, d in zip(items, out):
+                p, ref = refs[it.request_id]
+                g = len(it.all_token_ids) - p
+                want = (ref[g:g + it.num_drafts] + [0] * it.num_drafts)[:it.num_drafts]
+                d[:] = [t if rng.random() < rate else (t + 1) % model.cfg.text.vocab_size for t in want]
+            return out
+
+        engine.drafter.propose = forced
+    g = torch.Generator().manual_seed(1)
+    reqs = [Req(f"r{i}", torch.randint(0, 1000, (prompt,), generator=g).tolist(), tokens, temperature)
+            for i in range(concurrency)]
+    for r in reqs:
+        engine.add_request(r)
+    times, emitted = [], []
+    with torch.no_grad():
+        while engine.has_unfinished():
+            before = sum(len(r.token_ids) for r in reqs)
+            decoding = all(r.token_ids for r in reqs)
+            sync()
+            t0 = time.perf_counter()
+            engine.step(sample)
+            sync()
+            if decoding:  # every request past its prefill: a pure decode / verify step
+                times.append(time.perf_counter() - t0)
+                emitted.append(sum(len(r.token_ids) for r in reqs) - before)
+    step = statistics.median(times[2:] or times)
+    return reqs, {"step_ms": step * 1e3, "tokens_per_step": sum(emitted) / len(emitted),
+                  "tokens_per_s": sum(emitted) / sum(times), "acceptance": engine.spec_stats.acceptance_rate}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="small", choices=["small", "wide"])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    args = ap.parse_args()
+    model = FlashNextModel(ModelConfig.from_dict(model_config(args.model))).eval()
+    init_random_weights(model, seed=3)
+    model = model.to(DEVICE, torch.float16 if DEVICE == "cuda" else torch.float32)
+    rows = []
+    for c in (1, 8):
+        for temperature in (0.0, 1.0):
+            base_reqs, base = run(model, c, args.tokens, {"method": None}, temperature, prompt=args.prompt)
+            refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base_reqs}
+            rows.append(dict(concurrency=c, temperature=temperature, mode="off", **base))
+            for replay in (False, True):
+                # a sampling target accepts a forced draft x with probability p(x), so synthetic rates
+                # only apply to greedy; sampling rows measure the round's cost at the acceptance it gets
+                for rate in ((0.0, 0.5, 0.8) if temperature == 0 else (0.0,)):
+                    _, m = run(model, c, args.tokens, {"method": "mtp", "spec_state_replay": replay}, temperature,
+                               refs, rate, prompt=args.prompt)
+                    rows.append(dict(concurrency=c, temperature=temperature, mode="replay" if replay else "per-draft",
+                                     rate=rate, speedup=m["tokens_per_s"] / base["tokens_per_s"], **m))
+                    print(json.dumps(rows[-1]), flush=True)
+    print("| C | target | state | synthetic rate | measured acceptance | ms / round | tokens / round | speedup |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if r["mode"] != "off":
+            print(f"| {r['concurrency']} | {'greedy' if r['temperature'] == 0 else 'sampling'} | {r['mode']} | "
+                  f"{r['rate']} | {r['acceptance'] or 0:.2f} | {r['step_ms']:.2f} | {r['tokens_per_step']:.2f} | "
+                  f"{r['speedup']:.2f}x |")
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_spec.json").write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
