@@ -102,7 +102,7 @@ def test_greedy_spec_equals_no_spec_8_concurrent_with_preemption_and_prefix_hits
     accept length under batching)."""
     shared = ids(33, seed=77)
     prompts = [shared + ids(2 + 3 * i, seed=i) if i % 2 else ids(7 + 6 * i, seed=50 + i) for i in range(8)]
-    plain = [Req(f"r{i}", p, max_tokens=7 + i) for i, p in enumerate(prompts)]
+    plain = [Req(f"r{i}", p, max_tokens=6 + i // 2) for i, p in enumerate(prompts)]
     run(make_engine(model, {"method": None}, max_num_seqs=1), plain)  # one at a time, no speculation
     reqs = [Req(r.request_id, r.prompt_token_ids, r.max_tokens) for r in plain]
     engine = make_engine(model, {"method": "mtp", "num_speculative_tokens": 4}, kv_cache_gib=0.0017,
