@@ -131,7 +131,10 @@ class Engine:
             logger.info(line)
         self.graphs: DecodeGraphs | None = None  # decode steps replay these when they fit
         if model.device.type == "cuda" and config.use_cuda_graphs:
-            self.graphs = self._capture_graphs()
+            if self.spec.enabled:  # every decoding step is a verify step, which runs eagerly (not captured yet)
+                logger.info("CUDA graphs: not captured, speculative decoding runs its verify steps eagerly")
+            else:
+                self.graphs = self._capture_graphs()
 
     def _capture_graphs(self) -> DecodeGraphs:
         cfg = self.config
@@ -156,7 +159,7 @@ class Engine:
             total = torch.cuda.get_device_properties(self.model.device).total_memory
             dtype = str(self.model.dtype).removeprefix("torch.")
             activations = estimate_activation_bytes(self.model.cfg, 1, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                                    dtype=dtype)
+                                                    self.spec.num_speculative_tokens, dtype=dtype)
             graphs = int(cfg.resolved_cudagraph_mem_mib() * 2**20) if cfg.use_cuda_graphs else 0
             return MemoryBudget(gpu_memory_bytes=total, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                 weights_bytes=weights, activation_bytes=activations, cudagraph_reserve_bytes=graphs)

@@ -301,7 +301,8 @@ class LLM:
         if graphs is not None:
             rows.append(("cudagraph_capture_sizes", graphs.batch_sizes, arg("cudagraph_capture_sizes")))
         else:
-            why = "enforce_eager" if ec.enforce_eager else "no CUDA" if self.device.type != "cuda" else "torch kernels"
+            why = "enforce_eager" if ec.enforce_eager else "no CUDA" if self.device.type != "cuda" else \
+                "speculative decoding (eager verify steps)" if self.speculative_config.enabled else "torch kernels"
             rows.append(("cuda graphs", "off", why))
         mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
             "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else "default"
