@@ -1,0 +1,106 @@
+"""What every generation route shares: the server's state, submitting, collecting, cancelling on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from ..request import CompletionOutput
+from ..sampling import SamplingParams
+from .chat_prompt import PromptRenderer
+from .config import ServerConfig
+from .engine_loop import EngineLoop, RequestFailed, RequestStream
+from .errors import APIError, bad_request, openai_error_body
+from .metrics import Metrics
+from .sse import DONE, data_frame
+
+T = TypeVar("T")
+FAULT_HEADER = "x-revolta-fail-after-tokens"  # honoured only with --enable-fault-injection
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """Everything a route needs; one per app (no module-level state)."""
+
+    llm: Any
+    engine: EngineLoop
+    config: ServerConfig
+    renderer: PromptRenderer
+    metrics: Metrics
+    defaults: SamplingParams  # the checkpoint's generation_config
+    fault_injection: bool = False
+
+    async def submit(self, request: Request, token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Hand a validated prompt to the engine; its own rejections become 400s."""
+        fail_after = None
+        if self.fault_injection and FAULT_HEADER in request.headers:
+            fail_after = int(request.headers[FAULT_HEADER])
+        try:
+            return await self.engine.submit(token_ids, params, fail_after)
+        except RequestFailed as e:
+            raise APIError(e.status, str(e)) from None
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+
+
+async def collect(stream: RequestStream) -> list[CompletionOutput]:
+    """Run a request to the end; the final CompletionOutput of each choice, by index."""
+    last: dict[int, CompletionOutput] = {}
+    try:
+        async for out in stream:
+            last[out.outputs[0].index] = out.outputs[0]
+    except RequestFailed as e:
+        raise APIError(e.status, str(e)) from None
+    return [last[i] for i in sorted(last)]
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine request) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise APIError(499, "the client closed the connection")
+    return task.result()
+
+
+def created() -> int:
+    return int(time.time())
+
+
+def usage_openai(prompt_tokens: int, completions: list[CompletionOutput]) -> dict[str, Any]:
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
+
+
+async def openai_frames(frames: AsyncIterator[str], stream: RequestStream) -> AsyncIterator[str]:
+    """An OpenAI `data:` stream: `frames`, an error frame if the request fails mid-way, then [DONE]."""
+    try:
+        async for frame in frames:
+            yield frame
+    except RequestFailed as e:
+        yield data_frame(openai_error_body(e.status, str(e)))
+    finally:
+        stream.close()
+    yield DONE
