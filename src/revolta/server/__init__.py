@@ -1,0 +1,1 @@
+"""revolta's OpenAI- and Anthropic-compatible reference server."""
