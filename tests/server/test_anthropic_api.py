@@ -11,6 +11,7 @@ import pytest
 from .conftest import MAX_MODEL_LEN, MODEL, sse_lines
 
 HI = [{"role": "user", "content": "hi"}]
+NO_THINK = {"thinking": {"type": "disabled"}}
 
 
 def events_of(response: httpx.Response) -> list[tuple[str, dict]]:
@@ -44,8 +45,8 @@ def test_messages_basic(ac):
 
 
 def test_messages_stream_event_sequence(server, ac):
-    req = {"model": MODEL, "max_tokens": 6, "messages": HI, "extra_body": {"temperature": 0}}
-    raw = {"model": MODEL, "max_tokens": 6, "messages": HI, "temperature": 0, "stream": True}
+    req = {"model": MODEL, "max_tokens": 6, "messages": HI, "extra_body": {"temperature": 0}, **NO_THINK}
+    raw = {"model": MODEL, "max_tokens": 6, "messages": HI, "temperature": 0, "stream": True, **NO_THINK}
     with httpx.stream("POST", server.url + "/v1/messages", json=raw) as r:
         assert r.status_code == 200
         events = events_of(r)
@@ -69,8 +70,9 @@ def test_messages_stream_event_sequence(server, ac):
     assert final["delta"]["stop_reason"] == plain.stop_reason
     with ac.messages.stream(**req) as s:
         message = s.get_final_message()
-    assert [b.model_dump() for b in message.content] == [b.model_dump() for b in plain.content] or \
-        plain.content[0].type == "thinking"  # thinking signatures are random
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text
+    assert [b.model_dump(exclude={"parsed_output"}) for b in message.content] == \
+        [b.model_dump() for b in plain.content]
 
 
 def test_count_tokens_matches_usage(ac):
@@ -98,7 +100,7 @@ def test_unknown_model_is_not_found(ac):
      "budget_tokens must be an integer >= 1024"),
     ({"model": MODEL, "messages": HI, "max_tokens": 1500, "thinking": {"type": "enabled", "budget_tokens": 1500}},
      "must be less than max_tokens"),
-    ({"model": MODEL, "messages": HI, "max_tokens": 4, "tool_choice": {"type": "tool"}}, "needs a name"),
+    ({"model": MODEL, "messages": HI, "max_tokens": 4, "tool_choice": {"type": "tool"}}, "needs a \"name\""),
     ('{"model":', "not valid JSON"),
 ])
 def test_body_validation_is_400_anthropic_envelope(server, ac, body, says):
@@ -130,13 +132,23 @@ def test_too_long_prompt(server, ac, stream):
     assert e.value.type == "invalid_request_error" and "maximum context length" in e.value.message
 
 
-def test_thinking_enabled(ac):
+def test_thinking_blocks(server, ac):
+    short = ac.messages.create(model=MODEL, max_tokens=6, messages=HI, extra_body={"temperature": 0})
+    stop = short.content[0].thinking[-2:]  # ends the long request early (the model never closes </think>)
     m = ac.messages.create(model=MODEL, max_tokens=2048, messages=HI, extra_body={"temperature": 0},
-                           thinking={"type": "enabled", "budget_tokens": 1024}, stop_sequences=[" "])
-    assert m.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
-    for block in m.content:
-        if block.type == "thinking":
-            assert block.signature
+                           thinking={"type": "enabled", "budget_tokens": 1024}, stop_sequences=[stop])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].type == "thinking" and m.content[0].thinking and m.content[0].signature
+    assert [b.type for b in m.content] == ["thinking", "text"]  # strict clients index a text block
+    with httpx.stream("POST", server.url + "/v1/messages",
+                      json={"model": MODEL, "max_tokens": 4, "messages": HI, "stream": True}) as r:
+        events = events_of(r)
+    deltas = [p["delta"]["type"] for k, p in events if k == "content_block_delta" and p["index"] == 0]
+    assert events[1][1]["content_block"]["type"] == "thinking"
+    assert deltas[0] == "thinking_delta" and deltas[-1] == "signature_delta"
+    with ac.messages.stream(model=MODEL, max_tokens=4, messages=HI) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].signature
 
 
 def test_tool_result_history(ac):

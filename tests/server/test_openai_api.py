@@ -11,6 +11,8 @@ import pytest
 from .conftest import MAX_MODEL_LEN, MODEL, sse_lines
 
 HI = [{"role": "user", "content": "Say hi"}]
+# The random-weight model never closes its <think> block, so checks on `content` turn thinking off.
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def data_events(response: httpx.Response) -> list:
@@ -68,9 +70,10 @@ def test_chat_basic(oc):
 
 def test_chat_stream_shapes_and_usage_match_non_stream(server, oc):
     req = {"model": MODEL, "messages": HI, "max_tokens": 6, "temperature": 0}
-    plain = oc.chat.completions.create(**req)
+    plain = oc.chat.completions.create(**req, extra_body=NO_THINK)
+    assert plain.choices[0].message.content
     with httpx.stream("POST", server.url + "/v1/chat/completions",
-                      json={**req, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                      json={**req, **NO_THINK, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-accel-buffering"] == "no"
         events = data_events(r)
@@ -85,17 +88,32 @@ def test_chat_stream_shapes_and_usage_match_non_stream(server, oc):
     text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
     assert text == plain.choices[0].message.content
     # the SDK's own stream parser agrees
-    got = "".join(c.choices[0].delta.content or "" for c in oc.chat.completions.create(**req, stream=True)
-                  if c.choices)
+    got = "".join(c.choices[0].delta.content or "" for c in oc.chat.completions.create(
+        **req, stream=True, extra_body=NO_THINK) if c.choices)
     assert got == text
 
 
 def test_determinism_greedy_and_seeded(oc):
-    greedy = [oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0)
+    greedy = [oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0, extra_body=NO_THINK)
               .choices[0].message.content for _ in range(2)]
-    seeded = [oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0.8, seed=123)
-              .choices[0].message.content for _ in range(2)]
-    assert greedy[0] == greedy[1] and seeded[0] == seeded[1]
+    seeded = [oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0.8, seed=123,
+                                         extra_body=NO_THINK).choices[0].message.content for _ in range(2)]
+    assert greedy[0] and seeded[0] and greedy[0] == greedy[1] and seeded[0] == seeded[1]
+
+
+def test_reasoning_split(server, oc):
+    r = oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0)
+    m = r.choices[0].message
+    assert m.reasoning and m.model_extra["reasoning_content"] == m.reasoning  # thinking is on by default
+    assert "<think>" not in m.reasoning and "</think>" not in (m.content or "")
+    off = oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0, extra_body=NO_THINK)
+    assert not off.choices[0].message.model_extra.get("reasoning") and off.choices[0].message.content
+    chunks = list(oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0, stream=True))
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks if c.choices)
+    assert streamed == m.reasoning
+    hidden = oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0,
+                                        extra_body={"include_reasoning": False})
+    assert not hidden.choices[0].message.model_extra.get("reasoning")
 
 
 def test_n_choices(oc):
@@ -127,7 +145,7 @@ def test_max_completion_tokens_wins(oc):
 
 
 def test_stop_string(oc):
-    req = {"model": MODEL, "messages": HI, "max_tokens": 8, "temperature": 0}
+    req = {"model": MODEL, "messages": HI, "max_tokens": 8, "temperature": 0, "extra_body": NO_THINK}
     full = oc.chat.completions.create(**req).choices[0].message.content
     stop = full[len(full) // 2]
     r = oc.chat.completions.create(**req, stop=[stop])
@@ -154,13 +172,19 @@ def test_responses(server, oc):
     assert follow.usage.input_tokens > r.usage.input_tokens  # the stored turn is part of the prompt
     with pytest.raises(openai.NotFoundError):
         oc.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id="resp_nope")
-    events = list(oc.responses.create(model=MODEL, input="hi", max_output_tokens=4, stream=True))
+    events = list(oc.responses.create(model=MODEL, input="hi", max_output_tokens=4, stream=True, extra_body=NO_THINK))
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
     seq = [e.sequence_number for e in events]
-    assert seq == sorted(set(seq))
+    assert seq == list(range(len(events)))
     types = [e.type for e in events]
-    assert types.index("response.output_item.added") < types.index("response.output_text.delta") < \
-        types.index("response.output_text.done") < types.index("response.output_item.done")
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text and events[-1].response.output[0].content[0].text == text
+    thinking = [e.type for e in oc.responses.create(model=MODEL, input="hi", max_output_tokens=4, stream=True)]
+    assert thinking.index("response.reasoning_text.delta") < thinking.index("response.reasoning_text.done") < \
+        thinking.index("response.content_part.added")  # the reasoning item, then the (empty) message
     with httpx.stream("POST", server.url + "/v1/responses",
                       json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": True}) as raw:
         lines = sse_lines(raw)

@@ -19,6 +19,7 @@ from .conftest import MODEL, run_server, sse_lines
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 HI = [{"role": "user", "content": "hi"}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +96,9 @@ def test_keep_alive_before_first_token(srv, route):
     comments = [i for i, line in enumerate(lines) if line.startswith(":")]
     assert comments and all(lines[i] == ": keep-alive" for i in comments)
     # a comment arrives before the first token's frame (the prefill is silent for more than 0.05 s)
-    first_token = next(i for i, line in enumerate(lines)
-                       if '"delta": {"content"' in line or '"text":' in line and route == "completions"
-                       or "output_text.delta" in line or "text_delta" in line or "thinking_delta" in line)
+    token_marks = {"chat": '"delta": {"reasoning"', "completions": '"text": ', "responses": "reasoning_text.delta",
+                   "messages": "thinking_delta"}
+    first_token = next(i for i, line in enumerate(lines) if token_marks[route] in line)
     assert comments[0] < first_token
     for i in comments:  # only ever between whole events
         assert i == 0 or not lines[i - 1].startswith("event:")
@@ -107,8 +108,10 @@ def test_sdks_parse_streams_with_keep_alive(srv, clients):
     oc, ac = clients
     messages = long_messages(srv, 800)
     text = "".join(c.choices[0].delta.content or "" for c in oc.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=3, temperature=0, stream=True) if c.choices)
-    plain = oc.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, stream=True, extra_body=NO_THINK) if c.choices)
+    plain = oc.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                       extra_body=NO_THINK)
+    assert text
     assert text == plain.choices[0].message.content
     with ac.messages.stream(model=MODEL, max_tokens=3, messages=messages) as s:
         assert s.get_final_message().usage.output_tokens == 3
@@ -158,7 +161,9 @@ def test_concurrent_streams_are_independent(srv, clients):
     oc, _ = clients
     prompts = [f"question number {i}" for i in range(8)]
     solo = [oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=4,
-                                       temperature=0).choices[0].message.content for p in prompts]
+                                       temperature=0, extra_body=NO_THINK).choices[0].message.content
+            for p in prompts]
+    assert all(solo)
 
     def stream(i: int) -> tuple[str, str]:
         route = ("chat", "messages", "responses")[i % 3]
@@ -167,7 +172,7 @@ def test_concurrent_streams_are_independent(srv, clients):
                       "messages": ("/v1/messages", {"messages": messages, "max_tokens": 4}),
                       "responses": ("/v1/responses", {"input": prompts[i], "max_output_tokens": 4})}[route]
         with httpx.stream("POST", srv.url + path, headers=AUTH, timeout=60,
-                          json={"model": MODEL, "temperature": 0, "stream": True, **body}) as r:
+                          json={"model": MODEL, "temperature": 0, "stream": True, **NO_THINK, **body}) as r:
             lines = [line for line in sse_lines(r) if not line.startswith(":")]
         text, ident = "", None
         for line in lines:
@@ -193,7 +198,7 @@ def test_concurrent_streams_are_independent(srv, clients):
 
     def plain(i: int) -> tuple[str, str]:
         r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
-                                       max_tokens=4, temperature=0)
+                                       max_tokens=4, temperature=0, extra_body=NO_THINK)
         return r.id, r.choices[0].message.content
 
     with ThreadPoolExecutor(16) as pool:

@@ -25,6 +25,7 @@ from .output import ChoiceParser, ToolCall
 from .params import build_sampling_params, check_model, read_body
 from .protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from .sse import event_frame, sse_response
+from .tool_schema import ToolRequestError, anthropic_tool_choice_to_openai, anthropic_tools_to_openai
 
 MIN_THINKING_BUDGET = 1024
 
@@ -84,30 +85,13 @@ def _image_url(source: Any, where: str) -> str:
 
 
 def to_tool_setup(body: AnthropicCountTokensRequest) -> ToolSetup:
-    tools = None
-    if body.tools is not None:
-        tools = []
-        for i, t in enumerate(body.tools):
-            if not isinstance(t.get("name"), str) or not t.get("name"):
-                raise bad_request(f"tools[{i}].name is required (a non-empty string)")
-            schema = dict(t.get("input_schema") or {})
-            schema.setdefault("type", "object")
-            tools.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                           "parameters": schema}})
-    choice, parallel = body.tool_choice, True
-    mapped: Any = None
-    if choice is not None:
-        kind = choice.get("type")
-        parallel = not choice.get("disable_parallel_tool_use", False)
-        if kind == "tool":
-            if not choice.get("name"):
-                raise bad_request("tool_choice of type 'tool' needs a name")
-            mapped = {"type": "function", "function": {"name": choice["name"]}}
-        elif kind in ("auto", "none", "any"):
-            mapped = {"any": "required"}.get(kind, kind)
-        else:
-            raise bad_request(f"tool_choice.type must be auto, any, tool or none, got {kind!r}")
-    return tool_setup(tools, mapped, parallel)
+    """Anthropic tools / tool_choice -> the chat ToolSetup (any -> required, tool -> named)."""
+    try:
+        tools = anthropic_tools_to_openai(body.tools) if body.tools is not None else None
+        choice, parallel = anthropic_tool_choice_to_openai(body.tool_choice)
+    except ToolRequestError as e:
+        raise bad_request(e.message, e.param) from None
+    return tool_setup(tools, choice, parallel is not False)
 
 
 def thinking_enabled(body: AnthropicCountTokensRequest, max_tokens: int | None) -> bool | None:
@@ -183,7 +167,7 @@ class Messages:
         if body.stream:
             return sse_response(self._stream(stream, prompt, mid), s.config.sse_keep_alive_interval)
         [c] = await unless_disconnected(request, collect(stream))
-        parser = self._parser(prompt)
+        parser = self.state.choice_parser(prompt)
         parser.update(c)
         content: list[dict[str, Any]] = []
         if parser.reasoning:
@@ -197,13 +181,8 @@ class Messages:
                              "content": content, "stop_reason": reason, "stop_sequence": sequence,
                              "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": len(c.token_ids)}})
 
-    def _parser(self, prompt: RenderedPrompt) -> ChoiceParser:
-        cfg = self.state.config
-        return ChoiceParser(prompt, parse_reasoning=cfg.reasoning_parser is not None and prompt.enable_thinking,
-                            parse_tools=cfg.tool_call_parser is not None and prompt.tools.parse)
-
     async def _stream(self, stream: RequestStream, prompt: RenderedPrompt, mid: str) -> AsyncIterator[str]:
-        parser = self._parser(prompt)
+        parser = self.state.choice_parser(prompt, streaming=True)
         index = -1
         open_kind: str | None = None  # thinking | text | tool_use
 

@@ -20,6 +20,7 @@ from .config import ServerConfig
 from .errors import bad_request
 from .media import decode_image, read_media_url
 from .params import check_prompt_length
+from .tool_schema import ToolRequestError, ToolSet, resolve_tool_choice
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
 _MEDIA_PARTS = {"image_url": "image", "video_url": "video", "input_audio": "audio", "audio_url": "audio"}
@@ -33,6 +34,7 @@ class ToolSetup:
     choice: str = "none"  # none | auto | required | named
     named: str | None = None
     parallel: bool = True
+    toolset: ToolSet | None = None  # parameter types for the output parser
 
     @property
     def parse(self) -> bool:
@@ -53,44 +55,14 @@ class RenderedPrompt:
     tools: ToolSetup
 
 
-def tool_setup(tools: Sequence[Any] | None, tool_choice: Any, parallel: bool = True,
-               param: str = "tools") -> ToolSetup:
-    """Validate OpenAI-shaped tools and tool_choice (`param` prefixes messages, e.g. for Responses)."""
-    if tools is not None and len(tools) == 0:
-        raise bad_request("tools must not be an empty array; omit it to send no tools", param)
-    checked = []
-    for i, tool in enumerate(tools or ()):
-        where = f"{param}[{i}]"
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise bad_request(f"{where}: only tools of type 'function' are supported", param)
-        fn = tool.get("function")
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn.get("name"):
-            raise bad_request(f"{where}.function.name is required (a non-empty string)", param)
-        if "parameters" in fn and fn["parameters"] is not None and not isinstance(fn["parameters"], Mapping):
-            raise bad_request(f"{where}.function.parameters must be a JSON Schema object", param)
-        checked.append({"type": "function", "function": dict(fn)})
-    names = [t["function"]["name"] for t in checked]
-    if tool_choice is None:
-        return ToolSetup(tuple(checked), "auto" if checked else "none", None, parallel)
-    if isinstance(tool_choice, str):
-        if tool_choice not in ("none", "auto", "required"):
-            raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
-                              f"{tool_choice!r}", "tool_choice")
-        if tool_choice != "none" and not checked:
-            raise bad_request(f"tool_choice={tool_choice!r} needs tools; pass the tools to choose from",
-                              "tool_choice")
-        return ToolSetup(tuple(checked), tool_choice, None, parallel)
-    if isinstance(tool_choice, Mapping):
-        fn = tool_choice.get("function") if isinstance(tool_choice.get("function"), Mapping) else tool_choice
-        name = fn.get("name")
-        if tool_choice.get("type") != "function" or not isinstance(name, str):
-            raise bad_request("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                              "tool_choice")
-        if name not in names:
-            raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
-                              f"({', '.join(names) or 'none given'})", "tool_choice")
-        return ToolSetup(tuple(checked), "named", name, parallel)
-    raise bad_request("tool_choice must be a string or an object", "tool_choice")
+def tool_setup(tools: Sequence[Any] | None, tool_choice: Any, parallel: bool = True) -> ToolSetup:
+    """Validate OpenAI-shaped tools and tool_choice (tool_schema.py's rules); a mistake is a 400."""
+    try:
+        toolset = ToolSet.from_openai(tools)
+        choice = resolve_tool_choice(tool_choice, toolset if tools is not None else None)
+    except ToolRequestError as e:
+        raise bad_request(e.message, e.param) from None
+    return ToolSetup(tuple(tools or ()), choice.mode, choice.name, parallel, toolset)
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]], config: ServerConfig) -> list[dict[str, Any]]:

@@ -12,11 +12,12 @@ from fastapi import Request
 
 from ..request import CompletionOutput
 from ..sampling import SamplingParams
-from .chat_prompt import PromptRenderer
+from .chat_prompt import PromptRenderer, RenderedPrompt
 from .config import ServerConfig
 from .engine_loop import EngineLoop, RequestFailed, RequestStream
 from .errors import APIError, bad_request, openai_error_body
 from .metrics import Metrics
+from .output import ChoiceParser
 from .sse import DONE, data_frame
 
 T = TypeVar("T")
@@ -34,6 +35,12 @@ class ServerState:
     metrics: Metrics
     defaults: SamplingParams  # the checkpoint's generation_config
     fault_injection: bool = False
+
+    def choice_parser(self, prompt: RenderedPrompt, streaming: bool = False) -> ChoiceParser:
+        """The output splitter for one choice, as the server's parser flags and the request's tools say."""
+        return ChoiceParser(prompt, parse_reasoning=self.config.reasoning_parser is not None,
+                            parse_tools=self.config.tool_call_parser is not None and prompt.tools.parse,
+                            streaming=streaming)
 
     async def submit(self, request: Request, token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Hand a validated prompt to the engine; its own rejections become 400s."""

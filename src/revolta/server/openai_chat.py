@@ -110,16 +110,11 @@ class ChatCompletions:
         completions = await unless_disconnected(request, collect(stream))
         return JSONResponse(self._response(completions, prompt, body, request_id, top))
 
-    def _parser(self, prompt: RenderedPrompt) -> ChoiceParser:
-        cfg = self.state.config
-        return ChoiceParser(prompt, parse_reasoning=cfg.reasoning_parser is not None and prompt.enable_thinking,
-                            parse_tools=cfg.tool_call_parser is not None and prompt.tools.parse)
-
     def _response(self, completions: list[CompletionOutput], prompt: RenderedPrompt, body: ChatCompletionRequest,
                   request_id: str, top: int) -> dict[str, Any]:
         choices = []
         for c in completions:
-            parser = self._parser(prompt)
+            parser = self.state.choice_parser(prompt)
             parser.update(c)
             choices.append({"index": c.index, "message": message_of(parser, body.include_reasoning),
                             "logprobs": {"content": logprobs_content(c, 0, len(c.token_ids), top)}
@@ -134,7 +129,7 @@ class ChatCompletions:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created(),
                 "model": self.state.config.served_model_name}
         n = body.n
-        parsers = [self._parser(prompt) for _ in range(n)]
+        parsers = [self.state.choice_parser(prompt, streaming=True) for _ in range(n)]
         sent_tokens = [0] * n
         last: dict[int, CompletionOutput] = {}
 

@@ -24,6 +24,7 @@ from .output import ChoiceParser
 from .params import build_sampling_params, check_model, read_body
 from .protocol import ResponsesRequest
 from .sse import event_frame, sse_response
+from .tool_schema import ToolRequestError, responses_tools_to_openai
 
 MAX_STORED = 1024
 
@@ -68,25 +69,6 @@ def _input_part(part: Mapping[str, Any], where: str) -> dict[str, Any]:
     raise bad_request(f"{where}: unsupported content type {kind!r}; use input_text or input_image", "input")
 
 
-def flat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools -> the chat shape."""
-    if tools is None:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if t.get("type") != "function":
-            raise bad_request(f"tools[{i}]: only function tools are supported, got {t.get('type')!r}", "tools")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
-                                                                        "strict") if k in t}})
-    return out
-
-
-def chat_tool_choice(choice: Any) -> Any:
-    if isinstance(choice, Mapping) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
-
-
 class Responses:
     def __init__(self, state: ServerState):
         self.state = state
@@ -110,7 +92,11 @@ class Responses:
         if body.instructions:
             conversation = [{"role": "system", "content": body.instructions}] + \
                 [m for m in conversation if m["role"] != "system"]
-        tools = tool_setup(flat_tools(body.tools), chat_tool_choice(body.tool_choice), body.parallel_tool_calls)
+        try:
+            chat_tools = responses_tools_to_openai(body.tools) if body.tools is not None else None
+        except ToolRequestError as e:
+            raise bad_request(e.message, e.param) from None
+        tools = tool_setup(chat_tools, body.tool_choice, body.parallel_tool_calls)
         kwargs = dict(body.chat_template_kwargs or {})
         if (body.reasoning or {}).get("effort") == "none":
             kwargs.setdefault("enable_thinking", False)
@@ -123,16 +109,11 @@ class Responses:
             return sse_response(self._stream(stream, prompt, body, rid, conversation),
                                 s.config.sse_keep_alive_interval)
         [c] = await unless_disconnected(request, collect(stream))
-        parser = self._parser(prompt)
+        parser = self.state.choice_parser(prompt)
         parser.update(c)
         response = self._response(body, rid, c, parser, len(prompt.token_ids), self._items(rid, parser))
         self._store(body, rid, conversation, parser)
         return JSONResponse(response)
-
-    def _parser(self, prompt: RenderedPrompt) -> ChoiceParser:
-        cfg = self.state.config
-        return ChoiceParser(prompt, parse_reasoning=cfg.reasoning_parser is not None and prompt.enable_thinking,
-                            parse_tools=cfg.tool_call_parser is not None and prompt.tools.parse)
 
     @staticmethod
     def _items(rid: str, parser: ChoiceParser) -> list[dict[str, Any]]:
@@ -183,7 +164,7 @@ class Responses:
             seq += 1
             return event_frame(kind, {"type": kind, "sequence_number": seq - 1, **payload})
 
-        parser = self._parser(prompt)
+        parser = self.state.choice_parser(prompt, streaming=True)
         output: list[dict[str, Any]] = []
         open_item: dict[str, Any] | None = None  # the item receiving deltas
         base = self._response(body, rid, None, None, len(prompt.token_ids), [], "in_progress")
@@ -252,7 +233,7 @@ class Responses:
                         open_item["arguments"] += t.arguments
                         yield ev("response.function_call_arguments.delta", item_id=open_item["id"],
                                  output_index=len(output) - 1, delta=t.arguments)
-            if not output:  # an empty answer is still one (empty) message
+            if not any(item["type"] != "reasoning" for item in output):  # an answer is at least one message
                 for f in open_(_message_item(f"msg_{rid}_0", "", "in_progress")):
                     yield f
             for f in close():

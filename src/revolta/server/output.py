@@ -1,17 +1,24 @@
 """Model text of one choice -> reasoning, content and tool calls, incrementally.
 
-`ChoiceParser.feed(text_delta)` returns what the new text adds (a Delta); `finish()` flushes what the
-parsers held back. The accumulated `reasoning`, `content` and `tool_calls` are the non-streaming
-result, so streaming and non-streaming answers come from the same code.
+`ChoiceParser.update(output)` feeds what a cumulative CompletionOutput adds and returns a Delta
+(new reasoning, content, tool-call fragments); on the last output it also flushes what the parsers
+held back. Text goes through the qwen3 reasoning parser first, then its content part through the
+qwen3_coder tool-call parser. The accumulated `reasoning`, `content` and `tool_calls` are the
+non-streaming answer, so both modes come from the same code. The one difference (spec/server.md
+§4.2): a call the text ends inside was already announced on a stream, so it stays a call there,
+while a non-streaming answer reports only complete calls and keeps the rest as content.
 """
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 
 from ..request import CompletionOutput
 from .chat_prompt import RenderedPrompt
+from .reasoning import ReasoningParser
+from .tool_calls import ContentDelta, ToolCall, ToolCallArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
+
+__all__ = ["ChoiceParser", "Delta", "ToolCall", "ToolCallDelta"]
 
 
 @dataclass
@@ -38,41 +45,61 @@ class Delta:
         return self
 
 
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text
-
-
-def new_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
 class ChoiceParser:
-    """Splits one choice's text. Plain pass-through of content for now."""
+    """Splits one choice's text (see the module docstring).
 
-    def __init__(self, prompt: RenderedPrompt | None, parse_reasoning: bool = True, parse_tools: bool = True):
+    Args:
+        prompt: the rendered prompt (its thinking state, tools, and forced tool-call opening).
+        parse_reasoning: split `<think>` reasoning (the server's --reasoning-parser).
+        parse_tools: parse qwen3_coder calls (--tool-call-parser, and tool_choice is not "none").
+        streaming: keep calls cut off by the end of the text as calls (their start was sent).
+    """
+
+    def __init__(self, prompt: RenderedPrompt, parse_reasoning: bool = True, parse_tools: bool = True,
+                 streaming: bool = False):
+        self._reasoning = ReasoningParser.for_prompt(prompt.text, prompt.enable_thinking and parse_reasoning,
+                                                     tool_call_ends_reasoning=parse_tools)
+        self._tools = ToolCallParser(prompt.tools.toolset) if parse_tools else None
+        self._streaming = streaming
+        self._pending = prompt.tools.forced_prefix  # the call opening the prompt ends with is model text too
+        self._sent = 0  # characters of the cumulative text already fed
         self.reasoning_text = ""
         self.content_text = ""
         self.tool_calls: list[ToolCall] = []
-        self._pending = prompt.tools.forced_prefix if prompt is not None else ""
-        self._sent = 0  # characters of the cumulative text already fed
-
-    def feed(self, text: str) -> Delta:
-        text, self._pending = self._pending + text, ""
-        self.content_text += text
-        return Delta(content=text)
-
-    def finish(self) -> Delta:
-        return self.feed("")
 
     def update(self, c: CompletionOutput) -> Delta:
         """Feed what `c` (a cumulative output of this choice) adds; finish when it is the last one."""
-        delta = self.feed(c.text[self._sent:])
+        text, self._pending = self._pending + c.text[self._sent:], ""
         self._sent = len(c.text)
+        split = self._reasoning.feed(text)
+        delta = self._split(split.reasoning, split.content, final=False)
         if c.finish_reason is not None:
-            delta.extend(self.finish())
+            split = self._reasoning.finish()
+            delta.extend(self._split(split.reasoning, split.content, final=True))
+        return delta
+
+    def _split(self, reasoning: str, content: str, final: bool) -> Delta:
+        self.reasoning_text += reasoning
+        if self._tools is None:
+            self.content_text += content
+            return Delta(reasoning=reasoning, content=content)
+        events = self._tools.feed(content) if content else []
+        if final:
+            events += self._tools.finish()
+        delta = Delta(reasoning=reasoning)
+        for e in events:
+            if isinstance(e, ContentDelta):
+                delta.content += e.text
+            elif isinstance(e, ToolCallStart):
+                delta.tool_calls.append(ToolCallDelta(e.index, "", e.id, e.name))
+            elif isinstance(e, ToolCallArgumentsDelta):
+                delta.tool_calls.append(ToolCallDelta(e.index, e.text))
+            elif isinstance(e, ToolCallEnd):
+                if e.complete or self._streaming:
+                    self.tool_calls.append(e.call)
+                else:  # non-streaming: a cut-off call is the text the model wrote
+                    delta.content += e.raw
+        self.content_text += delta.content
         return delta
 
     @property
