@@ -222,3 +222,20 @@ def test_responses_function_call(oc, say):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert json.loads(args) == ARGS and done[0].arguments == args
     assert events[-1].type == "response.completed"
+
+
+def test_stop_strings_do_not_cut_tool_arguments(oc, say):
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    say(CALL, "Hello world. Bye" + CALL, "Hello world. Bye" + CALL)
+    r = oc.chat.completions.create(model=M, messages=ASK, tools=[WEATHER], max_tokens=200, stop=["Paris", "."],
+                                   extra_body=extra)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == ARGS  # "Paris" kept in the call
+    r = oc.chat.completions.create(model=M, messages=ASK, tools=[WEATHER], max_tokens=200, stop=["."],
+                                   extra_body=extra)
+    c = r.choices[0]  # in content the stop string still ends the answer
+    assert (c.message.content, c.finish_reason, c.model_extra["stop_reason"]) == ("Hello world", "stop", ".")
+    assert not c.message.tool_calls
+    chunks = tool_chunks(oc, messages=ASK, tools=[WEATHER], max_tokens=200, stop=["."], extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world"
+    assert chunks[-1].choices[0].finish_reason == "stop"

@@ -20,7 +20,7 @@ from ..request import CompletionOutput
 from .chat_prompt import RenderedPrompt, ToolSetup, normalize_messages, tool_setup
 from .engine_loop import RequestFailed, RequestStream
 from .errors import anthropic_error_body, bad_request
-from .generation import ServerState, collect, unless_disconnected
+from .generation import ServerState, parse_all, parsed_outputs, unless_disconnected
 from .output import ChoiceParser, ToolCall
 from .params import build_sampling_params, check_model, read_body
 from .protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
@@ -162,13 +162,12 @@ class Messages:
         fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                   "stop": body.stop_sequences}
         params = build_sampling_params(fields, defaults=s.defaults, config=s.config, max_tokens=body.max_tokens)
-        stream = await s.submit(request, prompt.token_ids, params)
+        stream = await s.submit(request, prompt.token_ids, s.engine_params(prompt, params))
         mid = f"msg_{uuid.uuid4().hex}"
+        [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:
-            return sse_response(self._stream(stream, prompt, mid), s.config.sse_keep_alive_interval)
-        [c] = await unless_disconnected(request, collect(stream))
-        parser = self.state.choice_parser(prompt)
-        parser.update(c)
+            return sse_response(self._stream(stream, parser, prompt, mid), s.config.sse_keep_alive_interval)
+        [c] = await unless_disconnected(request, parse_all(stream, [parser]))
         content: list[dict[str, Any]] = []
         if parser.reasoning:
             content.append({"type": "thinking", "thinking": parser.reasoning, "signature": secrets.token_hex(16)})
@@ -181,8 +180,8 @@ class Messages:
                              "content": content, "stop_reason": reason, "stop_sequence": sequence,
                              "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": len(c.token_ids)}})
 
-    async def _stream(self, stream: RequestStream, prompt: RenderedPrompt, mid: str) -> AsyncIterator[str]:
-        parser = self.state.choice_parser(prompt, streaming=True)
+    async def _stream(self, stream: RequestStream, parser: ChoiceParser, prompt: RenderedPrompt,
+                      mid: str) -> AsyncIterator[str]:
         index = -1
         open_kind: str | None = None  # thinking | text | tool_use
 
@@ -212,9 +211,7 @@ class Messages:
                 "id": mid, "type": "message", "role": "assistant", "content": [],
                 "model": self.state.config.served_model_name, "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": 0}}})
-            async for out in stream:
-                last = out.outputs[0]
-                delta = parser.update(last)
+            async for last, delta in parsed_outputs(stream, [parser]):
                 if delta.reasoning:
                     if open_kind != "thinking":
                         for f in start("thinking", {"type": "thinking", "thinking": ""}):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from .config import ServerConfig
 from .engine_loop import EngineLoop, RequestFailed, RequestStream
 from .errors import APIError, bad_request, openai_error_body
 from .metrics import Metrics
-from .output import ChoiceParser
+from .output import ChoiceParser, Delta
 from .sse import DONE, data_frame
 
 T = TypeVar("T")
@@ -36,11 +37,24 @@ class ServerState:
     defaults: SamplingParams  # the checkpoint's generation_config
     fault_injection: bool = False
 
-    def choice_parser(self, prompt: RenderedPrompt, streaming: bool = False) -> ChoiceParser:
-        """The output splitter for one choice, as the server's parser flags and the request's tools say."""
-        return ChoiceParser(prompt, parse_reasoning=self.config.reasoning_parser is not None,
-                            parse_tools=self.config.tool_call_parser is not None and prompt.tools.parse,
-                            streaming=streaming)
+    def parse_tools(self, prompt: RenderedPrompt) -> bool:
+        return self.config.tool_call_parser is not None and prompt.tools.parse
+
+    def engine_params(self, prompt: RenderedPrompt, params: SamplingParams) -> SamplingParams:
+        """What the engine runs: with tool parsing, stop strings are the parsers' (content only), so a
+        stop string inside a call's arguments does not cut the call."""
+        if self.parse_tools(prompt) and params.stop_strings:
+            return dataclasses.replace(params, stop=None)
+        return params
+
+    def choice_parsers(self, prompt: RenderedPrompt, params: SamplingParams,
+                       streaming: bool = False) -> list[ChoiceParser]:
+        """One output splitter per choice, as the server's parser flags and the request's tools say."""
+        tools = self.parse_tools(prompt)
+        stop = params.stop_strings if tools else ()
+        return [ChoiceParser(prompt, parse_reasoning=self.config.reasoning_parser is not None, parse_tools=tools,
+                             streaming=streaming, stop=stop, include_stop=params.include_stop_str_in_output)
+                for _ in range(params.n)]
 
     async def submit(self, request: Request, token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Hand a validated prompt to the engine; its own rejections become 400s."""
@@ -53,6 +67,39 @@ class ServerState:
             raise APIError(e.status, str(e)) from None
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
+
+
+async def parsed_outputs(stream: RequestStream,
+                         parsers: list[ChoiceParser]) -> AsyncIterator[tuple[CompletionOutput, Delta]]:
+    """Each output with what it adds, split by its choice's parser. A choice whose parser matched a
+    stop string ends there (finish_reason "stop"); reading stops, aborting the request, once all have."""
+    done: set[int] = set()
+    async for out in stream:
+        c = out.outputs[0]
+        if c.index in done:
+            continue
+        parser = parsers[c.index]
+        delta = parser.update(c)
+        if parser.stopped is not None:  # it came before whatever ended the engine's output
+            c = dataclasses.replace(c, finish_reason="stop", stop_reason=parser.stopped)
+        if c.finish_reason is not None:
+            done.add(c.index)
+        yield c, delta
+        if len(done) == len(parsers):
+            break
+
+
+async def parse_all(stream: RequestStream, parsers: list[ChoiceParser]) -> list[CompletionOutput]:
+    """Run a request to the end through its parsers; the final output of each choice, by index."""
+    last: dict[int, CompletionOutput] = {}
+    try:
+        async for c, _ in parsed_outputs(stream, parsers):
+            last[c.index] = c
+    except RequestFailed as e:
+        raise APIError(e.status, str(e)) from None
+    finally:
+        stream.close()
+    return [last[i] for i in sorted(last)]
 
 
 async def collect(stream: RequestStream) -> list[CompletionOutput]:

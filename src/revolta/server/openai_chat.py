@@ -13,7 +13,8 @@ from ..request import CompletionOutput
 from .chat_prompt import RenderedPrompt, ToolSetup, normalize_messages, tool_setup
 from .engine_loop import RequestStream
 from .errors import bad_request
-from .generation import ServerState, collect, created, openai_frames, unless_disconnected, usage_openai
+from .generation import (ServerState, created, openai_frames, parse_all, parsed_outputs, unless_disconnected,
+                         usage_openai)
 from .output import ChoiceParser, Delta
 from .params import build_sampling_params, check_model, read_body
 from .protocol import ChatCompletionRequest
@@ -100,22 +101,22 @@ class ChatCompletions:
         params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
                                        max_tokens=max_tokens, max_tokens_param=param,
                                        logprobs=top if body.logprobs else None)
-        stream = await s.submit(request, prompt.token_ids, params)
+        stream = await s.submit(request, prompt.token_ids, s.engine_params(prompt, params))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        parsers = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:
             options = body.stream_options
-            frames = self._stream(stream, prompt, body, request_id, bool(options and options.include_usage),
+            frames = self._stream(stream, parsers, prompt, body, request_id, bool(options and options.include_usage),
                                   bool(options and options.continuous_usage_stats), top)
             return sse_response(openai_frames(frames, stream), s.config.sse_keep_alive_interval)
-        completions = await unless_disconnected(request, collect(stream))
-        return JSONResponse(self._response(completions, prompt, body, request_id, top))
+        completions = await unless_disconnected(request, parse_all(stream, parsers))
+        return JSONResponse(self._response(completions, parsers, prompt, body, request_id, top))
 
-    def _response(self, completions: list[CompletionOutput], prompt: RenderedPrompt, body: ChatCompletionRequest,
-                  request_id: str, top: int) -> dict[str, Any]:
+    def _response(self, completions: list[CompletionOutput], parsers: list[ChoiceParser], prompt: RenderedPrompt,
+                  body: ChatCompletionRequest, request_id: str, top: int) -> dict[str, Any]:
         choices = []
         for c in completions:
-            parser = self.state.choice_parser(prompt)
-            parser.update(c)
+            parser = parsers[c.index]
             choices.append({"index": c.index, "message": message_of(parser, body.include_reasoning),
                             "logprobs": {"content": logprobs_content(c, 0, len(c.token_ids), top)}
                             if body.logprobs else None,
@@ -124,12 +125,12 @@ class ChatCompletions:
                 "model": self.state.config.served_model_name, "choices": choices,
                 "usage": usage_openai(len(prompt.token_ids), completions)}
 
-    async def _stream(self, stream: RequestStream, prompt: RenderedPrompt, body: ChatCompletionRequest,
-                      request_id: str, include_usage: bool, continuous: bool, top: int) -> AsyncIterator[str]:
+    async def _stream(self, stream: RequestStream, parsers: list[ChoiceParser], prompt: RenderedPrompt,
+                      body: ChatCompletionRequest, request_id: str, include_usage: bool, continuous: bool,
+                      top: int) -> AsyncIterator[str]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created(),
                 "model": self.state.config.served_model_name}
-        n = body.n
-        parsers = [self.state.choice_parser(prompt, streaming=True) for _ in range(n)]
+        n = len(parsers)
         sent_tokens = [0] * n
         last: dict[int, CompletionOutput] = {}
 
@@ -142,10 +143,8 @@ class ChatCompletions:
         for i in range(n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        async for out in stream:
-            c = out.outputs[0]
+        async for c, delta in parsed_outputs(stream, parsers):
             i, last[c.index] = c.index, c
-            delta = parsers[i].update(c)
             logprobs = {"content": logprobs_content(c, sent_tokens[i], len(c.token_ids), top)} \
                 if body.logprobs else None
             sent_tokens[i] = len(c.token_ids)

@@ -19,7 +19,7 @@ from ..request import CompletionOutput
 from .chat_prompt import RenderedPrompt, normalize_messages, tool_setup
 from .engine_loop import RequestFailed, RequestStream
 from .errors import APIError, bad_request
-from .generation import ServerState, collect, created, unless_disconnected
+from .generation import ServerState, created, parse_all, parsed_outputs, unless_disconnected
 from .output import ChoiceParser
 from .params import build_sampling_params, check_model, read_body
 from .protocol import ResponsesRequest
@@ -103,14 +103,13 @@ class Responses:
         prompt = await s.renderer.render(normalize_messages(conversation, s.config), tools, kwargs)
         params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
                                        max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens")
-        stream = await s.submit(request, prompt.token_ids, params)
+        stream = await s.submit(request, prompt.token_ids, s.engine_params(prompt, params))
         rid = f"resp_{uuid.uuid4().hex}"
+        [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:
-            return sse_response(self._stream(stream, prompt, body, rid, conversation),
+            return sse_response(self._stream(stream, parser, prompt, body, rid, conversation),
                                 s.config.sse_keep_alive_interval)
-        [c] = await unless_disconnected(request, collect(stream))
-        parser = self.state.choice_parser(prompt)
-        parser.update(c)
+        [c] = await unless_disconnected(request, parse_all(stream, [parser]))
         response = self._response(body, rid, c, parser, len(prompt.token_ids), self._items(rid, parser))
         self._store(body, rid, conversation, parser)
         return JSONResponse(response)
@@ -155,8 +154,8 @@ class Responses:
         while len(self.stored) > MAX_STORED:
             self.stored.popitem(last=False)
 
-    async def _stream(self, stream: RequestStream, prompt: RenderedPrompt, body: ResponsesRequest, rid: str,
-                      conversation: list[dict[str, Any]]) -> AsyncIterator[str]:
+    async def _stream(self, stream: RequestStream, parser: ChoiceParser, prompt: RenderedPrompt,
+                      body: ResponsesRequest, rid: str, conversation: list[dict[str, Any]]) -> AsyncIterator[str]:
         seq = 0
 
         def ev(kind: str, **payload: Any) -> str:
@@ -164,7 +163,6 @@ class Responses:
             seq += 1
             return event_frame(kind, {"type": kind, "sequence_number": seq - 1, **payload})
 
-        parser = self.state.choice_parser(prompt, streaming=True)
         output: list[dict[str, Any]] = []
         open_item: dict[str, Any] | None = None  # the item receiving deltas
         base = self._response(body, rid, None, None, len(prompt.token_ids), [], "in_progress")
@@ -208,9 +206,7 @@ class Responses:
         try:
             yield ev("response.created", response=base)
             yield ev("response.in_progress", response=base)
-            async for out in stream:
-                last = out.outputs[0]
-                delta = parser.update(last)
+            async for last, delta in parsed_outputs(stream, [parser]):
                 if delta.reasoning:
                     if open_item is None or open_item["type"] != "reasoning":
                         for f in open_(_reasoning_item(f"rs_{rid}_{len(output)}", "", "in_progress")):

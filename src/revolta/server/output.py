@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..request import CompletionOutput
+from ..tokenizer import StopChecker
 from .chat_prompt import RenderedPrompt
 from .reasoning import ReasoningParser
 from .tool_calls import ContentDelta, ToolCall, ToolCallArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
@@ -53,10 +54,13 @@ class ChoiceParser:
         parse_reasoning: split `<think>` reasoning (the server's --reasoning-parser).
         parse_tools: parse qwen3_coder calls (--tool-call-parser, and tool_choice is not "none").
         streaming: keep calls cut off by the end of the text as calls (their start was sent).
+        stop: stop strings matched here, in content only, instead of by the engine: with tools, a
+            stop string inside a call's arguments must not cut the call. `stopped` is the match.
+        include_stop: keep the matched stop string in the content.
     """
 
     def __init__(self, prompt: RenderedPrompt, parse_reasoning: bool = True, parse_tools: bool = True,
-                 streaming: bool = False):
+                 streaming: bool = False, stop: tuple[str, ...] = (), include_stop: bool = False):
         self._reasoning = ReasoningParser.for_prompt(prompt.text, prompt.enable_thinking and parse_reasoning,
                                                      tool_call_ends_reasoning=parse_tools)
         self._tools = ToolCallParser(prompt.tools.toolset) if parse_tools else None
@@ -66,16 +70,28 @@ class ChoiceParser:
         self.reasoning_text = ""
         self.content_text = ""
         self.tool_calls: list[ToolCall] = []
+        self._stop = StopChecker(stop, include_stop) if stop else None
+
+    @property
+    def stopped(self) -> str | None:
+        """The stop string this parser matched in the content (the choice is over), else None."""
+        return self._stop.stop if self._stop is not None else None
 
     def update(self, c: CompletionOutput) -> Delta:
         """Feed what `c` (a cumulative output of this choice) adds; finish when it is the last one."""
+        if self.stopped is not None:
+            return Delta()
         text, self._pending = self._pending + c.text[self._sent:], ""
         self._sent = len(c.text)
         split = self._reasoning.feed(text)
         delta = self._split(split.reasoning, split.content, final=False)
-        if c.finish_reason is not None:
+        if c.finish_reason is not None and self.stopped is None:
             split = self._reasoning.finish()
             delta.extend(self._split(split.reasoning, split.content, final=True))
+            if self._stop is not None:
+                tail = self._stop.flush()
+                delta.content += tail
+                self.content_text += tail
         return delta
 
     def _split(self, reasoning: str, content: str, final: bool) -> Delta:
@@ -88,9 +104,14 @@ class ChoiceParser:
             events += self._tools.finish()
         delta = Delta(reasoning=reasoning)
         for e in events:
+            if self.stopped is not None:  # everything after a stop string is dropped
+                break
             if isinstance(e, ContentDelta):
-                delta.content += e.text
-            elif isinstance(e, ToolCallStart):
+                delta.content += self._stop.feed(e.text) if self._stop is not None else e.text
+                continue
+            if self._stop is not None:  # held-back content comes before the call
+                delta.content += self._stop.flush()
+            if isinstance(e, ToolCallStart):
                 delta.tool_calls.append(ToolCallDelta(e.index, "", e.id, e.name))
             elif isinstance(e, ToolCallArgumentsDelta):
                 delta.tool_calls.append(ToolCallDelta(e.index, e.text))
