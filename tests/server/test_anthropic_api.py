@@ -175,3 +175,6 @@ def test_mid_stream_error_event(server, ac):
         with ac.messages.stream(model=MODEL, max_tokens=8, messages=HI, extra_headers=headers) as s:
             s.get_final_message()
     assert e.value.status_code == 200 and e.value.type == "api_error"
+    overloaded = {**headers, "x-revolta-fail-status": "503"}  # a 503-class failure maps to overloaded_error
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, headers=overloaded) as r:
+        assert events_of(r)[-1][1]["error"]["type"] == "overloaded_error"

@@ -45,6 +45,14 @@ class EngineStats:
     num_free_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class Fault:
+    """A test hook (--enable-fault-injection): fail the request with `status` once it has `after_tokens`."""
+
+    after_tokens: int
+    status: int = 500
+
+
 @dataclass
 class _Sink:
     """Where one request's outputs go: its asyncio queue on the server's event loop."""
@@ -52,7 +60,7 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     n: int
-    fail_after_tokens: int | None = None
+    fault: Fault | None = None
     finished: set[int] = field(default_factory=set)
 
     def put(self, item: Any) -> None:
@@ -127,14 +135,14 @@ class EngineLoop:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-                     fail_after_tokens: int | None = None) -> RequestStream:
+                     fault: Fault | None = None) -> RequestStream:
         """Queue a tokenized prompt; raises what `LLM.add_request` raises (ValueError: a client error)."""
         if not self.alive:
             raise RequestFailed("the engine is not running", status=503)
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         request_id = uuid.uuid4().hex
-        sink = _Sink(loop, asyncio.Queue(), params.n, fail_after_tokens)
+        sink = _Sink(loop, asyncio.Queue(), params.n, fault)
         self._commands.put(("add", request_id, list(prompt_token_ids), params, sink, accepted))
         try:
             await accepted
@@ -208,9 +216,10 @@ class EngineLoop:
             if self._on_output:
                 self._on_output(out, now)
             completion = out.outputs[0]
-            if sink.fail_after_tokens is not None and len(completion.token_ids) >= sink.fail_after_tokens:
+            if sink.fault is not None and len(completion.token_ids) >= sink.fault.after_tokens:
                 self._fail(out.request_id, RequestFailed(
-                    f"injected fault after {len(completion.token_ids)} tokens (--enable-fault-injection)"))
+                    f"injected fault after {len(completion.token_ids)} tokens (--enable-fault-injection)",
+                    sink.fault.status))
                 continue
             sink.put(out)
             if out.finished:

@@ -15,14 +15,15 @@ from ..request import CompletionOutput
 from ..sampling import SamplingParams
 from .chat_prompt import PromptRenderer, RenderedPrompt
 from .config import ServerConfig
-from .engine_loop import EngineLoop, RequestFailed, RequestStream
+from .engine_loop import EngineLoop, Fault, RequestFailed, RequestStream
 from .errors import APIError, bad_request, openai_error_body
 from .metrics import Metrics
 from .output import ChoiceParser, Delta
 from .sse import DONE, data_frame
 
 T = TypeVar("T")
-FAULT_HEADER = "x-revolta-fail-after-tokens"  # honoured only with --enable-fault-injection
+# honoured only with --enable-fault-injection: fail the request after N tokens, with this status (default 500)
+FAULT_HEADER, FAULT_STATUS_HEADER = "x-revolta-fail-after-tokens", "x-revolta-fail-status"
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,14 @@ class ServerState:
 
     async def submit(self, request: Request, token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Hand a validated prompt to the engine; its own rejections become 400s."""
-        fail_after = None
+        fault = None
         if self.fault_injection and FAULT_HEADER in request.headers:
-            fail_after = int(request.headers[FAULT_HEADER])
+            try:
+                fault = Fault(int(request.headers[FAULT_HEADER]), int(request.headers.get(FAULT_STATUS_HEADER, 500)))
+            except ValueError:
+                raise bad_request(f"{FAULT_HEADER} and {FAULT_STATUS_HEADER} must be integers") from None
         try:
-            return await self.engine.submit(token_ids, params, fail_after)
+            return await self.engine.submit(token_ids, params, fault)
         except RequestFailed as e:
             raise APIError(e.status, str(e)) from None
         except (ValueError, TypeError) as e:
