@@ -95,3 +95,35 @@ def ac(server):
 
 def sse_lines(response: httpx.Response) -> list[str]:
     return [line for line in response.iter_lines() if line]
+
+
+@contextlib.contextmanager
+def run_scripted(**config: object) -> Iterator[tuple[object, str]]:
+    """The real server app, in-process under uvicorn, on a ScriptedLLM (see scripted_llm.py)."""
+    import threading
+
+    import uvicorn
+
+    from revolta.presets.default import ensure_default_model
+    from revolta.server.app import build_app
+    from revolta.server.config import ServerConfig
+
+    from .scripted_llm import ScriptedLLM
+
+    llm = ScriptedLLM(ensure_default_model(progress=False))  # the tokenizer and template `revolta serve` uses
+    app = build_app(llm, ServerConfig(**{"served_model_name": "scripted", "max_model_len": llm.max_model_len,
+                                         "sse_keep_alive_interval": 0, **config}))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield llm, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

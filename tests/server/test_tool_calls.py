@@ -4,20 +4,13 @@ official SDKs, and a scripted engine (scripted_llm.py) that writes qwen3_coder c
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from revolta.server.app import build_app
-from revolta.server.config import ServerConfig
-
-from .conftest import _free_port
-from .scripted_llm import ScriptedLLM
+from .conftest import run_scripted
 
 M = "scripted"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": {
@@ -34,22 +27,8 @@ THOUGHT = "The user wants weather.</think>\n\n"
 
 @pytest.fixture(scope="module")
 def scripted():
-    from revolta.presets.default import ensure_default_model
-
-    llm = ScriptedLLM(ensure_default_model(progress=False))  # the tokenizer and template `revolta serve` uses
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, ServerConfig(served_model_name=M, max_model_len=4096,
-                                                                       sse_keep_alive_interval=0)),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.05)
-    yield llm, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with run_scripted(served_model_name=M) as s:
+        yield s
 
 
 @pytest.fixture
@@ -117,6 +96,14 @@ def test_parallel_calls(oc, say):
                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     starts = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if tc.id]
     assert [s.index for s in starts] == [0, 1] and len({s.id for s in starts}) == 2
+    forced = CALL.removeprefix("<tool_call>\n<function=") + "\n" + rome  # required opens the call itself
+    say(forced, forced)  # parallel_tool_calls=false under required: one call
+    kwargs = {"messages": ASK, "tools": [WEATHER], "max_tokens": 300, "tool_choice": "required",
+              "parallel_tool_calls": False}
+    r = oc.chat.completions.create(model=M, **kwargs)
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == ["Paris"]
+    chunks = tool_chunks(oc, **kwargs)
+    assert {tc.index for c in chunks for tc in (c.choices[0].delta.tool_calls or [])} == {0}
 
 
 def test_named_tool_choice_is_forced(scripted, oc, say):

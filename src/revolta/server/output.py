@@ -65,6 +65,7 @@ class ChoiceParser:
                                                      tool_call_ends_reasoning=parse_tools)
         self._tools = ToolCallParser(prompt.tools.toolset) if parse_tools else None
         self._streaming = streaming
+        self._parallel = prompt.tools.parallel
         self._pending = prompt.tools.forced_prefix  # the call opening the prompt ends with is model text too
         self._sent = 0  # characters of the cumulative text already fed
         self.reasoning_text = ""
@@ -111,6 +112,8 @@ class ChoiceParser:
                 continue
             if self._stop is not None:  # held-back content comes before the call
                 delta.content += self._stop.flush()
+            if not self._parallel and getattr(e, "index", 0) > 0:  # parallel_tool_calls=false: the first call only
+                continue
             if isinstance(e, ToolCallStart):
                 delta.tool_calls.append(ToolCallDelta(e.index, "", e.id, e.name))
             elif isinstance(e, ToolCallArgumentsDelta):

@@ -35,6 +35,9 @@ async def read_body(request: Request, model: type[Body], max_bytes: int) -> Body
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise bad_request(f"Content-Type must be application/json, got {content_type or 'none'!r}")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:  # refuse before buffering it
+        raise APIError(413, f"The request body has {declared} bytes; the limit is {max_bytes}")
     raw = await request.body()
     if len(raw) > max_bytes:
         raise APIError(413, f"The request body has {len(raw)} bytes; the limit is {max_bytes}")
