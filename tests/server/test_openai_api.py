@@ -39,6 +39,9 @@ def assert_still_serving(oc) -> None:
 def test_health_models_metrics(server, oc):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.content == b""
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+    assert httpx.get(server.url + "/version").json()["version"]
     models = oc.models.list().data
     assert [(m.id, m.object) for m in models] == [(MODEL, "model")]
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN

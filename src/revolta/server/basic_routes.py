@@ -1,4 +1,4 @@
-"""GET /health, /v1/models, /metrics; POST /tokenize, /detokenize."""
+"""GET /health (+ vLLM's /ping, /version, /load), /v1/models, /metrics; POST /tokenize, /detokenize."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from .. import __version__
 from .chat_prompt import normalize_messages, tool_setup
 from .errors import bad_request
 from .generation import ServerState
@@ -22,6 +23,18 @@ def basic_router(state: ServerState) -> APIRouter:
     @router.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if state.engine.alive else 503)
+
+    @router.get("/ping")
+    async def ping() -> Response:
+        return Response(status_code=200 if state.engine.alive else 503)
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @router.get("/load")
+    async def load() -> JSONResponse:
+        return JSONResponse({"server_load": state.engine.num_in_flight})
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:

@@ -134,6 +134,11 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not yet finished or aborted."""
+        return len(self._sinks)
+
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                      fault: Fault | None = None) -> RequestStream:
         """Queue a tokenized prompt; raises what `LLM.add_request` raises (ValueError: a client error)."""

@@ -11,7 +11,7 @@ from typing import Any
 from .errors import anthropic_error_body, is_anthropic_path, openai_error_body
 
 Scope = dict[str, Any]
-_OPEN_PATHS = ("/health", "/ping")
+_OPEN_PATHS = ("/health", "/ping")  # liveness probes need no key
 
 
 class ServerMiddleware:
