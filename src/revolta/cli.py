@@ -108,6 +108,8 @@ def _add_serve_parser(sub) -> None:
                        "but /health")
     serve.add_argument("--sse-keep-alive-interval", type=float, metavar="S", default=None,
                        help="seconds of stream silence before a ': keep-alive' comment (default 10, 0 = off)")
+    serve.add_argument("--max-pending-requests", type=int, metavar="N",
+                       help="most requests in the engine at once; more get 503 + Retry-After (default: no limit)")
     serve.add_argument("--tool-call-parser", default="qwen3_coder", choices=["qwen3_coder", "none"])
     serve.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"])
     serve.add_argument("--dtype", default="auto")
@@ -226,7 +228,8 @@ def _serve(args: argparse.Namespace) -> int:
                                       else "revolta-default")
     keep_alive = DEFAULT_KEEP_ALIVE_S if args.sse_keep_alive_interval is None else args.sse_keep_alive_interval
     limits = {"image": 1, "video": 0, **(args.limit_mm_per_prompt or {})}
-    ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive, limit_mm_per_prompt=limits)  # flags
+    ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive, limit_mm_per_prompt=limits,
+                 max_pending_requests=args.max_pending_requests)  # check the flags before loading
     from .llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
@@ -235,7 +238,8 @@ def _serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key, sse_keep_alive_interval=keep_alive,
                           tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
-                          limit_mm_per_prompt=limits, allowed_local_media_path=args.allowed_local_media_path)
+                          limit_mm_per_prompt=limits, allowed_local_media_path=args.allowed_local_media_path,
+                          max_pending_requests=args.max_pending_requests)
     run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
     return 0
 

@@ -19,7 +19,7 @@ from revolta.tokenizer import Tokenizer
 
 
 class ScriptedLLM:
-    def __init__(self, model_dir: Path, max_model_len: int = 4096):
+    def __init__(self, model_dir: Path, max_model_len: int = 4096, step_delay: float = 0.0):
         self.model_path = Path(model_dir)
         self.max_model_len = max_model_len
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
@@ -27,6 +27,7 @@ class ScriptedLLM:
         self.prompts: list[list[int]] = []  # every accepted prompt, for assertions
         self._live: dict[str, tuple[list[int], list[int], SamplingParams, RequestMetrics]] = {}
         self._done: dict[str, int] = {}  # tokens generated so far, per request
+        self.step_delay = step_delay  # seconds per step, to keep requests in flight
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -54,6 +55,7 @@ class ScriptedLLM:
         return bool(self._live)
 
     def step(self) -> list[RequestOutput]:
+        time.sleep(self.step_delay)
         outputs = []
         for rid, (ids, script, params, metrics) in list(self._live.items()):
             k = self._done[rid] = self._done[rid] + 1

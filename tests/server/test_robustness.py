@@ -147,7 +147,7 @@ def test_disconnect_during_prefill_and_non_stream(srv, clients):
     _, baseline = idle_state(srv)
     with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=AUTH,
                       json={"model": MODEL, "messages": messages, "max_tokens": 1000, "stream": True}) as r:
-        next(r.iter_lines())  # the role chunk: the engine is still prefilling
+        next(r.iter_lines())  # the role chunk: the engine is still prefilling; then the iterator is dropped
     wait_for_idle(srv, baseline)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=0.5,

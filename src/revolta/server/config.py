@@ -21,6 +21,8 @@ class ServerConfig:
     limit_mm_per_prompt: most media items per request by modality (image / video).
     allowed_local_media_path: file:// media is read only under this directory (None = never).
     max_body_bytes: larger request bodies are refused with 413.
+    max_pending_requests: most requests in the engine at once (running + queued); more are refused
+        at once with 503 and Retry-After instead of queueing without bound (None = no limit).
     """
 
     served_model_name: str
@@ -34,6 +36,7 @@ class ServerConfig:
     allowed_local_media_path: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_stop_strings: int = MAX_STOP_STRINGS
+    max_pending_requests: int | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -44,6 +47,8 @@ class ServerConfig:
             raise ValueError(f"--tool-call-parser={self.tool_call_parser!r} is not supported; use qwen3_coder")
         if self.reasoning_parser not in (None, "qwen3"):
             raise ValueError(f"--reasoning-parser={self.reasoning_parser!r} is not supported; use qwen3")
+        if self.max_pending_requests is not None and self.max_pending_requests < 1:
+            raise ValueError(f"--max-pending-requests={self.max_pending_requests} must be >= 1")
         bad = {k: v for k, v in self.limit_mm_per_prompt.items()
                if k not in ("image", "video") or not isinstance(v, int) or v < 0}
         if bad:

@@ -58,7 +58,11 @@ class ServerState:
                 for _ in range(params.n)]
 
     async def submit(self, request: Request, token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Hand a validated prompt to the engine; its own rejections become 400s."""
+        """Hand a validated prompt to the engine; its own rejections become 400s, a full engine a 503."""
+        limit = self.config.max_pending_requests
+        if limit is not None and self.engine.num_in_flight >= limit:
+            raise APIError(503, f"The server is overloaded: {limit} requests are already in flight "
+                                "(--max-pending-requests); retry later", headers={"Retry-After": "1"})
         fault = None
         if self.fault_injection and FAULT_HEADER in request.headers:
             try:
