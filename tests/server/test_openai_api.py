@@ -240,6 +240,7 @@ def test_unknown_model(oc, route):
     with pytest.raises(openai.NotFoundError) as e:
         call()
     assert e.value.status_code == 404 and e.value.param == "model"
+    assert_still_serving(oc)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -263,10 +264,11 @@ def test_too_long_prompt_is_400_on_every_route(server, oc, stream):
 @pytest.mark.parametrize("field,value", [("max_tokens", -5), ("max_tokens", 0), ("temperature", 3), ("top_p", 0),
                                          ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 5),
                                          ("stop", ["a", "b", "c", "d", "e"])])
-def test_out_of_range_sampling(server, field, value):
+def test_out_of_range_sampling(server, oc, field, value):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2,
                                                               field: value})
     assert assert_openai_error(r, 400)["param"] == field
+    assert_still_serving(oc)
 
 
 def test_stream_options_without_stream(server, oc):
@@ -290,10 +292,11 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     {"tool_choice": "required"},
     {"tools": [WEATHER], "tool_choice": "any"},
 ])
-def test_invalid_tool_definitions(server, extra):
+def test_invalid_tool_definitions(server, oc, extra):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2,
                                                               **extra})
     assert_openai_error(r, 400)
+    assert_still_serving(oc)
 
 
 def test_tool_history_with_malformed_arguments(oc):

@@ -203,6 +203,7 @@ def test_responses_function_call(oc, say):
     calls = [o for o in r.output if o.type == "function_call"]
     assert [o.type for o in r.output] == ["reasoning", "function_call"]
     assert calls[0].name == "get_weather" and json.loads(calls[0].arguments) == ARGS
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
     events = list(oc.responses.create(model=M, input="weather in Paris", tools=[tool], max_output_tokens=200,
                                       stream=True))
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")

@@ -88,9 +88,10 @@ class Responses:
                                "previous_response_id")
             history = list(self.stored[body.previous_response_id])
         new = input_messages(body)
-        conversation = history + new
+        conversation = history + new  # what a follow-up continues (instructions are per request, as in OpenAI's API)
+        messages = conversation
         if body.instructions:
-            conversation = [{"role": "system", "content": body.instructions}] + \
+            messages = [{"role": "system", "content": body.instructions}] + \
                 [m for m in conversation if m["role"] != "system"]
         try:
             chat_tools = responses_tools_to_openai(body.tools) if body.tools is not None else None
@@ -100,7 +101,7 @@ class Responses:
         kwargs = dict(body.chat_template_kwargs or {})
         if (body.reasoning or {}).get("effort") == "none":
             kwargs.setdefault("enable_thinking", False)
-        prompt = await s.renderer.render(normalize_messages(conversation, s.config), tools, kwargs)
+        prompt = await s.renderer.render(normalize_messages(messages, s.config), tools, kwargs)
         params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
                                        max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens")
         stream = await s.submit(request, prompt.token_ids, s.engine_params(prompt, params))
@@ -130,6 +131,9 @@ class Responses:
         if status is None:
             status = "incomplete" if c is not None and c.finish_reason == "length" else "completed"
         out_tokens = len(c.token_ids) if c is not None else 0
+        reasoning = 0  # the reasoning text re-tokenized: the engine reports no per-part counts
+        if parser is not None and parser.reasoning:
+            reasoning = min(len(self.state.renderer.tokenizer.encode(parser.reasoning_text)), out_tokens)
         return {"id": rid, "object": "response", "created_at": created(), "model": self.state.config.served_model_name,
                 "status": status, "output": output, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -138,9 +142,10 @@ class Responses:
                 "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "text": {"format": {"type": "text"}}, "metadata": {},
                 "reasoning": body.reasoning, "store": body.store,
+                # cached_tokens: the LLM API does not report prefix-cache hits per request yet
                 "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                          "output_tokens": out_tokens,
-                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt_tokens + out_tokens}}
+                          "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+                          "total_tokens": prompt_tokens + out_tokens}}
 
     def _store(self, body: ResponsesRequest, rid: str, conversation: list[dict[str, Any]],
                parser: ChoiceParser) -> None:
