@@ -72,3 +72,28 @@ def test_serve_cli_rejects_a_missing_model_dir(capsys):
 
     assert main(["serve", "/nonexistent/checkpoint"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_sse_response_runs_on_close_even_if_the_body_never_starts():
+    from revolta.server.sse import sse_response
+
+    started, closed = [], []
+
+    async def frames():
+        started.append(True)
+        yield "data: x\n\n"
+
+    async def receive():
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("client gone")  # fails at http.response.start, before the body is iterated
+
+    async def run():
+        response = sse_response(frames(), 0, lambda: closed.append(True))
+        with pytest.raises(OSError):
+            await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+
+    asyncio.run(run())
+    assert closed == [True] and not started

@@ -166,7 +166,8 @@ class Messages:
         mid = f"msg_{uuid.uuid4().hex}"
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:
-            return sse_response(self._stream(stream, parser, prompt, mid), s.config.sse_keep_alive_interval)
+            return sse_response(self._stream(stream, parser, prompt, mid), s.config.sse_keep_alive_interval,
+                                stream.close)
         [c] = await unless_disconnected(request, parse_all(stream, [parser]))
         content: list[dict[str, Any]] = []
         if parser.reasoning:

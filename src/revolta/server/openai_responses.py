@@ -109,7 +109,7 @@ class Responses:
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:
             return sse_response(self._stream(stream, parser, prompt, body, rid, conversation),
-                                s.config.sse_keep_alive_interval)
+                                s.config.sse_keep_alive_interval, stream.close)
         [c] = await unless_disconnected(request, parse_all(stream, [parser]))
         response = self._response(body, rid, c, parser, len(prompt.token_ids), self._items(rid, parser))
         self._store(body, rid, conversation, parser)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -66,6 +66,22 @@ async def with_keep_alive(frames: AsyncIterator[str], interval: float) -> AsyncI
         await it.aclose()
 
 
-def sse_response(frames: AsyncIterator[str], interval: float) -> StreamingResponse:
-    return StreamingResponse(with_keep_alive(frames, interval), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends. A client that leaves before the body
+    iteration starts leaves the frames generator unstarted, so its own finally-blocks never run."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse_response(frames: AsyncIterator[str], interval: float, on_close: Callable[[], None]) -> StreamingResponse:
+    """An event stream of `frames` with keep-alive comments; `on_close` (e.g. aborting the engine
+    request, which must be idempotent) runs when the response ends for any reason."""
+    return _ClosingStreamingResponse(with_keep_alive(frames, interval), on_close)
