@@ -34,6 +34,8 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # prompt logprobs need the logits of every prompt position: no prefix-cache hit
+        self.skip_prefix_cache = getattr(request, "prompt_logprobs", None) is not None
 
     @property
     def all_token_ids(self) -> list[int]:
