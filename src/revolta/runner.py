@@ -25,8 +25,9 @@ class StepSequence:
 
     token_ids: the new tokens this step; num_computed: tokens already in the cache before them.
     block_ids: the request's pages, in order, covering num_computed + len(token_ids) tokens.
-    slot: its state slot. positions: [3, >= num_computed + n] mRoPE positions of all its tokens
-    so far (None: text, position = index + rope_delta).
+    slot: its state slot. positions: [3, P] mRoPE positions of its first P tokens (the prompt of a
+    request with media); tokens from P on, and all tokens when None, sit at index + rope_delta.
+    mm_embeds: [N_mm, d] vision rows for token_ids[mm_index] (N_mm indices into this step's tokens).
     """
 
     token_ids: list[int]
@@ -36,6 +37,7 @@ class StepSequence:
     rope_delta: int = 0
     positions: Tensor | None = None
     mm_embeds: Tensor | None = None  # [N_mm, d] for the media pads among token_ids
+    mm_index: list[int] | None = None  # [N_mm] which of token_ids they replace
 
 
 class ModelRunner:
@@ -48,9 +50,11 @@ class ModelRunner:
         self.ratio = model.cfg.text.indexer_compress_ratio
 
     def _positions(self, seq: StepSequence, start: int, end: int) -> Tensor:
-        if seq.positions is not None:
-            return seq.positions[:, start:end]
-        return torch.arange(start, end).unsqueeze(0).expand(3, -1) + seq.rope_delta
+        known = 0 if seq.positions is None else seq.positions.shape[1]
+        after = torch.arange(max(start, known), max(end, known)).unsqueeze(0).expand(3, -1) + seq.rope_delta
+        if start >= known:
+            return after
+        return torch.cat([seq.positions[:, start:min(end, known)], after], dim=1)  # a chunk across the prompt end
 
     @torch.no_grad()
     def execute(self, seqs: list[StepSequence], all_logits: bool = False,
@@ -89,9 +93,21 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             group_cos=group_cos, group_sin=group_sin, max_new_tokens=max(lens))
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=device)
-        mm = [s.mm_embeds for s in seqs if s.mm_embeds is not None]
+        mm_embeds, mm_index = self._media_rows(seqs, cu)
         states = [SequenceState(num_tokens=s.num_computed, rope_delta=s.rope_delta) for s in seqs]
         rows = None if all_logits else torch.tensor(cu[1:], device=device) - 1
         return self.model(input_ids, torch.cat(positions, dim=1).to(device), cu_seqlens=cu, states=states,
-                          mm_embeds=torch.cat(mm) if mm else None, logits_indices=rows,
+                          mm_embeds=mm_embeds, mm_index=mm_index, logits_indices=rows,
                           return_hidden=return_hidden, paged=paged)
+
+    def _media_rows(self, seqs: list[StepSequence], cu: list[int]) -> tuple[Tensor | None, Tensor | None]:
+        """Vision rows of the step [N_mm, d] and their flat token indices [N_mm] (None: no media this step).
+
+        Rows go to explicit indices, not to every pad id, so a literal `<|image_pad|>` in a text request
+        batched with a media request stays an ordinary token."""
+        with_mm = [(b, s) for b, s in enumerate(seqs) if s.mm_embeds is not None]
+        if not with_mm:
+            return None, None
+        index = [cu[b] + i for b, s in with_mm for i in s.mm_index]
+        return (torch.cat([s.mm_embeds for _, s in with_mm]),
+                torch.tensor(index, dtype=torch.long, device=self.model.device))
