@@ -23,7 +23,8 @@ from .cache.capacity import CacheConfig, MemoryBudget, plan_cache
 from .cache.hybrid import HybridAllocator
 from .cache.storage import CacheStorage, kv_scales_from_state_dict
 from .encoder_cache import EncoderCache, check_item_fits
-from .mm_processor import MediaItem
+from .mm_processor import MediaItem, MultimodalPrompt
+from .multimodal import MediaError
 from .model import FlashNextModel
 from .runner import ModelRunner, StepSequence
 from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
@@ -104,12 +105,16 @@ class Engine:
                              "it or raise max_model_len")
         mm = getattr(request, "mm_prompt", None)
         if mm is not None:
-            if self.encoder_cache is None:
-                raise ValueError("this request has media but the model has no vision tower; send text only")
-            check_item_fits(mm, self.encoder_budget, self.encoder_cache.capacity)
+            self.check_media(mm)
         seq = Sequence(request)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
+
+    def check_media(self, mm: MultimodalPrompt) -> None:
+        """Raise MediaError when a prompt's media can never be encoded here (no tower, item over the budgets)."""
+        if self.encoder_cache is None:
+            raise MediaError("this request has media but the model has no vision tower; send text only")
+        check_item_fits(mm, self.encoder_budget, self.encoder_cache.capacity)
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once: its blocks and slot go back to the pools."""

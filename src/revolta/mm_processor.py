@@ -345,3 +345,45 @@ def _place(ids: list[int], loaded: dict[str, list[tuple[Tensor, Grid, list[float
     positions, delta = mrope_positions(out, [g for _, g, _ in loaded["image"]], [g for _, g, _ in loaded["video"]],
                                        cfg)
     return MultimodalPrompt(out, tuple(items), positions, delta)
+
+
+# ---- chat messages ------------------------------------------------------------------------------------------
+
+_IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_pil", "input_image": "image_url"}
+_VIDEO_PARTS = {"video_url": "video_url", "video": "video"}
+_AUDIO_PARTS = ("input_audio", "audio_url", "audio")
+
+
+def media_from_messages(messages: Sequence[Mapping[str, Any]],
+                        allowed_local_media_path: str | os.PathLike | None = None,
+                        allow_local_files: bool = True) -> dict[str, list[Any]]:
+    """The images and videos of a conversation's content parts, in the order the chat template places them.
+
+    Parts: OpenAI `{"type": "image_url", "image_url": {"url": U}}` (or a bare URL string), `{"type": "image",
+    "image": PIL image | bytes | path | URL}`, `{"type": "video_url", "video_url": {"url": U}}`, `{"type": "video",
+    "video": path | bytes | frames}`. URLs are resolved here (`resolve_media_source`); audio parts are refused.
+    """
+    out: dict[str, list[Any]] = {"image": [], "video": []}
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str) or not isinstance(content, Sequence):
+            continue
+        for part in content:
+            if not isinstance(part, Mapping):
+                continue
+            kind = part.get("type") or next((k for k in (*_IMAGE_PARTS, *_VIDEO_PARTS, *_AUDIO_PARTS) if k in part),
+                                            None)
+            if kind in _AUDIO_PARTS:
+                raise MediaError("At most 0 audio(s) may be provided in one prompt. This model has no audio input.",
+                                 param="audio")
+            modality = "image" if kind in _IMAGE_PARTS else "video" if kind in _VIDEO_PARTS else None
+            if modality is None:
+                continue
+            key = (_IMAGE_PARTS if modality == "image" else _VIDEO_PARTS)[kind]
+            value = part.get(key, part.get(modality))
+            if isinstance(value, Mapping):  # {"url": ...} (OpenAI), detail= is ignored
+                value = value.get("url")
+            if value is None:
+                raise MediaError(f"a {kind!r} content part has no {key!r} value", param=modality)
+            out[modality].append(resolve_media_source(value, allowed_local_media_path, allow_local_files))
+    return out

@@ -119,9 +119,9 @@ def load_image(source: Image.Image | bytes | bytearray | str | os.PathLike,
             raise
         except FileNotFoundError as e:
             raise MediaError(f"image file not found: {e.filename}") from None
-        except UnidentifiedImageError as e:
-            raise MediaError(f"cannot identify the image ({e}); supported formats: {', '.join(IMAGE_FORMATS)}") \
-                from None
+        except UnidentifiedImageError:
+            raise MediaError(f"cannot identify the image data as a supported format "
+                             f"({', '.join(IMAGE_FORMATS)})") from None
         except Image.DecompressionBombError as e:  # not an OSError: must be caught by name
             raise MediaError(f"image rejected: {e}") from None
         # Pillow: OSError for truncated data, SyntaxError for broken PNG chunks, EOFError/struct.error for cut
