@@ -223,3 +223,18 @@ def test_encoder_cache_stays_bounded_over_many_rounds(model):
         assert len(engine.encoder_cache) == 0 and engine.encoder_cache.num_used == 0
     assert max(peaks) <= 64 and engine.encoder_cache.peak_used <= 64
     assert_clean(engine)
+
+
+def test_preempted_media_requests_recompute_to_identical_tokens(model):
+    """A KV pool too small for all requests: preemption frees their encoder holds; recompute re-encodes."""
+    reqs = [mm_request(model, f"p{k}", text(20 + 7 * k, 40 + k) + [VS, IMG, VE] + text(9, 50 + k),
+                       {"image": [image(32, 48, 60 + k)]}, max_tokens=48) for k in range(4)]
+    engine = make_engine(model, kv_cache_gib=0.0005, max_num_batched_tokens=64, max_model_len=256)
+    preempted = []
+    orig = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))
+    run(engine, reqs)
+    assert preempted, "the cache was large enough for everything: the test did not preempt"
+    for r in reqs:
+        assert r.token_ids == reference(model, r), r.request_id
+    assert_clean(engine)
