@@ -85,6 +85,11 @@ def test_chat_with_image_and_video(llm, tmp_path):
                       "multi_modal_data": {"image": png_bytes()}}, GREEDY, use_tqdm=False)[0]
     assert a.prompt_token_ids == b.prompt_token_ids == c.prompt_token_ids
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    two = llm.generate({"prompt": llm.render_chat(user({"type": "image"}, text_part())),
+                        "multi_modal_data": {"image": [pil]}}, SamplingParams(n=2, temperature=0, max_tokens=4),
+                       use_tqdm=False)[0]
+    assert [o.token_ids for o in two.outputs] == [c.outputs[0].token_ids] * 2
+    assert len(llm.engine.encoder_cache) == 0
 
 
 BAD_IMAGES = {

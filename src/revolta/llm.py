@@ -375,13 +375,13 @@ class LLM:
             first = self._make_request(p, sp, arrival)
             requests.append(first)
             for i in range(1, sp.n):  # n > 1: siblings share the prompt (and its prefix-cache blocks)
-                sib = self._make_request(p, sp, arrival, seed_offset=i)
+                sib = self._make_request(p, sp, arrival, seed_offset=i, mm=first.mm_prompt)
                 sib.index, sib.parent_id = i, first.request_id
                 requests.append(sib)
         return requests
 
     def _make_request(self, prompt: PromptType, params: SamplingParams, arrival: float,
-                      seed_offset: int = 0) -> _Request:
+                      seed_offset: int = 0, mm: MultimodalPrompt | None = None) -> _Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
@@ -391,7 +391,7 @@ class LLM:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[:5]}, outside the vocabulary [0, {vocab})")
-        mm = self._multimodal(prompt, ids)
+        mm = mm if mm is not None else self._multimodal(prompt, ids)  # n > 1: siblings reuse the decoded media
         if mm is not None:
             self.engine.check_media(mm)
             ids = mm.token_ids  # one pad per vision-tower output row
