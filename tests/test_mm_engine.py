@@ -238,3 +238,23 @@ def test_preempted_media_requests_recompute_to_identical_tokens(model):
     for r in reqs:
         assert r.token_ids == reference(model, r), r.request_id
     assert_clean(engine)
+
+
+def test_request_waiting_on_the_encoder_lets_text_in_but_not_later_media(model):
+    first = mm_request(model, "first", [VS, IMG, VE] + text(4, 70), {"image": [image(48, 48, 70)]}, max_tokens=3)
+    # starts with its image pad: while `first` holds the cache it cannot run a single token
+    blocked = mm_request(model, "blocked", [IMG] + text(4, 71), {"image": [image(48, 48, 71)]}, max_tokens=3)
+    chat = Req("text", text(6, 72), 3)
+    small = mm_request(model, "small", [IMG] + text(3, 73), {"image": [image(16, 16, 73)]}, max_tokens=3)
+    assert small.mm_prompt.items[0].num_tokens == 4  # it would fit in the 4 free rows, but must wait its turn
+    engine = make_engine(model, max_num_batched_tokens=64, encoder_cache_size=40, max_num_encoder_input_tokens=40)
+    for r in (first, blocked, chat, small):
+        engine.add_request(r)
+    engine.step(greedy)
+    running = [s.request_id for s in engine.scheduler.running]
+    waiting = [s.request_id for s in engine.scheduler.waiting]
+    assert running == ["first", "text"] and waiting == ["blocked", "small"]
+    run(engine, [])
+    for r in (first, blocked, chat, small):
+        assert r.token_ids == reference(model, r), r.request_id
+    assert_clean(engine)

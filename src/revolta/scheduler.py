@@ -104,14 +104,18 @@ class Scheduler:
             scheduled.add(seq.request_id)
             budget -= alloc.num_new_tokens
             i += 1
-        j = 0
+        j, media_blocked = 0, False
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[j]
             n = min(seq.num_pending_tokens, budget)
             if seq.mm is not None and enc is not None:
-                n = self._media_limit(enc, seq, self.allocator.lookup_num_cached_tokens(seq), n)
+                # after a request blocked on the encoder, admit text only: later media must not take the room
+                # it waits for
+                n = 0 if media_blocked else self._media_limit(enc, seq, self.allocator.lookup_num_cached_tokens(seq),
+                                                              n)
                 if n == 0:
-                    j += 1  # blocked on the encoder only: let the requests behind it in
+                    media_blocked = True
+                    j += 1  # blocked on the encoder only: let the text requests behind it in
                     continue
             alloc = self.allocator.allocate(seq, n)
             if alloc is None:
