@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from revolta.config import ModelConfig, VisionConfig
-from revolta.mm_processor import MediaConfig, check_mm_data, parse_limits, resolve_media_source
+from revolta.media_sources import resolve_media_source
+from revolta.mm_processor import MediaConfig, check_mm_data, parse_limits
 from revolta.multimodal import (
     MediaError,
     expand_media_placeholders,

@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .engine import Engine, EngineConfig
-from .mm_processor import MediaConfig, MultimodalPrompt, media_from_messages, parse_limits, \
-    process_multimodal_prompt
+from .media_sources import media_from_messages
+from .mm_processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .model import FlashNextModel, load_model
 from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
