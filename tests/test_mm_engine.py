@@ -258,3 +258,19 @@ def test_request_waiting_on_the_encoder_lets_text_in_but_not_later_media(model):
     for r in (first, blocked, chat, small):
         assert r.token_ids == reference(model, r), r.request_id
     assert_clean(engine)
+
+
+def test_an_image_repeated_in_a_prompt_is_encoded_once(model):
+    img = image(32, 48, 80)
+    req = mm_request(model, "twice", text(5, 80) + [VS, IMG, VE] + text(3, 81) + [VS, IMG, VE] + text(2, 82),
+                     {"image": [img, img.copy()]})
+    a, b = req.mm_prompt.items
+    assert a.content_hash == b.content_hash and a.start != b.start
+    engine = make_engine(model)  # 20-token chunks: one step ends the first copy and starts the second
+    encoded = []
+    orig = engine._encode
+    engine._encode = lambda items: (encoded.extend(items), orig(items))
+    run(engine, [req])
+    assert len(encoded) == 1
+    assert req.token_ids == reference(model, req)
+    assert_clean(engine)

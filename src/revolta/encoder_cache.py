@@ -78,10 +78,6 @@ class EncoderCache:
             raise KeyError(f"media item {key:032x} is not encoded")
         return entry.embeds
 
-    def holds(self, key: int, request_id: str) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and request_id in entry.holders
-
     def release(self, key: int, request_id: str) -> None:
         entry = self._entries.get(key)
         if entry is None:
@@ -92,9 +88,11 @@ class EncoderCache:
             self.num_used -= entry.num_tokens
 
     def release_passed(self, request_id: str, mm: MultimodalPrompt, num_computed: int) -> None:
-        """Drop the request's hold on every item whose pad tokens it has all computed."""
+        """Drop the request's hold on every item whose pad tokens it has all computed (an image repeated later
+        in the prompt stays held: its entry serves the later copy too)."""
+        needed = {item.content_hash for item in mm.items if item.end > num_computed}
         for item in mm.items:
-            if item.end <= num_computed:
+            if item.end <= num_computed and item.content_hash not in needed:
                 self.release(item.content_hash, request_id)
 
     def release_all(self, request_id: str, mm: MultimodalPrompt) -> None:
@@ -109,7 +107,7 @@ class EncoderStep:
         self.cache = cache
         self.budget = budget  # encoder output rows this step may still compute
 
-    def limit(self, request_id: str, mm: MultimodalPrompt, num_computed: int, num_tokens: int) -> int:
+    def limit(self, mm: MultimodalPrompt, num_computed: int, num_tokens: int) -> int:
         """Largest n <= num_tokens such that every item with pads in [num_computed, num_computed + n) is
         already cached (or held) or can be encoded this step; 0 when the very next token needs an item that
         cannot be encoded now."""

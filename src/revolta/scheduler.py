@@ -132,7 +132,7 @@ class Scheduler:
     def _media_limit(enc: EncoderStep | None, seq: Sequence, num_computed: int, num_tokens: int) -> int:
         if enc is None or seq.mm is None:
             return num_tokens
-        return enc.limit(seq.request_id, seq.mm, num_computed, num_tokens)
+        return enc.limit(seq.mm, num_computed, num_tokens)
 
     @staticmethod
     def _media_commit(enc: EncoderStep | None, seq: Sequence, alloc: Allocation) -> tuple[MediaItem, ...]:
