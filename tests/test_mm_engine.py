@@ -72,7 +72,7 @@ def reference(model, req):
     st = SequenceState(rope_delta=mm.rope_delta if mm else 0)
     kwargs = {}
     if mm is not None:
-        feats = model.model.visual(torch.cat([it.pixel_values for it in mm.items]), [it.grid for it in mm.items])
+        feats = model.model.visual(torch.cat([it.pixel_values(model.cfg.vision) for it in mm.items]), [it.grid for it in mm.items])
         kwargs = dict(positions=mm.positions, mm_embeds=feats)
     logits = model(torch.tensor(ids), cu_seqlens=[0, len(ids)], states=[st], **kwargs)[-1]
     out = []

@@ -165,7 +165,8 @@ class Engine:
         if not items:
             return
         visual = self.model.model.visual
-        pixels = torch.cat([m.pixel_values for m in items]).to(self.model.device)  # [sum t*h*w, patch_dim]
+        vcfg = self.model.cfg.vision
+        pixels = torch.cat([m.pixel_values(vcfg) for m in items]).to(self.model.device)  # [sum t*h*w, patch_dim]
         embeds = visual(pixels.to(self.model.dtype), [m.grid for m in items])  # [sum tokens, d]
         for m, e in zip(items, embeds.split([m.num_tokens for m in items])):
             self.encoder_cache.put(m.content_hash, e)

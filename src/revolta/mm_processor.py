@@ -3,7 +3,8 @@
     mm = process_multimodal_prompt(token_ids, {"image": [img], "video": clip}, model_cfg, MediaConfig(), limits)
     mm.token_ids          # one `<|image_pad|>` per vision-tower output row; a video becomes one
                           # `<t seconds><|vision_start|><|video_pad|>...<|vision_end|>` run per temporal patch
-    mm.items[k]           # MediaItem: pixel_values [N, patch_dim], grid (t, h, w), content hash, pad runs
+    mm.items[k]           # MediaItem: uint8 frames, grid (t, h, w), content hash, pad runs;
+                          # .pixel_values(vision_cfg) is the tower input [N, patch_dim]
     mm.positions          # [3, P] mRoPE positions; tokens after the prompt sit at index + mm.rope_delta
     mm.extra_keys(s, e)   # media content mixed into prefix-cache block keys (cache/prefix.py)
 
@@ -26,7 +27,7 @@ from typing import Any
 from PIL import Image
 from torch import Tensor
 
-from .config import ModelConfig
+from .config import ModelConfig, VisionConfig
 from .media_sources import resolve_media_source
 from .multimodal import (
     DEFAULT_MAX_PIXELS,
@@ -38,10 +39,13 @@ from .multimodal import (
     VIDEO_MIN_PIXELS,
     Grid,
     MediaError,
+    frames_grid,
+    load_image,
     load_video,
     mrope_positions,
-    preprocess_image,
-    preprocess_video,
+    resize_to_budget,
+    resize_video,
+    to_patches,
 )
 
 MODALITIES = ("image", "video")
@@ -102,19 +106,24 @@ def parse_limits(limit_mm_per_prompt: Mapping[str, int] | None) -> dict[str, int
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One image or video after preprocessing, and where its pad tokens sit in the expanded prompt.
+    """One image or video after resizing, and where its pad tokens sit in the expanded prompt.
 
-    pixel_values: [t*h*w, patch_dim] float32, the vision tower's input; grid: (t, h, w) in patches.
-    content_hash: 128-bit digest of modality, grid and pixel values (identical media -> identical key).
+    frames: uint8 [F, H, W, 3] resized frames (F = 1 for an image); kept instead of the float patches, which
+    are 4-8x larger, and patchified by `pixel_values` when the tower runs. grid: (t, h, w) in patches.
+    content_hash: 128-bit digest of modality, grid and pixels (identical media -> identical key).
     runs: (offset, length) of each contiguous run of pad tokens (one for an image, one per temporal patch for a
     video), in prompt order; the tower's output rows fill them in order.
     """
 
     modality: str
-    pixel_values: Tensor
+    frames: Tensor
     grid: Grid
     content_hash: int
     runs: tuple[tuple[int, int], ...]
+
+    def pixel_values(self, cfg: VisionConfig) -> Tensor:
+        """The vision tower's input [t*h*w, patch_dim] float32."""
+        return to_patches(self.frames, cfg)[0]
 
     @property
     def num_tokens(self) -> int:
@@ -157,10 +166,10 @@ class MultimodalPrompt:
         return [it for it in self.items if it.start < end and start < it.end and it.rows_in(start, end)]
 
 
-def content_hash(modality: str, pixel_values: Tensor, grid: Grid) -> int:
+def content_hash(modality: str, frames: Tensor, grid: Grid) -> int:
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{modality}{grid}".encode())
-    h.update(pixel_values.contiguous().numpy().tobytes())
+    h.update(f"{modality}{grid}{tuple(frames.shape)}".encode())
+    h.update(frames.contiguous().numpy().tobytes())
     return int.from_bytes(h.digest(), "little")
 
 
@@ -225,19 +234,19 @@ def process_multimodal_prompt(
                              f"given; put one <|vision_start|><|{m}_pad|><|vision_end|> per {m} (the chat "
                              "template does this)", param=m)
     vcfg = cfg.vision
-    loaded: dict[str, list[tuple[Tensor, Grid, list[float]]]] = {"image": [], "video": []}
+    loaded: dict[str, list[tuple[Tensor, list[float]]]] = {"image": [], "video": []}  # (uint8 frames, stamps)
     for k, src in enumerate(items["image"]):
         src = resolve_media_source(src, allowed_local_media_path, allow_local_files)
-        pixel_values, grid = _with_item_context("image", k, lambda: preprocess_image(
-            src, vcfg, media.min_pixels, media.max_pixels, max_image_pixels=media.max_image_pixels))
-        loaded["image"].append((pixel_values, grid, []))
+        frames = _with_item_context("image", k, lambda: resize_to_budget(
+            load_image(src, media.max_image_pixels), vcfg, media.min_pixels, media.max_pixels)[None])
+        loaded["image"].append((frames, []))
     for k, src in enumerate(items["video"]):
         src = resolve_media_source(src, allowed_local_media_path, allow_local_files)
 
         def video(src=src):
             frames, stamps = load_video(src, media.fps, media.num_frames, media.max_frames, vcfg.temporal_patch_size,
                                         media.max_image_pixels)
-            return (*preprocess_video(frames, vcfg, media.video_min_pixels, media.video_max_pixels), stamps)
+            return resize_video(frames, vcfg, media.video_min_pixels, media.video_max_pixels), stamps
 
         loaded["video"].append(_with_item_context("video", k, video))
     return _place(ids, loaded, cfg, timestamp_ids)
@@ -250,7 +259,7 @@ def _with_item_context(modality: str, k: int, fn: Callable[[], Any]) -> Any:
         raise MediaError(f"{modality} {k}: {e}", param=modality) from None
 
 
-def _place(ids: list[int], loaded: dict[str, list[tuple[Tensor, Grid, list[float]]]], cfg: ModelConfig,
+def _place(ids: list[int], loaded: dict[str, list[tuple[Tensor, list[float]]]], cfg: ModelConfig,
            timestamp_ids: Callable[[float], list[int]] | None) -> MultimodalPrompt:
     """Expand each placeholder to its pad runs and build the items, positions and rope delta."""
     m2 = cfg.vision.spatial_merge_size ** 2
@@ -267,7 +276,8 @@ def _place(ids: list[int], loaded: dict[str, list[tuple[Tensor, Grid, list[float
             i += 1
             continue
         modality, it = queue[tok]
-        pixel_values, grid, stamps = next(it)
+        frames, stamps = next(it)
+        grid = frames_grid(frames, cfg.vision)
         t, h, w = grid
         per_group = h * w // m2
         runs = []
@@ -288,8 +298,8 @@ def _place(ids: list[int], loaded: dict[str, list[tuple[Tensor, Grid, list[float
                 out.extend([tok] * per_group)
                 out.append(end_id)
             i += 1 if wrapped else 0
-        items.append(MediaItem(modality, pixel_values, grid, content_hash(modality, pixel_values, grid), tuple(runs)))
+        items.append(MediaItem(modality, frames, grid, content_hash(modality, frames, grid), tuple(runs)))
         i += 1
-    positions, delta = mrope_positions(out, [g for _, g, _ in loaded["image"]], [g for _, g, _ in loaded["video"]],
-                                       cfg)
+    grids = {m: [frames_grid(f, cfg.vision) for f, _ in loaded[m]] for m in MODALITIES}
+    positions, delta = mrope_positions(out, grids["image"], grids["video"], cfg)
     return MultimodalPrompt(out, tuple(items), positions, delta)

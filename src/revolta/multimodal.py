@@ -164,23 +164,43 @@ def preprocess_image(
     The image needs t*h*w/merge^2 `<|image_pad|>` tokens in the prompt.
     """
     rgb = load_image(image, max_image_pixels)
-    x = _resize_normalise(rgb, cfg, min_pixels, max_pixels, image_mean, image_std)  # [3, H, W]
-    frames = x.unsqueeze(0).expand(cfg.temporal_patch_size, -1, -1, -1)  # [tp, 3, H, W]: a still is tp equal frames
-    return patchify(frames, cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)
+    return to_patches(resize_to_budget(rgb, cfg, min_pixels, max_pixels)[None], cfg, image_mean, image_std)
 
 
-def _resize_normalise(rgb: Image.Image, cfg: VisionConfig, min_pixels: int, max_pixels: int,
-                      image_mean: Sequence[float], image_std: Sequence[float]) -> Tensor:
-    """RGB image -> [3, H, W] float32: bicubic resize to `smart_resize`, rescale to [0, 1], normalise."""
+def resize_to_budget(rgb: Image.Image, cfg: VisionConfig, min_pixels: int, max_pixels: int) -> Tensor:
+    """RGB image -> uint8 [H, W, 3], bicubic-resized to `smart_resize` (multiples of patch*merge, in budget).
+
+    The uint8 frame is what the engine keeps per item (a quarter of the float patches, and an eighth for a still,
+    whose patches repeat it temporal_patch_size times); `to_patches` makes the tower input when it runs.
+    """
     factor = cfg.patch_size * cfg.spatial_merge_size
     height, width = smart_resize(rgb.height, rgb.width, factor, min_pixels, max_pixels)
     if (width, height) != rgb.size:
         rgb = rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
-    pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(height, width, 3)
-    x = pixels.permute(2, 0, 1).double() / 255.0  # [3, H, W]
-    mean = torch.tensor(image_mean, dtype=torch.float64).view(3, 1, 1)
-    std = torch.tensor(image_std, dtype=torch.float64).view(3, 1, 1)
-    return ((x - mean) / std).float()
+    return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(height, width, 3)
+
+
+def to_patches(frames: Tensor, cfg: VisionConfig, image_mean: Sequence[float] = IMAGE_MEAN,
+               image_std: Sequence[float] = IMAGE_STD) -> tuple[Tensor, Grid]:
+    """uint8 frames [F, H, W, 3] -> (pixel_values [t*h*w, patch_dim] float32, grid (t, h, w)).
+
+    Rescale to [0, 1], normalise per channel, patchify (see `patchify`). F == 1 is a still image: its frame is
+    repeated temporal_patch_size times (t = 1); otherwise F must be a multiple of temporal_patch_size.
+    """
+    x = frames.permute(0, 3, 1, 2).double() / 255.0  # [F, 3, H, W]
+    mean = torch.tensor(image_mean, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(image_std, dtype=torch.float64).view(1, 3, 1, 1)
+    x = ((x - mean) / std).float()
+    if x.shape[0] == 1:
+        x = x.expand(cfg.temporal_patch_size, -1, -1, -1)  # [tp, 3, H, W]: a still is tp equal frames
+    return patchify(x, cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)
+
+
+def frames_grid(frames: Tensor, cfg: VisionConfig) -> Grid:
+    """The (t, h, w) patch grid `to_patches` gives for uint8 frames [F, H, W, 3]."""
+    num_frames, height, width, _ = frames.shape
+    t = 1 if num_frames == 1 else num_frames // cfg.temporal_patch_size
+    return t, height // cfg.patch_size, width // cfg.patch_size
 
 
 VideoSource = str | os.PathLike | bytes | bytearray | Any  # path, encoded bytes, [F, H, W, 3] uint8 array, PIL frames
@@ -293,13 +313,18 @@ def preprocess_video(
     Each frame is resized like an image within the per-frame pixel budget; consecutive groups of
     temporal_patch_size frames form one temporal patch (t = F / tp). Needs t*h*w/merge^2 `<|video_pad|>` tokens.
     """
+    return to_patches(resize_video(frames, cfg, min_pixels, max_pixels), cfg, image_mean, image_std)
+
+
+def resize_video(frames: Sequence[Image.Image], cfg: VisionConfig, min_pixels: int = VIDEO_MIN_PIXELS,
+                 max_pixels: int = VIDEO_MAX_PIXELS) -> Tensor:
+    """Sampled RGB frames -> uint8 [F, H, W, 3], each resized within the per-frame budget (see preprocess_video)."""
     tp = cfg.temporal_patch_size
     if not frames or len(frames) % tp:
         raise MediaError(f"a video needs a positive multiple of temporal_patch_size={tp} frames, got {len(frames)}")
     if len({f.size for f in frames}) != 1:
         raise MediaError(f"video frames differ in size: {sorted({f.size for f in frames})}")
-    x = torch.stack([_resize_normalise(f, cfg, min_pixels, max_pixels, image_mean, image_std) for f in frames])
-    return patchify(x, cfg.patch_size, tp, cfg.spatial_merge_size)  # x: [F, 3, H, W]
+    return torch.stack([resize_to_budget(f, cfg, min_pixels, max_pixels) for f in frames])
 
 
 def patchify(frames: Tensor, patch_size: int, temporal_patch_size: int, merge_size: int) -> tuple[Tensor, Grid]:

@@ -92,9 +92,9 @@ def test_video_between_text(pair):
     mm_types = ((input_ids == vid).to(torch.int32) * 2)[None]  # 2 marks video pads
     hf.model.rope_deltas = None
     with deterministic_topk():
-        ref = hf(input_ids=input_ids[None], pixel_values_videos=item.pixel_values,
+        ref = hf(input_ids=input_ids[None], pixel_values_videos=item.pixel_values(cfg.vision),
                  video_grid_thw=torch.tensor([item.grid]), mm_token_type_ids=mm_types).logits[0]
     out = ours(input_ids[None], positions=mm.positions[:, None, :],
-               mm_embeds=ours.model.visual(item.pixel_values, [item.grid]))[0]
+               mm_embeds=ours.model.visual(item.pixel_values(cfg.vision), [item.grid]))[0]
     assert_parity(out, ref)
     assert int(hf.model.rope_deltas[0, 0]) == mm.rope_delta
