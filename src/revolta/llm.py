@@ -290,7 +290,10 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate a completion for each prompt; results come back in prompt order.
 
-        prompts: a string, {"prompt": str}, {"prompt_token_ids": [int, ...]}, or a list of those.
+        prompts: a string, {"prompt": str}, {"prompt_token_ids": [int, ...]}, or a list of those; a dict may add
+            "multi_modal_data": {"image": [PIL image | bytes | path | data: URL, ...], "video": path | bytes |
+            [F, H, W, 3] uint8 frames} with one `<|image_pad|>` / `<|video_pad|>` per item in the prompt, and
+            "mm_processor_kwargs" (min_pixels, max_pixels, fps, num_frames, ...). Bad media raise MediaError.
         sampling_params: one for all prompts, one per prompt, or None (the checkpoint's generation_config).
         """
         requests = self._make_requests(prompts, sampling_params)
