@@ -104,7 +104,7 @@ def parse_limits(limit_mm_per_prompt: Mapping[str, int] | None) -> dict[str, int
 # ---- the processed prompt -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: identity, not value, equality
 class MediaItem:
     """One image or video after resizing, and where its pad tokens sit in the expanded prompt.
 
@@ -148,7 +148,7 @@ class MediaItem:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MultimodalPrompt:
     """The expanded prompt of one request with media (see the module docstring)."""
 
