@@ -4,6 +4,8 @@
   pixel budget (`smart_resize`), normalise, and cut into the flat patch stream `layers.vision.VisionModel` reads.
 * `load_video` / `preprocess_video`: decode a clip with decord, sample frames at a target fps (or a fixed count),
   then the same resize and patching, with temporal_patch_size frames per patch.
+* The two halves separately: `resize_to_budget` / `resize_video` give uint8 frames [F, H, W, 3] (what a request
+  keeps), `to_patches` turns them into the tower's float input when it runs.
 * `expand_media_placeholders`: one `<|image_pad|>` / `<|video_pad|>` per item in the prompt becomes t*h*w/m^2 pads,
   one per vision-tower output row.
 * `mrope_positions`: the 3-row (temporal, height, width) RoPE positions of a prompt with vision items, and the
