@@ -24,6 +24,9 @@ from .mm_processor import MediaItem, MultimodalPrompt
 
 
 class SchedRequest(Protocol):
+    """What the scheduler reads from a request; an optional `mm_prompt` attribute (a MultimodalPrompt whose
+    token_ids are the prompt_token_ids) carries its media."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated so far
