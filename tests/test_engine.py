@@ -200,3 +200,27 @@ def test_fp8_kv_scales_from_the_checkpoint_reach_the_cache(model, tmp_path):
     req = Req("s", ids(20, seed=1), max_tokens=3)
     run(engine, [req])
     assert len(req.token_ids) == 3
+
+
+@torch.no_grad()
+def test_a_thousand_short_requests_leave_the_pools_as_they_started(model):
+    # one-token prompts (so every step runs the cheap decode path on CPU), 1-3 new tokens each, a pool
+    # with room for few of them at once and aborts mixed in: afterwards every block and slot is free
+    # again and the bookkeeping checks out
+    engine = make_engine(model, max_num_seqs=32, max_num_batched_tokens=128, kv_cache_gib=0.003)
+    start_blocks, start_slots = engine.allocator.blocks.num_free, engine.allocator.slots.num_free
+    reqs = [Req(f"s{i}", [1 + i % 500], max_tokens=1 + i % 3) for i in range(1000)]
+    for r in reqs:
+        engine.add_request(r)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step(greedy)
+        steps += 1
+        if steps % 10 == 0:  # abort one queued or running request now and then
+            victim = next((r for r in reqs if not r.finished and r.token_ids), None)
+            if victim is not None:
+                engine.abort(victim.request_id)
+        assert steps < 5_000
+    assert sum(r.finished for r in reqs) >= 900
+    assert_clean(engine)
+    assert (engine.allocator.blocks.num_free, engine.allocator.slots.num_free) == (start_blocks, start_slots)

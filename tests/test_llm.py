@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -242,6 +243,48 @@ def test_logprobs(llm):
         total += entry[token_id].logprob
     assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
     assert _greedy(llm, PROMPTS[0], max_tokens=2).logprobs is None
+
+
+def test_prompt_logprobs_match_the_full_forward(tiny_dir):
+    # a small token budget splits the prompt into chunks; the second run would hit the prefix cache
+    # if prompt-logprob requests did not compute their whole prompt
+    llm = LLM(model=str(tiny_dir), max_num_batched_tokens=8)
+    model = load_model(tiny_dir, progress=False)
+    ids = llm.tokenizer.encode("one two three four five six seven eight nine ten eleven twelve")
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids]))[0, :, : llm.tokenizer.vocab_size].log_softmax(-1)  # [S, V]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for _ in range(2):
+        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            lp = entry[ids[i]]
+            assert abs(lp.logprob - ref[i - 1, ids[i]].item()) < 1e-4
+            assert lp.rank == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
+            assert {1, 2} <= {v.rank for v in entry.values()} and len(entry) in (2, 3)
+    assert llm.engine.allocator.stats.hit_tokens == 0
+    plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+
+
+def test_startup_summary_names_each_setting_and_its_source(tiny_dir, monkeypatch, caplog):
+    monkeypatch.setenv("REVOLTA_CUDAGRAPH_MEM_MIB", "512")
+    with caplog.at_level(logging.INFO, logger="revolta.llm"):
+        llm = LLM(model=str(tiny_dir), max_num_seqs=3, enforce_eager=True)
+    rows = {name: (value, source) for name, value, source in llm.effective_config()}
+    assert rows["max_num_seqs"] == (3, "argument") and rows["enforce_eager"] == (True, "argument")
+    assert rows["max_num_batched_tokens"] == (8192, "default")
+    assert rows["cudagraph_mem_mib"] == (512.0, "environment (REVOLTA_CUDAGRAPH_MEM_MIB)")
+    assert rows["max_model_len"][1].startswith("checkpoint")
+    assert "effective configuration" in caplog.text and "max_num_batched_tokens" in caplog.text
+    monkeypatch.setenv("REVOLTA_CUDAGRAPH_MEM_MIB", "lots")
+    with pytest.raises(ValueError, match="REVOLTA_CUDAGRAPH_MEM_MIB"):
+        LLM(model=str(tiny_dir))
+    monkeypatch.delenv("REVOLTA_CUDAGRAPH_MEM_MIB")
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        LLM(model=str(tiny_dir), cudagraph_capture_sizes=[0, 2])
 
 
 def test_stream_and_chat(llm):

@@ -13,15 +13,17 @@ takes the rows of its pad tokens from the encoder cache, with the prompt's mRoPE
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .cache.capacity import CacheConfig, MemoryBudget, plan_cache
+from .cache.capacity import DEFAULT_CUDAGRAPH_RESERVE_MIB, CacheConfig, MemoryBudget, estimate_activation_bytes, plan_cache
 from .cache.hybrid import HybridAllocator
 from .cache.storage import CacheStorage, kv_scales_from_state_dict
+from .cuda_graphs import DecodeGraphs, default_capture_sizes, graph_warning
 from .encoder_cache import EncoderCache, check_item_fits
 from .mm_processor import MediaItem, MultimodalPrompt
 from .multimodal import MediaError
@@ -33,12 +35,24 @@ logger = logging.getLogger(__name__)
 
 MIN_ENCODER_TOKENS = 4096
 SampleFn = Callable[[list[SchedRequest], Tensor], None]  # (requests, logits [N, V]) -> append tokens
+# (request, index of the first prompt token predicted, logits [n, V]): rows predict prompt tokens
+# first .. first + n - 1 (a prompt-logprobs request's prefill chunk)
+PromptLogitsFn = Callable[[SchedRequest, int, Tensor], None]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """vLLM-named knobs of the engine. Cache size: `kv_cache_gib` when given; else on CUDA
-    `gpu_memory_utilization` of the device's memory minus the weights, on CPU 0.5 GiB."""
+    """vLLM-named knobs of the engine.
+
+    Cache size: `kv_cache_gib` when given; else on CUDA `gpu_memory_utilization` of the device's
+    memory minus the weights, the activation peak of one `max_num_batched_tokens` forward, the
+    CUDA-graph reserve and a fixed allowance; on CPU 0.5 GiB.
+    CUDA graphs (CUDA + Triton kernels, unless `enforce_eager`): decode steps replay graphs
+    captured for `cudagraph_capture_sizes` (default 1, 2, 4, 8, 16, ... up to max_num_seqs).
+    `cudagraph_mem_mib` is the memory kept for them before the cache is sized (default: env
+    REVOLTA_CUDAGRAPH_MEM_MIB, else 700 MiB); after capture a warning names a better value when the
+    graphs took clearly more.
+    """
 
     max_model_len: int
     max_num_seqs: int = 16
@@ -54,6 +68,32 @@ class EngineConfig:
     # at least MIN_ENCODER_TOKENS (a default ~1 MP image is 1,024 rows, a default video up to 3,136)
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
+    enforce_eager: bool = False
+    cudagraph_mem_mib: float | None = None
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.resolved_cudagraph_mem_mib() < 0:
+            raise ValueError(f"cudagraph_mem_mib={self.resolved_cudagraph_mem_mib()} must be >= 0 MiB")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or any(not isinstance(b, int) or b < 1 for b in sizes)):
+            raise ValueError(f"cudagraph_capture_sizes={sizes!r} must be a non-empty list of batch sizes >= 1")
+
+    def resolved_cudagraph_mem_mib(self) -> float:
+        if self.cudagraph_mem_mib is not None:
+            return float(self.cudagraph_mem_mib)
+        env = os.environ.get("REVOLTA_CUDAGRAPH_MEM_MIB")
+        if env is None:
+            return DEFAULT_CUDAGRAPH_RESERVE_MIB
+        try:
+            return float(env)
+        except ValueError:
+            raise ValueError(f"REVOLTA_CUDAGRAPH_MEM_MIB={env!r} is not a number of MiB; set it to e.g. 700") from None
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Graphs need the Triton path: the torch references read values on the host mid-forward."""
+        return not self.enforce_eager and self.kernels == "triton"
 
 
 class Engine:
@@ -81,13 +121,37 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         for line in self.plan.capacity_lines():
             logger.info(line)
+        self.graphs: DecodeGraphs | None = None  # decode steps replay these when they fit
+        if model.device.type == "cuda" and config.use_cuda_graphs:
+            self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        cfg = self.config
+        sizes = list(cfg.cudagraph_capture_sizes or default_capture_sizes(cfg.max_num_seqs))
+        if max(sizes) > cfg.max_num_seqs:
+            raise ValueError(f"cudagraph_capture_sizes={sizes} has sizes above max_num_seqs={cfg.max_num_seqs}; "
+                             "drop them or raise max_num_seqs")
+        width = -(-(cfg.max_model_len + self.plan.cache.num_speculative_tokens) // self.plan.layout.block_size)
+        graphs = DecodeGraphs(self.runner, sizes, width)
+        graphs.capture()
+        logger.info("CUDA graphs: captured decode batch sizes %s in %.0f MiB", sizes, graphs.used_bytes / 2**20)
+        if cfg.kv_cache_gib is None:  # the reserve was part of the memory budget
+            warning = graph_warning(graphs.used_bytes, int(cfg.resolved_cudagraph_mem_mib() * 2**20))
+            if warning:
+                logger.warning(warning)
+        return graphs
 
     def _budget(self) -> MemoryBudget:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if self.model.device.type == "cuda" and self.config.kv_cache_gib is None:
+        cfg = self.config
+        if self.model.device.type == "cuda" and cfg.kv_cache_gib is None:
             total = torch.cuda.get_device_properties(self.model.device).total_memory
-            return MemoryBudget(gpu_memory_bytes=total, gpu_memory_utilization=self.config.gpu_memory_utilization,
-                                weights_bytes=weights, activation_bytes=0)
+            dtype = str(self.model.dtype).removeprefix("torch.")
+            activations = estimate_activation_bytes(self.model.cfg, 1, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                                    dtype=dtype)
+            graphs = int(cfg.resolved_cudagraph_mem_mib() * 2**20) if cfg.use_cuda_graphs else 0
+            return MemoryBudget(gpu_memory_bytes=total, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                weights_bytes=weights, activation_bytes=activations, cudagraph_reserve_bytes=graphs)
         # a fixed allowance (CPU default 0.5 GiB): no graph or activation reserve
         cache = int((0.5 if self.config.kv_cache_gib is None else self.config.kv_cache_gib) * 2**30)
         return MemoryBudget(gpu_memory_bytes=cache, gpu_memory_utilization=1.0, weights_bytes=0,
@@ -126,8 +190,12 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ---- one step ------------------------------------------------------------------------------
-    def step(self, sample_fn: SampleFn) -> list[SchedRequest]:
-        """Run one scheduled step; returns the requests that got a new token."""
+    def step(self, sample_fn: SampleFn, prompt_logits_fn: PromptLogitsFn | None = None) -> list[SchedRequest]:
+        """Run one scheduled step; returns the requests that got a new token.
+
+        Requests with a `prompt_logprobs` attribute that is not None also hand the logits of their
+        prefill chunk's prompt positions to `prompt_logits_fn`.
+        """
         items = self.scheduler.schedule()
         if not items:
             if self.scheduler.has_unfinished():
@@ -136,7 +204,15 @@ class Engine:
             return []
         self._encode([m for it in items for m in it.encode])
         self.storage.pre_forward([it.alloc for it in items], self.allocator.take_swap_outs(), self.cpu_storage)
-        logits = self.runner.execute([self._step_sequence(it) for it in items])  # [B, V]
+        seqs = [self._step_sequence(it) for it in items]
+        prompt_rows = [prompt_logits_fn is not None and it.seq.skip_prefix_cache
+                       and it.alloc.num_computed_tokens < it.seq.num_prompt_tokens - 1 for it in items]
+        if any(prompt_rows):
+            logits = self._execute_with_prompt_logits(items, seqs, prompt_rows, prompt_logits_fn)
+        elif self.graphs is not None and self.graphs.can_run(seqs):
+            logits = self.graphs.run(seqs)  # [B, V]
+        else:
+            logits = self.runner.execute(seqs)  # [B, V]
         self.storage.post_forward([it.alloc for it in items])
         ready = [i for i, it in enumerate(items)  # all known tokens computed: the next token is due
                  if it.alloc.num_computed_tokens + it.num_new_tokens == len(it.seq.all_token_ids)]
@@ -148,6 +224,27 @@ class Engine:
             if it.seq.request.finished:
                 self._seqs.pop(it.seq.request_id, None)
         return sampled
+
+    def _execute_with_prompt_logits(self, items: list[ScheduledSeq], seqs: list[StepSequence],
+                                    prompt_rows: list[bool], prompt_logits_fn: PromptLogitsFn) -> Tensor:
+        """The forward projecting every row of the flagged chunks, not only the last rows -> [B, V]."""
+        rows, last = [], []
+        start = 0
+        for s, flagged in zip(seqs, prompt_rows):
+            n = len(s.token_ids)
+            rows.extend(range(start, start + n) if flagged else [start + n - 1])
+            last.append(len(rows) - 1)
+            start += n
+        logits = self.runner.execute(seqs, logits_rows=rows)  # [len(rows), V]
+        offset = 0
+        for it, s, flagged in zip(items, seqs, prompt_rows):
+            n = len(s.token_ids) if flagged else 1
+            if flagged:  # row j predicts token num_computed + j + 1; keep those inside the prompt
+                first = it.alloc.num_computed_tokens + 1
+                keep = min(n, it.seq.num_prompt_tokens - first)
+                prompt_logits_fn(it.seq.request, first, logits[offset:offset + keep])
+            offset += n
+        return logits[torch.tensor(last, device=logits.device)]
 
     def _step_sequence(self, it: ScheduledSeq) -> StepSequence:
         a, seq = it.alloc, it.seq

@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,12 +53,17 @@ ENGINE_ARG_NAMES = frozenset({
     "kv_cache_dtype", "block_size", "enable_prefix_caching", "enforce_eager", "speculative_config",
     "limit_mm_per_prompt", "max_logprobs", "disable_log_stats", "generation_config", "compilation_config",
     "mm_processor_kwargs", "allowed_local_media_path",
+    # revolta's own engine knobs (EngineConfig)
+    "kv_cache_gib", "kv_offload_gib", "cudagraph_mem_mib", "cudagraph_capture_sizes",
+    "max_num_encoder_input_tokens", "encoder_cache_size",
 })
 # vLLM arguments the media path consumes (mm_processor.py)
 _MEDIA_ARGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path")
-# vLLM arguments the engine consumes (the rest are accepted for compatibility and logged)
+# arguments the engine consumes (the rest are accepted for compatibility and logged)
 _ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
-                       "gpu_memory_utilization", "block_size")
+                       "gpu_memory_utilization", "block_size", "enforce_eager", "kv_cache_gib", "kv_offload_gib",
+                       "cudagraph_mem_mib", "cudagraph_capture_sizes", "max_num_encoder_input_tokens",
+                       "encoder_cache_size")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -111,6 +117,7 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled by position as chunks run
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -122,6 +129,8 @@ class _Request:
         self.stop_checker = StopChecker(self.params.stop_strings, self.params.include_stop_str_in_output)
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -153,7 +162,8 @@ class _Request:
     def output(self) -> RequestOutput:
         self.metrics.num_generation_tokens = len(self.token_ids)
         return RequestOutput(self.parent_id or self.request_id, self.prompt, list(self.prompt_token_ids),
-                             [self.completion()], finished=self.finished, metrics=self.metrics)
+                             [self.completion()], finished=self.finished, metrics=self.metrics,
+                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -213,9 +223,11 @@ class LLM:
         self.mm_limits = parse_limits(engine_args.get("limit_mm_per_prompt"))
         self.media_config = MediaConfig().updated(engine_args.get("mm_processor_kwargs"))
         self.allowed_local_media_path = engine_args.get("allowed_local_media_path")
+        self._explicit = {"dtype": dtype != "auto", "device": device is not None, "seed": seed != 0,
+                          "max_model_len": max_model_len is not None}
         self.engine = self._build_engine()
         self.sampler = Sampler()
-        self._seed_rng = random.Random(seed)
+        self._seed, self._seed_rng = seed, random.Random(seed)
         self._next_request_id = 0
         self._live: dict[str, list[_Request]] = {}  # request id -> its n completions, while running
         self._log_summary(time.perf_counter() - start)
@@ -256,15 +268,57 @@ class LLM:
                  f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
                  f"MTP {t.num_mtp_layers} (not loaded)" if t.num_mtp_layers else "no MTP",
                  f"vision {v.depth} blocks" if v is not None else "no vision"]
-        logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | max_model_len %d | ready in %.1f s",
-                    origin, self.model_path, str(self.dtype).removeprefix("torch."), self.device, ", ".join(parts),
-                    num_params / 1e6, self.max_model_len, seconds)
+        logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | ready in %.1f s", origin, self.model_path,
+                    str(self.dtype).removeprefix("torch."), self.device, ", ".join(parts), num_params / 1e6, seconds)
+        logger.info("effective configuration (value [source]):\n%s", "\n".join(
+            f"  {name:<26} {value!s:<24} [{source}]" for name, value, source in self.effective_config()))
         unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"} - set(_ENGINE_CONFIG_ARGS) - set(_MEDIA_ARGS))
         if unused:
             logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))
 
+    def effective_config(self) -> list[tuple[str, Any, str]]:
+        """(name, value, source) of every engine setting in force; source is "argument",
+        "environment", "checkpoint" or "default" (with how a default was resolved)."""
+        def arg(name: str) -> str:
+            return "argument" if self._explicit.get(name) or name in self.engine_args else "default"
+
+        ec = self.engine.config
+        rows: list[tuple[str, Any, str]] = [
+            ("model", self.model_path, "embedded default" if self.is_default_model else "argument"),
+            ("dtype", str(self.dtype).removeprefix("torch."), arg("dtype") if self._explicit["dtype"]
+             else f"default (auto on {self.device.type})"),
+            ("device", self.device, arg("device") if self._explicit["device"] else "default (cuda if available)"),
+            ("seed", self._seed, arg("seed")),
+            ("max_model_len", self.max_model_len, "argument" if self._explicit["max_model_len"]
+             else "checkpoint (max_position_embeddings)"),
+        ]
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
+                     "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib", "block_size", "enforce_eager"):
+            rows.append((name, getattr(ec, name), arg(name)))
+        rows.append(("block_size (effective)", self.engine.plan.layout.block_size,
+                     arg("block_size") if ec.block_size else "default (chosen for the model)"))
+        rows.append(("kernels", ec.kernels, f"default for {self.device.type}"))
+        graphs = self.engine.graphs
+        if graphs is not None:
+            rows.append(("cudagraph_capture_sizes", graphs.batch_sizes, arg("cudagraph_capture_sizes")))
+        else:
+            why = "enforce_eager" if ec.enforce_eager else "no CUDA" if self.device.type != "cuda" else "torch kernels"
+            rows.append(("cuda graphs", "off", why))
+        mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
+            "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else "default"
+        rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
+        if self.engine.encoder_cache is not None:
+            rows.append(("limit_mm_per_prompt", self.mm_limits, "argument" if "limit_mm_per_prompt" in self.engine_args
+                         else "default (1 image, no video)"))
+            rows.append(("max_num_encoder_input_tokens", self.engine.encoder_budget,
+                         arg("max_num_encoder_input_tokens")))
+            rows.append(("encoder_cache_size", self.engine.encoder_cache.capacity, arg("encoder_cache_size")))
+        return rows
+
     def _build_engine(self) -> Engine:
         args = {name: self.engine_args[name] for name in _ENGINE_CONFIG_ARGS if name in self.engine_args}
+        if "cudagraph_capture_sizes" in args:
+            args["cudagraph_capture_sizes"] = tuple(args["cudagraph_capture_sizes"])
         if self.device.type == "cpu":
             args.setdefault("max_num_seqs", 16)
         # the torch references are the CPU path; on a GPU the Triton kernels run the cache
@@ -475,7 +529,7 @@ class LLM:
             for r in group:
                 if r.metrics.first_scheduled_time is None:
                     r.metrics.first_scheduled_time = now
-        stepped = self.engine.step(self._sample_and_append)
+        stepped = self.engine.step(self._sample_and_append, self._record_prompt_logprobs)
         now = time.time()
         for r in stepped:
             if r.metrics.first_token_time is None:
@@ -518,25 +572,43 @@ class LLM:
             sample_logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                             [r.token_ids for r in requests], stops)
         token_ids = self.sampler(sample_logits, params, [r.generator for r in requests])
-        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if num_top is not None:
-            self._record_logprobs(requests, logits, token_ids, num_top)
+        if any(p.logprobs is not None for p in params):
+            self._record_logprobs(requests, logits, token_ids)
         for r, token_id in zip(requests, token_ids.tolist()):
             r.append(token_id, self.eos_token_ids)
 
-    def _record_logprobs(self, requests: list[_Request], logits: Tensor, token_ids: Tensor, num_top: int) -> None:
-        chosen, rank, top_lp, top_ids = (x.tolist() for x in compute_logprobs(logits, token_ids, num_top))
+    def _logprob_entries(self, logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
+        """Per row: {chosen token: Logprob, + the top num_top[row] alternatives} (one host transfer)."""
+        chosen, rank, top_lp, top_ids = (x.tolist() for x in compute_logprobs(logits, token_ids, max(num_top)))
         tok = self.tokenizer
 
         def decode(i: int) -> str | None:
             return tok.decode([i], skip_special_tokens=False) if tok is not None else None
 
-        for b, r in enumerate(requests):
-            if r.params.logprobs is None:
-                continue
-            token_id = int(token_ids[b])
+        entries = []
+        for b, token_id in enumerate(token_ids.tolist()):
             entry = {token_id: Logprob(chosen[b], rank[b], decode(token_id))}
-            for k in range(r.params.logprobs):
+            for k in range(num_top[b]):
                 entry.setdefault(top_ids[b][k], Logprob(top_lp[b][k], k + 1, decode(top_ids[b][k])))
+            entries.append(entry)
+        return entries
+
+    def _record_logprobs(self, requests: list[_Request], logits: Tensor, token_ids: Tensor) -> None:
+        asking = [b for b, r in enumerate(requests) if r.params.logprobs is not None]
+        rows = torch.tensor(asking, device=logits.device)
+        entries = self._logprob_entries(logits[rows], token_ids[rows], [requests[b].params.logprobs for b in asking])
+        for b, entry in zip(asking, entries):
+            r = requests[b]
             r.logprobs.append(entry)
-            r.cumulative_logprob += chosen[b]
+            r.cumulative_logprob += next(iter(entry.values())).logprob
+
+    def _record_prompt_logprobs(self, request: _Request, first: int, logits: Tensor) -> None:
+        """logits [n, V]: row j predicts prompt token first + j (a preempted request's recompute
+        writes the same positions again)."""
+        if self._num_text_ids < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, self._num_text_ids:] = float("-inf")
+        n = logits.shape[0]
+        targets = torch.tensor(request.prompt_token_ids[first:first + n], device=logits.device)
+        request.prompt_logprobs[first:first + n] = self._logprob_entries(logits, targets,
+                                                                         [request.params.prompt_logprobs] * n)

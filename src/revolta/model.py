@@ -250,34 +250,37 @@ class FlashNextModel(nn.Module):
         return self.compute_logits(y), m
 
 
-def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02, device: str | None = None) -> None:
     """Deterministic random init of every parameter, zero-initialised norms included.
 
     Same seed and config give bitwise-identical weights on any machine (a CPU generator, names
     visited in sorted order). Norm gains get visible spread so no path is trivially zero.
+    device: draw on this device instead (e.g. "cuda" for full-width benchmark weights, where a CPU
+    generator would take minutes); reproducible on that device, not equal to the CPU values.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device or "cpu").manual_seed(seed)
+    dev = gen.device
     params = dict(model.named_parameters())
     for name in sorted(params):
         p = params[name]
         shape = p.shape
         if name.endswith("A_log"):
-            val = torch.empty(shape).uniform_(0.0, 2.7, generator=gen)  # decay rates exp(A) in [1, 15]
+            val = torch.empty(shape, device=dev).uniform_(0.0, 2.7, generator=gen)  # decay rates exp(A) in [1, 15]
         elif name.endswith("dt_bias"):
-            val = torch.empty(shape).uniform_(-4.0, 0.0, generator=gen)
+            val = torch.empty(shape, device=dev).uniform_(-4.0, 0.0, generator=gen)
         elif name.endswith("linear_attn.norm.weight"):
-            val = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            val = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=dev)
         elif "norm" in name and p.dim() == 1:
-            val = 0.2 * torch.randn(shape, generator=gen)  # (1 + w) norms, zero-initialised in the references
+            val = 0.2 * torch.randn(shape, generator=gen, device=dev)  # (1 + w) norms, zero-initialised in the references
         elif name.endswith("bias"):
-            val = 0.02 * torch.randn(shape, generator=gen)
+            val = 0.02 * torch.randn(shape, generator=gen, device=dev)
         elif "conv1d" in name:
-            val = 0.3 * torch.randn(shape, generator=gen)
+            val = 0.3 * torch.randn(shape, generator=gen, device=dev)
         elif "embed_tokens" in name or "ngram_embedding" in name or "pos_embed" in name:
-            val = torch.randn(shape, generator=gen)
+            val = torch.randn(shape, generator=gen, device=dev)
         else:
             fan_in = shape[-1] if p.dim() > 1 else 1
-            val = torch.randn(shape, generator=gen) * min(std * 4, fan_in**-0.5)
+            val = torch.randn(shape, generator=gen, device=dev) * min(std * 4, fan_in**-0.5)
         with torch.no_grad():
             p.copy_(val.to(p.dtype))
 

@@ -21,6 +21,9 @@ class Logprob:
 
 # One dict per generated position: token id -> Logprob (the sampled token plus the top alternatives).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt position: None for the first token (nothing predicts it), then the dict of
+# the prompt token there plus the top alternatives, as vLLM's RequestOutput.prompt_logprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -79,4 +82,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = None  # not computed yet
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set

@@ -3,6 +3,12 @@
 The scheduler decides which tokens of which requests run; the allocator decides where their
 K/V pages and state slots are. The runner only lays the step out as flat varlen tensors
 (`PagedMeta`), runs the model and returns the logits the sampler needs.
+
+All of a step's integer metadata (token ids, positions, slots, block table, slot mapping, ...)
+is packed into one host buffer and reaches the device in a single copy, so building a step
+costs no device round trip. Pure decode steps can replay captured CUDA graphs instead
+(`cuda_graphs.DecodeGraphs`, which the Engine owns and asks first); they read the same packed
+layout from static buffers.
 """
 
 from __future__ import annotations
@@ -40,6 +46,48 @@ class StepSequence:
     mm_index: list[int] | None = None  # [N_mm] which of token_ids they replace
 
 
+# Sections of the packed int64 step buffer, in order, with their length for B sequences, T new
+# tokens and a block table W wide.
+_SECTIONS = ("input_ids", "positions", "group_pos", "slots", "has_initial_state", "cu_seqlens", "seq_lens",
+             "block_table", "slot_mapping")
+
+
+def offsets(lens: list[int]) -> list[int]:
+    """[B + 1] cumulative offsets (cu_seqlens) of B lengths."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _section_sizes(B: int, T: int, W: int) -> list[int]:
+    return [T, 3 * T, 3 * B, B, B, B + 1, B, B * W, T]
+
+
+@dataclass
+class StepInputs:
+    """The device tensors of one step, views into one packed buffer (see `pack_step`)."""
+
+    input_ids: Tensor  # [T] long
+    positions: Tensor  # [3, T] long
+    group_pos: Tensor  # [3, B] long: position of the first token of each start's compress group
+    slots: Tensor  # [B] int32
+    has_initial_state: Tensor  # [B] bool
+    cu_seqlens: Tensor  # [B + 1] int32
+    seq_lens: Tensor  # [B] int32
+    block_table: Tensor  # [B, W] int32
+    slot_mapping: Tensor  # [T] int64
+
+    @classmethod
+    def unpack(cls, flat: Tensor, B: int, T: int, W: int) -> "StepInputs":
+        """Views (with dtype conversions on the device) of `flat` [sum of sections] int64."""
+        p = dict(zip(_SECTIONS, flat[: sum(_section_sizes(B, T, W))].split(_section_sizes(B, T, W))))
+        return cls(input_ids=p["input_ids"], positions=p["positions"].view(3, T), group_pos=p["group_pos"].view(3, B),
+                   slots=p["slots"].to(torch.int32), has_initial_state=p["has_initial_state"].bool(),
+                   cu_seqlens=p["cu_seqlens"].to(torch.int32), seq_lens=p["seq_lens"].to(torch.int32),
+                   block_table=p["block_table"].view(B, W).to(torch.int32), slot_mapping=p["slot_mapping"])
+
+
 class ModelRunner:
     """Runs `model` on `storage` with the torch references or the Triton kernels."""
 
@@ -54,51 +102,87 @@ class ModelRunner:
         after = torch.arange(max(start, known), max(end, known)).unsqueeze(0).expand(3, -1) + seq.rope_delta
         if start >= known:
             return after
-        return torch.cat([seq.positions[:, start:min(end, known)], after], dim=1)  # a chunk across the prompt end
+        # a chunk across the end of the prompt's positions continues at index + rope_delta
+        return torch.cat([seq.positions[:, start:min(end, known)].cpu(), after], dim=1)
 
-    @torch.no_grad()
-    def execute(self, seqs: list[StepSequence], all_logits: bool = False,
-                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """Forward the step; logits [B, V] of each sequence's last new token ([T, V] with all_logits)."""
-        device = self.model.device
+    def pack_step(self, seqs: list[StepSequence], num_rows: int | None = None, width: int | None = None) -> Tensor:
+        """The packed host int64 buffer of a step (pinned on CUDA).
+
+        num_rows / width pad the batch to a captured graph's size and block-table width: padded
+        rows are one-token sequences on the dummy slot 0 and the null block 0, which no request owns.
+        """
         lens = [len(s.token_ids) for s in seqs]
         if not seqs or min(lens) < 1:
             raise ValueError(f"every scheduled sequence needs at least one new token, got lengths {lens}")
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
         bs = self.block_size
-        slot_mapping, positions, group_pos = [], [], []
+        W = max(len(s.block_ids) for s in seqs) if width is None else width
+        pad = 0 if num_rows is None else num_rows - len(seqs)
+        ids, pos, group_pos, slot_mapping, table = [], [], [], [], []
         for s in seqs:
             end = s.num_computed + len(s.token_ids)
             need = -(-end // bs)
-            if len(s.block_ids) < need:
-                raise ValueError(f"a sequence with {end} tokens needs {need} blocks of {bs}, got {len(s.block_ids)}")
-            slot_mapping += [s.block_ids[i // bs] * bs + i % bs for i in range(s.num_computed, end)]
-            positions.append(self._positions(s, s.num_computed, end))
+            if len(s.block_ids) < need or len(s.block_ids) > W:
+                raise ValueError(f"a sequence with {end} tokens needs {need} blocks of {bs} (table width {W}), "
+                                 f"got {len(s.block_ids)}")
+            ids += s.token_ids
+            pos.append(self._positions(s, s.num_computed, end))
             first = (s.num_computed // self.ratio) * self.ratio  # first token of the group holding the start
             group_pos.append(self._positions(s, first, first + 1))
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        block_table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs],
-                                   dtype=torch.int32)
-        group_cos, group_sin = self.model.model.language_model.rotary(torch.cat(group_pos, dim=1).to(device))
-        paged = PagedMeta(
-            storage=self.storage, ops=self.ops,
-            slots=torch.tensor([s.slot for s in seqs], dtype=torch.int32, device=device),
-            has_initial_state=torch.tensor([s.num_computed > 0 for s in seqs], device=device),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([s.num_computed + n for s, n in zip(seqs, lens)], dtype=torch.int32,
-                                  device=device),
-            block_table=block_table.to(device),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            group_cos=group_cos, group_sin=group_sin, max_new_tokens=max(lens))
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=device)
-        mm_embeds, mm_index = self._media_rows(seqs, cu)
-        states = [SequenceState(num_tokens=s.num_computed, rope_delta=s.rope_delta) for s in seqs]
-        rows = None if all_logits else torch.tensor(cu[1:], device=device) - 1
-        return self.model(input_ids, torch.cat(positions, dim=1).to(device), cu_seqlens=cu, states=states,
-                          mm_embeds=mm_embeds, mm_index=mm_index, logits_indices=rows,
-                          return_hidden=return_hidden, paged=paged)
+            slot_mapping += [s.block_ids[i // bs] * bs + i % bs for i in range(s.num_computed, end)]
+            table += s.block_ids + [0] * (W - len(s.block_ids))
+        zeros3 = torch.zeros(3, pad, dtype=torch.long)
+        parts = [
+            torch.tensor(ids + [0] * pad),
+            torch.cat(pos + [zeros3], dim=1).reshape(-1),
+            torch.cat(group_pos + [zeros3], dim=1).reshape(-1),
+            torch.tensor([s.slot for s in seqs] + [0] * pad),
+            torch.tensor([int(s.num_computed > 0) for s in seqs] + [0] * pad),
+            torch.tensor(offsets(lens + [1] * pad)),
+            torch.tensor([s.num_computed + n for s, n in zip(seqs, lens)] + [1] * pad),
+            torch.tensor(table + [0] * (pad * W)),
+            torch.tensor(slot_mapping + [0] * pad),
+        ]
+        flat = torch.cat([p.long() for p in parts])
+        return flat.pin_memory() if self.model.device.type == "cuda" else flat
+
+    def forward_packed(self, inputs: StepInputs, cu_seqlens: list[int], logits_indices: Tensor | None = None,
+                       mm_embeds: Tensor | None = None, return_hidden: bool = False,
+                       mm_index: Tensor | None = None):
+        """The model on one step's device inputs (the graph path captures this).
+
+        cu_seqlens: the same [B + 1] offsets as host ints; the paged layers read only the device
+        copy, so nothing here waits on the device. mm_embeds [N_mm, d] replace the rows mm_index [N_mm].
+        """
+        B = inputs.slots.shape[0]
+        group_cos, group_sin = self.model.model.language_model.rotary(inputs.group_pos)
+        paged = PagedMeta(storage=self.storage, ops=self.ops, slots=inputs.slots,
+                          has_initial_state=inputs.has_initial_state, cu_seqlens=inputs.cu_seqlens,
+                          seq_lens=inputs.seq_lens, block_table=inputs.block_table,
+                          slot_mapping=inputs.slot_mapping, group_cos=group_cos, group_sin=group_sin,
+                          max_new_tokens=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])))
+        states = [SequenceState() for _ in range(B)]  # token counts live in the cache, not here
+        return self.model(inputs.input_ids, inputs.positions, cu_seqlens=cu_seqlens, states=states,
+                          mm_embeds=mm_embeds, mm_index=mm_index,
+                          logits_indices=logits_indices, return_hidden=return_hidden, paged=paged)
+
+    @torch.no_grad()
+    def execute(self, seqs: list[StepSequence], all_logits: bool = False, return_hidden: bool = False,
+                logits_rows: list[int] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Forward the step; logits [B, V] of each sequence's last new token ([T, V] with all_logits,
+        [len(logits_rows), V] for those rows of the flat token stream)."""
+        lens = [len(s.token_ids) for s in seqs]
+        decode = bool(seqs) and max(lens) == 1
+        flat = self.pack_step(seqs)
+        B, T, W = len(seqs), sum(lens), max(len(s.block_ids) for s in seqs)
+        device = self.model.device
+        inputs = StepInputs.unpack(flat.to(device, non_blocking=True), B, T, W)
+        if logits_rows is not None:
+            rows = torch.tensor(logits_rows).to(device, non_blocking=True)
+        else:
+            rows = None if all_logits or decode else (inputs.cu_seqlens[1:] - 1).long()
+        mm_embeds, mm_index = self._media_rows(seqs, offsets(lens))
+        return self.forward_packed(inputs, offsets(lens), logits_indices=rows, mm_embeds=mm_embeds,
+                                   return_hidden=return_hidden, mm_index=mm_index)
 
     def _media_rows(self, seqs: list[StepSequence], cu: list[int]) -> tuple[Tensor | None, Tensor | None]:
         """Vision rows of the step [N_mm, d] and their flat token indices [N_mm] (None: no media this step).
@@ -110,4 +194,4 @@ class ModelRunner:
             return None, None
         index = [cu[b] + i for b, s in with_mm for i in s.mm_index]
         return (torch.cat([s.mm_embeds for _, s in with_mm]),
-                torch.tensor(index, dtype=torch.long, device=self.model.device))
+                torch.tensor(index, dtype=torch.long).to(self.model.device, non_blocking=True))

@@ -34,6 +34,9 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (kept in token_ids).
     ignore_eos: keep going past the end-of-sequence tokens (stop_token_ids still apply).
     logprobs: return the log-probabilities of the sampled token and of the top `logprobs` tokens.
+    prompt_logprobs: also return, for every prompt position after the first, the log-probability of
+        the prompt token there and of the top `prompt_logprobs` tokens (the prompt is then computed
+        whole: no prefix-cache hit).
     skip_special_tokens: drop special tokens from the output text.
     include_stop_str_in_output: keep the matched stop string in the text.
     presence_penalty: subtracted from the logit of every token already generated (0 = off).
@@ -54,6 +57,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
@@ -83,6 +87,9 @@ class SamplingParams:
             fail("max_tokens", "must be an integer >= 1, or None (up to the model's max length)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            fail("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
@@ -136,9 +143,9 @@ class Sampler:
         if len(params) != N or len(generators) != N:
             raise ValueError(f"{N} logits rows but {len(params)} params and {len(generators)} generators")
         greedy_ids = logits.argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        if bool(is_greedy.all()):
+        if all(p.greedy for p in params):  # decided from the params on the host: no device sync
             return greedy_ids
+        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         probs = self.probs(logits, params)
         noise = torch.empty_like(probs)
         for row, (p, gen) in enumerate(zip(params, generators)):
@@ -153,19 +160,21 @@ class Sampler:
     def probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         """The sampling distribution of each row: [N, V] after temperature, top-k, top-p and min-p.
 
-        Greedy rows get temperature 1 here (their distribution is not used for the pick).
+        Greedy rows get temperature 1 here (their distribution is not used for the pick). Which
+        filters run is decided from the params on the host, so this never waits on the device.
         """
         device = logits.device
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         logits = logits / temperature[:, None]
         V = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=device).clamp(max=V)
+        ks = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
+        top_k = torch.tensor(ks, device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
         min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
-        if bool((top_k < V).any()) or bool((top_p < 1.0).any()):
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
+        if min(ks) < V or any(p.top_p < 1.0 for p in params):
+            logits = _apply_top_k_top_p(logits, top_k, top_p, k_max=max(ks))
         probs = logits.softmax(dim=-1)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
@@ -202,12 +211,12 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
     return out
 
 
-def _apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def _apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, k_max: int) -> Tensor:
     """Mask (to -inf) everything outside each row's top-k, then outside its top-p nucleus.
 
-    logits: [N, V]; top_k: [N] int in [1, V]; top_p: [N] in (0, 1]. The most likely token always stays.
+    logits: [N, V]; top_k: [N] int in [1, V]; top_p: [N] in (0, 1]; k_max: max(top_k) as a host int.
+    The most likely token always stays.
     """
-    k_max = int(top_k.max())
     if k_max < logits.shape[-1]:  # every row has a top-k: a partial sort is enough
         sorted_logits, order = logits.topk(k_max, dim=-1)  # [N, k_max], descending
     else:

@@ -44,6 +44,8 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # prompt logprobs need the logits of every prompt position: no prefix-cache hit
+        self.skip_prefix_cache = getattr(request, "prompt_logprobs", None) is not None
         # media: expanded prompt, items, positions; its content hashes key the prefix cache (extra_keys)
         self.mm: MultimodalPrompt | None = getattr(request, "mm_prompt", None)
         self.extra_keys = self.mm.extra_keys if self.mm is not None else None

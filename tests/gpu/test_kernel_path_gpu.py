@@ -54,7 +54,7 @@ def prompts():
 def generate(model, kernels, n=24):
     engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96,
                                         kernels=kernels, enable_prefix_caching=False,
-                                        kv_cache_gib=1.0))
+                                        kv_cache_gib=1.0, enforce_eager=True))  # graphs: test_cuda_graphs
     reqs = [Req(str(i), p, n) for i, p in enumerate(prompts())]
     for r in reqs:
         engine.add_request(r)
@@ -63,22 +63,37 @@ def generate(model, kernels, n=24):
     return reqs
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.float16])
-def model(request):
+def build(dtype):
     m = FlashNextModel(ModelConfig.from_dict(SMALL), with_mtp=False).eval()
     init_random_weights(m, seed=3)
-    return m.to_dtype(request.param).to("cuda")
+    return m.to_dtype(dtype).to("cuda")
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.float16])
+def model(request):
+    return build(request.param)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @torch.no_grad()
 def test_triton_path_same_greedy_tokens_as_torch_path(model):
     ref, got = generate(model, "torch"), generate(model, "triton")
-    tol = 2e-3 if model.dtype == torch.float32 else 3e-2
+    truth_model = build(torch.float32) if model.dtype != torch.float32 else None
     for r, g in zip(ref, got):
         assert g.token_ids == r.token_ids, r.request_id
         a, b = torch.stack(g.logits), torch.stack(r.logits)
-        rel = ((a - b).abs().max() / b.abs().max()).item()
-        assert rel <= tol, (r.request_id, rel)
+        if truth_model is None:
+            assert rel_err(a, b) <= 2e-3, r.request_id
+            continue
+        # fp16: both paths round at different points (H200: 4.2% apart on request 2), so each is
+        # compared with the fp32 model on the same tokens; the kernels must be no less accurate
+        full = torch.tensor([r.prompt_token_ids + r.token_ids[:-1]], device="cuda")
+        truth = truth_model(full)[0, len(r.prompt_token_ids) - 1:].float().cpu()  # [n, V]
+        assert rel_err(a, truth) <= max(1.5 * rel_err(b, truth), 1e-2), (r.request_id, rel_err(a, truth),
+                                                                        rel_err(b, truth))
 
 
 @torch.no_grad()

@@ -61,7 +61,8 @@ from .state_pool import StatePool
 class CacheRequest(Protocol):
     """What the allocator reads from a request. `all_token_ids` are the prompt plus accepted
     output tokens (drafts not included); an optional `extra_keys(start, end) -> tuple` attribute
-    mixes media hashes into the block keys."""
+    mixes media hashes into the block keys; an optional true `skip_prefix_cache` computes the
+    whole prompt (a request that asks for prompt logprobs needs every prompt position)."""
 
     request_id: str
     all_token_ids: Sequence[int]
@@ -401,7 +402,7 @@ class HybridAllocator:
         return seq.hashes[:num_blocks]
 
     def _lookup(self, request: CacheRequest, count: bool = True) -> _Hit:
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or getattr(request, "skip_prefix_cache", False):
             return _Hit()
         known = len(request.all_token_ids)
         hashes = block_hashes(request.all_token_ids, self.block_size, (known - 1) // self.block_size,

@@ -41,7 +41,9 @@ class Experts(nn.Module):
             xe = x[token_idx]  # [n, H]
             gate, up = (xe @ self.gate_up_proj[e].t()).split(self.intermediate_size, dim=-1)
             ye = (F.silu(gate) * up) @ self.down_proj[e].t()  # [n, H]
-            out.index_add_(0, token_idx, ye.float() * topk_weights[token_idx, slot, None])
+            # a token picks an expert at most once, so token_idx has no repeats and a plain indexed add is
+            # exact; on CPU it is ~100x faster than index_add_ at decode sizes
+            out[token_idx] += ye.float() * topk_weights[token_idx, slot, None]
         return out
 
 

@@ -187,12 +187,23 @@ class PLELayer(nn.Module):
 
     @staticmethod
     def _token_layout(meta: ForwardMeta, device) -> tuple[Tensor, Tensor]:
-        """[T] sequence index and in-step index of every token (from cu_seqlens, host ints)."""
+        """[T] sequence index and in-step index of every token.
+
+        On the paged path both come from the device `cu_seqlens` (no host data, so a decode step can
+        be captured in a CUDA graph); the simple path builds them from the host ints.
+        """
+        T = meta.input_ids.shape[0]
+        pm = meta.paged
+        if pm is not None:
+            cu = pm.cu_seqlens.to(device=device, dtype=torch.long)  # [B + 1]
+            token = torch.arange(T, device=device)
+            seq_index = torch.searchsorted(cu[1:], token, right=True)
+            return seq_index, token - cu[seq_index]
         cu = meta.cu_seqlens
         lens = torch.tensor([cu[b + 1] - cu[b] for b in range(len(cu) - 1)], device=device)
         seq_index = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
         starts = torch.tensor(cu[:-1], device=device)
-        return seq_index, torch.arange(cu[-1], device=device) - starts[seq_index]
+        return seq_index, torch.arange(T, device=device) - starts[seq_index]
 
     def _histories(self, x: Tensor, meta: ForwardMeta) -> Tensor:
         """[B, n-1] n-gram context carried into this step (EOS-filled at sequence start)."""
@@ -208,11 +219,18 @@ class PLELayer(nn.Module):
         return torch.tensor(out, dtype=torch.long, device=x.device).view(len(out), self.order - 1)
 
     def _new_histories(self, ids: Tensor, history: Tensor, meta: ForwardMeta) -> Tensor:
-        """[B, n-1]: the last n-1 ids of each sequence after this step."""
-        rows = []
-        for b, start, end, _ in meta.seq_slices():
-            rows.append(torch.cat([history[b], ids[start:end]])[-(self.order - 1):])
-        return torch.stack(rows)
+        """[B, n-1]: the last n-1 ids of each sequence after this step (history, then this step's ids)."""
+        keep = self.order - 1
+        pm = meta.paged
+        if pm is not None:
+            cu = pm.cu_seqlens.to(device=ids.device, dtype=torch.long)  # [B + 1]
+        else:
+            cu = torch.tensor(meta.cu_seqlens, device=ids.device)
+        starts, ends = cu[:-1, None], cu[1:, None]
+        pos = ends - keep + torch.arange(keep, device=ids.device)  # [B, n-1] flat index of each kept id
+        from_step = pos >= starts  # else the id is still in the carried history
+        from_history = history.gather(1, (pos - starts + keep).clamp(0, keep - 1))
+        return torch.where(from_step, ids[pos.clamp_min(0)], from_history)
 
     def _store_histories(self, meta: ForwardMeta, histories: Tensor) -> None:
         pm = meta.paged

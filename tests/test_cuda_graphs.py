@@ -1,0 +1,40 @@
+"""CUDA-graph policy that needs no GPU: capture sizes, the reserve warning, config checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from revolta.cuda_graphs import MiB, default_capture_sizes, graph_warning
+from revolta.engine import EngineConfig
+
+
+def test_default_capture_sizes():
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(8) == [1, 2, 4, 8]
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+
+
+def test_reserve_warning_threshold_and_suggestion():
+    reserve = 700 * MiB
+    assert graph_warning(700 * MiB, reserve) is None
+    assert graph_warning(764 * MiB, reserve) is None  # within max(64 MiB, 5%) of the reserve
+    msg = graph_warning(1000 * MiB, reserve)
+    assert msg is not None and "cudagraph_mem_mib=1152" in msg and "REVOLTA_CUDAGRAPH_MEM_MIB" in msg
+    big = 4000 * MiB  # 5% = 200 MiB of slack beats 64 MiB
+    assert graph_warning(big + 150 * MiB, big) is None and graph_warning(big + 250 * MiB, big) is not None
+
+
+def test_engine_config_graph_settings(monkeypatch):
+    monkeypatch.delenv("REVOLTA_CUDAGRAPH_MEM_MIB", raising=False)
+    assert EngineConfig(max_model_len=64).resolved_cudagraph_mem_mib() == 700.0
+    monkeypatch.setenv("REVOLTA_CUDAGRAPH_MEM_MIB", "1200")
+    assert EngineConfig(max_model_len=64).resolved_cudagraph_mem_mib() == 1200.0
+    assert EngineConfig(max_model_len=64, cudagraph_mem_mib=256).resolved_cudagraph_mem_mib() == 256.0
+    assert not EngineConfig(max_model_len=64, kernels="torch").use_cuda_graphs  # references sync mid-forward
+    assert not EngineConfig(max_model_len=64, kernels="triton", enforce_eager=True).use_cuda_graphs
+    with pytest.raises(ValueError, match="cudagraph_mem_mib"):
+        EngineConfig(max_model_len=64, cudagraph_mem_mib=-1)
+    monkeypatch.setenv("REVOLTA_CUDAGRAPH_MEM_MIB", "x")
+    with pytest.raises(ValueError, match="REVOLTA_CUDAGRAPH_MEM_MIB"):
+        EngineConfig(max_model_len=64)
