@@ -274,3 +274,18 @@ def test_an_image_repeated_in_a_prompt_is_encoded_once(model):
     assert len(encoded) == 1
     assert req.token_ids == reference(model, req)
     assert_clean(engine)
+
+
+def test_abort_mid_image_frees_the_encoder_cache(model):
+    req = mm_request(model, "aborted", text(4, 90) + [VS, IMG, VE] + text(3, 91), {"image": [image(32, 48, 90)]})
+    other = mm_request(model, "other", text(4, 92) + [VS, IMG, VE] + text(3, 93), {"image": [image(32, 48, 91)]})
+    engine = make_engine(model)
+    engine.add_request(req)
+    engine.add_request(other)
+    engine.step(greedy)  # 20 tokens: `aborted` stops inside its image, `other` gets none yet
+    assert len(engine.encoder_cache) == 1 and engine.encoder_cache.num_used == 24
+    engine.abort("aborted")
+    assert len(engine.encoder_cache) == 0
+    run(engine, [])
+    assert other.token_ids == reference(model, other)
+    assert_clean(engine)

@@ -138,3 +138,4 @@ def test_limits_audio_and_corrupt_video(llm):
     ok = llm.chat(user(*four[:3], {"type": "video_url", "video_url": {"url": clip}}, text_part()), GREEDY,
                   use_tqdm=False)[0]
     assert len(ok.outputs[0].token_ids) == 4 and len(llm.engine.encoder_cache) == 0
+
