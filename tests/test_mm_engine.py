@@ -210,6 +210,8 @@ def test_item_equal_to_the_token_budget_and_oversized_items(model):
     with pytest.raises(MediaError, match="encoder_cache_size"):
         small.add_request(mm_request(model, "huge", ids, {"image": [image(48, 48, 31)]}))
     assert small.has_unfinished() is False
+    with pytest.raises(ValueError, match="encoder_cache_size=0"):
+        EngineConfig(max_model_len=64, encoder_cache_size=0)
 
 
 def test_encoder_cache_stays_bounded_over_many_rounds(model):

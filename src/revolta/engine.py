@@ -73,6 +73,9 @@ class EngineConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
         if self.resolved_cudagraph_mem_mib() < 0:
             raise ValueError(f"cudagraph_mem_mib={self.resolved_cudagraph_mem_mib()} must be >= 0 MiB")
         sizes = self.cudagraph_capture_sizes
