@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,6 +230,7 @@ def test_sources_limits_and_processor_kwargs(tmp_path):
             resolve_media_source(bad)
     inside = tmp_path / "media" / "a.png"
     assert resolve_media_source(f"file://{inside}", tmp_path / "media") == inside
+    assert resolve_media_source("file:///tmp/a%20b.png") == Path("/tmp/a b.png")
     with pytest.raises(MediaError, match="outside the allowed directory"):
         resolve_media_source("file:///etc/passwd", tmp_path / "media")
     with pytest.raises(MediaError, match="not allowed"):

@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from .multimodal import MediaError
 
@@ -37,7 +38,7 @@ def resolve_media_source(source: Any, allowed_local_media_path: str | os.PathLik
         raise MediaError(f"remote media URLs are not fetched (downloading is disabled): {source[:100]}; send the "
                          "media inline as a base64 data: URL")
     if scheme == "file":
-        return _check_local(Path(source[len("file://"):]), allowed_local_media_path, allow_local_files)
+        return _check_local(Path(unquote(source[len("file://"):])), allowed_local_media_path, allow_local_files)
     if scheme:
         raise MediaError(f"unsupported media URL scheme {scheme!r}; use a data: URL or a local file")
     return _check_local(Path(source), allowed_local_media_path, allow_local_files)
