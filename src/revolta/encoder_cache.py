@@ -113,14 +113,16 @@ class EncoderStep:
         cannot be encoded now."""
         end = num_computed + num_tokens
         budget, room = self.budget, self.cache.num_free
+        planned: set[int] = set()
         for item in mm.items_in(num_computed, end):
-            if item.content_hash in self.cache:
+            if item.content_hash in self.cache or item.content_hash in planned:
                 continue  # encoded (or being encoded this step) for someone: sharing costs nothing
             if item.num_tokens > budget or item.num_tokens > room:
                 first_pad = item.rows_in(num_computed, end)[0][1]
                 return first_pad - num_computed
             budget -= item.num_tokens
             room -= item.num_tokens
+            planned.add(item.content_hash)
         return num_tokens
 
     def commit(self, request_id: str, mm: MultimodalPrompt, num_computed: int, num_tokens: int) -> list[MediaItem]:
