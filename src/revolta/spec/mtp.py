@@ -92,7 +92,7 @@ class MTPDrafter:
                 continue
             p = self.pending.pop(it.request_id)
             seed_seqs.append(replace(it.step, token_ids=it.all_token_ids[p.start + 1:c + 1], num_computed=p.start,
-                                     mm_embeds=None))
+                                     mm_embeds=None, mm_index=None))
             seed_hidden.append(p.hidden)
             seed_items.append(i)
         if not seed_seqs:
@@ -117,7 +117,7 @@ class MTPDrafter:
             active = [active[r] for r in keep]
             hidden = hidden[torch.tensor(keep, device=hidden.device)]
             seqs = [replace(items[i].step, token_ids=[drafts[i][-1]], num_computed=items[i].step.num_computed + step - 1,
-                            mm_embeds=None) for i in active]
+                            mm_embeds=None, mm_index=None) for i in active]
             logits, hidden = self.runner.mtp(seqs, hidden, step=step)
             for i, t in zip(active, logits.argmax(-1).tolist()):
                 drafts[i].append(t)
