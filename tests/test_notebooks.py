@@ -39,8 +39,12 @@ def _kernel_env() -> dict[str, str]:
     return env
 
 
-def test_the_notebooks_exist():
-    assert {"01_quickstart", "02_model_walkthrough", "03_kernels", "05_cache"} <= set(IDS), IDS
+# notebook -> a module it needs that lands on another branch (the lead merges them)
+REQUIRES = {"04_speculative_decoding": "revolta.spec"}
+
+
+def test_the_five_notebooks_exist():
+    assert IDS == ["01_quickstart", "02_model_walkthrough", "03_kernels", "04_speculative_decoding", "05_cache"], IDS
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -89,6 +93,8 @@ def test_public_api_only(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_runs_top_to_bottom_with_a_picture(path):
+    if path.stem in REQUIRES:
+        pytest.importorskip(REQUIRES[path.stem], reason=f"{path.name} needs {REQUIRES[path.stem]} (MTP branch)")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(ROOT)}})
