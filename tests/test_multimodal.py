@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,13 +12,17 @@ import torch
 from PIL import Image
 
 from revolta.config import ModelConfig, VisionConfig
+from revolta.media_sources import resolve_media_source
+from revolta.mm_processor import MediaConfig, check_mm_data, parse_limits
 from revolta.multimodal import (
     MediaError,
     expand_media_placeholders,
     load_image,
+    load_video,
     mrope_positions,
     patchify,
     preprocess_image,
+    preprocess_video,
     smart_resize,
 )
 
@@ -147,6 +152,106 @@ def test_media_errors(tmp_path):
     with pytest.raises(MediaError):
         load_image(12345)
     assert issubclass(MediaError, ValueError)
+
+
+def _png_with_zeroed_chunk_header() -> bytes:
+    buf = io.BytesIO()
+    random_image(64, 64).save(buf, format="PNG", compress_level=0)
+    data = bytearray(buf.getvalue())
+    idat = data.index(b"IDAT") - 4  # the IDAT chunk's length field
+    data[idat:idat + 8] = bytes(8)  # zero its length and type
+    return bytes(data)
+
+
+def _header_only_png(width: int, height: int) -> bytes:
+    import struct
+    import zlib
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + \
+        chunk(b"IEND", b"")
+
+
+def test_corrupt_and_oversize_images_are_media_errors():
+    with pytest.raises(MediaError, match="decompression bomb"):
+        load_image(_header_only_png(20000, 20000))  # 400 Mpx: Pillow's own limit, inside Image.open
+    with pytest.raises(MediaError, match="above the limit"):
+        load_image(_header_only_png(3000, 2000), max_image_pixels=5_000_000)  # ours, from the header
+    with pytest.raises(MediaError):
+        load_image(_png_with_zeroed_chunk_header())
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n"
+    with pytest.raises(MediaError, match="supported format"):
+        load_image(eps)  # EPS would run Ghostscript: not on the allow-list
+    with pytest.raises(MediaError, match="above the limit"):
+        load_image(Image.new("RGB", (100, 100)), max_image_pixels=9999)
+
+
+def _y4m(path, frames):
+    num, height, width, _ = frames.shape
+    with open(path, "wb") as f:
+        f.write(f"YUV4MPEG2 W{width} H{height} F10:1 Ip A1:1 C444\n".encode())
+        for _ in range(num):
+            f.write(b"FRAME\n" + np.full((3, height, width), 128, np.uint8).tobytes())
+    return path
+
+
+def test_video_sampling_and_patching(tmp_path):
+    clip = _y4m(tmp_path / "clip.y4m", np.zeros((13, 24, 40, 3), np.uint8))  # 1.3 s at 10 fps
+    frames, stamps = load_video(clip, fps=2.0)  # 1.3 s * 2 fps = 3 frames -> rounded down to 2
+    assert len(frames) == 2 and stamps == [0.0, 1.2] and frames[0].size == (40, 24)
+    frames, stamps = load_video(clip.read_bytes(), fps=None, num_frames=5)  # from bytes; 5 -> 4
+    assert len(frames) == 4 and stamps == pytest.approx([0.0, 0.4, 0.8, 1.2])
+    frames, _ = load_video(clip, fps=10.0, max_frames=6)
+    assert len(frames) == 6
+    pixel_values, grid = preprocess_video(frames, vision_cfg(), min_pixels=64, max_pixels=24 * 40)
+    assert grid == (3, 6, 10) and pixel_values.shape == (3 * 6 * 10, 96)
+    # decoded frames given directly: a [F, H, W, 3] array dated by source_fps
+    arr = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    frames, stamps = load_video(arr, fps=None, num_frames=4, source_fps=2.0)
+    assert len(frames) == 4 and stamps == [0.0, 0.5, 0.5, 1.0]  # a short clip repeats frames
+    assert np.array_equal(np.asarray(frames[1]), arr[1])
+    with pytest.raises(MediaError, match="not found"):
+        load_video(tmp_path / "missing.mp4")
+    with pytest.raises(MediaError, match="cannot decode video"):
+        load_video(b"\x00\x00\x00\x18ftypmp42" + bytes(200))  # an mp4 header with nothing behind it
+    with pytest.raises(MediaError, match="above the limit"):
+        load_video(clip, max_image_pixels=500)
+    with pytest.raises(MediaError, match="uint8"):
+        load_video(np.zeros((2, 8, 8, 3), np.float32))
+
+
+def test_sources_limits_and_processor_kwargs(tmp_path):
+    assert resolve_media_source("data:image/png;base64,AAEC") == b"\x00\x01\x02"
+    for bad, why in [("data:image/png;base64,@@", "base64"), ("data:image/png,abc", "base64"),
+                     ("data:image/png;base64", "comma"), ("https://example.com/a.png", "not fetched"),
+                     ("ftp://host/a.png", "scheme")]:
+        with pytest.raises(MediaError, match=why):
+            resolve_media_source(bad)
+    inside = tmp_path / "media" / "a.png"
+    assert resolve_media_source(f"file://{inside}", tmp_path / "media") == inside
+    assert resolve_media_source("file:///tmp/a%20b.png") == Path("/tmp/a b.png")
+    with pytest.raises(MediaError, match="outside the allowed directory"):
+        resolve_media_source("file:///etc/passwd", tmp_path / "media")
+    with pytest.raises(MediaError, match="not allowed"):
+        resolve_media_source("/etc/passwd", allow_local_files=False)
+    assert parse_limits(None) == {"image": 1, "video": 0}  # the release note's default
+    assert parse_limits({"image": 16, "video": 1, "audio": 0}) == {"image": 16, "video": 1}
+    for bad in ({"audio": 16}, {"pointcloud": 1}, {"image": -1}):
+        with pytest.raises(ValueError):
+            parse_limits(bad)
+    limits = parse_limits(None)
+    with pytest.raises(MediaError, match=r"At most 1 image\(s\)"):
+        check_mm_data({"image": [b"a", b"b"]}, limits, True)
+    with pytest.raises(MediaError, match=r"At most 0 video\(s\)"):
+        check_mm_data({"video": b"x"}, limits, True)
+    with pytest.raises(MediaError, match="no vision tower"):
+        check_mm_data({"image": b"a"}, limits, False)
+    assert MediaConfig().updated({"max_pixels": 512 * 512}).max_pixels == 512 * 512
+    with pytest.raises(MediaError, match="unknown mm_processor_kwargs"):
+        MediaConfig().updated({"max_pixel": 4096})
+    with pytest.raises(MediaError, match="min_pixels"):
+        MediaConfig(min_pixels=10, max_pixels=5)
 
 
 # ---------------------------------------------------------------- placeholders

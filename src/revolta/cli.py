@@ -2,6 +2,7 @@
 
     revolta generate [--model DIR] [--max-tokens N] [--temperature T] [--seed S] [--chat] "prompt" ...
     revolta info DIR|config.json [--tp N]
+    revolta serve [MODEL] [--host H] [--port P] [vLLM-style flags]
 
 With no --model, `generate` uses the embedded default preset (built offline into the cache on first
 use). User mistakes (a missing directory, a bad config, an invalid sampling value) print one line on
@@ -30,7 +31,7 @@ USER_ERRORS = (UserError, ValueError, FileNotFoundError, NotADirectoryError)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="revolta", description="Run and study Qwen3.8-Flash-Next.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log loading details")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,info,serve}")
 
     gen = sub.add_parser("generate", help="generate text from prompts",
                          description="Generate a completion for each prompt (streamed when there is one).")
@@ -67,7 +68,54 @@ def build_parser() -> argparse.ArgumentParser:
                       help="MTP drafts per step (default: the planner's default; 0 turns speculation off)")
     plan.add_argument("--weights-gib", type=float, default=None, metavar="GiB",
                       help="measured weights per GPU (default: estimated for AWQ experts)")
+    _add_serve_parser(sub)
     return parser
+
+
+def _json_flag(name: str):
+    def parse(text: str) -> dict:
+        import json
+
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object: {e.msg}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object, e.g. '{{\"image\": 1}}'")
+        return value
+    return parse
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="run the OpenAI/Anthropic-compatible HTTP server",
+                           description="Serve MODEL (default: the embedded default preset) over HTTP: "
+                                       "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, ...")
+    serve.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: embedded preset)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients use (default: the "
+                       "directory name, or 'revolta-default' for the embedded preset)")
+    serve.add_argument("--max-model-len", type=int, metavar="L")
+    serve.add_argument("--max-num-seqs", type=int, metavar="N")
+    serve.add_argument("--max-num-batched-tokens", type=int, metavar="N")
+    serve.add_argument("--kv-cache-dtype", metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    serve.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON")
+    serve.add_argument("--limit-mm-per-prompt", type=_json_flag("--limit-mm-per-prompt"), metavar="JSON",
+                       help='most media per request, e.g. \'{"image": 16, "video": 1}\' (default image 1, video 0)')
+    serve.add_argument("--allowed-local-media-path", metavar="DIR", help="file:// media only under this directory")
+    serve.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
+                       "but /health")
+    serve.add_argument("--sse-keep-alive-interval", type=float, metavar="S", default=None,
+                       help="seconds of stream silence before a ': keep-alive' comment (default 10, 0 = off)")
+    serve.add_argument("--max-pending-requests", type=int, metavar="N",
+                       help="most requests in the engine at once; more get 503 + Retry-After (default: no limit)")
+    serve.add_argument("--tool-call-parser", default="qwen3_coder", choices=["qwen3_coder", "none"])
+    serve.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"])
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--device")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,11 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # argparse exits with status 2 on its own usage errors
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "generate":
+    if args.command in ("generate", "serve"):
         # the startup summary is one line worth seeing on stderr
         logging.getLogger("revolta").setLevel(logging.INFO)
     try:
-        return _generate(args) if args.command == "generate" else _info(args)
+        return {"generate": _generate, "info": _info, "serve": _serve}[args.command](args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -162,6 +210,37 @@ def _generate(args: argparse.Namespace) -> int:
         if len(prompts) > 1:
             print(f"--- [{i}] {out.outputs[0].finish_reason}, {len(out.outputs[0].token_ids)} tokens")
         print(out.outputs[0].text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.model is not None and not os.path.isdir(args.model):
+        raise UserError(f"{args.model}: not a directory; pass a checkpoint directory, or no MODEL for the "
+                        "embedded default")
+    from .server.app import run_server
+    from .server.config import DEFAULT_KEEP_ALIVE_S, ServerConfig
+
+    engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens",
+                                                          "kv_cache_dtype", "enable_prefix_caching",
+                                                          "speculative_config", "limit_mm_per_prompt")
+                   if getattr(args, name) is not None}
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                      else "revolta-default")
+    keep_alive = DEFAULT_KEEP_ALIVE_S if args.sse_keep_alive_interval is None else args.sse_keep_alive_interval
+    limits = {"image": 1, "video": 0, **(args.limit_mm_per_prompt or {})}
+    ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive, limit_mm_per_prompt=limits,
+                 max_pending_requests=args.max_pending_requests)  # check the flags before loading
+    from .llm import LLM
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+              max_model_len=args.max_model_len, **engine_args)
+    config = ServerConfig(served_model_name=name, model_path=str(llm.model_path), max_model_len=llm.max_model_len,
+                          api_key=args.api_key, sse_keep_alive_interval=keep_alive,
+                          tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+                          reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
+                          limit_mm_per_prompt=limits, allowed_local_media_path=args.allowed_local_media_path,
+                          max_pending_requests=args.max_pending_requests)
+    run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
     return 0
 
 

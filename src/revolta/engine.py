@@ -4,6 +4,10 @@ One `step()` = schedule (chunked prefills and decodes within the token budget) -
 (swap-ins, prefix-hit state restores, fresh-slot resets) -> one varlen forward on the paged cache
 -> sampling for every request whose known tokens are all computed -> commit / free. Sampling and
 stop rules belong to the caller (`sample_fn`), so `LLM` and the server share one engine.
+
+Media: a request with `mm_prompt` (mm_processor.MultimodalPrompt) has its items encoded by the
+vision tower in the step that first reaches them (encoder_cache.py decides when), and each chunk
+takes the rows of its pad tokens from the encoder cache, with the prompt's mRoPE positions.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ from .cache.capacity import DEFAULT_CUDAGRAPH_RESERVE_MIB, CacheConfig, MemoryBu
 from .cache.hybrid import HybridAllocator
 from .cache.storage import CacheStorage, kv_scales_from_state_dict
 from .cuda_graphs import DecodeGraphs, default_capture_sizes, graph_warning
+from .encoder_cache import EncoderCache, check_item_fits
+from .mm_processor import MediaItem, MultimodalPrompt
+from .multimodal import MediaError
 from .model import FlashNextModel
 from .runner import ModelRunner, StepSequence
 from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
+MIN_ENCODER_TOKENS = 4096
 SampleFn = Callable[[list[SchedRequest], Tensor], None]  # (requests, logits [N, V]) -> append tokens
 # (request, index of the first prompt token predicted, logits [n, V]): rows predict prompt tokens
 # first .. first + n - 1 (a prompt-logprobs request's prefill chunk)
@@ -56,11 +64,18 @@ class EngineConfig:
     kv_offload_gib: float = 0.0  # CPU tier: evicted prefix blocks and snapshots in pinned host memory
     block_size: int | None = None
     kernels: str = "torch"  # "torch" references or "triton" kernels
+    # vision-tower output rows one step may compute, and rows the encoder cache holds; default the token budget,
+    # at least MIN_ENCODER_TOKENS (a default ~1 MP image is 1,024 rows, a default video up to 3,136)
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
     enforce_eager: bool = False
     cudagraph_mem_mib: float | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
         if self.resolved_cudagraph_mem_mib() < 0:
             raise ValueError(f"cudagraph_mem_mib={self.resolved_cudagraph_mem_mib()} must be >= 0 MiB")
         sizes = self.cudagraph_capture_sizes
@@ -100,7 +115,11 @@ class Engine:
         cpu_layout = self.plan.cpu_layout()
         self.cpu_storage = None if cpu_layout is None else CacheStorage(cfg, cpu_layout, "cpu", pin_memory=True)
         self.allocator = HybridAllocator(self.plan.allocator_config())
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        default = max(config.max_num_batched_tokens, MIN_ENCODER_TOKENS)
+        self.encoder_budget = config.max_num_encoder_input_tokens or default
+        self.encoder_cache = None if model.model.visual is None else EncoderCache(config.encoder_cache_size or default)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.encoder_cache, self.encoder_budget)
         self.runner = ModelRunner(model, self.storage, kernels=config.kernels)
         self._seqs: dict[str, Sequence] = {}
         for line in self.plan.capacity_lines():
@@ -151,9 +170,18 @@ class Engine:
         if n >= self.config.max_model_len:
             raise ValueError(f"the prompt has {n} tokens but max_model_len={self.config.max_model_len}; shorten "
                              "it or raise max_model_len")
+        mm = getattr(request, "mm_prompt", None)
+        if mm is not None:
+            self.check_media(mm)
         seq = Sequence(request)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
+
+    def check_media(self, mm: MultimodalPrompt) -> None:
+        """Raise MediaError when a prompt's media can never be encoded here (no tower, item over the budgets)."""
+        if self.encoder_cache is None:
+            raise MediaError("this request has media but the model has no vision tower; send text only")
+        check_item_fits(mm, self.encoder_budget, self.encoder_cache.capacity)
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once: its blocks and slot go back to the pools."""
@@ -177,6 +205,7 @@ class Engine:
                 raise RuntimeError("no request fits in the cache even alone; raise the cache size or lower "
                                    "max_model_len")
             return []
+        self._encode([m for it in items for m in it.encode])
         self.storage.pre_forward([it.alloc for it in items], self.allocator.take_swap_outs(), self.cpu_storage)
         seqs = [self._step_sequence(it) for it in items]
         prompt_rows = [prompt_logits_fn is not None and it.seq.skip_prefix_cache
@@ -223,5 +252,36 @@ class Engine:
     def _step_sequence(self, it: ScheduledSeq) -> StepSequence:
         a, seq = it.alloc, it.seq
         start = a.num_computed_tokens
-        return StepSequence(token_ids=seq.all_token_ids[start:start + a.num_new_tokens], num_computed=start,
+        step = StepSequence(token_ids=seq.all_token_ids[start:start + a.num_new_tokens], num_computed=start,
                             block_ids=list(self.allocator.block_ids(seq)), slot=a.state_slot)
+        if seq.mm is not None:
+            self._attach_media(step, seq)
+        return step
+
+    # ---- media -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _encode(self, items: list[MediaItem]) -> None:
+        """Run the vision tower once over every item scheduled for encoding this step; store the outputs."""
+        if not items:
+            return
+        visual = self.model.model.visual
+        vcfg = self.model.cfg.vision
+        pixels = torch.cat([m.pixel_values(vcfg) for m in items]).to(self.model.device)  # [sum t*h*w, patch_dim]
+        embeds = visual(pixels.to(self.model.dtype), [m.grid for m in items])  # [sum tokens, d]
+        for m, e in zip(items, embeds.split([m.num_tokens for m in items])):
+            self.encoder_cache.put(m.content_hash, e)
+
+    def _attach_media(self, step: StepSequence, seq: Sequence) -> None:
+        """mRoPE positions of the prompt, and the encoder rows (with their places) of the chunk's pad tokens."""
+        mm = seq.mm
+        step.positions, step.rope_delta = mm.positions, mm.rope_delta
+        start, end = step.num_computed, step.num_computed + len(step.token_ids)
+        rows, places = [], []
+        for item in mm.items_in(start, end):
+            embeds = self.encoder_cache.get(item.content_hash)
+            for row, offset, count in item.rows_in(start, end):
+                rows.append(embeds[row:row + count])
+                places.extend(range(offset - start, offset - start + count))
+        if rows:
+            step.mm_embeds = torch.cat(rows)
+            step.mm_index = places

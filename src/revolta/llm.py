@@ -31,6 +31,8 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .engine import Engine, EngineConfig
+from .media_sources import media_from_messages
+from .mm_processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .model import FlashNextModel, load_model
 from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
@@ -38,7 +40,9 @@ from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, Mapping[str, Any]]  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
+# "text", {"prompt": "text"} or {"prompt_token_ids": [...]}, optionally with "multi_modal_data":
+# {"image": [...], "video": ...} and "mm_processor_kwargs" (see mm_processor.py)
+PromptType = Union[str, Mapping[str, Any]]
 
 # vLLM `LLM(...)` / `vllm serve` names that revolta accepts. Those not in _USED are recorded for the engine of a
 # later issue and do not change this generation path (the startup log says so).
@@ -48,13 +52,18 @@ ENGINE_ARG_NAMES = frozenset({
     "gpu_memory_utilization", "swap_space", "cpu_offload_gb", "max_num_seqs", "max_num_batched_tokens",
     "kv_cache_dtype", "block_size", "enable_prefix_caching", "enforce_eager", "speculative_config",
     "limit_mm_per_prompt", "max_logprobs", "disable_log_stats", "generation_config", "compilation_config",
+    "mm_processor_kwargs", "allowed_local_media_path",
     # revolta's own engine knobs (EngineConfig)
     "kv_cache_gib", "kv_offload_gib", "cudagraph_mem_mib", "cudagraph_capture_sizes",
+    "max_num_encoder_input_tokens", "encoder_cache_size",
 })
+# vLLM arguments the media path consumes (mm_processor.py)
+_MEDIA_ARGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path")
 # arguments the engine consumes (the rest are accepted for compatibility and logged)
 _ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
                        "gpu_memory_utilization", "block_size", "enforce_eager", "kv_cache_gib", "kv_offload_gib",
-                       "cudagraph_mem_mib", "cudagraph_capture_sizes")
+                       "cudagraph_mem_mib", "cudagraph_capture_sizes", "max_num_encoder_input_tokens",
+                       "encoder_cache_size")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -114,6 +123,7 @@ class _Request:
     stop_reason: int | str | None = None
     index: int = 0  # which of the prompt's n completions this is
     parent_id: str | None = None  # the prompt's request id when n > 1
+    mm_prompt: MultimodalPrompt | None = None  # media items, positions (prompt_token_ids are then expanded)
 
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.params.stop_strings, self.params.include_stop_str_in_output)
@@ -210,6 +220,9 @@ class LLM:
         self._num_text_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.cfg.text.vocab_size
         self.generation_config = self._read_json("generation_config.json")
         self.engine_args = dict(engine_args)
+        self.mm_limits = parse_limits(engine_args.get("limit_mm_per_prompt"))
+        self.media_config = MediaConfig().updated(engine_args.get("mm_processor_kwargs"))
+        self.allowed_local_media_path = engine_args.get("allowed_local_media_path")
         self._explicit = {"dtype": dtype != "auto", "device": device is not None, "seed": seed != 0,
                           "max_model_len": max_model_len is not None}
         self.engine = self._build_engine()
@@ -259,7 +272,7 @@ class LLM:
                     str(self.dtype).removeprefix("torch."), self.device, ", ".join(parts), num_params / 1e6, seconds)
         logger.info("effective configuration (value [source]):\n%s", "\n".join(
             f"  {name:<26} {value!s:<24} [{source}]" for name, value, source in self.effective_config()))
-        unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"} - set(_ENGINE_CONFIG_ARGS))
+        unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"} - set(_ENGINE_CONFIG_ARGS) - set(_MEDIA_ARGS))
         if unused:
             logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))
 
@@ -294,6 +307,12 @@ class LLM:
         mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
             "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else "default"
         rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
+        if self.engine.encoder_cache is not None:
+            rows.append(("limit_mm_per_prompt", self.mm_limits, "argument" if "limit_mm_per_prompt" in self.engine_args
+                         else "default (1 image, no video)"))
+            rows.append(("max_num_encoder_input_tokens", self.engine.encoder_budget,
+                         arg("max_num_encoder_input_tokens")))
+            rows.append(("encoder_cache_size", self.engine.encoder_cache.capacity, arg("encoder_cache_size")))
         return rows
 
     def _build_engine(self) -> Engine:
@@ -325,7 +344,10 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate a completion for each prompt; results come back in prompt order.
 
-        prompts: a string, {"prompt": str}, {"prompt_token_ids": [int, ...]}, or a list of those.
+        prompts: a string, {"prompt": str}, {"prompt_token_ids": [int, ...]}, or a list of those; a dict may add
+            "multi_modal_data": {"image": [PIL image | bytes | path | data: URL, ...], "video": path | bytes |
+            [F, H, W, 3] uint8 frames} with one `<|image_pad|>` / `<|video_pad|>` per item in the prompt, and
+            "mm_processor_kwargs" (min_pixels, max_pixels, fps, num_frames, ...). Bad media raise MediaError.
         sampling_params: one for all prompts, one per prompt, or None (the checkpoint's generation_config).
         """
         requests = self._make_requests(prompts, sampling_params)
@@ -353,14 +375,31 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             mm_processor_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Render one conversation (a list of {role, content} messages) or a list of conversations with the
-        checkpoint's chat template and generate a reply for each."""
+        checkpoint's chat template and generate a reply for each.
+
+        Content may be a list of parts: text, and images / videos as OpenAI `image_url` / `video_url` parts
+        (base64 `data:` URLs or local files) or `{"type": "image", "image": PIL image | path | bytes}` and
+        `{"type": "video", "video": path | bytes | frames}` (see `mm_processor.media_from_messages`)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [self.render_chat(c, tools=tools, enable_thinking=enable_thinking,
-                                    add_generation_prompt=add_generation_prompt, **dict(chat_template_kwargs or {}))
+        prompts = [self.chat_prompt(c, tools=tools, enable_thinking=enable_thinking,
+                                    add_generation_prompt=add_generation_prompt,
+                                    mm_processor_kwargs=mm_processor_kwargs, **dict(chat_template_kwargs or {}))
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], allow_local_files: bool = True,
+                    mm_processor_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> PromptType:
+        """The prompt `chat` generates from: the rendered text, plus `multi_modal_data` when the messages hold
+        images or videos. `allow_local_files=False` (the server) refuses file paths and `file://` URLs outside
+        `allowed_local_media_path`. Bad media raise `MediaError` (a ValueError) before anything is queued."""
+        media = media_from_messages(messages, self.allowed_local_media_path, allow_local_files)
+        text = self.render_chat(messages, **kwargs)
+        if not media["image"] and not media["video"]:
+            return text
+        return {"prompt": text, "multi_modal_data": media, "mm_processor_kwargs": dict(mm_processor_kwargs or {})}
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         """The prompt text `chat` would generate from (tools=, enable_thinking=, ... as in `chat`)."""
@@ -393,13 +432,13 @@ class LLM:
             first = self._make_request(p, sp, arrival)
             requests.append(first)
             for i in range(1, sp.n):  # n > 1: siblings share the prompt (and its prefix-cache blocks)
-                sib = self._make_request(p, sp, arrival, seed_offset=i)
+                sib = self._make_request(p, sp, arrival, seed_offset=i, mm=first.mm_prompt)
                 sib.index, sib.parent_id = i, first.request_id
                 requests.append(sib)
         return requests
 
     def _make_request(self, prompt: PromptType, params: SamplingParams, arrival: float,
-                      seed_offset: int = 0) -> _Request:
+                      seed_offset: int = 0, mm: MultimodalPrompt | None = None) -> _Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
@@ -409,6 +448,10 @@ class LLM:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[:5]}, outside the vocabulary [0, {vocab})")
+        mm = mm if mm is not None else self._multimodal(prompt, ids)  # n > 1: siblings reuse the decoded media
+        if mm is not None:
+            self.engine.check_media(mm)
+            ids = mm.token_ids  # one pad per vision-tower output row
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves no "
                              "room to generate; shorten the prompt or raise max_model_len")
@@ -421,21 +464,28 @@ class LLM:
             self._next_request_id += 1
         request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1
         return _Request(request_id, text, ids, params, generator, max_tokens, detok,
-                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)))
+                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)), mm_prompt=mm)
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self._require_tokenizer("a text prompt").encode(prompt)
         if isinstance(prompt, Mapping):
-            if "multi_modal_data" in prompt:
-                raise ValueError("multi_modal_data prompts are not supported by LLM.generate yet (the vision tower "
-                                 "runs through revolta.load_model; engine support is the multimodal issue)")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(i) for i in prompt["prompt_token_ids"]]
             if "prompt" in prompt:
                 return prompt["prompt"], self._require_tokenizer("a text prompt").encode(prompt["prompt"])
         raise TypeError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
                         f"got {prompt!r:.80}")
+
+    def _multimodal(self, prompt: PromptType, ids: list[int]) -> MultimodalPrompt | None:
+        """Load and place the prompt's media (None for a text prompt); bad media raise MediaError."""
+        if not isinstance(prompt, Mapping) or not prompt.get("multi_modal_data"):
+            return None
+        media = self.media_config.updated(prompt.get("mm_processor_kwargs"))
+        tok = self.tokenizer
+        timestamps = None if tok is None else (lambda seconds: tok.encode(f"<{seconds:.1f} seconds>"))
+        return process_multimodal_prompt(ids, prompt["multi_modal_data"], self.cfg, media, self.mm_limits,
+                                         timestamps, self.allowed_local_media_path)
 
     # ---- incremental API (the server drives the engine with these) -------------------------------
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,

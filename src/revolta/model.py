@@ -176,10 +176,15 @@ class FlashNextModel(nn.Module):
         return ForwardMeta(cu_seqlens=list(cu_seqlens), states=states, input_ids=input_ids,
                            positions=positions, cos=cos, sin=sin)
 
-    def embed(self, input_ids: Tensor, mm_embeds: Tensor | None = None) -> Tensor:
-        """Token embeddings [T, d]; media pad positions take `mm_embeds` [N_mm, d] in order."""
+    def embed(self, input_ids: Tensor, mm_embeds: Tensor | None = None, mm_index: Tensor | None = None) -> Tensor:
+        """Token embeddings [T, d]; rows `mm_index` [N_mm] (default: every media pad, in order) take
+        `mm_embeds` [N_mm, d]."""
         e = self.model.language_model.embed_tokens(input_ids)
-        if mm_embeds is not None:
+        if mm_embeds is not None and mm_index is not None:
+            if mm_index.shape[0] != mm_embeds.shape[0]:
+                raise ValueError(f"{mm_index.shape[0]} media indices but {mm_embeds.shape[0]} media embeddings")
+            e = e.index_copy(0, mm_index, mm_embeds.to(e.dtype))
+        elif mm_embeds is not None:
             is_media = (input_ids == self.cfg.image_token_id) | (input_ids == self.cfg.video_token_id)
             if int(is_media.sum()) != mm_embeds.shape[0]:
                 raise ValueError(f"{int(is_media.sum())} media pad tokens in the prompt but {mm_embeds.shape[0]} "
@@ -189,12 +194,13 @@ class FlashNextModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, *, cu_seqlens: list[int] | None = None,
                 states: list[SequenceState] | None = None, mm_embeds: Tensor | None = None,
-                logits_indices: Tensor | None = None, return_hidden: bool = False, paged: PagedMeta | None = None):
+                mm_index: Tensor | None = None, logits_indices: Tensor | None = None, return_hidden: bool = False, paged: PagedMeta | None = None):
         """Logits for a batch of token ids.
 
         input_ids: [B, S] (each row one fresh sequence; returns logits [B, S, V]) or a flat [T]
         with `cu_seqlens` [B+1] and `states` (B SequenceStates, updated in place; returns [T, V]).
         positions: [3, T] (or [3, B, S]) mRoPE positions; default index + rope_delta.
+        mm_embeds: [N_mm, d] vision rows for the media pad tokens (in order), or for rows `mm_index` [N_mm].
         logits_indices: [N] rows of the flat batch to project (e.g. the last token of each sequence).
         return_hidden: also return the wide pre-mixer state [T, h*d] (the MTP input).
         paged: run on the paged hybrid cache instead of `states` (see runner.ModelRunner).
@@ -216,7 +222,7 @@ class FlashNextModel(nn.Module):
                              f"T={input_ids.shape[0]}")
         meta = self.make_meta(input_ids, cu_seqlens, states, positions)
         meta.paged = paged
-        wide = self.model.language_model(self.embed(input_ids, mm_embeds), meta)
+        wide = self.model.language_model(self.embed(input_ids, mm_embeds, mm_index), meta)
         for b, st in enumerate(states):
             st.num_tokens += cu_seqlens[b + 1] - cu_seqlens[b]
         rows = wide if logits_indices is None else wide[logits_indices]

@@ -1,7 +1,11 @@
-"""Images in, vision-tower inputs and prompt positions out (spec/model.md §8.1, §8.3).
+"""Images and videos in, vision-tower inputs and prompt positions out (spec/model.md §8.1, §8.3).
 
 * `load_image` / `preprocess_image`: decode, convert to RGB, resize (bicubic) to multiples of patch*merge within a
   pixel budget (`smart_resize`), normalise, and cut into the flat patch stream `layers.vision.VisionModel` reads.
+* `load_video` / `preprocess_video`: decode a clip with decord, sample frames at a target fps (or a fixed count),
+  then the same resize and patching, with temporal_patch_size frames per patch.
+* The two halves separately: `resize_to_budget` / `resize_video` give uint8 frames [F, H, W, 3] (what a request
+  keeps), `to_patches` turns them into the tower's float input when it runs.
 * `expand_media_placeholders`: one `<|image_pad|>` / `<|video_pad|>` per item in the prompt becomes t*h*w/m^2 pads,
   one per vision-tower output row.
 * `mrope_positions`: the 3-row (temporal, height, width) RoPE positions of a prompt with vision items, and the
@@ -9,6 +13,10 @@
 
 Grids are (t, h, w) in patches before merging, as the vision tower takes them. Everything here is CPU-side,
 pure, and independent of the model weights.
+
+Every problem with the media itself (corrupt or truncated data, a format outside the allow-list, more pixels than
+`max_image_pixels` or Pillow's decompression-bomb limit, a missing file, too many items for the prompt's limit)
+raises `MediaError`, a `ValueError`: a client error (HTTP 400 `invalid_request_error` in the server), never a 500.
 """
 
 from __future__ import annotations
@@ -16,8 +24,12 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
+import struct
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
@@ -31,10 +43,27 @@ DEFAULT_MAX_PIXELS = 1024 * 1024  # ~1 megapixel: at most 1,024 LLM tokens at pa
 IMAGE_MEAN = (0.5, 0.5, 0.5)  # spec §8.1 [UNVERIFIED]: read preprocessor_config.json when it ships
 IMAGE_STD = (0.5, 0.5, 0.5)
 MAX_ASPECT_RATIO = 200
+# Pillow raises DecompressionBombError above 2 x Image.MAX_IMAGE_PIXELS (178,956,970 px) inside Image.open; we
+# apply the same cap ourselves (to every video frame too) without touching Pillow's global.
+MAX_IMAGE_PIXELS = 178_956_970
+# Formats Image.open may identify; others (EPS, WMF, GRIB, HDF5, ...) are refused before any decoder runs.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO", "PPM", "TGA")
+VIDEO_MIN_PIXELS = 128 * 128  # per frame
+VIDEO_MAX_PIXELS = 448 * 448  # per frame: at most 196 LLM tokens per temporal patch at patch 16, merge 2
+VIDEO_FPS = 2.0
+VIDEO_MAX_FRAMES = 32
 
 
 class MediaError(ValueError):
-    """An image (or other media item) that cannot be decoded or does not fit the model; the message says why."""
+    """A media item that cannot be used: undecodable, over a pixel or count limit, unsupported. A client error.
+
+    `param` names the offending input where there is one (e.g. "image", "video" for per-prompt limits), as the
+    server's error envelope reports it.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def smart_resize(
@@ -66,34 +95,51 @@ def smart_resize(
     return h, w
 
 
-def load_image(source: Image.Image | bytes | bytearray | str | os.PathLike) -> Image.Image:
+def load_image(source: Image.Image | bytes | bytearray | str | os.PathLike,
+               max_image_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """Decode `source` (PIL image, encoded bytes, or a file path) into an RGB PIL image.
 
-    Transparency is composited onto white. Files and bytes are fully decoded here and their EXIF orientation is
-    applied, so truncated or corrupt data raises `MediaError` now rather than later.
+    Only `IMAGE_FORMATS` are identified. The header's width x height is checked against `max_image_pixels` before
+    any pixel is decoded. Transparency is composited onto white. Files and bytes are fully decoded here and their
+    EXIF orientation is applied, so truncated or corrupt data raises `MediaError` now rather than later.
     """
     if isinstance(source, Image.Image):
         image = source
+        _check_pixels(image.width, image.height, max_image_pixels)
     else:
         try:
             if isinstance(source, (bytes, bytearray, memoryview)):
-                image = Image.open(io.BytesIO(bytes(source)))
+                image = Image.open(io.BytesIO(bytes(source)), formats=IMAGE_FORMATS)
             elif isinstance(source, (str, os.PathLike)):
-                image = Image.open(source)
+                image = Image.open(source, formats=IMAGE_FORMATS)
             else:
                 raise MediaError(f"cannot read an image from {type(source).__name__}; pass PIL image, bytes or path")
+            _check_pixels(image.width, image.height, max_image_pixels)
             image.load()
             image = ImageOps.exif_transpose(image)
         except MediaError:
             raise
         except FileNotFoundError as e:
             raise MediaError(f"image file not found: {e.filename}") from None
-        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as e:
+        except UnidentifiedImageError:
+            raise MediaError(f"cannot identify the image data as a supported format "
+                             f"({', '.join(IMAGE_FORMATS)})") from None
+        except Image.DecompressionBombError as e:  # not an OSError: must be caught by name
+            raise MediaError(f"image rejected: {e}") from None
+        # Pillow: OSError for truncated data, SyntaxError for broken PNG chunks, EOFError/struct.error for cut
+        # headers in some plugins
+        except (OSError, SyntaxError, ValueError, EOFError, struct.error) as e:
             raise MediaError(f"cannot decode image: {e}") from None
     try:
         return _to_rgb(image)
     except (OSError, ValueError) as e:
         raise MediaError(f"cannot convert image in mode {image.mode!r} to RGB: {e}") from None
+
+
+def _check_pixels(width: int, height: int, max_pixels: int, what: str = "image") -> None:
+    if width * height > max_pixels:
+        raise MediaError(f"{what} is {width}x{height} = {width * height:,} pixels, above the limit of "
+                         f"{max_pixels:,}; send a smaller {what}")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -111,6 +157,7 @@ def preprocess_image(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     image_mean: Sequence[float] = IMAGE_MEAN,
     image_std: Sequence[float] = IMAGE_STD,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
 ) -> tuple[Tensor, Grid]:
     """One image -> (pixel_values [t*h*w, patch_dim] float32, grid (t, h, w)), with t == 1.
 
@@ -118,18 +165,168 @@ def preprocess_image(
     [0, 1], normalise per channel, repeat the frame temporal_patch_size times, and patchify (see `patchify`).
     The image needs t*h*w/merge^2 `<|image_pad|>` tokens in the prompt.
     """
-    rgb = load_image(image)
+    rgb = load_image(image, max_image_pixels)
+    return to_patches(resize_to_budget(rgb, cfg, min_pixels, max_pixels)[None], cfg, image_mean, image_std)
+
+
+def resize_to_budget(rgb: Image.Image, cfg: VisionConfig, min_pixels: int, max_pixels: int) -> Tensor:
+    """RGB image -> uint8 [H, W, 3], bicubic-resized to `smart_resize` (multiples of patch*merge, in budget).
+
+    The uint8 frame is what the engine keeps per item (a quarter of the float patches, and an eighth for a still,
+    whose patches repeat it temporal_patch_size times); `to_patches` makes the tower input when it runs.
+    """
     factor = cfg.patch_size * cfg.spatial_merge_size
     height, width = smart_resize(rgb.height, rgb.width, factor, min_pixels, max_pixels)
     if (width, height) != rgb.size:
         rgb = rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
-    pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(height, width, 3)
-    x = pixels.permute(2, 0, 1).double() / 255.0  # [3, H, W]
-    mean = torch.tensor(image_mean, dtype=torch.float64).view(3, 1, 1)
-    std = torch.tensor(image_std, dtype=torch.float64).view(3, 1, 1)
+    return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(height, width, 3)
+
+
+def to_patches(frames: Tensor, cfg: VisionConfig, image_mean: Sequence[float] = IMAGE_MEAN,
+               image_std: Sequence[float] = IMAGE_STD) -> tuple[Tensor, Grid]:
+    """uint8 frames [F, H, W, 3] -> (pixel_values [t*h*w, patch_dim] float32, grid (t, h, w)).
+
+    Rescale to [0, 1], normalise per channel, patchify (see `patchify`). F == 1 is a still image: its frame is
+    repeated temporal_patch_size times (t = 1); otherwise F must be a multiple of temporal_patch_size.
+    """
+    x = frames.permute(0, 3, 1, 2).double() / 255.0  # [F, 3, H, W]
+    mean = torch.tensor(image_mean, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(image_std, dtype=torch.float64).view(1, 3, 1, 1)
     x = ((x - mean) / std).float()
-    frames = x.unsqueeze(0).expand(cfg.temporal_patch_size, -1, -1, -1)  # [tp, 3, H, W]: a still is tp equal frames
-    return patchify(frames, cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)
+    if x.shape[0] == 1:
+        x = x.expand(cfg.temporal_patch_size, -1, -1, -1)  # [tp, 3, H, W]: a still is tp equal frames
+    return patchify(x, cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)
+
+
+def frames_grid(frames: Tensor, cfg: VisionConfig) -> Grid:
+    """The (t, h, w) patch grid `to_patches` gives for uint8 frames [F, H, W, 3]."""
+    num_frames, height, width, _ = frames.shape
+    t = 1 if num_frames == 1 else num_frames // cfg.temporal_patch_size
+    return t, height // cfg.patch_size, width // cfg.patch_size
+
+
+VideoSource = str | os.PathLike | bytes | bytearray | Any  # path, encoded bytes, [F, H, W, 3] uint8 array, PIL frames
+
+
+def load_video(
+    source: VideoSource,
+    fps: float | None = VIDEO_FPS,
+    num_frames: int | None = None,
+    max_frames: int = VIDEO_MAX_FRAMES,
+    frame_multiple: int = 2,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    source_fps: float | None = None,
+) -> tuple[list[Image.Image], list[float]]:
+    """Decode and sample a clip -> (RGB frames, timestamp in seconds of each frame).
+
+    source: a file path or encoded bytes (decoded with decord), or already-decoded frames: an array/tensor
+    [F, H, W, 3] uint8 or a list of PIL images (then `source_fps`, default `fps`, dates them).
+    Sampling: `num_frames` evenly spaced frames when given, else one frame every 1/fps seconds; the count is
+    clamped to [frame_multiple, max_frames] and rounded down to a multiple of `frame_multiple` (the temporal
+    patch size). A clip shorter than that repeats frames. Every frame must fit `max_image_pixels`.
+    """
+    if num_frames is not None and num_frames < 1:
+        raise MediaError(f"num_frames={num_frames} must be >= 1")
+    if fps is not None and not fps > 0:
+        raise MediaError(f"fps={fps} must be > 0")
+    if isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
+        return _decode_video_file(source, fps, num_frames, max_frames, frame_multiple, max_image_pixels)
+    frames = _frames_from_arrays(source, max_image_pixels)
+    rate = source_fps or fps or VIDEO_FPS
+    idx = _sample_indices(len(frames), rate, fps, num_frames, max_frames, frame_multiple)
+    return [frames[i] for i in idx], [i / rate for i in idx]
+
+
+def _frames_from_arrays(source: Any, max_image_pixels: int) -> list[Image.Image]:
+    if isinstance(source, Sequence) and source and all(isinstance(f, Image.Image) for f in source):
+        frames = list(source)
+    else:
+        try:
+            arr = source.numpy() if isinstance(source, Tensor) else np.asarray(source)
+        except (TypeError, ValueError) as e:
+            raise MediaError(f"cannot read a video from {type(source).__name__} ({e}); pass a path, bytes, a "
+                             "[F, H, W, 3] uint8 array or a list of PIL images") from None
+        if arr.ndim != 4 or arr.shape[-1] != 3 or arr.shape[0] < 1 or str(arr.dtype) != "uint8":
+            raise MediaError(f"video frames have shape {tuple(arr.shape)} and dtype {arr.dtype}; expected "
+                             "[F, H, W, 3] uint8")
+        frames = [Image.fromarray(f) for f in arr]
+    for f in frames:
+        _check_pixels(f.width, f.height, max_image_pixels, "video frame")
+    return [_to_rgb(f) for f in frames]
+
+
+def _decode_video_file(source: Any, fps: float | None, num_frames: int | None, max_frames: int,
+                       frame_multiple: int, max_image_pixels: int) -> tuple[list[Image.Image], list[float]]:
+    try:
+        import decord
+    except ImportError:
+        raise MediaError("video input needs the decord package: pip install 'revolta[video]'") from None
+    if isinstance(source, (str, os.PathLike)) and not os.path.isfile(source):
+        raise MediaError(f"video file not found: {os.fspath(source)}")
+    if isinstance(source, (bytes, bytearray, memoryview)) and len(source) == 0:
+        raise MediaError("cannot decode video: the data is empty")
+    try:
+        reader = decord.VideoReader(io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview))
+                                    else os.fspath(source), ctx=decord.cpu(0), num_threads=1)
+        total, rate = len(reader), float(reader.get_avg_fps())
+        if total < 1:
+            raise MediaError("the video has no frames")
+        first = reader[0].shape  # (H, W, 3)
+        _check_pixels(int(first[1]), int(first[0]), max_image_pixels, "video frame")
+        idx = _sample_indices(total, rate if rate > 0 else VIDEO_FPS, fps, num_frames, max_frames, frame_multiple)
+        batch = reader.get_batch(idx).asnumpy()  # [F, H, W, 3] uint8
+    except MediaError:
+        raise
+    except (decord._ffi.base.DECORDError, RuntimeError, OSError, ValueError) as e:
+        raise MediaError(f"cannot decode video: {_decord_message(e)}") from None
+    rate = rate if rate > 0 else VIDEO_FPS
+    return [Image.fromarray(f) for f in batch], [i / rate for i in idx]
+
+
+def _decord_message(e: Exception) -> str:
+    """decord's error text without its log prefixes and without the echoed input (bytes would be pasted in)."""
+    msg = re.sub(r"\[[\d:]+\] \S+:\d+: ", " ", str(e))
+    msg = re.sub(r"ERROR opening: .*?, ", "cannot open the data: ", msg, flags=re.S)
+    return " ".join(msg.split())[:300]
+
+
+def _sample_indices(total: int, rate: float, fps: float | None, num_frames: int | None, max_frames: int,
+                    multiple: int) -> list[int]:
+    """Evenly spaced frame indices into a clip of `total` frames recorded at `rate` fps."""
+    want = num_frames if num_frames is not None else max(1, round(total / rate * (fps or rate)))
+    want = max(multiple, min(want, max_frames)) // multiple * multiple
+    if want < 1:
+        raise MediaError(f"max_frames={max_frames} leaves no room for one temporal patch of {multiple} frames")
+    if want == 1:
+        return [0]
+    return [round(i * (total - 1) / (want - 1)) for i in range(want)]
+
+
+def preprocess_video(
+    frames: Sequence[Image.Image],
+    cfg: VisionConfig,
+    min_pixels: int = VIDEO_MIN_PIXELS,
+    max_pixels: int = VIDEO_MAX_PIXELS,
+    image_mean: Sequence[float] = IMAGE_MEAN,
+    image_std: Sequence[float] = IMAGE_STD,
+) -> tuple[Tensor, Grid]:
+    """Sampled RGB frames (a multiple of temporal_patch_size, all one size) -> (pixel_values, grid (t, h, w)).
+
+    Each frame is resized like an image within the per-frame pixel budget; consecutive groups of
+    temporal_patch_size frames form one temporal patch (t = F / tp). Needs t*h*w/merge^2 `<|video_pad|>` tokens.
+    """
+    return to_patches(resize_video(frames, cfg, min_pixels, max_pixels), cfg, image_mean, image_std)
+
+
+def resize_video(frames: Sequence[Image.Image], cfg: VisionConfig, min_pixels: int = VIDEO_MIN_PIXELS,
+                 max_pixels: int = VIDEO_MAX_PIXELS) -> Tensor:
+    """Sampled RGB frames -> uint8 [F, H, W, 3], each resized within the per-frame budget (see preprocess_video)."""
+    tp = cfg.temporal_patch_size
+    if not frames or len(frames) % tp:
+        raise MediaError(f"a video needs a positive multiple of temporal_patch_size={tp} frames, got {len(frames)}")
+    if len({f.size for f in frames}) != 1:
+        raise MediaError(f"video frames differ in size: {sorted({f.size for f in frames})}")
+    return torch.stack([resize_to_budget(f, cfg, min_pixels, max_pixels) for f in frames])
 
 
 def patchify(frames: Tensor, patch_size: int, temporal_patch_size: int, merge_size: int) -> tuple[Tensor, Grid]:

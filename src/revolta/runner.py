@@ -31,8 +31,9 @@ class StepSequence:
 
     token_ids: the new tokens this step; num_computed: tokens already in the cache before them.
     block_ids: the request's pages, in order, covering num_computed + len(token_ids) tokens.
-    slot: its state slot. positions: [3, >= num_computed + n] mRoPE positions of all its tokens
-    so far (None: text, position = index + rope_delta).
+    slot: its state slot. positions: [3, P] mRoPE positions of its first P tokens (the prompt of a
+    request with media); tokens from P on, and all tokens when None, sit at index + rope_delta.
+    mm_embeds: [N_mm, d] vision rows for token_ids[mm_index] (N_mm indices into this step's tokens).
     """
 
     token_ids: list[int]
@@ -42,6 +43,7 @@ class StepSequence:
     rope_delta: int = 0
     positions: Tensor | None = None
     mm_embeds: Tensor | None = None  # [N_mm, d] for the media pads among token_ids
+    mm_index: list[int] | None = None  # [N_mm] which of token_ids they replace
 
 
 # Sections of the packed int64 step buffer, in order, with their length for B sequences, T new
@@ -96,9 +98,12 @@ class ModelRunner:
         self.ratio = model.cfg.text.indexer_compress_ratio
 
     def _positions(self, seq: StepSequence, start: int, end: int) -> Tensor:
-        if seq.positions is not None:
-            return seq.positions[:, start:end].cpu()
-        return torch.arange(start, end).unsqueeze(0).expand(3, -1) + seq.rope_delta
+        known = 0 if seq.positions is None else seq.positions.shape[1]
+        after = torch.arange(max(start, known), max(end, known)).unsqueeze(0).expand(3, -1) + seq.rope_delta
+        if start >= known:
+            return after
+        # a chunk across the end of the prompt's positions continues at index + rope_delta
+        return torch.cat([seq.positions[:, start:min(end, known)].cpu(), after], dim=1)
 
     def pack_step(self, seqs: list[StepSequence], num_rows: int | None = None, width: int | None = None) -> Tensor:
         """The packed host int64 buffer of a step (pinned on CUDA).
@@ -141,11 +146,12 @@ class ModelRunner:
         return flat.pin_memory() if self.model.device.type == "cuda" else flat
 
     def forward_packed(self, inputs: StepInputs, cu_seqlens: list[int], logits_indices: Tensor | None = None,
-                       mm_embeds: Tensor | None = None, return_hidden: bool = False):
+                       mm_embeds: Tensor | None = None, return_hidden: bool = False,
+                       mm_index: Tensor | None = None):
         """The model on one step's device inputs (the graph path captures this).
 
         cu_seqlens: the same [B + 1] offsets as host ints; the paged layers read only the device
-        copy, so nothing here waits on the device.
+        copy, so nothing here waits on the device. mm_embeds [N_mm, d] replace the rows mm_index [N_mm].
         """
         B = inputs.slots.shape[0]
         group_cos, group_sin = self.model.model.language_model.rotary(inputs.group_pos)
@@ -156,7 +162,7 @@ class ModelRunner:
                           max_new_tokens=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])))
         states = [SequenceState() for _ in range(B)]  # token counts live in the cache, not here
         return self.model(inputs.input_ids, inputs.positions, cu_seqlens=cu_seqlens, states=states,
-                          mm_embeds=mm_embeds,
+                          mm_embeds=mm_embeds, mm_index=mm_index,
                           logits_indices=logits_indices, return_hidden=return_hidden, paged=paged)
 
     @torch.no_grad()
@@ -165,7 +171,6 @@ class ModelRunner:
         """Forward the step; logits [B, V] of each sequence's last new token ([T, V] with all_logits,
         [len(logits_rows), V] for those rows of the flat token stream)."""
         lens = [len(s.token_ids) for s in seqs]
-        mm = [s.mm_embeds for s in seqs if s.mm_embeds is not None]
         decode = bool(seqs) and max(lens) == 1
         flat = self.pack_step(seqs)
         B, T, W = len(seqs), sum(lens), max(len(s.block_ids) for s in seqs)
@@ -175,5 +180,18 @@ class ModelRunner:
             rows = torch.tensor(logits_rows).to(device, non_blocking=True)
         else:
             rows = None if all_logits or decode else (inputs.cu_seqlens[1:] - 1).long()
-        return self.forward_packed(inputs, offsets(lens), logits_indices=rows,
-                                   mm_embeds=torch.cat(mm).to(device) if mm else None, return_hidden=return_hidden)
+        mm_embeds, mm_index = self._media_rows(seqs, offsets(lens))
+        return self.forward_packed(inputs, offsets(lens), logits_indices=rows, mm_embeds=mm_embeds,
+                                   return_hidden=return_hidden, mm_index=mm_index)
+
+    def _media_rows(self, seqs: list[StepSequence], cu: list[int]) -> tuple[Tensor | None, Tensor | None]:
+        """Vision rows of the step [N_mm, d] and their flat token indices [N_mm] (None: no media this step).
+
+        Rows go to explicit indices, not to every pad id, so a literal `<|image_pad|>` in a text request
+        batched with a media request stays an ordinary token."""
+        with_mm = [(b, s) for b, s in enumerate(seqs) if s.mm_embeds is not None]
+        if not with_mm:
+            return None, None
+        index = [cu[b] + i for b, s in with_mm for i in s.mm_index]
+        return (torch.cat([s.mm_embeds for _, s in with_mm]),
+                torch.tensor(index, dtype=torch.long).to(self.model.device, non_blocking=True))

@@ -5,6 +5,11 @@ then waiting requests while the token budget, `max_num_seqs` and the cache allow
 allocator says no for a running request, the most recently admitted running request is
 preempted (recompute: its blocks and slot are freed; it restarts from the prefix cache) and the
 allocation is retried, so the oldest requests always make progress.
+
+Requests with media (`request.mm_prompt`) also need their items' vision-tower outputs: with an
+`EncoderCache`, a chunk is cut right before the first item that cannot be encoded this step
+(encoder budget or cache room, see encoder_cache.py). A request that cannot run a single token
+for that reason is skipped this step, never allowed to block the requests behind it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .cache.hybrid import Allocation, HybridAllocator
+from .encoder_cache import EncoderCache, EncoderStep
+from .mm_processor import MediaItem, MultimodalPrompt
 
 
 class SchedRequest(Protocol):
+    """What the scheduler reads from a request; an optional `mm_prompt` attribute (a MultimodalPrompt whose
+    token_ids are the prompt_token_ids) carries its media."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated so far
@@ -36,6 +46,9 @@ class Sequence:
         self.num_preemptions = 0
         # prompt logprobs need the logits of every prompt position: no prefix-cache hit
         self.skip_prefix_cache = getattr(request, "prompt_logprobs", None) is not None
+        # media: expanded prompt, items, positions; its content hashes key the prefix cache (extra_keys)
+        self.mm: MultimodalPrompt | None = getattr(request, "mm_prompt", None)
+        self.extra_keys = self.mm.extra_keys if self.mm is not None else None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -50,6 +63,7 @@ class Sequence:
 class ScheduledSeq:
     seq: Sequence
     alloc: Allocation
+    encode: tuple[MediaItem, ...] = ()  # media items to run through the vision tower before this step
 
     @property
     def num_new_tokens(self) -> int:
@@ -57,11 +71,13 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, allocator: HybridAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: HybridAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 encoder_cache: EncoderCache | None = None, max_num_encoder_input_tokens: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} "
                              "must be >= 1")
         self.allocator = allocator
+        self.encoder_cache, self.max_num_encoder_input_tokens = encoder_cache, max_num_encoder_input_tokens
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -75,30 +91,59 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's work; every returned allocation must be followed by `update` or `abort`."""
         budget = self.max_num_batched_tokens
+        enc = EncoderStep(self.encoder_cache, self.max_num_encoder_input_tokens) \
+            if self.encoder_cache is not None else None
         out: list[ScheduledSeq] = []
         scheduled: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            alloc = self._allocate(seq, min(seq.num_pending_tokens, budget), scheduled)
+            n = self._media_limit(enc, seq, seq.num_computed_tokens, min(seq.num_pending_tokens, budget))
+            if n == 0:  # its next token needs media that cannot be encoded this step
+                i += 1
+                continue
+            alloc = self._allocate(seq, n, scheduled)
             if alloc is None:  # seq itself was preempted
                 continue
-            out.append(ScheduledSeq(seq, alloc))
+            out.append(ScheduledSeq(seq, alloc, self._media_commit(enc, seq, alloc)))
             scheduled.add(seq.request_id)
             budget -= alloc.num_new_tokens
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            alloc = self.allocator.allocate(seq, min(seq.num_pending_tokens, budget))
+        j, media_blocked = 0, False
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            n = min(seq.num_pending_tokens, budget)
+            if seq.mm is not None and enc is not None:
+                # after a request blocked on the encoder, admit text only: later media must not take the room
+                # it waits for
+                n = 0 if media_blocked else self._media_limit(enc, seq, self.allocator.lookup_num_cached_tokens(seq),
+                                                              n)
+                if n == 0:
+                    media_blocked = True
+                    j += 1  # blocked on the encoder only: let the text requests behind it in
+                    continue
+            alloc = self.allocator.allocate(seq, n)
             if alloc is None:
                 break  # no room: wait for running requests to finish
-            self.waiting.popleft()
+            del self.waiting[j]
             seq.num_computed_tokens = alloc.num_computed_tokens  # includes a prefix hit
             self.running.append(seq)
-            out.append(ScheduledSeq(seq, alloc))
+            out.append(ScheduledSeq(seq, alloc, self._media_commit(enc, seq, alloc)))
             scheduled.add(seq.request_id)
             budget -= alloc.num_new_tokens
         return out
+
+    @staticmethod
+    def _media_limit(enc: EncoderStep | None, seq: Sequence, num_computed: int, num_tokens: int) -> int:
+        if enc is None or seq.mm is None:
+            return num_tokens
+        return enc.limit(seq.mm, num_computed, num_tokens)
+
+    @staticmethod
+    def _media_commit(enc: EncoderStep | None, seq: Sequence, alloc: Allocation) -> tuple[MediaItem, ...]:
+        if enc is None or seq.mm is None:
+            return ()
+        return tuple(enc.commit(seq.request_id, seq.mm, alloc.num_computed_tokens, alloc.num_new_tokens))
 
     def _allocate(self, seq: Sequence, num_tokens: int, scheduled: set[str]) -> Allocation | None:
         while True:
@@ -114,6 +159,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.preempt(seq)
+        self._release_media(seq)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -124,12 +170,19 @@ class Scheduler:
         for it in items:
             it.seq.num_computed_tokens += it.alloc.num_new_tokens
             self.allocator.commit(it.seq, 0)
+            if it.seq.mm is not None and self.encoder_cache is not None:
+                self.encoder_cache.release_passed(it.seq.request_id, it.seq.mm, it.seq.num_computed_tokens)
             if it.seq.request.finished:
                 self.finish(it.seq)
 
     def finish(self, seq: Sequence) -> None:
         self.allocator.free(seq)
+        self._release_media(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def _release_media(self, seq: Sequence) -> None:
+        if seq.mm is not None and self.encoder_cache is not None:
+            self.encoder_cache.release_all(seq.request_id, seq.mm)

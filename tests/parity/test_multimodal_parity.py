@@ -67,3 +67,34 @@ def test_image_prefill_then_decode_uses_rope_delta(pair):
     for tok in cont:  # decode: position = index + rope_delta on all rows
         out.append(ours(tok[None], cu_seqlens=[0, 1], states=[st]))
     assert_parity(torch.cat(out), ref)
+
+
+@torch.no_grad()
+def test_video_between_text(pair):
+    """A 4-frame clip through our preprocessing and placeholder expansion (one `<|vision_start|>pads
+    <|vision_end|>` run per temporal patch, a timestamp between them), then the whole forward, vs HF."""
+    import numpy as np
+
+    from revolta.mm_processor import MediaConfig, process_multimodal_prompt
+
+    hf, ours, cfg = pair
+    vid = TOKENS["video_token_id"]
+    frames = np.random.default_rng(4).integers(0, 256, (4, 16, 24, 3), dtype=np.uint8)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 500, (7,), generator=g).tolist() + [START, vid, END] + \
+        torch.randint(0, 500, (9,), generator=g).tolist()
+    media = MediaConfig(video_min_pixels=64, video_max_pixels=16 * 24, fps=None)
+    mm = process_multimodal_prompt(ids, {"video": frames}, cfg, media, {"video": 1},
+                                   timestamp_ids=lambda seconds: [400 + round(seconds * 10)])
+    (item,) = mm.items
+    assert item.grid == (2, 4, 6) and len(item.runs) == 2
+    input_ids = torch.tensor(mm.token_ids)
+    mm_types = ((input_ids == vid).to(torch.int32) * 2)[None]  # 2 marks video pads
+    hf.model.rope_deltas = None
+    with deterministic_topk():
+        ref = hf(input_ids=input_ids[None], pixel_values_videos=item.pixel_values(cfg.vision),
+                 video_grid_thw=torch.tensor([item.grid]), mm_token_type_ids=mm_types).logits[0]
+    out = ours(input_ids[None], positions=mm.positions[:, None, :],
+               mm_embeds=ours.model.visual(item.pixel_values(cfg.vision), [item.grid]))[0]
+    assert_parity(out, ref)
+    assert int(hf.model.rope_deltas[0, 0]) == mm.rope_delta

@@ -328,6 +328,13 @@ class HybridAllocator:
 
     # ---- queries ----------------------------------------------------------------------------
 
+    def lookup_num_cached_tokens(self, request: CacheRequest) -> int:
+        """Tokens a first `allocate` of `request` would take from the prefix cache right now (a pure query: no
+        pins, no stats). 0 for a request that already holds an allocation."""
+        if request.request_id in self._seqs:
+            return 0
+        return self._lookup(request, count=False).num_blocks * self.block_size
+
     def block_ids(self, request: CacheRequest) -> tuple[int, ...]:
         seq = self._seqs.get(request.request_id)
         return tuple(seq.block_ids) if seq else ()
@@ -394,7 +401,7 @@ class HybridAllocator:
                                        parent=parent, extra_keys=self._extra_keys(request))
         return seq.hashes[:num_blocks]
 
-    def _lookup(self, request: CacheRequest) -> _Hit:
+    def _lookup(self, request: CacheRequest, count: bool = True) -> _Hit:
         if not self.config.enable_prefix_caching or getattr(request, "skip_prefix_cache", False):
             return _Hit()
         known = len(request.all_token_ids)
@@ -410,15 +417,16 @@ class HybridAllocator:
 
         kv = kv_hit_blocks(hashes, has_kv)
         k = longest_hit(hashes[:kv], has_kv, has_state)
-        self.stats.queries += 1
-        self.stats.query_tokens += known
-        self.stats.hit_tokens += k * self.block_size
+        if count:
+            self.stats.queries += 1
+            self.stats.query_tokens += known
+            self.stats.hit_tokens += k * self.block_size
         junction = kv * self.block_size if kv > k else 0
         if k == 0:
             return _Hit(junction=junction, hashes=tuple(hashes))
         gpu = tuple(self.blocks.lookup(h) for h in hashes[:k])
         cpu = tuple(cpu_b.lookup(h) if g is None else None for g, h in zip(gpu, hashes))
-        self.stats.cpu_hit_blocks += sum(g is None for g in gpu)
+        self.stats.cpu_hit_blocks += sum(g is None for g in gpu) if count else 0
         s = self.slots.lookup(hashes[k - 1])
         state = ("gpu", s) if s is not None else ("cpu", cpu_s.lookup(hashes[k - 1]))
         return _Hit(num_blocks=k, gpu=gpu, cpu=cpu, state=state, junction=junction, hashes=tuple(hashes))

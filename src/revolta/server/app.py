@@ -1,0 +1,61 @@
+"""build_app: the FastAPI application around one LLM; run_server: `revolta serve`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from .anthropic_messages import anthropic_router
+from .basic_routes import basic_router
+from .chat_prompt import PromptRenderer
+from .config import ServerConfig
+from .engine_loop import EngineLoop
+from .errors import install_error_handlers
+from .generation import ServerState
+from .metrics import Metrics
+from .middleware import ServerMiddleware
+from .openai_chat import chat_router
+from .openai_completions import completions_router
+from .openai_responses import responses_router
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(llm: Any, config: ServerConfig, fault_injection: bool = False) -> FastAPI:
+    """The server app for `llm` (an `revolta.LLM`); its engine thread runs while the app is up."""
+    if llm.get_tokenizer() is None:
+        raise ValueError(f"{config.model_path} has no tokenizer.json; the server needs one to render prompts")
+    metrics = Metrics(config.served_model_name)
+    engine = EngineLoop(llm, on_output=metrics.on_output, on_finish=metrics.on_finish)
+    state = ServerState(llm=llm, engine=engine, config=config, renderer=PromptRenderer(llm, config),
+                        metrics=metrics, defaults=llm.get_default_sampling_params(), fault_injection=fault_injection)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        logger.info("revolta server ready: %s", config.describe())
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="revolta", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    for router in (basic_router, chat_router, completions_router, responses_router, anthropic_router):
+        app.include_router(router(state))
+    app.add_middleware(ServerMiddleware, api_key=config.api_key)
+    app.state.revolta = state
+    return app
+
+
+def run_server(llm: Any, config: ServerConfig, host: str, port: int, fault_injection: bool = False,
+               log_level: str = "info") -> None:
+    import uvicorn
+
+    app = build_app(llm, config, fault_injection)
+    # http="h11"/"httptools" both advertise ASGI 2.3, so Starlette watches for disconnects while streaming
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

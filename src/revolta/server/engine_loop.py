@@ -1,0 +1,260 @@
+"""EngineLoop: the one thread that owns the (not thread-safe) LLM, and the asyncio side of it.
+
+Handlers `await submit(...)` a prompt: the loop thread calls `LLM.add_request` and answers at once,
+so a prompt the LLM rejects is a 400 before any response starts. The thread then alternates between
+draining its command queue (adds, aborts) and `LLM.step()`, and hands every RequestOutput to the
+request's asyncio queue with `call_soon_threadsafe`. A failing step fails the requests of that step
+only; the loop keeps serving the rest (and new requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..request import RequestOutput
+from ..sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5  # how long the idle thread blocks on its queue before re-checking `stop`
+
+
+class RequestFailed(Exception):
+    """A request the engine failed after accepting it (reported to that request only)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the loop thread publishes after each step (read by /metrics and /health)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A test hook (--enable-fault-injection): fail the request with `status` once it has `after_tokens`."""
+
+    after_tokens: int
+    status: int = 500
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: its asyncio queue on the server's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    n: int
+    fault: Fault | None = None
+    finished: set[int] = field(default_factory=set)
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class RequestStream:
+    """One accepted request: iterate for RequestOutputs (cumulative per completion index).
+
+    Leaving the iteration early (client gone, error, cancellation) aborts the request in the engine,
+    which frees its cache blocks; `close()` does the same and is idempotent.
+    """
+
+    def __init__(self, engine: "EngineLoop", request_id: str, sink: _Sink, prompt_len: int):
+        self.request_id, self._engine, self._sink, self.num_prompt_tokens = request_id, engine, sink, prompt_len
+        self.done = False
+        self._finished: set[int] = set()  # completion indexes seen finished (reader side)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.done:
+                batch = [await self._sink.queue.get()]
+                while not self._sink.queue.empty():
+                    batch.append(self._sink.queue.get_nowait())
+                latest: dict[int, RequestOutput] = {}  # a slow reader skips intermediate cumulative outputs
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        self.done = True  # the loop already dropped the request
+                        raise item
+                    latest[item.outputs[0].index] = item
+                    if item.finished:
+                        self._finished.add(item.outputs[0].index)
+                self.done = len(self._finished) >= self._sink.n
+                for out in latest.values():
+                    yield out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self._engine.abort(self.request_id)
+
+
+class EngineLoop:
+    """Runs `llm` on a dedicated thread; `submit` / `abort` may be called from the event loop."""
+
+    def __init__(self, llm: Any, on_output: Callable[[RequestOutput, float], None] | None = None,
+                 on_finish: Callable[[str, str], None] | None = None):
+        self.llm = llm
+        self._on_output, self._on_finish = on_output, on_finish
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats = EngineStats()
+        self.dead: BaseException | None = None
+
+    # ---- event-loop side ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="revolta-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not yet finished or aborted."""
+        return len(self._sinks)
+
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+                     fault: Fault | None = None) -> RequestStream:
+        """Queue a tokenized prompt; raises what `LLM.add_request` raises (ValueError: a client error)."""
+        if not self.alive:
+            raise RequestFailed("the engine is not running", status=503)
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future = loop.create_future()
+        request_id = uuid.uuid4().hex
+        sink = _Sink(loop, asyncio.Queue(), params.n, fault)
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, sink, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the client left before the engine answered
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, sink, len(prompt_token_ids))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.llm.has_unfinished_requests())
+                if self.llm.has_unfinished_requests():
+                    self._step()
+                self._publish_stats()
+        except BaseException as e:  # a bug in the loop itself: fail everyone, /health turns 503
+            logger.exception("the engine loop died")
+            self.dead = e
+            for rid, sink in list(self._sinks.items()):
+                sink.put(RequestFailed("the engine stopped; retry later", status=500))
+            self._sinks.clear()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, request_id, ids, params, sink, accepted = cmd
+            try:
+                self.llm.add_request({"prompt_token_ids": ids}, params, request_id=request_id)
+            except Exception as e:  # the LLM's own validation: the submitter turns it into a 400
+                sink.loop.call_soon_threadsafe(_settle, accepted, e)
+                return
+            self._sinks[request_id] = sink
+            sink.loop.call_soon_threadsafe(_settle, accepted, None)
+        elif cmd[0] == "abort":
+            request_id = cmd[1]
+            if self._sinks.pop(request_id, None) is not None:
+                self.llm.abort_request(request_id)
+                logger.info("Request %s aborted.", request_id)
+                if self._on_finish:
+                    self._on_finish(request_id, "abort")
+
+    def _step(self) -> None:
+        live = set(self._sinks)
+        try:
+            outputs = self.llm.step()
+        except Exception as e:  # fail this step's requests, keep serving
+            logger.exception("engine step failed; failing %d request(s)", len(live))
+            for rid in live:
+                self._fail(rid, RequestFailed(f"the engine failed while generating: {e}"))
+            return
+        now = time.time()
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if self._on_output:
+                self._on_output(out, now)
+            completion = out.outputs[0]
+            if sink.fault is not None and len(completion.token_ids) >= sink.fault.after_tokens:
+                self._fail(out.request_id, RequestFailed(
+                    f"injected fault after {len(completion.token_ids)} tokens (--enable-fault-injection)",
+                    sink.fault.status))
+                continue
+            sink.put(out)
+            if out.finished:
+                sink.finished.add(completion.index)
+                if len(sink.finished) >= sink.n:
+                    del self._sinks[out.request_id]
+                    if self._on_finish:
+                        self._on_finish(out.request_id, completion.finish_reason or "stop")
+
+    def _fail(self, request_id: str, error: RequestFailed) -> None:
+        sink = self._sinks.pop(request_id, None)
+        self.llm.abort_request(request_id)
+        if sink is not None:
+            sink.put(error)
+            if self._on_finish:
+                self._on_finish(request_id, "error")
+
+    def _publish_stats(self) -> None:
+        engine = getattr(self.llm, "engine", None)
+        if engine is None:
+            return
+        sched, alloc = engine.scheduler, engine.allocator
+        self.stats = EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                                 kv_cache_usage=alloc.usage, num_free_blocks=alloc.num_free_blocks)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the submitter was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,168 @@
+"""What every generation route shares: the server's state, submitting, collecting, cancelling on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from ..request import CompletionOutput
+from ..sampling import SamplingParams
+from .chat_prompt import PromptRenderer, RenderedPrompt
+from .config import ServerConfig
+from .engine_loop import EngineLoop, Fault, RequestFailed, RequestStream
+from .errors import APIError, bad_request, openai_error_body
+from .metrics import Metrics
+from .output import ChoiceParser, Delta
+from .sse import DONE, data_frame
+
+T = TypeVar("T")
+# honoured only with --enable-fault-injection: fail the request after N tokens, with this status (default 500)
+FAULT_HEADER, FAULT_STATUS_HEADER = "x-revolta-fail-after-tokens", "x-revolta-fail-status"
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """Everything a route needs; one per app (no module-level state)."""
+
+    llm: Any
+    engine: EngineLoop
+    config: ServerConfig
+    renderer: PromptRenderer
+    metrics: Metrics
+    defaults: SamplingParams  # the checkpoint's generation_config
+    fault_injection: bool = False
+
+    def parse_tools(self, prompt: RenderedPrompt) -> bool:
+        return self.config.tool_call_parser is not None and prompt.tools.parse
+
+    def engine_params(self, prompt: RenderedPrompt, params: SamplingParams) -> SamplingParams:
+        """What the engine runs: with tool parsing, stop strings are the parsers' (content only), so a
+        stop string inside a call's arguments does not cut the call."""
+        if self.parse_tools(prompt) and params.stop_strings:
+            return dataclasses.replace(params, stop=None)
+        return params
+
+    def choice_parsers(self, prompt: RenderedPrompt, params: SamplingParams,
+                       streaming: bool = False) -> list[ChoiceParser]:
+        """One output splitter per choice, as the server's parser flags and the request's tools say."""
+        tools = self.parse_tools(prompt)
+        stop = params.stop_strings if tools else ()
+        return [ChoiceParser(prompt, parse_reasoning=self.config.reasoning_parser is not None, parse_tools=tools,
+                             streaming=streaming, stop=stop, include_stop=params.include_stop_str_in_output)
+                for _ in range(params.n)]
+
+    async def submit(self, request: Request, token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Hand a validated prompt to the engine; its own rejections become 400s, a full engine a 503."""
+        limit = self.config.max_pending_requests
+        if limit is not None and self.engine.num_in_flight >= limit:
+            raise APIError(503, f"The server is overloaded: {limit} requests are already in flight "
+                                "(--max-pending-requests); retry later", headers={"Retry-After": "1"})
+        fault = None
+        if self.fault_injection and FAULT_HEADER in request.headers:
+            try:
+                fault = Fault(int(request.headers[FAULT_HEADER]), int(request.headers.get(FAULT_STATUS_HEADER, 500)))
+            except ValueError:
+                raise bad_request(f"{FAULT_HEADER} and {FAULT_STATUS_HEADER} must be integers") from None
+        try:
+            return await self.engine.submit(token_ids, params, fault)
+        except RequestFailed as e:
+            raise APIError(e.status, str(e)) from None
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+
+
+async def parsed_outputs(stream: RequestStream,
+                         parsers: list[ChoiceParser]) -> AsyncIterator[tuple[CompletionOutput, Delta]]:
+    """Each output with what it adds, split by its choice's parser. A choice whose parser matched a
+    stop string ends there (finish_reason "stop"); reading stops, aborting the request, once all have."""
+    done: set[int] = set()
+    async for out in stream:
+        c = out.outputs[0]
+        if c.index in done:
+            continue
+        parser = parsers[c.index]
+        delta = parser.update(c)
+        if parser.stopped is not None:  # it came before whatever ended the engine's output
+            c = dataclasses.replace(c, finish_reason="stop", stop_reason=parser.stopped)
+        if c.finish_reason is not None:
+            done.add(c.index)
+        yield c, delta
+        if len(done) == len(parsers):
+            break
+
+
+async def parse_all(stream: RequestStream, parsers: list[ChoiceParser]) -> list[CompletionOutput]:
+    """Run a request to the end through its parsers; the final output of each choice, by index."""
+    last: dict[int, CompletionOutput] = {}
+    try:
+        async for c, _ in parsed_outputs(stream, parsers):
+            last[c.index] = c
+    except RequestFailed as e:
+        raise APIError(e.status, str(e)) from None
+    finally:
+        stream.close()
+    return [last[i] for i in sorted(last)]
+
+
+async def collect(stream: RequestStream) -> list[CompletionOutput]:
+    """Run a request to the end; the final CompletionOutput of each choice, by index."""
+    last: dict[int, CompletionOutput] = {}
+    try:
+        async for out in stream:
+            last[out.outputs[0].index] = out.outputs[0]
+    except RequestFailed as e:
+        raise APIError(e.status, str(e)) from None
+    return [last[i] for i in sorted(last)]
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine request) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise APIError(499, "the client closed the connection")
+    return task.result()
+
+
+def created() -> int:
+    return int(time.time())
+
+
+def usage_openai(prompt_tokens: int, completions: list[CompletionOutput]) -> dict[str, Any]:
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
+
+
+async def openai_frames(frames: AsyncIterator[str], stream: RequestStream) -> AsyncIterator[str]:
+    """An OpenAI `data:` stream: `frames`, an error frame if the request fails mid-way, then [DONE]."""
+    try:
+        async for frame in frames:
+            yield frame
+    except RequestFailed as e:
+        yield data_frame(openai_error_body(e.status, str(e)))
+    finally:
+        stream.close()
+    yield DONE

@@ -1,0 +1,273 @@
+"""POST /v1/responses: the OpenAI Responses API on top of the chat pipeline (items in, items out).
+
+Stored responses (store=true, the default) are kept in a bounded per-app map so that
+`previous_response_id` can continue a conversation; an unknown id is a 404.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ..request import CompletionOutput
+from .chat_prompt import RenderedPrompt, normalize_messages, tool_setup
+from .engine_loop import RequestFailed, RequestStream
+from .errors import APIError, bad_request
+from .generation import ServerState, created, parse_all, parsed_outputs, unless_disconnected
+from .output import ChoiceParser
+from .params import build_sampling_params, check_model, read_body
+from .protocol import ResponsesRequest
+from .sse import event_frame, sse_response
+from .tool_schema import ToolRequestError, responses_tools_to_openai
+
+MAX_STORED = 1024
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """Responses `input` (a string or items) -> chat messages."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, list):
+                content = [_input_part(p, f"input[{i}].content[{j}]") for j, p in enumerate(content)]
+            messages.append({"role": item.get("role", "user"), "content": content})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not re-sent to the model (the template drops it too)
+        else:
+            raise bad_request(f"input[{i}]: unsupported input item type {kind!r}", "input")
+    return messages
+
+
+def _input_part(part: Mapping[str, Any], where: str) -> dict[str, Any]:
+    kind = part.get("type")
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": part.get("text")}
+    if kind == "input_image":
+        url = part.get("image_url")
+        return {"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, Mapping) else url}}
+    raise bad_request(f"{where}: unsupported content type {kind!r}; use input_text or input_image", "input")
+
+
+class Responses:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.stored: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # id -> the whole conversation
+
+    async def __call__(self, request: Request) -> Any:
+        s = self.state
+        body = await read_body(request, ResponsesRequest, s.config.max_body_bytes)
+        check_model(body.model, s.config)
+        fmt = ((body.text or {}).get("format") or {}).get("type", "text")
+        if fmt != "text":
+            raise bad_request(f"text.format {fmt!r} is not supported yet (no structured output); use text", "text")
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            if body.previous_response_id not in self.stored:
+                raise APIError(404, f"Response with id '{body.previous_response_id}' not found.",
+                               "previous_response_id")
+            history = list(self.stored[body.previous_response_id])
+        new = input_messages(body)
+        conversation = history + new  # what a follow-up continues (instructions are per request, as in OpenAI's API)
+        messages = conversation
+        if body.instructions:
+            messages = [{"role": "system", "content": body.instructions}] + \
+                [m for m in conversation if m["role"] != "system"]
+        try:
+            chat_tools = responses_tools_to_openai(body.tools) if body.tools is not None else None
+        except ToolRequestError as e:
+            raise bad_request(e.message, e.param) from None
+        tools = tool_setup(chat_tools, body.tool_choice, body.parallel_tool_calls)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if (body.reasoning or {}).get("effort") == "none":
+            kwargs.setdefault("enable_thinking", False)
+        prompt = await s.renderer.render(normalize_messages(messages, s.config), tools, kwargs)
+        params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
+                                       max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens")
+        stream = await s.submit(request, prompt.token_ids, s.engine_params(prompt, params))
+        rid = f"resp_{uuid.uuid4().hex}"
+        [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
+        if body.stream:
+            return sse_response(self._stream(stream, parser, prompt, body, rid, conversation),
+                                s.config.sse_keep_alive_interval, stream.close)
+        [c] = await unless_disconnected(request, parse_all(stream, [parser]))
+        response = self._response(body, rid, c, parser, len(prompt.token_ids), self._items(rid, parser))
+        self._store(body, rid, conversation, parser)
+        return JSONResponse(response)
+
+    @staticmethod
+    def _items(rid: str, parser: ChoiceParser) -> list[dict[str, Any]]:
+        items = []
+        if parser.reasoning:
+            items.append(_reasoning_item(f"rs_{rid}", parser.reasoning, "completed"))
+        if parser.content or not parser.tool_calls:
+            items.append(_message_item(f"msg_{rid}", parser.content or "", "completed"))
+        for t in parser.tool_calls:
+            items.append(_call_item(f"fc_{t.id}", t.id, t.name, t.arguments, "completed"))
+        return items
+
+    def _response(self, body: ResponsesRequest, rid: str, c: CompletionOutput | None, parser: ChoiceParser | None,
+                  prompt_tokens: int, output: list[dict[str, Any]], status: str | None = None) -> dict[str, Any]:
+        if status is None:
+            status = "incomplete" if c is not None and c.finish_reason == "length" else "completed"
+        out_tokens = len(c.token_ids) if c is not None else 0
+        reasoning = 0  # the reasoning text re-tokenized: the engine reports no per-part counts
+        if parser is not None and parser.reasoning:
+            reasoning = min(len(self.state.renderer.tokenizer.encode(parser.reasoning_text)), out_tokens)
+        return {"id": rid, "object": "response", "created_at": created(), "model": self.state.config.served_model_name,
+                "status": status, "output": output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+                "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
+                "tools": body.tools or [], "text": {"format": {"type": "text"}}, "metadata": {},
+                "reasoning": body.reasoning, "store": body.store,
+                # cached_tokens: the LLM API does not report prefix-cache hits per request yet
+                "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+                          "total_tokens": prompt_tokens + out_tokens}}
+
+    def _store(self, body: ResponsesRequest, rid: str, conversation: list[dict[str, Any]],
+               parser: ChoiceParser) -> None:
+        if not body.store:
+            return
+        reply: dict[str, Any] = {"role": "assistant", "content": parser.content or ""}
+        if parser.tool_calls:
+            reply["tool_calls"] = [{"id": t.id, "type": "function",
+                                    "function": {"name": t.name, "arguments": t.arguments}} for t in parser.tool_calls]
+        self.stored[rid] = conversation + [reply]
+        while len(self.stored) > MAX_STORED:
+            self.stored.popitem(last=False)
+
+    async def _stream(self, stream: RequestStream, parser: ChoiceParser, prompt: RenderedPrompt,
+                      body: ResponsesRequest, rid: str, conversation: list[dict[str, Any]]) -> AsyncIterator[str]:
+        seq = 0
+
+        def ev(kind: str, **payload: Any) -> str:
+            nonlocal seq
+            seq += 1
+            return event_frame(kind, {"type": kind, "sequence_number": seq - 1, **payload})
+
+        output: list[dict[str, Any]] = []
+        open_item: dict[str, Any] | None = None  # the item receiving deltas
+        base = self._response(body, rid, None, None, len(prompt.token_ids), [], "in_progress")
+
+        def close() -> list[str]:
+            nonlocal open_item
+            if open_item is None:
+                return []
+            item, open_item, idx = open_item, None, len(output) - 1
+            item["status"] = "completed"
+            frames = []
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                frames.append(ev("response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                                 content_index=0, text=text))
+            elif item["type"] == "message":
+                part = item["content"][0]
+                frames += [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                              text=part["text"], logprobs=[]),
+                           ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                              part=part)]
+            else:
+                frames.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                 name=item["name"], arguments=item["arguments"]))
+            frames.append(ev("response.output_item.done", output_index=idx, item=item))
+            return frames
+
+        def open_(item: dict[str, Any]) -> list[str]:
+            nonlocal open_item
+            frames = close()
+            output.append(item)
+            open_item = item
+            idx = len(output) - 1
+            frames.append(ev("response.output_item.added", output_index=idx, item=item))
+            if item["type"] == "message":
+                frames.append(ev("response.content_part.added", item_id=item["id"], output_index=idx,
+                                 content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+            return frames
+
+        last: CompletionOutput | None = None
+        try:
+            yield ev("response.created", response=base)
+            yield ev("response.in_progress", response=base)
+            async for last, delta in parsed_outputs(stream, [parser]):
+                if delta.reasoning:
+                    if open_item is None or open_item["type"] != "reasoning":
+                        for f in open_(_reasoning_item(f"rs_{rid}_{len(output)}", "", "in_progress")):
+                            yield f
+                    open_item["content"][0]["text"] += delta.reasoning
+                    yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=len(output) - 1,
+                             content_index=0, delta=delta.reasoning)
+                if delta.content:
+                    if open_item is None or open_item["type"] != "message":
+                        for f in open_(_message_item(f"msg_{rid}_{len(output)}", "", "in_progress")):
+                            yield f
+                    open_item["content"][0]["text"] += delta.content
+                    yield ev("response.output_text.delta", item_id=open_item["id"], output_index=len(output) - 1,
+                             content_index=0, delta=delta.content, logprobs=[])
+                for t in delta.tool_calls:
+                    if t.id is not None:
+                        for f in open_(_call_item(f"fc_{t.id}", t.id, t.name, "", "in_progress")):
+                            yield f
+                    if t.arguments and open_item is not None and open_item["type"] == "function_call":
+                        open_item["arguments"] += t.arguments
+                        yield ev("response.function_call_arguments.delta", item_id=open_item["id"],
+                                 output_index=len(output) - 1, delta=t.arguments)
+            if not any(item["type"] != "reasoning" for item in output):  # an answer is at least one message
+                for f in open_(_message_item(f"msg_{rid}_0", "", "in_progress")):
+                    yield f
+            for f in close():
+                yield f
+            final = self._response(body, rid, last, parser, len(prompt.token_ids), output)
+            self._store(body, rid, conversation, parser)
+            yield ev(f"response.{final['status']}", response=final)
+        except RequestFailed as e:
+            for f in close():
+                yield f
+            failed = self._response(body, rid, last, parser, len(prompt.token_ids), output, "failed")
+            failed["error"] = {"code": "server_error", "message": str(e)}
+            yield ev("response.failed", response=failed)
+        finally:
+            stream.close()
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str | None, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def responses_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+    router.add_api_route("/v1/responses", Responses(state), methods=["POST"])
+    return router

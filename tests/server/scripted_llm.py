@@ -1,0 +1,68 @@
+"""A stand-in for `revolta.LLM` behind the server, for the tool-call and reasoning checks.
+
+The embedded default model has random weights, so it never writes a `<tool_call>`. `ScriptedLLM`
+has the same public surface the server uses (add_request / step / abort_request /
+has_unfinished_requests, render_chat, get_tokenizer, ...) and the real tokenizer and chat template,
+but each request generates the next scripted text, one token per step. Everything between the HTTP
+request and these outputs (rendering, validation, parsing, SSE, the SDKs) is the real server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+from revolta.request import CompletionOutput, RequestMetrics, RequestOutput
+from revolta.sampling import SamplingParams
+from revolta.tokenizer import Tokenizer
+
+
+class ScriptedLLM:
+    def __init__(self, model_dir: Path, max_model_len: int = 4096, step_delay: float = 0.0):
+        self.model_path = Path(model_dir)
+        self.max_model_len = max_model_len
+        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
+        self.scripts: deque[str] = deque()  # the texts the next requests will generate, in order
+        self.prompts: list[list[int]] = []  # every accepted prompt, for assertions
+        self._live: dict[str, tuple[list[int], list[int], SamplingParams, RequestMetrics]] = {}
+        self._done: dict[str, int] = {}  # tokens generated so far, per request
+        self.step_delay = step_delay  # seconds per step, to keep requests in flight
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    def render_chat(self, messages, **kwargs) -> str:
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def add_request(self, prompt, sampling_params: SamplingParams, request_id: str) -> str:
+        if not self.scripts:
+            raise RuntimeError("ScriptedLLM: no script queued for this request")
+        ids = list(prompt["prompt_token_ids"])
+        self.prompts.append(ids)
+        script = self.tokenizer.encode(self.scripts.popleft())
+        self._live[request_id] = (ids, script, sampling_params, RequestMetrics(time.time(), num_prompt_tokens=len(ids)))
+        self._done[request_id] = 0
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(self.step_delay)
+        outputs = []
+        for rid, (ids, script, params, metrics) in list(self._live.items()):
+            k = self._done[rid] = self._done[rid] + 1
+            finish = "stop" if k >= len(script) else "length" if params.max_tokens and k >= params.max_tokens else None
+            text = self.tokenizer.decode(script[:k], skip_special_tokens=True)
+            outputs.append(RequestOutput(rid, None, ids, [CompletionOutput(0, text, script[:k], finish_reason=finish)],
+                                         finished=finish is not None, metrics=metrics))
+            if finish is not None:
+                del self._live[rid]
+        return outputs

@@ -1,0 +1,99 @@
+"""Server pieces that need no engine: the status -> Anthropic type table, the keep-alive wrapper, limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from revolta.server.config import ServerConfig
+from revolta.server.errors import anthropic_error_type
+from revolta.server.sse import KEEP_ALIVE, with_keep_alive
+
+
+@pytest.mark.parametrize("status,kind", [(400, "invalid_request_error"), (401, "authentication_error"),
+                                         (403, "permission_error"), (404, "not_found_error"),
+                                         (413, "request_too_large"), (429, "rate_limit_error"),
+                                         (503, "overloaded_error"), (500, "api_error"), (502, "api_error"),
+                                         (422, "invalid_request_error"), (405, "invalid_request_error")])
+def test_anthropic_error_type_from_status(status, kind):
+    assert anthropic_error_type(status) == kind
+
+
+def test_keep_alive_fills_silence_and_closes_the_source():
+    closed = []
+
+    async def frames():
+        try:
+            yield "a"
+            await asyncio.sleep(0.25)  # a silent stretch: several keep-alive intervals
+            yield "b"
+            await asyncio.sleep(10)
+            yield "never"
+        finally:
+            closed.append(True)
+
+    async def run():
+        out = []
+        agen = with_keep_alive(frames(), 0.05)
+        async for frame in agen:
+            out.append(frame)
+            if frame == "b":
+                break
+        await agen.aclose()  # the client left: the source must be closed (its finally aborts the request)
+        return out
+
+    out = asyncio.run(run())
+    assert out[0] == "a" and out[-1] == "b" and out.count(KEEP_ALIVE) >= 2 and set(out[1:-1]) == {KEEP_ALIVE}
+    assert closed == [True]
+
+
+def test_keep_alive_zero_is_pass_through():
+    async def frames():
+        await asyncio.sleep(0.1)
+        yield "x"
+
+    async def run():
+        return [f async for f in with_keep_alive(frames(), 0)]
+
+    assert asyncio.run(run()) == ["x"]
+
+
+@pytest.mark.parametrize("kwargs,says", [({"sse_keep_alive_interval": -1}, "keep-alive"),
+                                         ({"limit_mm_per_prompt": {"audio": 1}}, "no audio"),
+                                         ({"tool_call_parser": "hermes"}, "qwen3_coder")])
+def test_server_config_rejects_bad_flags(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        ServerConfig(served_model_name="m", **kwargs)
+
+
+def test_serve_cli_rejects_a_missing_model_dir(capsys):
+    from revolta.cli import main
+
+    assert main(["serve", "/nonexistent/checkpoint"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_sse_response_runs_on_close_even_if_the_body_never_starts():
+    from revolta.server.sse import sse_response
+
+    started, closed = [], []
+
+    async def frames():
+        started.append(True)
+        yield "data: x\n\n"
+
+    async def receive():
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("client gone")  # fails at http.response.start, before the body is iterated
+
+    async def run():
+        response = sse_response(frames(), 0, lambda: closed.append(True))
+        with pytest.raises(OSError):
+            await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+
+    asyncio.run(run())
+    assert closed == [True] and not started
