@@ -100,7 +100,7 @@ def image_tokens(size: int) -> int:
     return pads(size) + 2
 
 
-# (url, what the 400 says): G40, every case also on /v1/responses, the base64 ones also as Anthropic blocks
+# (url, what the 400 says): G40, each on chat completions, responses and messages
 BAD_IMAGES = {
     "truncated png": (data_url(png()[: len(png()) // 2]), "cannot decode image"),
     "zeroed chunk header": (data_url(zeroed_chunk(png())), "cannot identify the image data"),
@@ -120,11 +120,12 @@ def test_bad_images_are_400_on_every_api_then_a_valid_image_works(server, case):
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert says in error["message"] and error["type"] == "BadRequestError" and error["param"] == "image"
-    if url.startswith("data:image/png;base64,"):  # the same payload as an Anthropic base64 block
-        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",")[1]}}
-        r = messages_with(server, block)
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
-        assert says in r.json()["error"]["message"]
+    # Anthropic: the same payload as a base64 block, other URLs as a url source
+    source = {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]} \
+        if url.startswith("data:image/png;base64,") else {"type": "url", "url": url}
+    r = messages_with(server, {"type": "image", "source": source})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert says in r.json()["error"]["message"]
     ok = chat_with(server, image(data_url(png(seed=1))))
     assert ok.status_code == 200, ok.text  # the engine is unharmed
 
