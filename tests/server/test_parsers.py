@@ -549,7 +549,10 @@ def render_assistant(content: str, calls: list[dict]) -> str:
 @given(st.lists(arguments, min_size=1, max_size=3), st.sampled_from(["", "Sure.", "Let me look <b>now</b>."]),
        st.randoms(use_true_random=False))
 def test_template_round_trip(calls, content, rng):
-    assume(not any(AMBIGUOUS.search(a.get("s", "")) for a in calls))
+    # the format has no escaping: skip values whose rendered text (strings raw, the rest as JSON)
+    # holds a closing tag followed by the next tag
+    assume(not any(AMBIGUOUS.search(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+                   for a in calls for v in a.values()))
     text = render_assistant(content, calls)
     parsed = parse_tool_calls(text, ROUND_TRIP_TOOLS)
     assert parsed.content == content
