@@ -357,7 +357,11 @@ def main():
 
     # prefill and verify first, decode last: the fla decode peer at batch 256 has hit an illegal
     # memory access on the H200 (2026-12-02), which ends the process
-    for stage in (correctness, v100_configs, k1_prefill, k3_verify, k2_decode):
+    stages = (correctness, v100_configs, k1_prefill, k3_verify, k2_decode)
+    wanted = os.environ.get("GDN_STAGES")  # e.g. "correctness,k1_prefill" for a short re-run
+    for stage in stages:
+        if wanted and stage.__name__ not in wanted.split(","):
+            continue
         stage()
         save()
     print("\n== GDN kernels, µs per layer call ==")

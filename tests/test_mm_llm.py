@@ -89,6 +89,10 @@ def test_chat_with_image_and_video(llm, tmp_path):
                         "multi_modal_data": {"image": [pil]}}, SamplingParams(n=2, temperature=0, max_tokens=4),
                        use_tqdm=False)[0]
     assert [o.token_ids for o in two.outputs] == [c.outputs[0].token_ids] * 2
+    # process_prompt: the expanded ids without queuing anything; generating from its result is the same request
+    processed = llm.process_prompt(llm.chat_prompt(user({"type": "image", "image": pil}, text_part())))
+    assert processed.prompt_token_ids == a.prompt_token_ids and not llm.has_unfinished_requests()
+    assert llm.generate(processed, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == a.outputs[0].token_ids
     assert len(llm.engine.encoder_cache) == 0
 
 

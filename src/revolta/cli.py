@@ -225,14 +225,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens",
                                                           "kv_cache_dtype", "enable_prefix_caching",
-                                                          "speculative_config", "limit_mm_per_prompt")
+                                                          "speculative_config", "limit_mm_per_prompt",
+                                                          "allowed_local_media_path")
                    if getattr(args, name) is not None}
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")
     keep_alive = DEFAULT_KEEP_ALIVE_S if args.sse_keep_alive_interval is None else args.sse_keep_alive_interval
-    limits = {"image": 1, "video": 0, **(args.limit_mm_per_prompt or {})}
-    ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive, limit_mm_per_prompt=limits,
+    ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive,
                  max_pending_requests=args.max_pending_requests)  # check the flags before loading
+    from .mm_processor import parse_limits
+
+    parse_limits(args.limit_mm_per_prompt)  # the LLM applies them; a bad one is an error before loading
+    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
+        raise UserError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
     from .llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
@@ -241,7 +246,6 @@ def _serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key, sse_keep_alive_interval=keep_alive,
                           tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
-                          limit_mm_per_prompt=limits, allowed_local_media_path=args.allowed_local_media_path,
                           max_pending_requests=args.max_pending_requests)
     run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
     return 0

@@ -48,6 +48,19 @@ logger = logging.getLogger(__name__)
 # {"image": [...], "video": ...} and "mm_processor_kwargs" (see mm_processor.py)
 PromptType = Union[str, Mapping[str, Any]]
 
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt after `LLM.process_prompt`: tokenized, its media decoded and placed. Also a valid prompt.
+
+    prompt_token_ids are final: each media item's placeholder is expanded to one pad per vision-tower output row,
+    so their count is what the request costs in the context (and what usage reports).
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    mm_prompt: MultimodalPrompt | None = None
+
 # vLLM `LLM(...)` / `vllm serve` names that revolta accepts. Those not in _USED are recorded for the engine of a
 # later issue and do not change this generation path (the startup log says so).
 ENGINE_ARG_NAMES = frozenset({
@@ -364,7 +377,8 @@ class LLM:
         prompts: a string, {"prompt": str}, {"prompt_token_ids": [int, ...]}, or a list of those; a dict may add
             "multi_modal_data": {"image": [PIL image | bytes | path | data: URL, ...], "video": path | bytes |
             [F, H, W, 3] uint8 frames} with one `<|image_pad|>` / `<|video_pad|>` per item in the prompt, and
-            "mm_processor_kwargs" (min_pixels, max_pixels, fps, num_frames, ...). Bad media raise MediaError.
+            "mm_processor_kwargs" (min_pixels, max_pixels, fps, num_frames, ...), or a `process_prompt` result.
+            Bad media raise MediaError.
         sampling_params: one for all prompts, one per prompt, or None (the checkpoint's generation_config).
         """
         requests = self._make_requests(prompts, sampling_params)
@@ -429,9 +443,9 @@ class LLM:
                              "use {'prompt_token_ids': [...]} prompts")
         return self.tokenizer
 
-    def _make_requests(self, prompts: PromptType | Sequence[PromptType],
+    def _make_requests(self, prompts: PromptType | ProcessedPrompt | Sequence[PromptType | ProcessedPrompt],
                        sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[_Request]:
-        if isinstance(prompts, (str, Mapping)):
+        if isinstance(prompts, (str, Mapping, ProcessedPrompt)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -443,21 +457,31 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params; pass one "
                                  "SamplingParams for all or one per prompt")
+        for sp in params_list:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
         arrival = time.time()
         requests = []
         for p, sp in zip(prompts, params_list):
-            first = self._make_request(p, sp, arrival)
+            processed = self.process_prompt(p)  # n > 1: the siblings share the decoded media
+            first = self._make_request(processed, sp, arrival)
             requests.append(first)
             for i in range(1, sp.n):  # n > 1: siblings share the prompt (and its prefix-cache blocks)
-                sib = self._make_request(p, sp, arrival, seed_offset=i, mm=first.mm_prompt)
+                sib = self._make_request(processed, sp, arrival, seed_offset=i)
                 sib.index, sib.parent_id = i, first.request_id
                 requests.append(sib)
         return requests
 
-    def _make_request(self, prompt: PromptType, params: SamplingParams, arrival: float,
-                      seed_offset: int = 0, mm: MultimodalPrompt | None = None) -> _Request:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    def process_prompt(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
+        """Tokenize `prompt` and load, check and place its media, queuing nothing: the first half of add_request.
+
+        `len(result.prompt_token_ids)` counts every media pad token. Passing the result to add_request or
+        generate skips this work there; the server runs it on a worker thread so that decoding images does not
+        stall the engine thread. It reads only configuration, so it may run while `step()` runs on another
+        thread. A bad prompt raises ValueError (MediaError for bad media) or TypeError.
+        """
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
         text, ids = self._prompt_ids(prompt)
         vocab = self.cfg.text.vocab_size
         if not ids:
@@ -465,10 +489,15 @@ class LLM:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[:5]}, outside the vocabulary [0, {vocab})")
-        mm = mm if mm is not None else self._multimodal(prompt, ids)  # n > 1: siblings reuse the decoded media
+        mm = self._multimodal(prompt, ids)
         if mm is not None:
             self.engine.check_media(mm)
             ids = mm.token_ids  # one pad per vision-tower output row
+        return ProcessedPrompt(text, ids, mm)
+
+    def _make_request(self, prompt: ProcessedPrompt, params: SamplingParams, arrival: float,
+                      seed_offset: int = 0) -> _Request:
+        text, ids = prompt.prompt, list(prompt.prompt_token_ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves no "
                              "room to generate; shorten the prompt or raise max_model_len")
@@ -481,7 +510,8 @@ class LLM:
             self._next_request_id += 1
         request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1
         return _Request(request_id, text, ids, params, generator, max_tokens, detok,
-                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)), mm_prompt=mm,
+                        RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
+                        mm_prompt=prompt.mm_prompt,
                         spec_stats=SpecStats() if self.speculative_config.enabled else None)
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -506,9 +536,10 @@ class LLM:
                                          timestamps, self.allowed_local_media_path)
 
     # ---- incremental API (the server drives the engine with these) -------------------------------
-    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one prompt for `step()`; returns its request id (generated when not given).
+        """Queue one prompt (or a `process_prompt` result) for `step()`; returns its request id (generated when
+        not given).
 
         With `sampling_params.n > 1` the n completions run as siblings under this one id. The prompt is
         validated here: a bad prompt raises (ValueError / TypeError) and nothing is queued.

@@ -58,11 +58,13 @@ def _decode_data_url(url: str) -> bytes:
 
 def _check_local(path: Path, allowed: str | os.PathLike | None, allow_local_files: bool) -> Path:
     if not allow_local_files and allowed is None:
-        raise MediaError("local media files are not allowed here; send the media as a base64 data: URL")
+        raise MediaError("local media files are not allowed here: no allowed directory is set (allowed_local_media_path, "
+                         "--allowed-local-media-path for the server); send the media as a base64 data: URL")
     if allowed is not None:
         root = Path(allowed).resolve()
         if not path.resolve().is_relative_to(root):
-            raise MediaError(f"local media path {str(path)!r} is outside the allowed directory {str(root)!r}")
+            raise MediaError(f"local media path {str(path)!r} is outside the allowed directory {str(root)!r} "
+                             "(--allowed-local-media-path)")
     return path
 
 
@@ -102,5 +104,8 @@ def media_from_messages(messages: Sequence[Mapping[str, Any]],
                 value = value.get("url")
             if value is None:
                 raise MediaError(f"a {kind!r} content part has no {key!r} value", param=modality)
-            out[modality].append(resolve_media_source(value, allowed_local_media_path, allow_local_files))
+            try:
+                out[modality].append(resolve_media_source(value, allowed_local_media_path, allow_local_files))
+            except MediaError as e:  # named like the decoding errors of mm_processor: "image 2: ..."
+                raise MediaError(f"{modality} {len(out[modality])}: {e}", param=modality) from None
     return out

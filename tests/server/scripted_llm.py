@@ -2,7 +2,7 @@
 
 The embedded default model has random weights, so it never writes a `<tool_call>`. `ScriptedLLM`
 has the same public surface the server uses (add_request / step / abort_request /
-has_unfinished_requests, render_chat, get_tokenizer, ...) and the real tokenizer and chat template,
+has_unfinished_requests, chat_prompt, get_tokenizer, ...) and the real tokenizer and chat template,
 but each request generates the next scripted text, one token per step. Everything between the HTTP
 request and these outputs (rendering, validation, parsing, SSE, the SDKs) is the real server.
 """
@@ -37,6 +37,12 @@ class ScriptedLLM:
 
     def render_chat(self, messages, **kwargs) -> str:
         return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def chat_prompt(self, messages, allow_local_files=True, **kwargs) -> str:
+        if any(isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
+               for m in messages):
+            raise ValueError("ScriptedLLM takes text only; media tests use the real LLM (test_media.py)")
+        return self.render_chat(messages, **kwargs)
 
     def add_request(self, prompt, sampling_params: SamplingParams, request_id: str) -> str:
         if not self.scripts:

@@ -60,7 +60,6 @@ def test_keep_alive_zero_is_pass_through():
 
 
 @pytest.mark.parametrize("kwargs,says", [({"sse_keep_alive_interval": -1}, "keep-alive"),
-                                         ({"limit_mm_per_prompt": {"audio": 1}}, "no audio"),
                                          ({"tool_call_parser": "hermes"}, "qwen3_coder")])
 def test_server_config_rejects_bad_flags(kwargs, says):
     with pytest.raises(ValueError, match=says):
@@ -72,6 +71,16 @@ def test_serve_cli_rejects_a_missing_model_dir(capsys):
 
     assert main(["serve", "/nonexistent/checkpoint"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,says", [(["--limit-mm-per-prompt", '{"audio": 1}'], "no audio input"),
+                                        (["--limit-mm-per-prompt", '{"image": -1}'], "image=-1"),
+                                        (["--allowed-local-media-path", "/nonexistent/media"], "not a directory")])
+def test_serve_cli_rejects_bad_media_flags_before_loading(capsys, flags, says):
+    from revolta.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_sse_response_runs_on_close_even_if_the_body_never_starts():

@@ -145,7 +145,7 @@ class Messages:
         kwargs = dict(body.chat_template_kwargs or {})
         if enable is not None:
             kwargs["enable_thinking"] = enable
-        messages = normalize_messages(to_chat_messages(body), s.config)
+        messages = normalize_messages(to_chat_messages(body))
         return await s.renderer.render(messages, tools, kwargs, check_length=check_length)
 
     async def count_tokens(self, request: Request) -> JSONResponse:
@@ -162,7 +162,7 @@ class Messages:
         fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                   "stop": body.stop_sequences}
         params = build_sampling_params(fields, defaults=s.defaults, config=s.config, max_tokens=body.max_tokens)
-        stream = await s.submit(request, prompt.token_ids, s.engine_params(prompt, params))
+        stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         mid = f"msg_{uuid.uuid4().hex}"
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:

@@ -61,7 +61,7 @@ def basic_router(state: ServerState) -> APIRouter:
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt)
         else:
-            messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages], cfg)
+            messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
             rendered = await state.renderer.render(messages, tool_setup(body.tools, "none" if body.tools else None),
                                                    body.chat_template_kwargs,
                                                    add_generation_prompt=body.add_generation_prompt,

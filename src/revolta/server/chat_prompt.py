@@ -1,10 +1,12 @@
-"""Conversations -> prompt tokens: message normalisation, tool definitions and tool_choice, media checks.
+"""Conversations -> prompt tokens: message normalisation, tool definitions and tool_choice, media.
 
 All three chat-like routes (Chat Completions, Responses, Anthropic Messages) convert their input to
 OpenAI-style messages and tools first and then share this module, so validation and templating are
 the same everywhere. Without constrained decoding, tool_choice "required" and a named tool are
 enforced by opening the assistant turn with the start of a call (`<tool_call>\\n<function=`), which
-the output parser then reads as if the model had written it.
+the output parser then reads as if the model had written it. Media go through the LLM's own path
+(`chat_prompt` resolves the URLs, `process_prompt` decodes and expands the placeholders) on a worker
+thread, so the token counts include the media and every `MediaError` becomes a 400 naming its `param`.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from ..multimodal import MediaError
 from .config import ServerConfig
 from .errors import bad_request
-from .media import decode_image, read_media_url
 from .params import check_prompt_length
 from .tool_schema import ToolRequestError, ToolSet, resolve_tool_choice
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
-_MEDIA_PARTS = {"image_url": "image", "video_url": "video", "input_audio": "audio", "audio_url": "audio"}
+_VISUAL_PARTS = {"image_url": "image", "video_url": "video"}
+_AUDIO_PARTS = ("input_audio", "audio_url")
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,15 @@ class ToolSetup:
 @dataclass(frozen=True)
 class RenderedPrompt:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # what the prompt costs: each media placeholder expanded to its pad tokens
     enable_thinking: bool  # whether the model starts inside a <think> block
     tools: ToolSetup
+    processed: Any = None  # LLM.process_prompt's result when the prompt has media (decoded once, here)
+
+    @property
+    def engine_prompt(self) -> Any:
+        """What `LLM.add_request` takes for this prompt."""
+        return self.processed if self.processed is not None else {"prompt_token_ids": self.token_ids}
 
 
 def tool_setup(tools: Sequence[Any] | None, tool_choice: Any, parallel: bool = True) -> ToolSetup:
@@ -65,72 +74,68 @@ def tool_setup(tools: Sequence[Any] | None, tool_choice: Any, parallel: bool = T
     return ToolSetup(tuple(tools or ()), choice.mode, choice.name, parallel, toolset)
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]], config: ServerConfig) -> list[dict[str, Any]]:
-    """OpenAI-style messages -> the template's shape; media parts are checked (and refused, see below)."""
-    out, counts = [], {"image": 0, "video": 0, "audio": 0}
-    media: list[tuple[str, str, str]] = []  # (modality, url, where)
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-style messages -> the template's shape. Media parts keep their URL; `LLM.chat_prompt` resolves
+    them (media_sources.py), so the server and the library accept and refuse exactly the same sources."""
+    out = []
     for i, message in enumerate(messages):
         m = {k: v for k, v in message.items() if v is not None}
         if m.get("role") == "developer":
             m["role"] = "system"
         content = m.get("content")
         if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                where = f"messages[{i}].content[{j}]"
-                kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind in _TEXT_PARTS:
-                    if not isinstance(part.get("text"), str):
-                        raise bad_request(f"{where}.text must be a string")
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind in _MEDIA_PARTS:
-                    modality = _MEDIA_PARTS[kind]
-                    counts[modality] += 1
-                    url = part.get(kind, {}).get("url") if isinstance(part.get(kind), Mapping) else part.get(kind)
-                    media.append((modality, url, where))
-                    parts.append({"type": kind})
-                else:
-                    raise bad_request(f"{where}: Unsupported chat content part type {kind!r}; use text, "
-                                      "image_url or video_url")
-            m["content"] = parts
+            m["content"] = [_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)]
         out.append(m)
-    _check_media(counts, media, config)
     return out
 
 
-def _check_media(counts: dict[str, int], media: list[tuple[str, str, str]], config: ServerConfig) -> None:
-    for modality in ("image", "video", "audio"):
-        limit = config.limit_mm_per_prompt.get(modality, 0)
-        if counts[modality] > limit:
-            hint = " Set --limit-mm-per-prompt to increase this limit." if modality != "audio" else \
-                " This model has no audio input."
-            raise bad_request(f"At most {limit} {modality}(s) may be provided in one prompt.{hint}", modality)
-    for modality, url, where in media:
-        data = read_media_url(url, where, config.allowed_local_media_path)
-        if modality == "image":
-            decode_image(data, where)
-    if media:  # decoded fine, but LLM.add_request takes no multi_modal_data yet (the multimodal issue)
-        raise bad_request(f"{media[0][2]}: this server's engine does not take {media[0][0]} input yet; send "
-                          "text only", media[0][0])
+def _part(part: Any, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind in _TEXT_PARTS:
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.text must be a string")
+        return {"type": "text", "text": part["text"]}
+    if kind in _VISUAL_PARTS:
+        value = part.get(kind)
+        url = value.get("url") if isinstance(value, Mapping) else value
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{where}.{kind}.url must be a non-empty string: a data:<type>;base64,<data> URL or "
+                              "a file:// URL under --allowed-local-media-path", _VISUAL_PARTS[kind])
+        return {"type": kind, kind: {"url": url}}  # `detail` has no meaning for this model's processor
+    if kind in _AUDIO_PARTS:
+        return dict(part)  # the library refuses it with vLLM's "At most 0 audio(s)" message
+    raise bad_request(f"{where}: Unsupported chat content part type {kind!r}; use text, image_url or video_url")
 
 
 class PromptRenderer:
-    """Renders and tokenizes conversations with the served model's chat template."""
+    """Renders and tokenizes conversations with the served model's chat template; decodes their media."""
 
     def __init__(self, llm: Any, config: ServerConfig):
         self._llm, self._config = llm, config
         self.tokenizer = llm.get_tokenizer()
 
-    def _render(self, messages: list[dict[str, Any]], tools: ToolSetup, enable_thinking: bool,
-                template_kwargs: Mapping[str, Any], add_generation_prompt: bool) -> str:
+    def _prepare(self, messages: list[dict[str, Any]], tools: ToolSetup, enable_thinking: bool,
+                 template_kwargs: Mapping[str, Any], add_generation_prompt: bool) -> tuple[str, list[int], Any]:
+        """(text, token ids, processed prompt or None). Runs on a worker thread: decoding a request's images
+        must stall neither the event loop nor the engine thread."""
         kwargs = {k: v for k, v in template_kwargs.items() if k not in ("tools", "enable_thinking")}
-        try:
-            text = self._llm.render_chat(messages, tools=list(tools.tools) or None,
-                                         enable_thinking=enable_thinking,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+        try:  # allow_local_files=False: files only under --allowed-local-media-path
+            prompt = self._llm.chat_prompt(messages, allow_local_files=False, tools=list(tools.tools) or None,
+                                           enable_thinking=enable_thinking,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+        except MediaError as e:
+            raise bad_request(str(e), e.param) from None
         except (TemplateError, ValueError, TypeError) as e:
             raise bad_request(f"The chat template could not render the messages: {e}", "messages") from None
-        return text + tools.forced_prefix if add_generation_prompt else text
+        suffix = tools.forced_prefix if add_generation_prompt else ""
+        if isinstance(prompt, str):
+            return prompt + suffix, self.tokenizer.encode(prompt + suffix), None
+        text = prompt["prompt"] + suffix
+        try:
+            processed = self._llm.process_prompt({**prompt, "prompt": text})
+        except ValueError as e:  # MediaError: corrupt data, too many items, over a pixel limit
+            raise bad_request(str(e), getattr(e, "param", None)) from None
+        return text, processed.prompt_token_ids, processed
 
     async def render(self, messages: list[dict[str, Any]], tools: ToolSetup,
                      template_kwargs: Mapping[str, Any] | None = None, enable_thinking: bool | None = None,
@@ -140,8 +145,8 @@ class PromptRenderer:
             enable_thinking = template_kwargs.get("enable_thinking", True) is not False
         if tools.forced_prefix:  # the forced call opens the turn, so no reasoning block first
             enable_thinking = False
-        text = self._render(messages, tools, enable_thinking, template_kwargs, add_generation_prompt)
-        ids = await asyncio.to_thread(self.tokenizer.encode, text)
+        text, ids, processed = await asyncio.to_thread(self._prepare, messages, tools, enable_thinking,
+                                                       template_kwargs, add_generation_prompt)
         if check_length:
             check_prompt_length(len(ids), self._config.max_model_len)
-        return RenderedPrompt(text, ids, enable_thinking, tools)
+        return RenderedPrompt(text, ids, enable_thinking, tools, processed)

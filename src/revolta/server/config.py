@@ -1,8 +1,8 @@
-"""ServerConfig: what `revolta serve` was asked to do (HTTP side; engine arguments go to LLM)."""
+"""ServerConfig: what `revolta serve` was asked to do (HTTP side; engine and media arguments go to LLM)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_KEEP_ALIVE_S = 10.0  # well under the common 50-60 s proxy idle timeouts, even during a long prefill
@@ -18,8 +18,6 @@ class ServerConfig:
     api_key: when set, every route but /health needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
     sse_keep_alive_interval: seconds of silence before a `: keep-alive` comment on a stream (0 = off).
     tool_call_parser / reasoning_parser: "qwen3_coder" / "qwen3", or None to leave model text unparsed.
-    limit_mm_per_prompt: most media items per request by modality (image / video).
-    allowed_local_media_path: file:// media is read only under this directory (None = never).
     max_body_bytes: larger request bodies are refused with 413.
     max_pending_requests: most requests in the engine at once (running + queued); more are refused
         at once with 503 and Retry-After instead of queueing without bound (None = no limit).
@@ -32,8 +30,6 @@ class ServerConfig:
     sse_keep_alive_interval: float = DEFAULT_KEEP_ALIVE_S
     tool_call_parser: str | None = "qwen3_coder"
     reasoning_parser: str | None = "qwen3"
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 1, "video": 0})
-    allowed_local_media_path: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_stop_strings: int = MAX_STOP_STRINGS
     max_pending_requests: int | None = None
@@ -49,15 +45,9 @@ class ServerConfig:
             raise ValueError(f"--reasoning-parser={self.reasoning_parser!r} is not supported; use qwen3")
         if self.max_pending_requests is not None and self.max_pending_requests < 1:
             raise ValueError(f"--max-pending-requests={self.max_pending_requests} must be >= 1")
-        bad = {k: v for k, v in self.limit_mm_per_prompt.items()
-               if k not in ("image", "video") or not isinstance(v, int) or v < 0}
-        if bad:
-            raise ValueError(f"--limit-mm-per-prompt has invalid entries {bad}: use image/video with counts >= 0 "
-                             "(this model has no audio input)")
 
     def describe(self) -> dict[str, Any]:
         """The settings for the startup log, without the key."""
         return {"served_model_name": self.served_model_name, "max_model_len": self.max_model_len,
                 "api_key": "set" if self.api_key else None, "sse_keep_alive_interval": self.sse_keep_alive_interval,
-                "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
-                "limit_mm_per_prompt": self.limit_mm_per_prompt}
+                "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser}

@@ -74,8 +74,8 @@ class RequestStream:
     which frees its cache blocks; `close()` does the same and is idempotent.
     """
 
-    def __init__(self, engine: "EngineLoop", request_id: str, sink: _Sink, prompt_len: int):
-        self.request_id, self._engine, self._sink, self.num_prompt_tokens = request_id, engine, sink, prompt_len
+    def __init__(self, engine: "EngineLoop", request_id: str, sink: _Sink):
+        self.request_id, self._engine, self._sink = request_id, engine, sink
         self.done = False
         self._finished: set[int] = set()  # completion indexes seen finished (reader side)
 
@@ -139,22 +139,22 @@ class EngineLoop:
         """Requests accepted and not yet finished or aborted."""
         return len(self._sinks)
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-                     fault: Fault | None = None) -> RequestStream:
-        """Queue a tokenized prompt; raises what `LLM.add_request` raises (ValueError: a client error)."""
+    async def submit(self, prompt: Any, params: SamplingParams, fault: Fault | None = None) -> RequestStream:
+        """Queue a prompt for `LLM.add_request` ({"prompt_token_ids": [...]} or a processed prompt); raises
+        what add_request raises (ValueError: a client error)."""
         if not self.alive:
             raise RequestFailed("the engine is not running", status=503)
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         request_id = uuid.uuid4().hex
         sink = _Sink(loop, asyncio.Queue(), params.n, fault)
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, sink, accepted))
+        self._commands.put(("add", request_id, prompt, params, sink, accepted))
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine answered
             self.abort(request_id)
             raise
-        return RequestStream(self, request_id, sink, len(prompt_token_ids))
+        return RequestStream(self, request_id, sink)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -188,9 +188,9 @@ class EngineLoop:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, request_id, ids, params, sink, accepted = cmd
+            _, request_id, prompt, params, sink, accepted = cmd
             try:
-                self.llm.add_request({"prompt_token_ids": ids}, params, request_id=request_id)
+                self.llm.add_request(prompt, params, request_id=request_id)
             except Exception as e:  # the LLM's own validation: the submitter turns it into a 400
                 sink.loop.call_soon_threadsafe(_settle, accepted, e)
                 return

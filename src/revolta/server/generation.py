@@ -57,8 +57,9 @@ class ServerState:
                              streaming=streaming, stop=stop, include_stop=params.include_stop_str_in_output)
                 for _ in range(params.n)]
 
-    async def submit(self, request: Request, token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Hand a validated prompt to the engine; its own rejections become 400s, a full engine a 503."""
+    async def submit(self, request: Request, prompt: Any, params: SamplingParams) -> RequestStream:
+        """Hand a validated prompt (what `LLM.add_request` takes: {"prompt_token_ids": [...]} or a processed
+        prompt with media) to the engine; its own rejections become 400s, a full engine a 503."""
         limit = self.config.max_pending_requests
         if limit is not None and self.engine.num_in_flight >= limit:
             raise APIError(503, f"The server is overloaded: {limit} requests are already in flight "
@@ -70,7 +71,7 @@ class ServerState:
             except ValueError:
                 raise bad_request(f"{FAULT_HEADER} and {FAULT_STATUS_HEADER} must be integers") from None
         try:
-            return await self.engine.submit(token_ids, params, fault)
+            return await self.engine.submit(prompt, params, fault)
         except RequestFailed as e:
             raise APIError(e.status, str(e)) from None
         except (ValueError, TypeError) as e:

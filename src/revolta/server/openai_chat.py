@@ -93,7 +93,7 @@ class ChatCompletions:
         kwargs = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort == "none":
             kwargs.setdefault("enable_thinking", False)
-        messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages], s.config)
+        messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
         prompt = await s.renderer.render(messages, tools, kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -101,7 +101,7 @@ class ChatCompletions:
         params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
                                        max_tokens=max_tokens, max_tokens_param=param,
                                        logprobs=top if body.logprobs else None)
-        stream = await s.submit(request, prompt.token_ids, s.engine_params(prompt, params))
+        stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         parsers = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:

@@ -74,7 +74,7 @@ class Completions:
         streams = []
         try:
             for _, ids in prompts:
-                streams.append(await s.submit(request, ids, params))
+                streams.append(await s.submit(request, {"prompt_token_ids": ids}, params))
         except Exception:
             for st in streams:
                 st.close()

@@ -66,7 +66,10 @@ def _input_part(part: Mapping[str, Any], where: str) -> dict[str, Any]:
     if kind == "input_image":
         url = part.get("image_url")
         return {"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, Mapping) else url}}
-    raise bad_request(f"{where}: unsupported content type {kind!r}; use input_text or input_image", "input")
+    if kind in ("image_url", "video_url"):  # chat-style parts, as vLLM accepts them here (video has no input_ type)
+        return dict(part)
+    raise bad_request(f"{where}: unsupported content type {kind!r}; use input_text, input_image or video_url",
+                      "input")
 
 
 class Responses:
@@ -101,10 +104,10 @@ class Responses:
         kwargs = dict(body.chat_template_kwargs or {})
         if (body.reasoning or {}).get("effort") == "none":
             kwargs.setdefault("enable_thinking", False)
-        prompt = await s.renderer.render(normalize_messages(messages, s.config), tools, kwargs)
+        prompt = await s.renderer.render(normalize_messages(messages), tools, kwargs)
         params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
                                        max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens")
-        stream = await s.submit(request, prompt.token_ids, s.engine_params(prompt, params))
+        stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         rid = f"resp_{uuid.uuid4().hex}"
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:
