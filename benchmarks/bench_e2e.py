@@ -57,12 +57,14 @@ class BenchRequest:
         return len(self.token_ids) >= self.max_tokens
 
 
-def slice_config(num_layers: int) -> ModelConfig:
+def slice_config(num_layers: int, with_mtp: bool = False) -> ModelConfig:
+    """The real model's layer shapes with `num_layers` layers (and its MTP layer when asked)."""
     raw = json.loads(REAL_CONFIG.read_text())
     raw.pop("vision_config", None)
     t = raw["text_config"]
-    for key in ("mtp", "mtp_num_hidden_layers"):
-        t.pop(key, None)
+    if not with_mtp:
+        for key in ("mtp", "mtp_num_hidden_layers"):
+            t.pop(key, None)
     t["num_hidden_layers"] = num_layers
     t["layer_types"] = t["layer_types"][:num_layers]
     t["ple_layer_ids"] = [i for i in t["ple_layer_ids"] if i < num_layers]

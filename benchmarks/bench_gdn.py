@@ -19,6 +19,7 @@ lose the rest.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -58,6 +59,7 @@ def log(*a):
 
 
 def section(fn):
+    @functools.wraps(fn)  # keeps the stage name GDN_STAGES selects by
     def run(*a, **kw):
         try:
             fn(*a, **kw)

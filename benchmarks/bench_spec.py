@@ -4,11 +4,13 @@ round and decode speedup over no speculation at C1 and C8, for synthetic accepta
 so a round accepts up to the first wrong one), with per-draft state slots and with replay, for a
 greedy and a sampling target (sampling rows: the cost of a round at the acceptance it measures).
 
-    python benchmarks/bench_spec.py [--model small|wide] [--tokens 64]   (JSON in $OUT/bench_spec.json)
+    python benchmarks/bench_spec.py [--model small|wide|slice] [--tokens 64]   (JSON in $OUT/bench_spec.json)
 
 `small` is the GPU test model (tests/gpu/test_kernel_path_gpu.py); `wide` keeps the real model's
 per-layer widths (hidden 2560, GDN 16/48 heads of 128, QSA 32/2 heads of 256) with 4 layers and
-64 experts, so one step is bandwidth-shaped like a slice of the real model. Verify steps run
+64 experts, so one step is bandwidth-shaped like a slice of the real model; `slice` is the engine
+benchmark's real-width slice (bench_e2e.py: real layer shapes, 512 experts, vocab 248,320, --layers
+layers) with the real MTP layer, weights drawn on the GPU. Verify steps run
 eagerly (no CUDA graph yet). Times are wall clock around `engine.step`, with a device sync.
 """
 
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).parent))
 
 from revolta.config import ModelConfig  # noqa: E402
 from revolta.engine import Engine, EngineConfig  # noqa: E402
@@ -126,13 +129,23 @@ def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="small", choices=["small", "wide"])
+    ap.add_argument("--model", default="small", choices=["small", "wide", "slice"])
+    ap.add_argument("--layers", type=int, default=4, help="slice depth")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     args = ap.parse_args()
-    model = FlashNextModel(ModelConfig.from_dict(model_config(args.model))).eval()
-    init_random_weights(model, seed=3)
-    model = model.to(DEVICE, torch.float16 if DEVICE == "cuda" else torch.float32)
+    if args.model == "slice":
+        from bench_e2e import slice_config
+
+        with torch.device("meta"):
+            model = FlashNextModel(slice_config(args.layers, with_mtp=True), with_vision=False)
+        model.to_empty(device=DEVICE).init_buffers()
+        init_random_weights(model, seed=3, device=DEVICE)
+        model = model.to_dtype(torch.float16 if DEVICE == "cuda" else torch.float32).eval()
+    else:
+        model = FlashNextModel(ModelConfig.from_dict(model_config(args.model))).eval()
+        init_random_weights(model, seed=3)
+        model = model.to(DEVICE, torch.float16 if DEVICE == "cuda" else torch.float32)
     rows = []
     for c in (1, 8):
         for temperature in (0.0, 1.0):

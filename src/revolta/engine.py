@@ -151,7 +151,11 @@ class Engine:
         self.graphs: DecodeGraphs | None = None  # decode steps replay these when they fit
         if model.device.type == "cuda" and config.use_cuda_graphs:
             if self.spec.enabled:  # every decoding step is a verify step, which runs eagerly (not captured yet)
-                logger.info("CUDA graphs: not captured, speculative decoding runs its verify steps eagerly")
+                # measured on an H200 (benchmarks/RESULTS.md, S1): an eager MTP4 round costs 40-56 ms on a
+                # 4-layer real-width slice where a graph-captured decode step costs 2.1 ms
+                logger.warning("speculative decoding runs its draft and verify steps without CUDA graphs: on a GPU "
+                               "it is currently slower than plain decoding with graphs (see benchmarks/RESULTS.md, "
+                               "S1); pass speculative_config={'method': None} for the faster path")
             else:
                 self.graphs = self._capture_graphs()
 
