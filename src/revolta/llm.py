@@ -295,8 +295,10 @@ class LLM:
                  f"vision {v.depth} blocks" if v is not None else "no vision"]
         logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | ready in %.1f s", origin, self.model_path,
                     str(self.dtype).removeprefix("torch."), self.device, ", ".join(parts), num_params / 1e6, seconds)
+        rows = self.effective_config()
+        width = max(len(name) for name, _, _ in rows)
         logger.info("effective configuration (value [source]):\n%s", "\n".join(
-            f"  {name:<26} {value!s:<24} [{source}]" for name, value, source in self.effective_config()))
+            f"  {name:<{width}} {value!s:<24} [{source}]" for name, value, source in rows))
         unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"} - set(_ENGINE_CONFIG_ARGS) - set(_MEDIA_ARGS))
         if unused:
             logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))
