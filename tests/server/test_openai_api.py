@@ -52,6 +52,22 @@ def test_health_models_metrics(server, oc):
         assert name in m.text
 
 
+def test_metrics_count_speculative_rounds(server, oc):
+    # the embedded default has an MTP layer, so the server drafts with MTP4 by default
+    oc.completions.create(model=MODEL, prompt="one two three", max_tokens=6, temperature=0)
+
+    def counter(text, name):
+        line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    text = httpx.get(server.url + "/metrics").text
+    rounds = counter(text, "vllm:spec_decode_num_drafts_total")
+    drafted = counter(text, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = counter(text, "vllm:spec_decode_num_accepted_tokens_total")
+    assert rounds >= 1 and drafted >= rounds and 0 <= accepted <= drafted
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
+
+
 def test_tokenize_detokenize_and_chat_prompt_count(server, oc):
     t = httpx.post(server.url + "/tokenize", json={"prompt": "hello"}).json()
     assert set(t) == {"count", "max_model_len", "tokens"} and t["count"] == len(t["tokens"]) > 0

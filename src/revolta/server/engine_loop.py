@@ -43,6 +43,11 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
+    speculative: bool = False  # the engine drafts; the counters below sum every verify round
+    num_spec_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -247,8 +252,14 @@ class EngineLoop:
         if engine is None:
             return
         sched, alloc = engine.scheduler, engine.allocator
+        spec = getattr(engine, "spec_stats", None) if getattr(engine, "drafter", None) is not None else None
         self.stats = EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
-                                 kv_cache_usage=alloc.usage, num_free_blocks=alloc.num_free_blocks)
+                                 kv_cache_usage=alloc.usage, num_free_blocks=alloc.num_free_blocks,
+                                 speculative=spec is not None,
+                                 num_spec_rounds=spec.num_rounds if spec else 0,
+                                 num_draft_tokens=spec.num_draft_tokens if spec else 0,
+                                 num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+                                 accepted_per_position=tuple(spec.accepted_per_position) if spec else ())
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

@@ -112,6 +112,17 @@ class Metrics:
             ]
             for reason in ("stop", "length", "abort", "error"):
                 lines.append(f'vllm:request_success_total{{{m},finished_reason="{reason}"}} {self.finished[reason]}')
+            if stats.speculative:  # vLLM's speculative-decoding counter names
+                for name, value, text in (
+                        ("vllm:spec_decode_num_drafts_total", stats.num_spec_rounds, "Verify rounds."),
+                        ("vllm:spec_decode_num_draft_tokens_total", stats.num_draft_tokens, "Draft tokens proposed."),
+                        ("vllm:spec_decode_num_accepted_tokens_total", stats.num_accepted_tokens,
+                         "Draft tokens accepted.")):
+                    lines += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name}{{{m}}} {value}"]
+                name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+                lines += [f"# HELP {name} Rounds whose draft at this position was accepted.",
+                          f"# TYPE {name} counter"]
+                lines += [f'{name}{{{m},position="{j}"}} {n}' for j, n in enumerate(stats.accepted_per_position)]
             for name, hist, text in (
                     ("vllm:time_to_first_token_seconds", self.ttft, "Time to first token."),
                     ("vllm:inter_token_latency_seconds", self.itl, "Time between consecutive output steps."),
