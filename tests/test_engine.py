@@ -212,17 +212,18 @@ def test_a_thousand_short_requests_leave_the_pools_as_they_started(model):
     engine = make_engine(model, max_num_seqs=32, max_num_batched_tokens=128, kv_cache_gib=0.003)
     start_blocks, start_slots = engine.allocator.blocks.num_free, engine.allocator.slots.num_free
     reqs = [Req(f"s{i}", [1 + i % 500], max_tokens=1 + i % 3) for i in range(1000)]
-    for r in reqs:
-        engine.add_request(r)
-    steps = 0
-    while engine.has_unfinished():
-        engine.step(greedy)
-        steps += 1
-        if steps % 10 == 0:  # abort one queued or running request now and then
+
+    steps = [0]
+
+    def abort_now_and_then(engine):  # one running request every 10 steps
+        steps[0] += 1
+        assert steps[0] < 5_000
+        if steps[0] % 10 == 0:
             victim = next((r for r in reqs if not r.finished and r.token_ids), None)
             if victim is not None:
                 engine.abort(victim.request_id)
-        assert steps < 5_000
+
+    run(engine, reqs, on_step=abort_now_and_then)
     assert sum(r.finished for r in reqs) >= 900
     assert_clean(engine)
     assert (engine.allocator.blocks.num_free, engine.allocator.slots.num_free) == (start_blocks, start_slots)
