@@ -16,7 +16,7 @@ from .errors import bad_request
 from .generation import (ServerState, created, openai_frames, parse_all, parsed_outputs, unless_disconnected,
                          usage_openai)
 from .output import ChoiceParser, Delta
-from .params import build_sampling_params, check_model, read_body
+from .params import build_sampling_params, check_model, check_stream_options, read_body
 from .protocol import ChatCompletionRequest
 from .sse import data_frame, sse_response
 
@@ -81,8 +81,7 @@ class ChatCompletions:
         s = self.state
         body = await read_body(request, ChatCompletionRequest, s.config.max_body_bytes)
         check_model(body.model, s.config)
-        if body.stream_options is not None and not body.stream:
-            raise bad_request("stream_options can only be set together with stream=true", "stream_options")
+        check_stream_options(body.stream, body.stream_options)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         fmt = (body.response_format or {}).get("type", "text")

@@ -14,7 +14,7 @@ from ..request import CompletionOutput
 from .engine_loop import RequestStream
 from .errors import bad_request
 from .generation import ServerState, collect, created, openai_frames, unless_disconnected, usage_openai
-from .params import build_sampling_params, check_model, check_prompt_length, read_body
+from .params import build_sampling_params, check_model, check_prompt_length, check_stream_options, read_body
 from .protocol import CompletionRequest
 from .sse import data_frame, sse_response
 
@@ -62,8 +62,7 @@ class Completions:
         s = self.state
         body = await read_body(request, CompletionRequest, s.config.max_body_bytes)
         check_model(body.model, s.config)
-        if body.stream_options is not None and not body.stream:
-            raise bad_request("stream_options can only be set together with stream=true", "stream_options")
+        check_stream_options(body.stream, body.stream_options)
         if body.suffix:
             raise bad_request("suffix is not supported by this model", "suffix")
         prompts = await self._prompts(body.prompt)

@@ -62,6 +62,12 @@ def check_model(name: str | None, config: ServerConfig, required: bool = False) 
                        "model")
 
 
+def check_stream_options(stream: bool | None, stream_options: object) -> None:
+    """OpenAI's rule for chat and completions: stream_options only with stream=true."""
+    if stream_options is not None and not stream:
+        raise bad_request("stream_options can only be set together with stream=true", "stream_options")
+
+
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     if num_tokens >= max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
