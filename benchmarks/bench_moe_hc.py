@@ -1,4 +1,4 @@
-"""K5 (MoE grouped GEMM) and K7 (HyperConnection read) microbenchmarks, spec/performance.md §6.2.
+"""K5 (MoE grouped GEMM), K7 (HyperConnection read / write) and norm microbenchmarks, spec/performance.md §6.2.
 
 One H200, bf16 (fp16 for the V100 launch configs, correctness only). Order:
   1. ceilings measured in this run: copy bandwidth (read + write of 2 GiB) and bf16 matmul 8192³;
@@ -14,9 +14,12 @@ MoE: hidden 2560, ffn 640, 512 experts, top-10, shared expert (ffn 640) with a s
   grouped_mm      = sort + torch._grouped_mm (bf16, when it exists), shared fused the same way
   torch_loop      = per-expert torch.matmul loop (eager; host sync for the counts)
   GB/s counts the distinct touched experts' weights (plus the shared expert); TFLOP/s 2·M·k·3·H·I.
-HC: d 2560, h 4, r 320: ours = hc_read (Triton), torch = HyperConnection.read (graph and eager).
+HC: d 2560, h 4, r 320: ours = hc_read (Triton), torch = HyperConnection.read (graph and eager);
+  hc_combine (the write: x_b + inject_b * out) vs its torch reference.
+Norms: the (1+w) RMSNorm over d 2560 (zc_rms_norm) and the GDN gated RMSNorm over 48 heads x 128
+  (gated_rms_norm), vs their torch references; GB/s counts input + output (+ gate) bytes.
 
-Run: python benchmarks/bench_moe_hc.py [--quick]
+Run: python benchmarks/bench_moe_hc.py [--quick] [--parts moe,hc,elementwise]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import triton
 
 from revolta.kernels import hc as HC
 from revolta.kernels import moe as MOE
+from revolta.kernels import norm as NORM
 from revolta.layers.hyperconnection import HyperConnection
 
 H, I, E, TOPK = 2560, 640, 512, 10
@@ -248,10 +252,57 @@ def bench_hc(Ms, copy_gbs, mm_tflops):
     return rows, checks
 
 
+def bench_elementwise(Ms, copy_gbs):
+    """HC write (hc_combine) and the two norms: small M is launch/latency bound, so each call is timed
+    inside a graph of many calls over rotating inputs (> L2 at large M)."""
+    dt = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, checks = [], []
+    w_norm = torch.randn(D, device="cuda", dtype=dt, generator=gen) * 0.1
+    w_gate = torch.randn(128, device="cuda", dtype=dt, generator=gen) * 0.1
+    for M in Ms:
+        n = 4 if M >= 4096 else 64  # calls per graph
+        sets = 2 if M >= 4096 else 16
+        xs = [torch.randn(M, NH * D, device="cuda", dtype=dt, generator=gen) for _ in range(sets)]
+        inj = [torch.randn(M, NH, device="cuda", dtype=dt, generator=gen) for _ in range(sets)]
+        us = [torch.randn(M, D, device="cuda", dtype=dt, generator=gen) for _ in range(sets)]
+        hs = [torch.randn(M, D, device="cuda", dtype=dt, generator=gen) for _ in range(sets)]
+        os_ = [torch.randn(M * 48, 128, device="cuda", dtype=dt, generator=gen) for _ in range(sets)]
+        zs = [torch.randn(M * 48, 128, device="cuda", dtype=dt, generator=gen) for _ in range(sets)]
+        checks.append(dict(what=f"hc_combine M={M}", rel_err=rel_err(HC.hc_combine(xs[0], inj[0], us[0]),
+                                                                      HC.hc_combine_ref(xs[0], inj[0], us[0]))))
+        checks.append(dict(what=f"zc_rms_norm M={M}", rel_err=rel_err(NORM.zc_rms_norm(hs[0], w_norm, 1e-6),
+                                                                       NORM.zc_rms_norm_ref(hs[0], w_norm, 1e-6))))
+        checks.append(dict(what=f"gated_rms_norm M={M}", rel_err=rel_err(NORM.gated_rms_norm(os_[0], w_gate, zs[0], 1e-6),
+                                                                          NORM.gated_rms_norm_ref(os_[0], w_gate, zs[0], 1e-6))))
+        cases = {
+            "hc_combine": ((lambda i: HC.hc_combine(xs[i % sets], inj[i % sets], us[i % sets])),
+                           (lambda i: HC.hc_combine_ref(xs[i % sets], inj[i % sets], us[i % sets])),
+                           (2 * M * NH * D + M * D + M * NH) * 2),
+            "zc_rms_norm": ((lambda i: NORM.zc_rms_norm(hs[i % sets], w_norm, 1e-6)),
+                            (lambda i: NORM.zc_rms_norm_ref(hs[i % sets], w_norm, 1e-6)),
+                            (2 * M * D + D) * 2),
+            "gated_rms_norm": ((lambda i: NORM.gated_rms_norm(os_[i % sets], w_gate, zs[i % sets], 1e-6)),
+                               (lambda i: NORM.gated_rms_norm_ref(os_[i % sets], w_gate, zs[i % sets], 1e-6)),
+                               (3 * M * 48 * 128 + 128) * 2),
+        }
+        for name, (ours, ref, nbytes) in cases.items():
+            t = graph_time_us([(lambda i=i: ours(i)) for i in range(n)])
+            t_ref = graph_time_us([(lambda i=i: ref(i)) for i in range(n)])
+            res = dict(op=name, M=M, bytes=nbytes, ours_us=t, torch_graph_us=t_ref,
+                       ours_GBps=nbytes / (t * 1e-6) / 1e9)
+            res["ours_frac_copy"] = res["ours_GBps"] / copy_gbs
+            rows.append(res)
+            print(json.dumps(res), flush=True)
+    return rows, checks
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="skip the eager torch loop at prefill sizes")
+    ap.add_argument("--parts", default="moe,hc,elementwise", help="comma-separated subset of moe,hc,elementwise")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     out_dir = os.environ.get("OUT", "./bench_out")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
@@ -260,10 +311,11 @@ def main():
     copy_gbs, mm_tflops = ceilings()
     info.update(copy_GBps=copy_gbs, matmul_TFLOPs=mm_tflops)
     print(json.dumps(info), flush=True)
-    moe_rows, moe_checks = bench_moe([1, 5, 8, 40, 64, 8192], copy_gbs, mm_tflops, args.quick)
-    hc_rows, hc_checks = bench_hc([1, 5, 8, 8192], copy_gbs, mm_tflops)
+    moe_rows, moe_checks = bench_moe([1, 5, 8, 40, 64, 8192], copy_gbs, mm_tflops, args.quick) if "moe" in parts else ([], [])
+    hc_rows, hc_checks = bench_hc([1, 5, 8, 8192], copy_gbs, mm_tflops) if "hc" in parts else ([], [])
+    ew_rows, ew_checks = bench_elementwise([1, 5, 8, 64, 8192], copy_gbs) if "elementwise" in parts else ([], [])
     info["wall_s"] = time.time() - t0
-    result = dict(info=info, checks=moe_checks + hc_checks, moe=moe_rows, hc=hc_rows)
+    result = dict(info=info, checks=moe_checks + hc_checks + ew_checks, moe=moe_rows, hc=hc_rows, elementwise=ew_rows)
     with open(os.path.join(out_dir, "bench_moe_hc.json"), "w") as f:
         json.dump(result, f, indent=1)
 
@@ -288,6 +340,10 @@ def main():
         print(f"{r['M']:>6} {r['ours_us']:>8.1f} {r['torch_graph_us']:>11.1f} {r['torch_eager_us']:>11.1f} "
               f"{r['ours_GBps']:>7.0f} {100 * r['ours_frac_copy']:>5.0f}% {r['ours_TFLOPs']:>8.1f} "
               f"{r['torch_graph_us'] / r['ours_us']:>6.2f}x")
+    print(f"\n{'op':>15} {'M':>6} {'bytes':>10} {'ours us':>8} {'torch graph':>11} {'GB/s':>7} {'%copy':>6} {'speedup':>7}")
+    for r in ew_rows:
+        print(f"{r['op']:>15} {r['M']:>6} {r['bytes']:>10,} {r['ours_us']:>8.2f} {r['torch_graph_us']:>11.2f} "
+              f"{r['ours_GBps']:>7.0f} {100 * r['ours_frac_copy']:>5.0f}% {r['torch_graph_us'] / r['ours_us']:>6.2f}x")
     print(f"\nwall {info['wall_s']:.0f} s; JSON: {os.path.join(out_dir, 'bench_moe_hc.json')}")
     return 0
 

@@ -70,8 +70,9 @@ def _builds(arch):
     for G, warps in ((2560, 16), (256, 1), (10240, 16)):
         b[f"zc_rms_norm_G{G}"] = (norm._zc_rms_norm_kernel, "x w y N G stride_x stride_y eps BLOCK", "aaannnnsc",
                                   dict(BLOCK=1 << (G - 1).bit_length()), warps, 2)
-    b["gated_rms_norm"] = (norm._gated_rms_norm_kernel, "o w z y D stride_o stride_z stride_y eps BLOCK SILU",
-                           "aaaannnnscc", dict(BLOCK=128, SILU=False), 1, 2)
+    rows = norm.gated_norm_rows(128)
+    b["gated_rms_norm"] = (norm._gated_rms_norm_kernel, "o w z y M D stride_o stride_z stride_y eps ROWS BLOCK SILU",
+                           "aaaannnnnsccc", dict(ROWS=rows, BLOCK=128, SILU=False), min(8, max(1, rows * 128 // 256)), 2)
     d, r, h = 2560, 320, 4
     seen = set()
     for M in (1, 5, 8, 64, 8192):

@@ -76,19 +76,28 @@ def gated_rms_norm_ref(o: Tensor, w: Tensor, z: Tensor, eps: float, activation: 
 
 
 @triton.jit
-def _gated_rms_norm_kernel(o, w, z, y, D, stride_o, stride_z, stride_y, eps,
-                           BLOCK: tl.constexpr, SILU: tl.constexpr):
-    i_m = tl.program_id(0).to(tl.int64)
+def _gated_rms_norm_kernel(o, w, z, y, M, D, stride_o, stride_z, stride_y, eps,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr):
+    # ROWS rows per program: the GDN output norm runs over 128-wide head rows, and one tiny
+    # program per row leaves the GPU idle between launches of the row loop (30% of copy at 8K tokens)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     c = tl.arange(0, BLOCK)
-    m = c < D
-    b_o = tl.load(o + i_m * stride_o + c, mask=m, other=0.0).to(tl.float32)
-    b_z = tl.load(z + i_m * stride_z + c, mask=m, other=0.0).to(tl.float32)
-    b_w = tl.load(w + c, mask=m, other=0.0).to(tl.float32)
-    b_r = tl.rsqrt(tl.sum(b_o * b_o, 0) / D + eps)
+    m = (r[:, None] < M) & (c[None, :] < D)  # [ROWS, BLOCK]
+    b_o = tl.load(o + r[:, None] * stride_o + c[None, :], mask=m, other=0.0).to(tl.float32)
+    b_z = tl.load(z + r[:, None] * stride_z + c[None, :], mask=m, other=0.0).to(tl.float32)
+    b_w = tl.load(w + c, mask=c < D, other=0.0).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_o * b_o, 1) / D + eps)  # [ROWS]
     b_gate = tl.sigmoid(b_z)
     if SILU:
         b_gate = b_z * b_gate
-    tl.store(y + i_m * stride_y + c, (b_o * b_r * b_w * b_gate).to(y.dtype.element_ty), mask=m)
+    tl.store(y + r[:, None] * stride_y + c[None, :], (b_o * b_r[:, None] * b_w[None, :] * b_gate).to(y.dtype.element_ty),
+             mask=m)
+
+
+def gated_norm_rows(D: int) -> int:
+    """Rows per program of the gated norm: ~2K elements per program. Depends only on D, so a
+    row's arithmetic is the same whatever the number of rows (batch invariance)."""
+    return max(1, 2048 // triton.next_power_of_2(D))
 
 
 def gated_rms_norm(o: Tensor, w: Tensor, z: Tensor, eps: float, activation: str = "sigmoid") -> Tensor:
@@ -102,6 +111,9 @@ def gated_rms_norm(o: Tensor, w: Tensor, z: Tensor, eps: float, activation: str 
     if o2.shape[0] == 0:
         return y
     block = triton.next_power_of_2(D)
-    _gated_rms_norm_kernel[(o2.shape[0],)](o2, w, z2, y2, D, o2.stride(0), z2.stride(0), y2.stride(0), eps,
-                                           BLOCK=block, SILU=activation == "silu", num_warps=min(8, max(1, block // 256)))
+    rows = gated_norm_rows(D)
+    M = o2.shape[0]
+    _gated_rms_norm_kernel[(triton.cdiv(M, rows),)](o2, w, z2, y2, M, D, o2.stride(0), z2.stride(0), y2.stride(0), eps,
+                                                   ROWS=rows, BLOCK=block, SILU=activation == "silu",
+                                                   num_warps=min(8, max(1, rows * block // 256)))
     return y
