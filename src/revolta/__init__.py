@@ -15,14 +15,16 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "load_model", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "load_model", "__version__"]
 
-_EXPORTS = {"LLM": ".llm", "SamplingParams": ".sampling", "load_model": ".model"}
+_EXPORTS = {"LLM": ".llm", "SamplingParams": ".sampling", "StructuredOutputsParams": ".structured",
+            "load_model": ".model"}
 
 if TYPE_CHECKING:
     from .llm import LLM
     from .model import load_model
     from .sampling import SamplingParams
+    from .structured import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

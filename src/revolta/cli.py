@@ -12,10 +12,12 @@ stderr and exit with status 2; set REVOLTA_DEBUG=1 for the traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 EXIT_USAGE = 2
 
@@ -112,12 +114,28 @@ def _add_serve_parser(sub) -> None:
                        help="seconds of stream silence before a ': keep-alive' comment (default 10, 0 = off)")
     serve.add_argument("--max-pending-requests", type=int, metavar="N",
                        help="most requests in the engine at once; more get 503 + Retry-After (default: no limit)")
+    serve.add_argument("--structured-outputs-config", type=_json_flag("--structured-outputs-config"), metavar="JSON",
+                       help='structured-output defaults, e.g. \'{"disable_any_whitespace": true}\' (compact JSON)')
     serve.add_argument("--tool-call-parser", default="qwen3_coder", choices=["qwen3_coder", "none"])
     serve.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"])
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+
+
+def _structured_outputs_config(value: Any) -> bool:
+    """--structured-outputs-config JSON -> disable_any_whitespace (the one setting it has; backend may say xgrammar)."""
+    if value is None:
+        return False
+    if not isinstance(value, dict) or set(value) - {"disable_any_whitespace", "backend"}:
+        raise UserError(f"--structured-outputs-config {json.dumps(value)}: give an object with "
+                        "disable_any_whitespace (true/false) and optionally backend \"xgrammar\"")
+    if value.get("backend", "xgrammar") not in ("xgrammar", "auto"):
+        raise UserError(f"--structured-outputs-config backend {value['backend']!r}: only xgrammar is available")
+    if not isinstance(value.get("disable_any_whitespace", False), bool):
+        raise UserError("--structured-outputs-config disable_any_whitespace must be true or false")
+    return value.get("disable_any_whitespace", False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -231,6 +249,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")
     keep_alive = DEFAULT_KEEP_ALIVE_S if args.sse_keep_alive_interval is None else args.sse_keep_alive_interval
+    compact_json = _structured_outputs_config(args.structured_outputs_config)
     ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive,
                  max_pending_requests=args.max_pending_requests)  # check the flags before loading
     from .mm_processor import parse_limits
@@ -246,7 +265,8 @@ def _serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key, sse_keep_alive_interval=keep_alive,
                           tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
-                          max_pending_requests=args.max_pending_requests)
+                          max_pending_requests=args.max_pending_requests,
+                          structured_disable_any_whitespace=compact_json)
     run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
     return 0
 

@@ -40,6 +40,7 @@ from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs
 from .spec.config import SpeculativeConfig
 from .spec.stats import SpecStats
 from .spec.verify import greedy_accept, rejection_sample
+from .structured import RequestConstraint, StructuredDecoding, prompt_opens_reasoning, reasoning_ids
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class _Request:
     parent_id: str | None = None  # the prompt's request id when n > 1
     mm_prompt: MultimodalPrompt | None = None  # media items, positions (prompt_token_ids are then expanded)
     spec_stats: SpecStats | None = None  # acceptance statistics (the engine records them) when speculating
+    constraint: RequestConstraint | None = None  # grammar / thinking budget (structured.py), until it finishes
 
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.params.stop_strings, self.params.include_stop_str_in_output)
@@ -157,10 +159,16 @@ class _Request:
     def append(self, token_id: int, eos_token_ids: frozenset[int]) -> None:
         """Record one sampled token and decide whether the request is done."""
         self.token_ids.append(token_id)
+        allowed = self.constraint is None or self.constraint.accept(token_id)
         if self.detokenizer is not None:
             self.text += self.stop_checker.feed(self.detokenizer.add(token_id))
         if self.stop_checker.finished:
             self._finish("stop", self.stop_checker.stop)
+        elif not allowed:  # cannot happen with masked logits; end rather than emit outside the grammar
+            logger.warning("request %s: token %d is outside its grammar; ending it", self.request_id, token_id)
+            self._finish("stop", None)
+        elif self.constraint is not None and self.constraint.terminated:  # the grammar is complete
+            self._finish("stop", None if token_id in eos_token_ids else token_id)
         elif token_id in eos_token_ids and not self.params.ignore_eos:
             self._finish("stop", None)
         elif token_id in self.params.stop_token_ids:
@@ -170,12 +178,19 @@ class _Request:
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
+        self.release()
         if self.detokenizer is not None and not self.stop_checker.finished:
             self.text += self.stop_checker.feed(self.detokenizer.flush())
             self.text += self.stop_checker.flush()
             if self.stop_checker.finished:  # the held-back tail completed a stop string
                 self.stop_reason = self.stop_checker.stop
         self.metrics.finished_time = time.time()
+
+    def release(self) -> None:
+        """Drop the grammar matcher (finished or aborted)."""
+        if self.constraint is not None:
+            self.constraint.close()
+            self.constraint = None
 
     def output(self) -> RequestOutput:
         self.metrics.num_generation_tokens = len(self.token_ids)
@@ -251,6 +266,7 @@ class LLM:
                           "max_model_len": max_model_len is not None}
         self.engine = self._build_engine()
         self.sampler = Sampler()
+        self._structured: StructuredDecoding | None = None  # built by the first structured request
         self._seed, self._seed_rng = seed, random.Random(seed)
         self._next_request_id = 0
         self._live: dict[str, list[_Request]] = {}  # request id -> its n completions, while running
@@ -463,15 +479,20 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
         arrival = time.time()
-        requests = []
-        for p, sp in zip(prompts, params_list):
-            processed = self.process_prompt(p)  # n > 1: the siblings share the decoded media
-            first = self._make_request(processed, sp, arrival)
-            requests.append(first)
-            for i in range(1, sp.n):  # n > 1: siblings share the prompt (and its prefix-cache blocks)
-                sib = self._make_request(processed, sp, arrival, seed_offset=i)
-                sib.index, sib.parent_id = i, first.request_id
-                requests.append(sib)
+        requests: list[_Request] = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                processed = self.process_prompt(p)  # n > 1: the siblings share the decoded media
+                first = self._make_request(processed, sp, arrival)
+                requests.append(first)
+                for i in range(1, sp.n):  # n > 1: siblings share the prompt (and its prefix-cache blocks)
+                    sib = self._make_request(processed, sp, arrival, seed_offset=i)
+                    sib.index, sib.parent_id = i, first.request_id
+                    requests.append(sib)
+        except Exception:  # nothing is queued: drop the matchers already opened
+            for r in requests:
+                r.release()
+            raise
         return requests
 
     def process_prompt(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
@@ -514,7 +535,29 @@ class LLM:
         return _Request(request_id, text, ids, params, generator, max_tokens, detok,
                         RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
                         mm_prompt=prompt.mm_prompt,
-                        spec_stats=SpecStats() if self.speculative_config.enabled else None)
+                        spec_stats=SpecStats() if self.speculative_config.enabled else None,
+                        constraint=self._constraint(params, ids))
+
+    def _constraint(self, params: SamplingParams, prompt_ids: list[int]) -> RequestConstraint | None:
+        """The request's grammar matcher and reasoning budget (structured.py), or None when unconstrained."""
+        if not params.constrained:
+            return None
+        spec = params.structured_outputs
+        if spec is not None:
+            self._require_tokenizer("structured_outputs")
+        think_start, think_end = reasoning_ids(self.tokenizer)
+        if params.thinking_token_budget is not None and think_end is None:
+            raise ValueError("thinking_token_budget needs a tokenizer with a </think> token; drop it for this model")
+        return RequestConstraint(self.structured_decoding() if spec is not None else None, spec,
+                                 prompt_opens_reasoning(prompt_ids, think_start, think_end), think_end,
+                                 params.thinking_token_budget)
+
+    def structured_decoding(self) -> StructuredDecoding:
+        """The grammar compiler and its cache for this model's tokenizer (built on first use; needs xgrammar)."""
+        if self._structured is None:
+            tok = self._require_tokenizer("structured_outputs")
+            self._structured = StructuredDecoding(tok, self.cfg.text.vocab_size, sorted(self.eos_token_ids))
+        return self._structured
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -561,6 +604,7 @@ class LLM:
         """Stop a request (all its n completions) now and free its cache blocks; unknown ids are ignored."""
         for r in self._live.pop(request_id, ()):
             self.engine.abort(r.request_id)
+            r.release()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished()
@@ -626,6 +670,11 @@ class LLM:
             stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids)) for p in params]
             sample_logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                             [r.token_ids for r in requests], stops)
+        constrained = [b for b, r in enumerate(requests) if r.constraint is not None]
+        if constrained:
+            sample_logits = sample_logits.clone() if sample_logits is logits else sample_logits
+            for b in constrained:
+                requests[b].constraint.mask_rows(sample_logits[b:b + 1])
         token_ids = self.sampler(sample_logits, params, [r.generator for r in requests])
         if any(p.logprobs is not None for p in params):
             self._record_logprobs(requests, logits, token_ids)
@@ -646,6 +695,9 @@ class LLM:
                 stops = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
                 sample_rows = apply_penalties(rows, [p] * n, [r.prompt_token_ids] * n,
                                               [r.token_ids + list(d[:j]) for j in range(n)], [stops] * n)
+            if r.constraint is not None:  # row j as the grammar stands after drafts d[:j]
+                sample_rows = sample_rows.clone() if sample_rows is rows else sample_rows
+                r.constraint.mask_rows(sample_rows, d)
             if p.greedy:
                 emitted = greedy_accept(sample_rows.argmax(-1).tolist(), d)
             else:

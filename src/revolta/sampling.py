@@ -10,11 +10,13 @@ the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from .structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
@@ -44,6 +46,11 @@ class SamplingParams:
     repetition_penalty: tokens seen in the prompt or output have positive logits divided and
         negative ones multiplied by it (1 = off), as in vLLM / HF.
     min_tokens: end-of-sequence and stop_token_ids are masked until this many tokens exist.
+    structured_outputs: constrain the output to a JSON schema, any JSON object, a regex, a choice of
+        strings or an EBNF grammar (structured.py; needs xgrammar: pip install revolta[server]). With
+        thinking on, the constraint applies after `</think>`. A dict is read as StructuredOutputsParams(**it).
+    thinking_token_budget: most tokens of a `<think>` block the prompt opened; then `</think>` is forced
+        (vLLM's name; None = no limit, 0 = close it at once).
     """
 
     n: int = 1
@@ -64,6 +71,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
     # normalised views, filled in __post_init__
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -100,6 +109,14 @@ class SamplingParams:
             fail("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens={self.max_tokens}")
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields) or None")
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            fail("thinking_token_budget", "must be an integer >= 0 (0 = close the reasoning at once), or None")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and not (isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)):
             fail("stop", "must be a string or a list of strings")
@@ -112,6 +129,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a RequestConstraint (structured.py) shapes this request's logits."""
+        return self.structured_outputs is not None or self.thinking_token_budget is not None
 
     @property
     def has_penalties(self) -> bool:

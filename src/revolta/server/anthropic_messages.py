@@ -114,6 +114,12 @@ def thinking_enabled(body: AnthropicCountTokensRequest, max_tokens: int | None) 
     return True
 
 
+def thinking_budget(body: AnthropicCountTokensRequest) -> int | None:
+    """thinking.budget_tokens of an enabled thinking block: the engine forces </think> after that many tokens."""
+    t = body.thinking
+    return t.get("budget_tokens") if t is not None and t.get("type") == "enabled" else None
+
+
 def stop_reason(c: CompletionOutput, calls: list[ToolCall]) -> tuple[str, str | None]:
     if c.finish_reason == "length":
         return "max_tokens", None
@@ -160,7 +166,7 @@ class Messages:
             raise bad_request(f"max_tokens must be positive, got {body.max_tokens}")
         prompt = await self._prompt(body, body.max_tokens, check_length=True)
         fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-                  "stop": body.stop_sequences}
+                  "stop": body.stop_sequences, "thinking_token_budget": thinking_budget(body)}
         params = build_sampling_params(fields, defaults=s.defaults, config=s.config, max_tokens=body.max_tokens)
         stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         mid = f"msg_{uuid.uuid4().hex}"

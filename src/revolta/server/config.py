@@ -21,6 +21,8 @@ class ServerConfig:
     max_body_bytes: larger request bodies are refused with 413.
     max_pending_requests: most requests in the engine at once (running + queued); more are refused
         at once with 503 and Retry-After instead of queueing without bound (None = no limit).
+    structured_disable_any_whitespace: JSON outputs (response_format, text.format, structured_outputs)
+        get compact separators instead of free whitespace unless a request says otherwise.
     """
 
     served_model_name: str
@@ -33,6 +35,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_stop_strings: int = MAX_STOP_STRINGS
     max_pending_requests: int | None = None
+    structured_disable_any_whitespace: bool = False  # --structured-outputs-config {"disable_any_whitespace": ...}
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from ..request import CompletionOutput
 from .chat_prompt import RenderedPrompt, ToolSetup, normalize_messages, tool_setup
+from . import structured_request
 from .engine_loop import RequestStream
 from .errors import bad_request
 from .generation import (ServerState, created, openai_frames, parse_all, parsed_outputs, unless_disconnected,
@@ -84,11 +85,10 @@ class ChatCompletions:
         check_stream_options(body.stream, body.stream_options)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        fmt = (body.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(f"response_format {fmt!r} is not supported yet (no structured output in this "
-                              "engine); use {'type': 'text'}", "response_format")
+        fields = body.model_dump()  # with the vLLM extras (structured_outputs, guided_*, thinking_token_budget)
+        structured = structured_request.from_chat(fields, s.config.structured_disable_any_whitespace)
         tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls)
+        structured_request.check_tool_choice(structured, tools.choice, bool(tools.forced_prefix))
         kwargs = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort == "none":
             kwargs.setdefault("enable_thinking", False)
@@ -97,9 +97,9 @@ class ChatCompletions:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         top = body.top_logprobs or 0
-        params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
+        params = build_sampling_params(fields, defaults=s.defaults, config=s.config,
                                        max_tokens=max_tokens, max_tokens_param=param,
-                                       logprobs=top if body.logprobs else None)
+                                       logprobs=top if body.logprobs else None, structured_outputs=structured)
         stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         parsers = s.choice_parsers(prompt, params, streaming=body.stream)

@@ -22,6 +22,7 @@ from .errors import APIError, bad_request
 from .generation import ServerState, created, parse_all, parsed_outputs, unless_disconnected
 from .output import ChoiceParser
 from .params import build_sampling_params, check_model, read_body
+from .structured_request import check_tool_choice, from_responses
 from .protocol import ResponsesRequest
 from .sse import event_frame, sse_response
 from .tool_schema import ToolRequestError, responses_tools_to_openai
@@ -81,9 +82,7 @@ class Responses:
         s = self.state
         body = await read_body(request, ResponsesRequest, s.config.max_body_bytes)
         check_model(body.model, s.config)
-        fmt = ((body.text or {}).get("format") or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(f"text.format {fmt!r} is not supported yet (no structured output); use text", "text")
+        structured = from_responses(body.text, s.config.structured_disable_any_whitespace)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             if body.previous_response_id not in self.stored:
@@ -101,12 +100,14 @@ class Responses:
         except ToolRequestError as e:
             raise bad_request(e.message, e.param) from None
         tools = tool_setup(chat_tools, body.tool_choice, body.parallel_tool_calls)
+        check_tool_choice(structured, tools.choice, bool(tools.forced_prefix))
         kwargs = dict(body.chat_template_kwargs or {})
         if (body.reasoning or {}).get("effort") == "none":
             kwargs.setdefault("enable_thinking", False)
         prompt = await s.renderer.render(normalize_messages(messages), tools, kwargs)
         params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
-                                       max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens")
+                                       max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens",
+                                       structured_outputs=structured)
         stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         rid = f"resp_{uuid.uuid4().hex}"
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
@@ -143,7 +144,7 @@ class Responses:
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
                 "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
-                "tools": body.tools or [], "text": {"format": {"type": "text"}}, "metadata": {},
+                "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "metadata": {},
                 "reasoning": body.reasoning, "store": body.store,
                 # cached_tokens: the LLM API does not report prefix-cache hits per request yet
                 "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},

@@ -14,6 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..structured import StructuredOutputsParams
 from .config import ServerConfig
 from .errors import APIError, bad_request
 
@@ -79,8 +80,10 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
 
 def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams, config: ServerConfig,
                           max_tokens: int | None, max_tokens_param: str = "max_tokens",
-                          logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from request fields (None = not given), with the API's limits checked first."""
+                          logprobs: int | None = None,
+                          structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams from request fields (None = not given), with the API's limits checked first.
+    `structured_outputs` comes from structured_request.py (already checked)."""
     if max_tokens is not None:
         if max_tokens < 1:
             raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
@@ -112,12 +115,13 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
     kwargs: dict[str, Any] = {"temperature": temperature, "max_tokens": max_tokens, "n": n, "stop": stops or None,
-                              "logprobs": logprobs}
+                              "logprobs": logprobs, "structured_outputs": structured_outputs}
     for name in ("top_p", "top_k", "min_p"):
         value = fields.get(name)
         kwargs[name] = getattr(defaults, name) if value is None else value
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids",
-                 "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output"):
+                 "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+                 "thinking_token_budget"):
         if fields.get(name) is not None:
             kwargs[name] = fields[name]
     try:
