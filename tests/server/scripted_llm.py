@@ -25,6 +25,7 @@ class ScriptedLLM:
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.scripts: deque[str] = deque()  # the texts the next requests will generate, in order
         self.prompts: list[list[int]] = []  # every accepted prompt, for assertions
+        self.sampling_params: list[SamplingParams] = []  # and its SamplingParams
         self._live: dict[str, tuple[list[int], list[int], SamplingParams, RequestMetrics]] = {}
         self._done: dict[str, int] = {}  # tokens generated so far, per request
         self.step_delay = step_delay  # seconds per step, to keep requests in flight
@@ -49,6 +50,7 @@ class ScriptedLLM:
             raise RuntimeError("ScriptedLLM: no script queued for this request")
         ids = list(prompt["prompt_token_ids"])
         self.prompts.append(ids)
+        self.sampling_params.append(sampling_params)
         script = self.tokenizer.encode(self.scripts.popleft())
         self._live[request_id] = (ids, script, sampling_params, RequestMetrics(time.time(), num_prompt_tokens=len(ids)))
         self._done[request_id] = 0

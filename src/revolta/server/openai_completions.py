@@ -16,6 +16,7 @@ from .errors import bad_request
 from .generation import ServerState, collect, created, openai_frames, unless_disconnected, usage_openai
 from .params import build_sampling_params, check_model, check_prompt_length, check_stream_options, read_body
 from .protocol import CompletionRequest
+from .structured_request import from_chat
 from .sse import data_frame, sse_response
 
 
@@ -68,8 +69,10 @@ class Completions:
         prompts = await self._prompts(body.prompt)
         if body.stream and len(prompts) > 1:
             raise bad_request("streaming takes one prompt per request; send the prompts separately", "prompt")
-        params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
-                                       max_tokens=body.max_tokens, logprobs=body.logprobs)
+        fields = body.model_dump()  # with vLLM's structured_outputs / guided_* extras
+        params = build_sampling_params(fields, defaults=s.defaults, config=s.config,
+                                       max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                       structured_outputs=from_chat(fields, s.config.structured_disable_any_whitespace))
         streams = []
         try:
             for _, ids in prompts:
