@@ -33,7 +33,7 @@ from torch import Tensor
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'revolta[server]' (or pip install xgrammar)"
 THINK_START, THINK_END = "<think>", "</think>"
 DEFAULT_GRAMMAR_CACHE_SIZE = 64  # distinct compiled grammars kept per LLM
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed-check banner
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -55,6 +55,8 @@ class StructuredOutputsParams:
     regex: the output matches this regular expression (whole output).
     choice: the output is exactly one of these strings.
     grammar: an EBNF grammar (xgrammar / GBNF syntax, start rule `root`).
+    structural_tag: an xgrammar structural tag (dict, or its JSON text), e.g. the qwen3_coder call format
+        the server forces for tool_choice "required" / named (server/tool_grammar.py).
     disable_any_whitespace: JSON without free whitespace between tokens (compact separators).
     """
 
@@ -63,6 +65,7 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: Mapping[str, Any] | str | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -73,17 +76,18 @@ class StructuredOutputsParams:
                                         "structured_outputs")
         kind = given[0]
         value = getattr(self, kind)
-        if kind == "json":
+        if kind in ("json", "structural_tag"):
+            what = "a JSON schema" if kind == "json" else "an xgrammar structural tag"
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
-                    raise StructuredOutputError(f"structured_outputs.json is not valid JSON: {e}; pass a JSON schema "
-                                                "object", "structured_outputs.json") from None
-            if not isinstance(value, (Mapping, bool)):
-                raise StructuredOutputError(f"structured_outputs.json must be a JSON schema object, got "
-                                            f"{type(value).__name__}", "structured_outputs.json")
-            object.__setattr__(self, "json", value)
+                    raise StructuredOutputError(f"structured_outputs.{kind} is not valid JSON: {e}; pass {what} "
+                                                "object", f"structured_outputs.{kind}") from None
+            if not isinstance(value, Mapping) and not (kind == "json" and isinstance(value, bool)):
+                raise StructuredOutputError(f"structured_outputs.{kind} must be {what} object, got "
+                                            f"{type(value).__name__}", f"structured_outputs.{kind}")
+            object.__setattr__(self, kind, value)
         elif kind in ("regex", "grammar"):
             if not isinstance(value, str) or not value:
                 raise StructuredOutputError(f"structured_outputs.{kind} must be a non-empty string",
@@ -105,7 +109,7 @@ class StructuredOutputsParams:
         """What identifies the compiled grammar (the cache key)."""
         kind = self.kind
         value = getattr(self, kind)
-        text = json.dumps(value, sort_keys=True) if kind in ("json", "choice") else str(value)
+        text = json.dumps(value, sort_keys=True) if kind in ("json", "choice", "structural_tag") else str(value)
         return kind, text, self.disable_any_whitespace
 
     def check(self) -> None:
@@ -120,7 +124,9 @@ class StructuredOutputsParams:
                 xgr.Grammar.from_regex(self.regex)
             elif kind == "grammar":
                 xgr.Grammar.from_ebnf(self.grammar)
-        except RuntimeError as e:
+            elif kind == "structural_tag":
+                xgr.Grammar.from_structural_tag(json.dumps(self.structural_tag))
+        except (RuntimeError, ValueError) as e:
             raise StructuredOutputError(f"structured_outputs.{kind} is invalid: {xgrammar_message(e)}",
                                         f"structured_outputs.{kind}") from None
 
@@ -223,9 +229,11 @@ class StructuredDecoding:
                 compiled = c.compile_regex(spec.regex)
             elif kind == "choice":
                 compiled = c.compile_grammar(_choice_ebnf(spec.choice))
+            elif kind == "structural_tag":
+                compiled = c.compile_structural_tag(json.dumps(spec.structural_tag))
             else:
                 compiled = c.compile_grammar(spec.grammar)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             raise StructuredOutputError(f"structured_outputs.{kind} is invalid: {xgrammar_message(e)}",
                                         f"structured_outputs.{kind}") from None
         self.num_compiled += 1

@@ -131,3 +131,83 @@ def test_anthropic_budget_tokens_reaches_the_engine():
         llm.scripts.append("hello")
         r = httpx.post(url + "/v1/messages", json={"model": "scripted", "max_tokens": 64, "messages": HI})
         assert r.status_code == 200 and llm.sampling_params[-1].thinking_token_budget is None
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["days", "metric"],
+    "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}, "metric": {"type": "boolean"},
+                   "unit": {"enum": ["c", "f"]}}}}}
+NOOP = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+
+
+def typed_arguments(call) -> dict:
+    args = json.loads(call.function.arguments)
+    assert {"days", "metric"} <= set(args) <= {"days", "metric", "unit"}, args
+    assert isinstance(args["days"], int) and 1 <= args["days"] <= 9 and isinstance(args["metric"], bool), args
+    assert args.get("unit", "c") in ("c", "f"), args
+    return args
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_follow_the_schema(client, stream):
+    """Checks 17 and 18 on random weights: the grammar, not the model, makes the calls parse and type-check."""
+    def ask(**kwargs):
+        kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, NOOP],
+                  "max_tokens": 64, "temperature": 0, **kwargs}
+        if not stream:
+            return client.chat.completions.create(**kwargs).choices[0]
+        with client.chat.completions.stream(**kwargs) as s:
+            return s.get_final_completion().choices[0]
+
+    named = ask(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = named.message.tool_calls
+    assert call.function.name == "get_weather" and named.finish_reason == "stop"
+    typed_arguments(call)
+    one = ask(tool_choice="required", parallel_tool_calls=False)
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
+    assert one.message.tool_calls[0].function.name in ("get_weather", "noop")
+    for c in one.message.tool_calls:
+        if c.function.name == "get_weather":
+            typed_arguments(c)
+        else:
+            assert json.loads(c.function.arguments) == {}
+
+
+def test_forced_call_grammar_matches_the_chat_template():
+    """The call grammar accepts exactly what the chat template writes for a call (so the output parser
+    reads it), and refuses missing required parameters, wrong types, values outside an enum and, without
+    parallel calls, a second call."""
+    import xgrammar as xgr
+
+    from revolta.presets.default import ensure_default_model
+    from revolta.server.chat_prompt import tool_setup
+    from revolta.server.tool_grammar import forced_call_constraint
+    from revolta.tokenizer import Tokenizer
+
+    city = {**WEATHER["function"]["parameters"], "properties": {
+        "city": {"type": "string"}, **WEATHER["function"]["parameters"]["properties"],
+        "opts": {"$ref": "#/$defs/Opts"}}, "$defs": {"Opts": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                                            "required": ["n"]}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}, NOOP]
+    args = {"city": "Paris </function> ok", "days": 3, "metric": True, "unit": "f", "opts": {"n": 2}}
+    tok = Tokenizer.from_pretrained(ensure_default_model(progress=False))
+    rendered = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": args}}]}], tools=tools)
+    call = rendered[rendered.rindex("<tool_call>\n<function=") + len("<tool_call>\n<function="):]  # not the example
+    call = call[:call.index("</tool_call>") + len("</tool_call>")]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([b"a"]), cache_enabled=False)
+
+    def accepts(text: str, choice="required", parallel=True) -> bool:
+        spec = forced_call_constraint(tool_setup(tools, choice, parallel))
+        m = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(spec.structural_tag)))
+        return m.accept_string(text) and m.is_completed()
+
+    assert accepts(call) and accepts(call, parallel=False)
+    named = call.removeprefix("get_weather>\n")
+    assert accepts(named, {"type": "function", "function": {"name": "get_weather"}})
+    assert accepts("noop>\n</function>\n</tool_call>")
+    assert accepts(call + "\n<tool_call>\n<function=" + call) and not accepts(call + "\n<tool_call>\n<function=" + call,
+                                                                             parallel=False)
+    for bad in (call.replace("<parameter=days>\n3\n</parameter>\n", ""), call.replace("\n3\n", "\nthree\n"),
+                call.replace("\nf\n", "\ng\n"), call.replace('{"n": 2}', '{"m": 2}'), "unknown>\n" + call[12:]):
+        assert not accepts(bad), bad

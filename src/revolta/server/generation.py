@@ -20,6 +20,7 @@ from .errors import APIError, bad_request, openai_error_body
 from .metrics import Metrics
 from .output import ChoiceParser, Delta
 from .sse import DONE, data_frame
+from .tool_grammar import forced_call_constraint
 
 T = TypeVar("T")
 # honoured only with --enable-fault-injection: fail the request after N tokens, with this status (default 500)
@@ -43,9 +44,14 @@ class ServerState:
 
     def engine_params(self, prompt: RenderedPrompt, params: SamplingParams) -> SamplingParams:
         """What the engine runs: with tool parsing, stop strings are the parsers' (content only), so a
-        stop string inside a call's arguments does not cut the call."""
+        stop string inside a call's arguments does not cut the call; a forced tool_choice (required /
+        named) also gets the grammar of its call (tool_grammar.py)."""
         if self.parse_tools(prompt) and params.stop_strings:
-            return dataclasses.replace(params, stop=None)
+            params = dataclasses.replace(params, stop=None)
+        if self.parse_tools(prompt) and params.structured_outputs is None:
+            forced = forced_call_constraint(prompt.tools, self.config.structured_disable_any_whitespace)
+            if forced is not None:
+                params = dataclasses.replace(params, structured_outputs=forced)
         return params
 
     def choice_parsers(self, prompt: RenderedPrompt, params: SamplingParams,
