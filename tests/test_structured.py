@@ -248,7 +248,8 @@ def test_json_schema_regex_and_choice(plain):
 
 def test_speculation_verifies_drafts_against_the_grammar(spec, plain):
     """Greedy constrained decoding gives the same tokens with MTP4 as without, whether the drafts are the
-    MTP head's, the constrained continuation itself (all accepted) or a token no grammar allows."""
+    MTP head's (random weights: mostly outside the grammar, so refused at their masked rows) or the
+    constrained continuation itself (all accepted until a special token no grammar allows)."""
     prompts = ["Reply in JSON.", "Pick a code."]
     params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=SMALL),
               SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=r"[a-c]{6}"))]
@@ -258,8 +259,7 @@ def test_speculation_verifies_drafts_against_the_grammar(spec, plain):
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=32, structured_outputs=SMALL)
     for mode, drafts_for in (("mtp", None),
                              ("continuation", lambda ids, k: next((f for f in full if f[:len(ids)] == ids), ids)
-                              [len(ids):] + [special] * k),
-                             ("refused", lambda ids, k: [special] * k)):
+                              [len(ids):] + [special] * k)):
         undo = replace_drafts(spec, drafts_for) if drafts_for else (lambda: None)
         try:
             extra = [sampled] if mode == "mtp" else []
@@ -273,8 +273,6 @@ def test_speculation_verifies_drafts_against_the_grammar(spec, plain):
             check_schema(json.loads(got[2].outputs[0].text), SMALL_SCHEMA)
         if mode == "continuation":  # every draft before the end is the right token
             assert st.num_accepted_tokens >= len(want[0].token_ids) - 2 * st.num_rounds
-        if mode == "refused":
-            assert st.num_accepted_tokens == 0
     check_schema(json.loads(want[0].text), SMALL_SCHEMA)
     assert spec.structured_decoding().num_matchers == 0
 
