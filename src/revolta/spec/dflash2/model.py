@@ -38,28 +38,38 @@ from .selector import CandidateSelector, Selection
 @dataclass
 class DraftKVCache:
     """One request's drafter context K/V, dense and unpaged: `keys[l]`, `values[l]` [N, Hkv, D] for layer l
-    at positions 0 .. N - 1 (K after k_norm and RoPE). A paged variant sharing the engine's pages can replace
-    it; the model only reads `length`, `keys`, `values` and calls `append`."""
+    at positions start .. start + N - 1 (K after k_norm and RoPE). `start` is 0 unless the context began later
+    (a request whose earlier target rows were never seen, e.g. after a prefix-cache hit). A paged variant
+    sharing the engine's pages can replace it; the model only reads `length`, `end`, `keys`, `values` and
+    calls `append`."""
 
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
+    start: int = 0
 
     @property
     def length(self) -> int:
+        """Rows held."""
         return self.keys[0].shape[0] if self.keys else 0
 
+    @property
+    def end(self) -> int:
+        """The position after the last row: where the next context row, or the block's anchor, sits."""
+        return self.start + self.length
+
     def append(self, keys: list[Tensor], values: list[Tensor]) -> None:
-        """Add per-layer rows [n, Hkv, D] at positions length .. length + n - 1."""
+        """Add per-layer rows [n, Hkv, D] at positions end .. end + n - 1."""
         if not self.keys:
             self.keys, self.values = list(keys), list(values)
         else:
             self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, keys)]
             self.values = [torch.cat([a, b]) for a, b in zip(self.values, values)]
 
-    def crop(self, length: int) -> None:
-        """Keep positions 0 .. length - 1 (e.g. to roll back context that was never committed)."""
-        self.keys = [k[:length] for k in self.keys]
-        self.values = [v[:length] for v in self.values]
+    def crop(self, end: int) -> None:
+        """Keep positions before `end` (e.g. to roll back context that was never committed)."""
+        n = max(0, end - self.start)
+        self.keys = [k[:n] for k in self.keys]
+        self.values = [v[:n] for v in self.values]
 
 
 def block_visibility(context_lens: Tensor, max_context: int, block: int, causal: bool,
@@ -67,7 +77,8 @@ def block_visibility(context_lens: Tensor, max_context: int, block: int, causal:
     """Which keys each block query sees: [B, 1, block, max_context + block] bool.
 
     Keys are [context padded to max_context ; block]; request b's context has context_lens[b] rows
-    (the rest is padding) and its block starts at position context_lens[b].
+    (the rest is padding) and its block follows them. Positions here count from the context's first row;
+    only their differences matter.
     """
     dev = context_lens.device
     n = context_lens[:, None, None]  # [B, 1, 1]
@@ -171,14 +182,14 @@ class DFlash2DraftModel(nn.Module):
 
     # ---- context ---------------------------------------------------------------------------
     def extend_context(self, cache: DraftKVCache, tapped: Tensor) -> None:
-        """Append K/V for tapped target states [n, taps * H] at positions cache.length .. + n - 1."""
+        """Append K/V for tapped target states [n, taps * H] at positions cache.end .. + n - 1."""
         if tapped.shape[-1] != self.fc.in_features:
             raise ValueError(f"context rows have {tapped.shape[-1]} features; the drafter taps {self.cfg.num_taps} "
                              f"target layers of {self.cfg.hidden_size} ({self.fc.in_features} features)")
         if tapped.shape[0] == 0:
             return
         ctx = self.hidden_norm(self.fc(tapped.to(self.fc.weight.dtype)))  # [n, H]
-        cos, sin = self._rope(torch.arange(cache.length, cache.length + ctx.shape[0], device=ctx.device))
+        cos, sin = self._rope(torch.arange(cache.end, cache.end + ctx.shape[0], device=ctx.device))
         kv = [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
         cache.append([k for k, _ in kv], [v for _, v in kv])
 
@@ -194,7 +205,8 @@ class DFlash2DraftModel(nn.Module):
         dev = block_embeds.device
         lens = torch.tensor([c.length for c in caches], device=dev)
         n = max(c.length for c in caches)
-        cos, sin = self._rope((lens[:, None] + torch.arange(S, device=dev)).flatten())
+        ends = torch.tensor([c.end for c in caches], device=dev)
+        cos, sin = self._rope((ends[:, None] + torch.arange(S, device=dev)).flatten())
         x = block_embeds.to(self.fc.weight.dtype)
         for l, layer in enumerate(self.layers):
             ctx_k = _pad_stack([c.keys[l] for c in caches], n)
@@ -225,7 +237,7 @@ class DFlash2DraftModel(nn.Module):
 
         context: per request, tapped target states [n_b, taps * H] of the positions its cache lacks (n_b may be 0);
         caches: per request, its DraftKVCache (extended in place); anchor_ids: [B] each request's last committed
-        token, at position cache.length after the extension; embed: the target's token embedding (ids -> [.., H]);
+        token, at position cache.end after the extension; embed: the target's token embedding (ids -> [.., H]);
         lm_head: the target's head ([N, H] -> [N, V]). Returns Selection: tokens [B, block_size - 1], the
         candidates and, for temperature > 0, the selector's q.
         """

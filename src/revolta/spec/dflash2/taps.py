@@ -3,8 +3,9 @@
 The tap after target layer i is the wide residual leaving layer i, [T, hc_count * H]; `reduce_tap`
 turns it into H features by the config's `tap_reduction`, and `context_features` concatenates the
 taps in `target_layer_ids` order, [T, taps * H], the rows `DFlash2DraftModel.extend_context` takes.
-`capture_boundaries` collects those residuals from an ordinary target forward (forward hooks that
-live only inside the `with` block).
+`hidden_taps` makes the paged runner return those rows for every step (`ModelRunner.hidden_taps`);
+`capture_boundaries` collects the residuals from an ordinary target forward (forward hooks that live
+only inside the `with` block).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ...model import TextModel
+from ...runner import HiddenTaps
 from .draft_config import DFlash2DraftConfig
 
 
@@ -40,6 +42,11 @@ def context_features(text: TextModel, cfg: DFlash2DraftConfig, boundaries: dict[
         raise ValueError(f"no captured residual after target layers {missing}; capture every id in "
                          f"target_layer_ids={list(cfg.target_layer_ids)}")
     return torch.cat([reduce_tap(text, i, boundaries[i], cfg.tap_reduction) for i in cfg.target_layer_ids], -1)
+
+
+def hidden_taps(text: TextModel, cfg: DFlash2DraftConfig) -> HiddenTaps:
+    """The runner setting that makes a step's hidden rows this drafter's context features [T, taps * H]."""
+    return HiddenTaps(tuple(cfg.target_layer_ids), lambda boundaries: context_features(text, cfg, boundaries))
 
 
 @contextmanager
