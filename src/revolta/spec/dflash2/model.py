@@ -132,8 +132,9 @@ class DraftAttention(nn.Module):
         k = torch.cat([ctx_k, k.unflatten(0, (B, S))], dim=1)  # [B, N + S, Hkv, D]
         v = torch.cat([ctx_v, v.unflatten(0, (B, S))], dim=1)
         mask = block_visibility(context_lens, ctx_k.shape[1], S, self.causal, self.window)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True)
+        groups = q.shape[2] // k.shape[2]  # query head h reads K/V head h // groups
+        k, v = (t.repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
