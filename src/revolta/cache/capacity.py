@@ -403,7 +403,7 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
             f"{max(0, num_blocks - 1):,} blocks ({human_bytes(max(0, num_blocks - 1) * page)}), i.e. "
             f"{fit:,} tokens; lower --max-model-len to {fit:,} or less, use --kv-cache-dtype fp8_e4m3, raise "
             "--gpu-memory-utilization, use more GPUs (--tp) or lower --max-num-seqs")
-    per_request = -(-L // bs) + slots_per_request * state_pages
+    per_request = -(-L // bs) + slots_per_request * state_pages + -(-draft_per_request // page)
     # Reported capacity is what the allocated tensors physically hold: the KV blocks (state
     # slots are separate tensors sized for max_num_seqs), capped by the running slots.
     kv_tokens = (num_blocks - 1) * bs
@@ -478,33 +478,37 @@ def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_l
                    kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                    weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
                    activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
-                   other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, **cache_options) -> str:
+                   other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
+                   **cache_options) -> str:
     """What `revolta info DIR --gpu-memory GiB --tp N --max-model-len L --kv-cache-dtype D` prints:
     the budget, the pool layout and the two capacity lines, computed without weights or a GPU.
 
     gpu_memory_gib: memory of one GPU. weights_bytes: per-GPU weights when known (else estimated
-    for `weight_format`). cache_options: further `CacheConfig` fields (max_num_seqs,
-    num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
+    for `weight_format`). drafter_weights_bytes: per-GPU weights of a separate drafter, added to
+    estimated weights (not to measured ones). cache_options: further `CacheConfig` fields
+    (max_num_seqs, num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
     Raises CacheConfigError for configurations that cannot work.
     """
     return format_plan(dry_run_plan(cfg, gpu_memory_gib, tp, max_model_len, kv_cache_dtype, gpu_memory_utilization,
                                     weights_bytes, weight_format=weight_format, dtype=dtype,
                                     activation_bytes=activation_bytes, cudagraph_reserve_mib=cudagraph_reserve_mib,
-                                    other_reserve_mib=other_reserve_mib, **cache_options), cfg)
+                                    other_reserve_mib=other_reserve_mib, drafter_weights_bytes=drafter_weights_bytes,
+                                    **cache_options), cfg)
 
 
 def dry_run_plan(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len: int,
                  kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                  weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
                  activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
-                 other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, **cache_options) -> CachePlan:
+                 other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
+                 **cache_options) -> CachePlan:
     """The `CachePlan` behind `dry_run_report` (same arguments)."""
     if gpu_memory_gib <= 0:
         raise CacheConfigError(f"--gpu-memory={gpu_memory_gib} GiB must be > 0")
     cache = CacheConfig(max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, **cache_options)
     validate_cache_config(cfg, cache, tp)
     if weights_bytes is None:
-        weights_bytes = estimate_weight_bytes(cfg, tp, weight_format)["total"]
+        weights_bytes = estimate_weight_bytes(cfg, tp, weight_format)["total"] + drafter_weights_bytes
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(cfg, tp, cache.max_num_batched_tokens, cache.max_num_seqs,
                                                      cache.num_speculative_tokens, dtype)
@@ -554,7 +558,9 @@ def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
         f"  allocated: {human_bytes(plan.storage_bytes)} ({plan.storage_bytes:,} B); KV blocks hold "
         f"{kv_tokens:,} tokens = {full_len} full {c.max_model_len:,}-token requests",
         f"  per {c.max_model_len:,}-token request: {-(-c.max_model_len // plan.block_size):,} KV pages + "
-        f"{1 + c.num_draft_slots} state slots x {plan.state_pages} = {plan.pages_per_request:,} pages",
+        f"{1 + c.num_draft_slots} state slots x {plan.state_pages}"
+        f"{f' + {-(-plan.draft_kv_bytes_per_request // plan.page_bytes)} draft KV pages' if g is not None else ''}"
+        f" = {plan.pages_per_request:,} pages",
         f"  release-note method (state pages drawn from one shared pool): ({plan.pool_pages:,} - 1 null - "
         f"{plan.state_pages} dummy) / {plan.pages_per_request:,} = {plan.unified_concurrency:.2f}x, i.e. "
         f"{int(plan.unified_concurrency * c.max_model_len):,} tokens; revolta's state slots are separate tensors, "

@@ -41,6 +41,14 @@ def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + per, vocab_size)
 
 
+def codebook_bytes_per_gpu(vocab_size: int, selector_rank: int, tensor_parallel_size: int, sharded: bool,
+                           element_bytes: int = 2) -> int:
+    """Bytes of both codebooks on the GPU holding the most rows (rank 0): 242.5 MiB replicated at
+    vocab 248,320 and rank 256 in fp16, 60.6 MiB per GPU sharded over TP4 (release note: 242 -> 61)."""
+    start, end = vocab_shard(vocab_size, 0, tensor_parallel_size) if sharded else (0, vocab_size)
+    return len(CODEBOOKS) * (end - start) * selector_rank * element_bytes
+
+
 def check_codebook_shape(name: str, shape: Sequence[int], vocab_size: int, selector_rank: int) -> None:
     if tuple(shape) != (vocab_size, selector_rank):
         raise ValueError(f"checkpoint tensor {name} has shape {list(shape)}, expected [vocab_size={vocab_size}, "
