@@ -77,8 +77,9 @@ class EngineConfig:
     kv_offload_gib: float = 0.0  # CPU tier: evicted prefix blocks and snapshots in pinned host memory
     block_size: int | None = None
     kernels: str = "torch"  # "torch" references or "triton" kernels
-    # vLLM's dict ({"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": False}); None: MTP4
-    # when the model has its MTP head loaded, else off; {"method": None}: off (spec/config.py)
+    # vLLM's dict ({"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": False}, or
+    # {"method": "dflash2", "model": DIR, ...}); None: MTP4 when the model has its MTP head loaded, else off;
+    # {"method": None}: off (spec/config.py)
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
     # vision-tower output rows one step may compute, and rows the encoder cache holds; default the token budget,
     # at least MIN_ENCODER_TOKENS (a default ~1 MP image is 1,024 rows, a default video up to 3,136)

@@ -343,7 +343,8 @@ class LLM:
                 "speculative decoding (eager verify steps)" if self.speculative_config.enabled else "torch kernels"
             rows.append(("cuda graphs", "off", why))
         mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
-            "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else "default"
+            "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else \
+            "default (1200 MiB with DFlash2, else 700 MiB)"
         rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
         spec_source = arg("speculative_config") if "speculative_config" in self.engine_args else \
             f"default ({'MTP4: the checkpoint has an MTP layer' if self.cfg.text.mtp is not None else 'no MTP layer'})"

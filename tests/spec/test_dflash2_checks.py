@@ -83,6 +83,15 @@ def test_pipeline_parallel_and_target_mismatch_are_rejected(tmp_path):
     vocab = spec_for(write_drafter(tmp_path / "vocab", vocab_size=1000))
     with pytest.raises(ValueError, match="vocab_size=1000 but the target has 512"):
         check(vocab)
+    layers = tiny_target().text.num_hidden_layers
+    taps = spec_for(write_drafter(tmp_path / "taps", dflash_config={"target_layer_ids": [0, layers]}))
+    with pytest.raises(ValueError, match=f"taps target layers \\[{layers}\\], outside this target's 0..{layers - 1}"):
+        check(taps)
+    trained = spec_for(write_drafter(tmp_path / "trained", num_target_layers=layers + 1))
+    with pytest.raises(ValueError, match=f"num_target_layers={layers + 1} layers but this target has {layers}"):
+        check(trained)
+    assert check(spec_for(write_drafter(tmp_path / "ok", num_target_layers=layers,
+                                        dflash_config={"target_layer_ids": [0, layers - 1]}))) == []
 
 
 def test_tail_graphs_and_probabilistic_drafting(tmp_path):

@@ -17,7 +17,7 @@ to log. The items and how they apply to revolta:
  22 pipeline parallelism: rejected (`check_pipeline_parallel`).
  23 sample_from_anchor=true: rejected (spec/config.py).
  also: the drafter must match the target (hidden size for the shared LM head, vocabulary for the
-    codebooks), and verifier tail graphs (VLLM_SM70_DFLASH2_TAIL_CUDAGRAPHS=1) are refused because
+    codebooks, the tapped target layers), and verifier tail graphs (VLLM_SM70_DFLASH2_TAIL_CUDAGRAPHS=1) are refused because
     revolta captures no verify graphs (spec §4.7: off is the DFlash2 default anyway).
  Not applicable: 14-15 (MTP only; engine.check_draft_kv_dtype), 19 (revolta's LM head is never
  quantised), 20 (no SM70 BF16 transport: the drafter runs in the target's dtype), 21 (revolta has
@@ -73,6 +73,14 @@ def check_matches_target(facts: DrafterFacts, cfg: ModelConfig) -> None:
     if facts.vocab_size != t.vocab_size:
         raise ValueError(f"the DFlash2 drafter {facts.path} has vocab_size={facts.vocab_size} but the target has "
                          f"{t.vocab_size}; pass a drafter trained for this target")
+    if facts.num_target_layers is not None and facts.num_target_layers != t.num_hidden_layers:
+        raise ValueError(f"the DFlash2 drafter {facts.path} was built for a target of num_target_layers="
+                         f"{facts.num_target_layers} layers but this target has {t.num_hidden_layers}; pass a drafter "
+                         "trained for this target")
+    bad = [i for i in facts.target_layer_ids or () if not 0 <= i < t.num_hidden_layers]
+    if bad:
+        raise ValueError(f"the DFlash2 drafter {facts.path} taps target layers {bad}, outside this target's "
+                         f"0..{t.num_hidden_layers - 1}; pass a drafter trained for this target")
 
 
 def check_tail_cudagraphs(env: Mapping[str, str]) -> None:

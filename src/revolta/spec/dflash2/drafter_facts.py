@@ -33,6 +33,8 @@ class DrafterFacts:
     has_attention_sinks: bool  # `attention_sink_bias` declared
     selector_rank: int | None  # None: no candidate selector (a DFlash v1 drafter)
     selector_top_k: int | None
+    target_layer_ids: tuple[int, ...] | None = None  # tapped target layers, when the checkpoint lists them
+    num_target_layers: int | None = None  # layers of the target it was trained on, when declared
 
     @property
     def is_dflash2(self) -> bool:
@@ -89,8 +91,12 @@ class DrafterFacts:
         if not isinstance(block, int) or block < 2:
             raise ValueError(f"{path}/config.json: block_size={block!r} must be an integer >= 2 (anchor + drafts)")
         rank, top_k = value("selector_rank"), value("selector_top_k")
+        taps = value("target_layer_ids")
+        if taps is not None and (not isinstance(taps, list) or not all(isinstance(i, int) for i in taps)):
+            raise ValueError(f"{path}/config.json: target_layer_ids={taps!r} must be a list of layer indices")
         return cls(path=path, vocab_size=need_int("vocab_size"), hidden_size=hidden, num_layers=layers,
                    num_kv_heads=int(kv_heads), head_dim=int(head_dim), block_size=block, num_sliding_layers=sliding,
                    sliding_window=int(window) if sliding else None,
                    has_attention_sinks=bool(value("attention_sink_bias")),
-                   selector_rank=int(rank) if rank else None, selector_top_k=int(top_k) if top_k else None)
+                   selector_rank=int(rank) if rank else None, selector_top_k=int(top_k) if top_k else None,
+                   target_layer_ids=None if taps is None else tuple(taps), num_target_layers=raw.get("num_target_layers"))
