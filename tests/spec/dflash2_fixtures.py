@@ -14,9 +14,11 @@ REAL = Path(__file__).parents[1] / "data" / "qwen3_8_flash_next_config.json"
 def drafter_config(target: ModelConfig, **overrides) -> dict:
     """A dflash-format DFlash2 drafter for `target`: 3 layers, two of them sliding (window 64)."""
     cfg = {"architectures": ["DFlash2DraftModel"], "vocab_size": target.text.vocab_size,
-           "hidden_size": target.text.hidden_size, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "hidden_size": target.text.hidden_size, "intermediate_size": 2 * target.text.hidden_size,
+           "num_hidden_layers": 3, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "sliding_window": 64,
+           "use_sliding_window": True,
            "dflash_config": {"block_size": 8, "mask_token_id": 3, "selector_rank": 16, "selector_top_k": 4,
                              "conv_kernel_size": 2, "conv_group_size": 16}}
     draft = overrides.pop("dflash_config", {})

@@ -52,11 +52,20 @@ def test_drafter_directory_is_checked(tmp_path, drafter):
              ({"method": "dflash2", "model": v1}, "without the DFlash2 candidate selector"),
              ({"method": "dflash2", "model": write_drafter(tmp_path / "bad", layer_types=["full_attention"])},
               "layer_types has 1 entries"),
-             ({"method": "dflash2", "model": write_drafter(tmp_path / "nowin", sliding_window=None)},
-              "no sliding_window")]
+             ({"method": "dflash2", "model": write_drafter(tmp_path / "badwin", sliding_window=0)},
+              "sliding_window=0 must be a positive")]
     for raw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             resolve(raw)
+    # the Qwen3 rules the dflash package builds on: no window unless use_sliding_window; default layer types
+    with pytest.raises(ValueError, match="2 sliding_attention layers but no window; set use_sliding_window=true"):
+        resolve({"method": "dflash2", "model": write_drafter(tmp_path / "nowin", use_sliding_window=False)})
+    full = resolve({"method": "dflash2", "model": write_drafter(tmp_path / "full", use_sliding_window=False,
+                                                                layer_types=["full_attention"] * 3)})
+    assert full.drafter.num_sliding_layers == 0 and full.drafter.sliding_window is None
+    auto = resolve({"method": "dflash2", "model": write_drafter(tmp_path / "auto", layer_types=None,
+                                                                max_window_layers=1)})
+    assert (auto.drafter.num_sliding_layers, auto.drafter.sliding_window) == (2, 64)
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):

@@ -42,7 +42,8 @@ def check_draft_kv(facts: DrafterFacts, draft_kv: str, kv_cache_dtype: str, expl
         return
     what = []
     if facts.num_sliding_layers:
-        what.append(f"{facts.num_sliding_layers} sliding-window layers (window {facts.sliding_window})")
+        n = facts.num_sliding_layers
+        what.append(f"{n} sliding-window layer{'s' if n > 1 else ''} (window {facts.sliding_window})")
     if facts.has_attention_sinks:
         what.append("attention sinks")
     if not what:

@@ -2,8 +2,11 @@
 
 Read without torch and before any weight loads (spec/engine.md §8: checks run at configuration
 time). Values are looked up the way the `dflash` 0.1.0 package does: `dflash_config.<name>` first,
-then the top-level `<name>`; `block_size` defaults to 16 there, and so here. The drafter model
-reads its own full config (spec/dflash2/draft_config.py); this is only the part the checks use.
+then the top-level `<name>`; `block_size` defaults to 16 there, and so here. The attention layout
+follows the Qwen3 config rules that package builds on: `sliding_window` counts only when
+`use_sliding_window` is true, and without `layer_types` the layers from `max_window_layers` on
+slide. The drafter model reads its own full config (spec/dflash2/draft_config.py); this is only the
+part the checks and the cache plan use, and can be derived from that config once both are on main.
 """
 
 from __future__ import annotations
@@ -80,13 +83,18 @@ class DrafterFacts:
         hidden = need_int("hidden_size")
         kv_heads = raw.get("num_key_value_heads", heads)
         head_dim = raw.get("head_dim") or hidden // heads
-        types = raw.get("layer_types") or ["full_attention"] * layers
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+        first = raw.get("max_window_layers", 28)
+        types = raw.get("layer_types") or ["sliding_attention" if window is not None and i >= first
+                                           else "full_attention" for i in range(layers)]
         if len(types) != layers:
             raise ValueError(f"{path}/config.json: layer_types has {len(types)} entries for num_hidden_layers={layers}")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"{path}/config.json: sliding_window={window!r} must be a positive number of tokens")
         sliding = sum(t == "sliding_attention" for t in types)
-        window = value("swa_window_size") or raw.get("sliding_window")
-        if sliding and not window:
-            raise ValueError(f"{path}/config.json: {sliding} sliding_attention layers but no sliding_window")
+        if sliding and window is None:  # dflash would attend to the whole context there; revolta's drafter refuses
+            raise ValueError(f"{path}/config.json: layer_types has {sliding} sliding_attention layers but no window; "
+                             "set use_sliding_window=true and sliding_window")
         block = value("block_size", DEFAULT_BLOCK_SIZE)
         if not isinstance(block, int) or block < 2:
             raise ValueError(f"{path}/config.json: block_size={block!r} must be an integer >= 2 (anchor + drafts)")
@@ -96,7 +104,7 @@ class DrafterFacts:
             raise ValueError(f"{path}/config.json: target_layer_ids={taps!r} must be a list of layer indices")
         return cls(path=path, vocab_size=need_int("vocab_size"), hidden_size=hidden, num_layers=layers,
                    num_kv_heads=int(kv_heads), head_dim=int(head_dim), block_size=block, num_sliding_layers=sliding,
-                   sliding_window=int(window) if sliding else None,
+                   sliding_window=window if sliding else None,
                    has_attention_sinks=bool(value("attention_sink_bias")),
                    selector_rank=int(rank) if rank else None, selector_top_k=int(top_k) if top_k else None,
                    target_layer_ids=None if taps is None else tuple(taps), num_target_layers=raw.get("num_target_layers"))
