@@ -188,7 +188,8 @@ def test_forced_call_grammar_matches_the_chat_template():
         "city": {"type": "string"}, **WEATHER["function"]["parameters"]["properties"],
         "opts": {"$ref": "#/$defs/Opts"}}, "$defs": {"Opts": {"type": "object", "properties": {"n": {"type": "integer"}},
                                                             "required": ["n"]}}}
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}, NOOP]
+    free = {"type": "function", "function": {"name": "free", "parameters": {"type": "object"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}, NOOP, free]
     args = {"city": "Paris </function> ok", "days": 3, "metric": True, "unit": "f", "opts": {"n": 2}}
     tok = Tokenizer.from_pretrained(ensure_default_model(progress=False))
     rendered = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
@@ -205,7 +206,9 @@ def test_forced_call_grammar_matches_the_chat_template():
     assert accepts(call) and accepts(call, parallel=False)
     named = call.removeprefix("get_weather>\n")
     assert accepts(named, {"type": "function", "function": {"name": "get_weather"}})
-    assert accepts("noop>\n</function>\n</tool_call>")
+    assert accepts("noop>\n</function>\n</tool_call>") and not accepts("noop>\n<parameter=x>\n1\n</parameter>\n"
+                                                                   "</function>\n</tool_call>")
+    assert accepts("free>\n<parameter=x>\nany\n</parameter>\n<parameter=y>\n2\n</parameter>\n</function>\n</tool_call>")
     assert accepts(call + "\n<tool_call>\n<function=" + call) and not accepts(call + "\n<tool_call>\n<function=" + call,
                                                                              parallel=False)
     for bad in (call.replace("<parameter=days>\n3\n</parameter>\n", ""), call.replace("\n3\n", "\nthree\n"),

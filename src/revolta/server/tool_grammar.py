@@ -25,6 +25,7 @@ from .tool_schema import _resolve_ref, schema_types
 CALL_OPEN = "<tool_call>\n<function="
 CALL_CLOSE = "</function>\n</tool_call>"  # after the last parameter block's own "\n"
 BOOLEANS = ("true", "false", "True", "False")
+PARAMETER_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
 COMPACT_WHITESPACE = 1  # with --structured-outputs-config disable_any_whitespace: inside JSON values
 
 
@@ -49,8 +50,9 @@ def _value(schema: Any, root: dict[str, Any], compact: bool) -> dict[str, Any]:
 
 
 def _arguments(tool: dict[str, Any], compact: bool) -> dict[str, Any]:
-    """`<parameter=NAME>\nVALUE\n</parameter>\n` for each declared parameter, in order; the required ones
-    must be there."""
+    """`<parameter=NAME>\\nVALUE\\n</parameter>\\n` for each declared parameter, in order; the required ones
+    must be there. Undeclared parameters are refused (strict, as xgrammar's JSON schemas), except for a tool
+    whose parameters declare no properties at all: its arguments are free-form."""
     params = tool.get("function", {}).get("parameters")
     params = params if isinstance(params, dict) else {}
     required = set(params.get("required") or ())
@@ -59,6 +61,10 @@ def _arguments(tool: dict[str, Any], compact: bool) -> dict[str, Any]:
         block = {"type": "tag", "begin": f"<parameter={name}>\n", "content": _value(schema, params, compact),
                  "end": "\n</parameter>\n"}
         blocks.append(block if name in required else {"type": "optional", "content": block})
+    if "properties" not in params:  # free-form arguments: any named blocks, raw values
+        blocks.append({"type": "star", "content": {"type": "sequence", "elements": [
+            {"type": "const_string", "value": "<parameter="}, {"type": "regex", "pattern": PARAMETER_NAME},
+            {"type": "tag", "begin": ">\n", "content": {"type": "any_text"}, "end": "\n</parameter>\n"}]}})
     if not blocks:
         return {"type": "const_string", "value": ""}
     return {"type": "sequence", "elements": blocks} if len(blocks) > 1 else blocks[0]
