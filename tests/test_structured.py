@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -162,6 +163,19 @@ def test_invalid_specs_name_the_field():
     assert SamplingParams(structured_outputs={"regex": "a"}).structured_outputs == StructuredOutputsParams(regex="a")
 
 
+def test_without_xgrammar_the_error_says_what_to_install(monkeypatch):
+    from revolta.server.chat_prompt import tool_setup
+    from revolta.server.tool_grammar import forced_call_constraint
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError
+    with pytest.raises(StructuredOutputError, match=re.escape("pip install 'revolta[server]'")):
+        StructuredOutputsParams(regex="a").check()
+    with pytest.raises(StructuredOutputError, match="xgrammar"):
+        StructuredDecoding(TINY, V, [EOS])
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert forced_call_constraint(tool_setup([tool], "required")) is None  # the call's opening alone, as before
+
+
 # ---- through LLM on the embedded default ----------------------------------------------------------------
 SCHEMA = {
     "type": "object",
@@ -251,8 +265,9 @@ def test_speculation_verifies_drafts_against_the_grammar(spec, plain):
     MTP head's (random weights: mostly outside the grammar, so refused at their masked rows) or the
     constrained continuation itself (all accepted until a special token no grammar allows)."""
     prompts = ["Reply in JSON.", "Pick a code."]
+    code = StructuredOutputsParams(regex=r"[a-c]{6}")
     params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=SMALL),
-              SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=r"[a-c]{6}"))]
+              SamplingParams(temperature=0, max_tokens=32, structured_outputs=code)]
     want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     full = [p + w.token_ids for p, w in zip([plain.get_tokenizer().encode(p) for p in prompts], want)]
     special = spec.get_tokenizer().token_to_id("<|im_start|>")  # masked everywhere

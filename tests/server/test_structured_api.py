@@ -107,7 +107,8 @@ def test_json_object_extras_and_responses(client, compact):
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tool_choice"),
 ])
 def test_bad_specs_are_400_naming_the_field(compact, extra, param):
-    r = httpx.post(compact.url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 4, **extra})
+    body = {"model": MODEL, "messages": HI, "max_tokens": 4, **extra}
+    r = httpx.post(compact.url + "/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     r = httpx.post(compact.url + "/v1/responses", json={"model": MODEL, "input": "x", "text": {
@@ -184,16 +185,17 @@ def test_forced_call_grammar_matches_the_chat_template():
     from revolta.server.tool_grammar import forced_call_constraint
     from revolta.tokenizer import Tokenizer
 
-    city = {**WEATHER["function"]["parameters"], "properties": {
-        "city": {"type": "string"}, **WEATHER["function"]["parameters"]["properties"],
-        "opts": {"$ref": "#/$defs/Opts"}}, "$defs": {"Opts": {"type": "object", "properties": {"n": {"type": "integer"}},
-                                                            "required": ["n"]}}}
+    opts = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    weather = WEATHER["function"]["parameters"]
+    city = {**weather, "$defs": {"Opts": opts}, "properties": {
+        "city": {"type": "string"}, **weather["properties"], "opts": {"$ref": "#/$defs/Opts"}}}
     free = {"type": "function", "function": {"name": "free", "parameters": {"type": "object"}}}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}, NOOP, free]
     args = {"city": "Paris </function> ok", "days": 3, "metric": True, "unit": "f", "opts": {"n": 2}}
     tok = Tokenizer.from_pretrained(ensure_default_model(progress=False))
-    rendered = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": args}}]}], tools=tools)
+    called = {"role": "assistant", "content": "",
+              "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": args}}]}
+    rendered = tok.apply_chat_template([{"role": "user", "content": "x"}, called], tools=tools)
     call = rendered[rendered.rindex("<tool_call>\n<function=") + len("<tool_call>\n<function="):]  # not the example
     call = call[:call.index("</tool_call>") + len("</tool_call>")]
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([b"a"]), cache_enabled=False)

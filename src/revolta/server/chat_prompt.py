@@ -4,9 +4,10 @@ All three chat-like routes (Chat Completions, Responses, Anthropic Messages) con
 OpenAI-style messages and tools first and then share this module, so validation and templating are
 the same everywhere. tool_choice "required" and a named tool open the assistant turn with the start
 of a call (`<tool_call>\\n<function=`), which the output parser then reads as if the model had written
-it; a grammar (tool_grammar.py, with xgrammar) makes the rest of the call follow the tool's schema. Media go through the LLM's own path
-(`chat_prompt` resolves the URLs, `process_prompt` decodes and expands the placeholders) on a worker
-thread, so the token counts include the media and every `MediaError` becomes a 400 naming its `param`.
+it; a grammar (tool_grammar.py, with xgrammar) makes the rest of the call follow the tool's schema.
+Media go through the LLM's own path (`chat_prompt` resolves the URLs, `process_prompt` decodes and
+expands the placeholders) on a worker thread, so the token counts include the media and every
+`MediaError` becomes a 400 naming its `param`.
 """
 
 from __future__ import annotations

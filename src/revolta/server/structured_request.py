@@ -81,7 +81,8 @@ def from_chat(body: Mapping[str, Any], disable_any_whitespace: bool = False) -> 
     return _build(source, disable_any_whitespace, **{_LEGACY[source]: value})
 
 
-def from_responses(text: Mapping[str, Any] | None, disable_any_whitespace: bool = False) -> StructuredOutputsParams | None:
+def from_responses(text: Mapping[str, Any] | None,
+                   disable_any_whitespace: bool = False) -> StructuredOutputsParams | None:
     """The constraint of a Responses `text` field, or None."""
     fmt = (text or {}).get("format")
     if fmt is None:

@@ -22,6 +22,8 @@ from ..structured import StructuredOutputError, StructuredOutputsParams
 from .chat_prompt import ToolSetup
 from .tool_schema import _resolve_ref, schema_types
 
+logger = logging.getLogger(__name__)
+
 CALL_OPEN = "<tool_call>\n<function="
 CALL_CLOSE = "</function>\n</tool_call>"  # after the last parameter block's own "\n"
 BOOLEANS = ("true", "false", "True", "False")
