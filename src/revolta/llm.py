@@ -41,7 +41,8 @@ from .spec.config import SpeculativeConfig
 from .spec.dflash2.checks import check_dflash2, check_pipeline_parallel
 from .spec.stats import SpecStats
 from .spec.verify import greedy_accept, rejection_sample
-from .structured import RequestConstraint, StructuredDecoding, prompt_opens_reasoning, reasoning_ids
+from .structured import (RequestConstraint, StructuredDecoding, apply_row_constraints, prompt_opens_reasoning,
+                         reasoning_ids)
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -682,10 +683,14 @@ class LLM:
             sample_logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                             [r.token_ids for r in requests], stops)
         constrained = [b for b, r in enumerate(requests) if r.constraint is not None]
-        if constrained:
+        if constrained:  # one bitmask copy for the whole batch
             sample_logits = sample_logits.clone() if sample_logits is logits else sample_logits
+            bitmasks, forced = [], []
             for b in constrained:
-                requests[b].constraint.mask_rows(sample_logits[b:b + 1])
+                rows, ends = requests[b].constraint.row_constraints()
+                bitmasks += [(b, bits) for _, bits in rows]
+                forced += [(b, token) for _, token in ends]
+            apply_row_constraints(sample_logits, bitmasks, forced)
         token_ids = self.sampler(sample_logits, params, [r.generator for r in requests])
         if any(p.logprobs is not None for p in params):
             self._record_logprobs(requests, logits, token_ids)

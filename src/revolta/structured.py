@@ -297,57 +297,64 @@ class RequestConstraint:
         return bool(self._matcher.accept_token(token_id))
 
     def mask_rows(self, logits: Tensor, drafts: Sequence[int] = ()) -> None:
-        """Constrain logits [n, V] in place, n = 1 + len(drafts): row j as the request stands after drafts[:j].
+        """Constrain logits [n, V] in place, n = 1 + len(drafts): row j as the request stands after drafts[:j]
+        (`row_constraints` then `apply_row_constraints`)."""
+        bitmasks, forced = self.row_constraints(drafts)
+        apply_row_constraints(logits, bitmasks, forced)
 
-        Rows past a draft the constraint refuses are left as they are: verification rejects that draft
-        at its own (masked) row, so they are never used. The constraint's state is unchanged afterwards.
+    def row_constraints(self, drafts: Sequence[int] = ()) -> tuple[list[tuple[int, Tensor]], list[tuple[int, int]]]:
+        """What rows 0..len(drafts) may hold, row j as the request stands after drafts[:j]: (row, packed
+        bitmask [1, W] int32 on the CPU) for grammar rows, (row, token id) for rows forced to one token.
+
+        Rows past a draft the constraint refuses are left free: verification rejects that draft at its
+        own (constrained) row, so they are never used. The constraint's state is unchanged afterwards.
         """
-        n = logits.shape[0]
         saved = (self.in_reasoning, self.num_reasoning_tokens)
         stepped = 0  # draft tokens the matcher accepted (rolled back at the end)
-        masks: list[Tensor | None] = []
-        forced: list[int] = []
+        bitmasks: list[tuple[int, Tensor]] = []
+        forced: list[tuple[int, int]] = []
         try:
-            for j in range(n):
-                if self.in_reasoning:
-                    if self._forced_end():
-                        forced.append(j)
-                    masks.append(None)
-                elif self._matcher is not None and not self._matcher.is_terminated():
+            for j in range(len(drafts) + 1):
+                is_forced = self._forced_end()
+                if is_forced:
+                    forced.append((j, self.think_end))
+                elif not self.in_reasoning and self._matcher is not None and not self._matcher.is_terminated():
                     bitmask = torch.zeros(1, self._decoding.bitmask_words, dtype=torch.int32)
                     self._matcher.fill_next_token_bitmask(bitmask)
-                    masks.append(bitmask)
-                else:
-                    masks.append(None)
-                if j >= len(drafts):
-                    break
-                d = drafts[j]
-                if j in forced and d != self.think_end:
+                    bitmasks.append((j, bitmask))
+                if j == len(drafts) or (is_forced and drafts[j] != self.think_end):
                     break
                 was_grammar = not self.in_reasoning and self._matcher is not None
-                if not self.accept(d):
+                if not self.accept(drafts[j]):
                     break
                 stepped += was_grammar
         finally:
             if stepped:
                 self._matcher.rollback(stepped)
             self.in_reasoning, self.num_reasoning_tokens = saved
-        for j in forced:
-            end = logits[j, self.think_end].clone()
-            logits[j].fill_(float("-inf"))
-            logits[j, self.think_end] = end if torch.isfinite(end) else 0.0
-        rows = [j for j, m in enumerate(masks) if m is not None]
-        if rows:
-            bits = torch.cat([masks[j] for j in rows]).to(logits.device)
-            allowed = unpack_bitmask(bits, logits.shape[-1])  # [len(rows), V] bool
-            index = torch.tensor(rows, device=logits.device)
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return bitmasks, forced
 
     def close(self) -> None:
         """Drop the matcher (the request finished or was aborted)."""
         if self._matcher is not None:
             self._matcher = None
             self._decoding.release()
+
+
+def apply_row_constraints(logits: Tensor, bitmasks: Sequence[tuple[int, Tensor]],
+                          forced: Sequence[tuple[int, int]]) -> None:
+    """Apply `RequestConstraint.row_constraints` results to logits [N, V] in place (rows index N); the
+    bitmasks of every row go to the device in one copy. A forced row keeps only its token (its logit,
+    or 0 where that was -inf)."""
+    for row, token in forced:
+        keep = logits[row, token].clone()
+        logits[row].fill_(float("-inf"))
+        logits[row, token] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+    if bitmasks:
+        bits = torch.cat([b for _, b in bitmasks]).to(logits.device, non_blocking=True)  # [R, W]
+        allowed = unpack_bitmask(bits, logits.shape[-1])  # [R, V] bool
+        index = torch.tensor([row for row, _ in bitmasks], device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
