@@ -142,6 +142,7 @@ class _Request:
     parent_id: str | None = None  # the prompt's request id when n > 1
     mm_prompt: MultimodalPrompt | None = None  # media items, positions (prompt_token_ids are then expanded)
     spec_stats: SpecStats | None = None  # acceptance statistics (the engine records them) when speculating
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (the scheduler sets it)
 
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.params.stop_strings, self.params.include_stop_str_in_output)
@@ -183,7 +184,8 @@ class _Request:
             self.metrics.spec_decode = copy.deepcopy(self.spec_stats)
         return RequestOutput(self.parent_id or self.request_id, self.prompt, list(self.prompt_token_ids),
                              [self.completion()], finished=self.finished, metrics=self.metrics,
-                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
+                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+                             num_cached_tokens=self.num_cached_tokens)
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
