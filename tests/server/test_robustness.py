@@ -7,6 +7,7 @@ sends during a prefill is then a comment, which the prefill-disconnect test wait
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from .conftest import MODEL, run_server, sse_lines
+from .test_media import png as media_png
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -139,53 +141,92 @@ def test_disconnect_during_prefill_and_non_stream(srv, clients):
 
 
 # ---- H45: concurrency -------------------------------------------------------------------------
-def test_concurrent_streams_are_independent(srv, clients):
-    oc, _ = clients
-    prompts = [f"question number {i}" for i in range(8)]
-    solo = [oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=4,
-                                       temperature=0, extra_body=NO_THINK).choices[0].message.content
-            for p in prompts]
-    assert all(solo)
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+          "required": ["city"]}
 
-    def stream(i: int) -> tuple[str, str]:
-        route = ("chat", "messages", "responses")[i % 3]
-        messages = [{"role": "user", "content": prompts[i]}]
-        path, body = {"chat": ("/v1/chat/completions", {"messages": messages, "max_tokens": 4}),
-                      "messages": ("/v1/messages", {"messages": messages, "max_tokens": 4}),
-                      "responses": ("/v1/responses", {"input": prompts[i], "max_output_tokens": 4})}[route]
-        with httpx.stream("POST", srv.url + path, headers=AUTH, timeout=60,
-                          json={"model": MODEL, "temperature": 0, "stream": True, **NO_THINK, **body}) as r:
-            lines = [line for line in sse_lines(r) if not line.startswith(":")]
-        text, ident = "", None
-        for line in lines:
-            if not line.startswith("data: {"):
-                continue
-            d = json.loads(line[6:])
-            if route == "chat":
-                ident = d["id"]
-                text += "".join(c["delta"].get("content") or "" for c in d["choices"])
-            elif route == "messages":
-                ident = ident or d.get("message", {}).get("id")
-                text += d.get("delta", {}).get("text", "") if d["type"] == "content_block_delta" else ""
-            else:
-                ident = ident or d.get("response", {}).get("id")
-                text += d["delta"] if d["type"] == "response.output_text.delta" else ""
+
+def mixed_request(i: int, route: str, stream: bool) -> tuple[str, dict]:
+    """Request i on `route`: odd ones carry the weather tool, every fourth (2, 6) a 64x64 PNG."""
+    text, tool, picture = f"question number {i}", i % 2 == 1, i % 4 == 2
+    png = base64.b64encode(media_png(seed=i)).decode()
+    if route == "chat":
+        content = [{"type": "text", "text": text}] + \
+            ([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}}] if picture else [])
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]
+        path = "/v1/chat/completions"
+    elif route == "messages":
+        content = ([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]
+                   if picture else []) + [{"type": "text", "text": text}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        tools = [{"name": "get_weather", "input_schema": PARAMS}]
+        path = "/v1/messages"
+    else:
+        content = [{"type": "input_text", "text": text}] + \
+            ([{"type": "input_image", "image_url": "data:image/png;base64," + png}] if picture else [])
+        body = {"input": [{"role": "user", "content": content}], "max_output_tokens": 4}
+        tools = [{"type": "function", "name": "get_weather", "parameters": PARAMS}]
+        path = "/v1/responses"
+    return path, {"model": MODEL, "temperature": 0, "stream": stream, **NO_THINK, **body,
+                  **({"tools": tools} if tool else {})}
+
+
+def answer(route: str, r: httpx.Response) -> tuple[str, str]:
+    """(id, text) of a non-streaming answer."""
+    d = r.json()
+    assert r.status_code == 200, d
+    if route == "chat":
+        return d["id"], d["choices"][0]["message"]["content"] or ""
+    if route == "messages":
+        return d["id"], "".join(b.get("text", "") for b in d["content"])
+    return d["id"], "".join(p["text"] for item in d["output"] if item["type"] == "message" for p in item["content"])
+
+
+def streamed_answer(route: str, r: httpx.Response) -> tuple[str, str]:
+    """(id, text) of a stream, which must end as its API says."""
+    assert r.status_code == 200
+    lines = [line for line in sse_lines(r) if not line.startswith(":")]
+    text, ident = "", None
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        d = json.loads(line[6:])
         if route == "chat":
-            assert lines[-1] == "data: [DONE]"
+            ident = d["id"]
+            text += "".join(c["delta"].get("content") or "" for c in d["choices"])
+        elif route == "messages":
+            ident = ident or d.get("message", {}).get("id")
+            text += d.get("delta", {}).get("text", "") if d["type"] == "content_block_delta" else ""
         else:
-            ends = ("event: message_stop",) if route == "messages" else \
-                ("event: response.completed", "event: response.incomplete")
-            assert lines[-2] in ends, lines[-2:]
-        return ident, text
+            ident = ident or d.get("response", {}).get("id")
+            text += d["delta"] if d["type"] == "response.output_text.delta" else ""
+    if route == "chat":
+        assert lines[-1] == "data: [DONE]"
+    else:
+        ends = ("event: message_stop",) if route == "messages" else \
+            ("event: response.completed", "event: response.incomplete")
+        assert lines[-2] in ends, lines[-2:]
+    return ident, text
 
-    def plain(i: int) -> tuple[str, str]:
-        r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
-                                       max_tokens=4, temperature=0, extra_body=NO_THINK)
-        return r.id, r.choices[0].message.content
 
+def test_concurrent_streams_are_independent(srv):
+    """8 streams (chat, messages, responses; with and without a tool and an image) and 8 non-streaming chat requests
+    at once: all finish, ids are unique, and each greedy answer equals the same request's answer run alone."""
+    streams = [(("chat", "messages", "responses")[i % 3], i) for i in range(8)]
+    plains = [("chat", i) for i in range(8)]
+
+    def run(route: str, i: int, stream: bool) -> tuple[str, str]:
+        path, body = mixed_request(i, route, stream)
+        if not stream:
+            return answer(route, httpx.post(srv.url + path, headers=AUTH, timeout=120, json=body))
+        with httpx.stream("POST", srv.url + path, headers=AUTH, timeout=120, json=body) as r:
+            return streamed_answer(route, r)
+
+    solo = [run(route, i, False)[1] for route, i in streams + plains]
+    assert all(solo)
     with ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(stream, i) for i in range(8)]
-        plains = [pool.submit(plain, i) for i in range(8)]
-        results = [f.result() for f in streams] + [f.result() for f in plains]
+        futures = [pool.submit(run, route, i, True) for route, i in streams] + \
+            [pool.submit(run, route, i, False) for route, i in plains]
+        results = [f.result() for f in futures]
     assert len({ident for ident, _ in results}) == 16
-    assert [text for _, text in results] == solo + solo
+    assert [text for _, text in results] == solo
