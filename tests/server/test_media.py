@@ -150,6 +150,7 @@ def test_bad_images_are_400_on_every_api_then_a_valid_image_works(server, case):
     ([image(data_url(png()))] * 2, "At most 1 image(s) may be provided in one prompt.", "image"),
     ([video(data_url(y4m(), "video/x-yuv4mpeg"))], "At most 0 video(s)", "video"),
     ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}], "At most 0 audio(s)", "audio"),
+    ([{"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}}], "At most 0 audio(s)", "audio"),
     ([{"type": "image_url", "image_url": {}}], "image_url.url must be a non-empty string", "image"),
     ([{"type": "hologram"}], "Unsupported chat content part type", None),
     # a literal <|image_pad|> in the text cannot take an image's place (spec §5.3's known issue): 2 pads, 1 image
@@ -229,6 +230,8 @@ def test_video_and_raised_limits(media_server):
     assert r.status_code == 400 and "At most 16 image(s) may be provided in one prompt." in r.json()["error"]["message"]
     r = chat_with(server, *[image(data_url(png(32, seed=k))) for k in range(16)], video(clip))
     assert r.status_code == 200, r.text
+    audio = chat_with(server, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})
+    assert audio.status_code == 400 and "At most 0 audio(s)" in audio.json()["error"]["message"]
     assert r.json()["usage"]["prompt_tokens"] > 16 * image_tokens(32)
     # file:// only below --allowed-local-media-path
     assert chat_with(server, image(f"file://{root}/cat.png")).status_code == 200
