@@ -21,11 +21,15 @@ rows; the MTP K/V it finds in hit pages came from the request that computed them
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..runner import ModelRunner, StepSequence
+
+if TYPE_CHECKING:
+    from .graphs import SpecGraphs
 
 
 @dataclass
@@ -75,10 +79,12 @@ class MTPDrafter:
         self.pending.pop(request_id, None)
 
     @torch.no_grad()
-    def propose(self, items: list[DraftItem]) -> list[list[int]]:
+    def propose(self, items: list[DraftItem], graphs: "SpecGraphs | None" = None) -> list[list[int]] | Tensor:
         """Seed the MTP K/V with every item's pending rows and draft `num_drafts` tokens for each.
 
-        Returns one list of draft token ids per item (empty where num_drafts is 0).
+        Returns one list of draft token ids per item (empty where num_drafts is 0). With `graphs`
+        (the engine passes them only for a round they can run: every item drafts k tokens) the
+        draft steps after the seed replay a CUDA graph and the drafts stay on the device: [n, k] int64.
         """
         drafts: list[list[int]] = [[] for _ in items]
         seed_seqs, seed_hidden, seed_items = [], [], []
@@ -106,6 +112,10 @@ class MTPDrafter:
         rows = last[want].to(self.runner.model.device)
         logits, m = self.runner.mtp(seed_seqs, torch.cat(seed_hidden), logits_rows=rows)
         active = [seed_items[j] for j in want]  # item index of each drafting row
+        if graphs is not None:
+            if len(active) != len(items):
+                raise ValueError("the draft graphs need every item of the round to draft; run this round eagerly")
+            return graphs.draft([it.step for it in items], logits.argmax(-1), m[rows])
         tokens = logits.argmax(-1).tolist()
         hidden = m[rows]
         for i, t in zip(active, tokens):
