@@ -113,7 +113,7 @@ class SpecGraphs:
         self.shared: dict[tuple[str, str], Tensor] = {}  # static copies of logits, wide rows and records
         self.graphs: dict[int, _Round] = {}
         self._captured: list[torch.cuda.CUDAGraph] = []  # kept alive with their memory
-        self._paged: dict[int, PagedMeta] = {}  # eager mode: the last verify's metadata per size
+        self._paged: dict[int, PagedMeta] = {}  # the verify's metadata per size (eager mode: the last one's)
         self.used_bytes = 0
         self.num_replays = 0  # rounds served by the graphs (the engine's stats and tests read it)
 
@@ -199,6 +199,7 @@ class SpecGraphs:
                 flat = torch.cat([self.runner.pack_step(pad, num_rows=B, width=self.width)] * (self.k - 1))
                 self.draft_in[: flat.numel()].copy_(flat)
                 draft, _ = capture_graph(lambda: self._draft(B), pool, device)
+            self._paged[B] = paged  # the commit graph reads these verify outputs: keep their memory
             self.graphs[B] = _Round(None if draft is None else draft.replay, verify.replay, commit.replay)
             self._captured += [g for g in (draft, verify, commit) if g is not None]
         torch.cuda.synchronize(device)
