@@ -153,3 +153,27 @@ def test_graph_rounds_commit_the_state_of_the_non_spec_run(model, replay):  # no
         for x, y in zip(state, base_trace[computed]):
             assert torch.equal(x, y), f"state differs after {computed} tokens"
     assert_clean(engine)
+
+
+@torch.no_grad()
+def test_graph_drafts_equal_the_eager_drafters(model):  # noqa: F811
+    """The MTP seed padded to R rows per request (rows past the pending ones at the positions the
+    draft steps write next) and the draft steps on the static buffers propose what the eager drafter
+    proposes, round for round: the padding leaves nothing a later MTP row reads."""
+    logs = {}
+    for mode in ("eager", "graphs"):
+        engine = graph_engine(model) if mode == "graphs" else make_engine(model, {"method": "mtp",
+                                                                                 "num_speculative_tokens": K})
+        log, propose = logs.setdefault(mode, []), engine.drafter.propose
+
+        def spy(items, *graphs, propose=propose, log=log):
+            out = propose(items, *graphs)
+            rows = out.tolist() if isinstance(out, torch.Tensor) else out
+            log.append([d[:it.num_drafts] for it, d in zip(items, rows)])
+            return out
+
+        engine.drafter.propose = spy
+        run(engine, [Req(f"r{i}", ids(5 + 7 * i, seed=30 + i), max_tokens=30) for i in range(3)])
+        if mode == "graphs":
+            assert engine.spec_graphs.num_replays >= 20
+    assert logs["graphs"] == logs["eager"]

@@ -2,10 +2,12 @@
 exactly k drafts replays three graphs captured per batch size B >= b, so it costs about one decode
 step plus k - 1 small MTP steps instead of k + 1 eager forwards.
 
-- draft graph: MTP draft steps 2..k, one row per request; each step's argmax feeds the next step's
-  input id on the device, so the drafts never visit the host before sampling. The MTP seed (one
-  varlen forward over each request's pending target rows, spec/mtp.py) stays eager: its row counts
-  change every round.
+- draft graph: the MTP seed (each request's pending target rows, spec/mtp.py: 1 + the drafts it
+  accepted last round, padded to R = 1 + k rows) then the draft steps 2..k, one row per request;
+  each argmax feeds the next step's input id on the device, so the drafts never visit the host
+  before sampling. Seed rows past a request's pending ones sit at the positions the draft steps
+  write next (their MTP K/V is overwritten like a rejected draft's). The first round after a
+  prefill (more pending rows) drafts eagerly and still replays the verify graph.
 - verify graph: the target forward over B requests x R = 1 + k rows (runner.verify_packed), with
   per-draft state slots or for replay (spec_state_replay). What the commit needs (the layers'
   `VerifyMeta.record`), the logits and the wide hidden rows are copied into static buffers shared by
@@ -74,7 +76,7 @@ class _Round:
     """What one batch size replays: CUDA graphs' `replay`, or the same code run eagerly on the same
     static buffers (`capture(graphs=False)`)."""
 
-    draft: Callable[[], None] | None  # None when k == 1 (no draft step after the seed)
+    draft: Callable[[], None]
     verify: Callable[[], None]
     commit: Callable[[], None]
 
@@ -101,14 +103,16 @@ class SpecGraphs:
         device = runner.model.device
         i32 = dict(dtype=torch.int32, device=device)
         self.verify_in = torch.zeros(sum(_section_sizes(B, B * R, W)), dtype=torch.int64, device=device)
+        self.seed_in = torch.zeros(sum(_section_sizes(B, B * R, W)), dtype=torch.int64, device=device)
         self.draft_in = torch.zeros(max(1, num_drafts - 1) * sum(_section_sizes(B, B, W)), dtype=torch.int64,
                                     device=device)
         self.draft_table = torch.zeros(B, R, **i32)  # per-draft state slots (unused with replay)
         self.flat_index = torch.arange(B * R, device=device)  # every request has exactly R rows
         self.keep = torch.zeros(B, **i32)
         self.num_kept = torch.ones(B, **i32)
-        self.seed_hidden = torch.zeros(B, runner.model.cfg.text.wide_size, dtype=runner.model.dtype, device=device)
-        self.seed_tokens = torch.zeros(B, dtype=torch.int64, device=device)
+        self.seed_hidden = torch.zeros(B * R, runner.model.cfg.text.wide_size, dtype=runner.model.dtype,
+                                       device=device)  # [B * R, h*d] pending target rows, R per request
+        self.seed_last = torch.arange(B, device=device) * R  # [B] the last pending row of each request
         self.drafts = torch.zeros(B, num_drafts, dtype=torch.int64, device=device)
         self.shared: dict[tuple[str, str], Tensor] = {}  # static copies of logits, wide rows and records
         self.graphs: dict[int, _Round] = {}
@@ -157,8 +161,12 @@ class SpecGraphs:
         return [StepInputs.unpack(self.draft_in[j * n:(j + 1) * n], B, B, self.width) for j in range(self.k - 1)]
 
     def _draft(self, B: int) -> None:
-        """MTP steps 2..k from the seed's tokens and wide rows; each argmax is the next input id."""
-        tokens, hidden = self.seed_tokens[:B], self.seed_hidden[:B]
+        """The MTP seed over R rows per request, then steps 2..k; each argmax is the next input id."""
+        R = self.rows
+        seed = StepInputs.unpack(self.seed_in, B, B * R, self.width)
+        last = self.seed_last[:B]
+        logits, m = self.runner.mtp_packed(seed, offsets([R] * B), self.seed_hidden[: B * R], logits_rows=last)
+        tokens, hidden = logits.argmax(-1), m[last]
         self.drafts[:B, 0].copy_(tokens)
         cu = list(range(B + 1))
         for j, inputs in enumerate(self._draft_inputs(B), start=1):
@@ -175,7 +183,7 @@ class SpecGraphs:
         if not graphs:
             for B in self.batch_sizes:
                 self.graphs[B] = _Round(
-                    None if self.k == 1 else (lambda B=B: self._draft(B)),
+                    lambda B=B: self._draft(B),
                     lambda B=B: self._paged.__setitem__(B, self._verify(B)[2]),
                     lambda B=B: self._commit(B, self._paged[B]))
             return
@@ -193,15 +201,17 @@ class SpecGraphs:
             verify, (_, _, paged) = capture_graph(lambda: self._verify(B), pool, device)
             verify.replay()  # the commit's warm-up runs read the verify's outputs: make them the padding's
             commit, _ = capture_graph(lambda: self._commit(B, paged), pool, device)
-            draft = None
+            flat = self.runner.pack_step(pad_verify([], None, B, R, bs), width=self.width)
+            self.seed_in[: flat.numel()].copy_(flat)
+            self.seed_last.copy_(torch.arange(self.seed_last.shape[0], device=device) * R)
             if self.k > 1:
-                pad = [padding_sequence(1, bs)]
-                flat = torch.cat([self.runner.pack_step(pad, num_rows=B, width=self.width)] * (self.k - 1))
+                flat = torch.cat([self.runner.pack_step([padding_sequence(1, bs)], num_rows=B, width=self.width)]
+                                 * (self.k - 1))
                 self.draft_in[: flat.numel()].copy_(flat)
-                draft, _ = capture_graph(lambda: self._draft(B), pool, device)
+            draft, _ = capture_graph(lambda: self._draft(B), pool, device)
             self._paged[B] = paged  # the commit graph reads these verify outputs: keep their memory
-            self.graphs[B] = _Round(None if draft is None else draft.replay, verify.replay, commit.replay)
-            self._captured += [g for g in (draft, verify, commit) if g is not None]
+            self.graphs[B] = _Round(draft.replay, verify.replay, commit.replay)
+            self._captured += [draft, verify, commit]
         torch.cuda.synchronize(device)
         self.used_bytes = max(pool_bytes(pool), free_before - torch.cuda.mem_get_info(device)[0])
 
@@ -218,24 +228,36 @@ class SpecGraphs:
     def _size(self, b: int) -> int:
         return next(size for size in self.batch_sizes if size >= b)
 
+    def can_seed(self, seeds: list[StepSequence]) -> bool:
+        """Whether the seed graph takes these seed sequences (at most R pending rows each)."""
+        return len(seeds) <= self.batch_sizes[-1] and all(len(s.token_ids) <= self.rows for s in seeds)
+
     @torch.no_grad()
-    def draft(self, steps: list[StepSequence], first: Tensor, hidden: Tensor) -> Tensor:
-        """Drafts 2..k of a round from the seed: first [b] int64 draft 1, hidden [b, h*d] the seed's
-        wide output at it. steps: the round's verify steps (num_computed = the definite token's
-        position). Returns drafts [b, k] int64 on the device (a copy; no host sync)."""
-        b = len(steps)
+    def draft(self, seeds: list[StepSequence], hidden: list[Tensor], steps: list[StepSequence]) -> Tensor:
+        """Replay the draft graph: seeds[i] (spec/mtp.py: the tokens after request i's pending rows,
+        num_computed = the first pending position) with its pending wide rows hidden[i] [m_i, h*d];
+        steps: the round's verify steps (num_computed = the definite token's position). Returns the
+        drafts [b, k] int64 on the device (a copy; no host sync)."""
+        b, R, bs = len(seeds), self.rows, self.runner.block_size
         B = self._size(b)
-        self.seed_tokens[:b].copy_(first)
-        self.seed_hidden[:b].copy_(hidden)
-        g = self.graphs[B]
-        if g.draft is None:
-            return first[:, None].clone()
-        bs = self.runner.block_size
-        flat = torch.cat([self.runner.pack_step(
-            [cover(replace(s, token_ids=[0], num_computed=s.num_computed + j - 1), 1, bs) for s in steps],
-            num_rows=B, width=self.width) for j in range(1, self.k)])
-        _upload(self.draft_in[: flat.numel()], flat)
-        g.draft()
+        lens = [len(s.token_ids) for s in seeds]
+        padded = [cover(replace(s, token_ids=s.token_ids + [0] * (R - n)), R, bs) for s, n in zip(seeds, lens)]
+        flat = self.runner.pack_step(padded + [padding_sequence(R, bs)] * (B - b), width=self.width)
+        self.seed_in[: flat.numel()].copy_(flat, non_blocking=True)
+        # one upload: the last pending row of each request (padding: its first row), then where each
+        # pending row goes in the [B * R] seed rows
+        index = torch.tensor([i * R + n - 1 for i, n in enumerate(lens)] + [i * R for i in range(b, B)]
+                             + [i * R + j for i, n in enumerate(lens) for j in range(n)])
+        index = (index.pin_memory() if self.seed_hidden.is_cuda else index).to(self.seed_hidden.device,
+                                                                                 non_blocking=True)
+        self.seed_last[:B].copy_(index[:B])
+        self.seed_hidden.index_copy_(0, index[B:], torch.cat(hidden))
+        if self.k > 1:
+            flat = torch.cat([self.runner.pack_step(
+                [cover(replace(s, token_ids=[0], num_computed=s.num_computed + j - 1), 1, bs) for s in steps],
+                num_rows=B, width=self.width) for j in range(1, self.k)])
+            _upload(self.draft_in[: flat.numel()], flat)
+        self.graphs[B].draft()
         return self.drafts[:b].clone()
 
     @torch.no_grad()

@@ -83,8 +83,9 @@ class MTPDrafter:
         """Seed the MTP K/V with every item's pending rows and draft `num_drafts` tokens for each.
 
         Returns one list of draft token ids per item (empty where num_drafts is 0). With `graphs`
-        (the engine passes them only for a round they can run: every item drafts k tokens) the
-        draft steps after the seed replay a CUDA graph and the drafts stay on the device: [n, k] int64.
+        (the engine passes them only for a round they can verify: every item drafts) and pending rows
+        that fit the seed graph (at most 1 + k per item: not the first round after a prefill), the
+        seed and the draft steps replay a CUDA graph and the drafts stay on the device: [n, k] int64.
         """
         drafts: list[list[int]] = [[] for _ in items]
         seed_seqs, seed_hidden, seed_items = [], [], []
@@ -103,6 +104,8 @@ class MTPDrafter:
             seed_items.append(i)
         if not seed_seqs:
             return drafts
+        if graphs is not None and len(seed_items) == len(items) and graphs.can_seed(seed_seqs):
+            return graphs.draft(seed_seqs, seed_hidden, [it.step for it in items])
         lens = [len(s.token_ids) for s in seed_seqs]
         last = torch.tensor(lens).cumsum(0) - 1  # the last row of each seeded sequence
         want = [j for j, i in enumerate(seed_items) if items[i].num_drafts]
@@ -112,10 +115,6 @@ class MTPDrafter:
         rows = last[want].to(self.runner.model.device)
         logits, m = self.runner.mtp(seed_seqs, torch.cat(seed_hidden), logits_rows=rows)
         active = [seed_items[j] for j in want]  # item index of each drafting row
-        if graphs is not None:
-            if len(active) != len(items):
-                raise ValueError("the draft graphs need every item of the round to draft; run this round eagerly")
-            return graphs.draft([it.step for it in items], logits.argmax(-1), m[rows])
         tokens = logits.argmax(-1).tolist()
         hidden = m[rows]
         for i, t in zip(active, tokens):
