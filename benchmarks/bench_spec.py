@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -89,6 +90,44 @@ def sample(requests, logits, drafts=None):
             r.token_ids.append(t)
 
 
+class _Timed:
+    """A replay callable with CUDA events around it: the GPU time of each call, no extra sync."""
+
+    def __init__(self, fn, events: list):
+        self.fn, self.events = fn, events
+
+    def __call__(self):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        self.fn()
+        b.record()
+        self.events.append((a, b))
+
+    replay = __call__  # stands in for a CUDAGraph too
+
+
+def time_graphs(engine) -> dict[str, list]:
+    """Wrap every captured graph of the engine (speculative draft / verify / commit, or decode)."""
+    parts: dict[str, list] = {}
+    if DEVICE != "cuda":
+        return parts
+    if engine.spec_graphs is not None:
+        for B, rnd in engine.spec_graphs.graphs.items():
+            engine.spec_graphs.graphs[B] = replace(rnd, **{name: _Timed(getattr(rnd, name), parts.setdefault(name, []))
+                                                           for name in ("draft", "verify", "commit")})
+    elif engine.graphs is not None:
+        for g in engine.graphs.graphs.values():
+            g.graph = _Timed(g.graph.replay, parts.setdefault("decode", []))
+    return parts
+
+
+def gpu_ms(parts: dict[str, list]) -> dict[str, float]:
+    """Median GPU milliseconds of each wrapped graph (after a sync), skipping the first two calls."""
+    sync()
+    return {f"{name}_gpu_ms": statistics.median([a.elapsed_time(b) for a, b in ev[2:] or ev])
+            for name, ev in parts.items() if ev}
+
+
 def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed=0, prompt=128, eager=False):
     engine = Engine(model, EngineConfig(max_model_len=4096, max_num_seqs=max(8, concurrency),
                                         max_num_batched_tokens=4096, kv_cache_gib=4.0 if DEVICE == "cuda" else 0.5,
@@ -99,6 +138,7 @@ def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed
     if refs is not None:  # the MTP head still runs (its cost is part of the round), its drafts replaced
         vocab = model.cfg.text.vocab_size
         force_drafts(engine, refs, lambda rid, d: [t if rng.random() < rate else (t + 1) % vocab for t in d])
+    parts = time_graphs(engine)
     g = torch.Generator().manual_seed(1)
     reqs = [Req(f"r{i}", torch.randint(0, 1000, (prompt,), generator=g).tolist(), tokens, temperature)
             for i in range(concurrency)]
@@ -121,7 +161,7 @@ def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed
     return reqs, {"step_ms": step * 1e3, "tokens_per_step": sum(emitted) / len(emitted),
                   "tokens_per_s": sum(emitted) / sum(times), "acceptance": engine.spec_stats.acceptance_rate,
                   "graph_rounds": graphs.num_replays if graphs is not None else 0, "decode_steps": len(times),
-                  "graph_mib": graphs.used_bytes / 2**20 if graphs is not None else 0.0}
+                  "graph_mib": graphs.used_bytes / 2**20 if graphs is not None else 0.0, **gpu_ms(parts)}
 
 
 def main() -> None:
@@ -171,6 +211,18 @@ def main() -> None:
               f"{r['rate']} | {r['acceptance'] or 0:.2f} | {r['step_ms']:.2f} | {r['tokens_per_step']:.2f} | "
               f"{base_ms[r['concurrency'], r['temperature']]:.2f} | {r['graph_rounds']} / {r['decode_steps']} | "
               f"{r['speedup']:.2f}x |")
+    print("\n| C | target | state | synthetic rate | ms / round | draft graph GPU ms | verify graph GPU ms | "
+          "commit graph GPU ms | round minus graph GPU ms | no-spec ms / step | no-spec decode graph GPU ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    base_gpu = {(r["concurrency"], r["temperature"]): r.get("decode_gpu_ms", float("nan")) for r in rows
+                if r["mode"] == "off"}
+    for r in rows:
+        if r["mode"] != "off" and "verify_gpu_ms" in r:
+            parts = [r.get(f"{p}_gpu_ms", 0.0) for p in ("draft", "verify", "commit")]
+            key = (r["concurrency"], r["temperature"])
+            print(f"| {r['concurrency']} | {'greedy' if r['temperature'] == 0 else 'sampling'} | {r['mode']} | "
+                  f"{r['rate']} | {r['step_ms']:.2f} | {parts[0]:.2f} | {parts[1]:.2f} | {parts[2]:.3f} | "
+                  f"{r['step_ms'] - sum(parts):.2f} | {base_ms[key]:.2f} | {base_gpu[key]:.2f} |")
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_spec.json").write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))

@@ -154,6 +154,12 @@ class Engine:
         if model.device.type == "cuda" and config.use_cuda_graphs:
             if self.spec.enabled:  # every decoding step is a verify round
                 self.spec_graphs = self._capture_graphs(spec=True)
+                # measured on an H200 (benchmarks/RESULTS.md, S1b): a graph-replayed MTP4 round costs 8.5 ms
+                # at C1 (18-20 ms at C8) on the 4-layer real-width slice, a graph-replayed decode step 2.2 ms
+                # (4.8 ms): a round must emit ~4 tokens per request to break even
+                logger.warning("speculative decoding replays CUDA graphs, but on a GPU one round still costs about "
+                               "4x a plain decode step (benchmarks/RESULTS.md, S1b): it is only faster when most "
+                               "drafts are accepted; pass speculative_config={'method': None} for plain decoding")
             else:
                 self.graphs = self._capture_graphs()
 
