@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan for speculative state replay: no per-draft state slots (spec/engine.md §3.3)")
     plan.add_argument("--weights-gib", type=float, default=None, metavar="GiB",
                       help="measured weights per GPU (default: estimated for AWQ experts)")
+    plan.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON",
+                      help="plan for this speculative_config, as serve takes it (e.g. DFlash2: "
+                           "'{\"method\": \"dflash2\", \"model\": DIR}'); replaces the two flags above")
     _add_serve_parser(sub)
     return parser
 
@@ -161,13 +164,51 @@ def _info(args: argparse.Namespace) -> int:
         options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                      ("num_speculative_tokens", args.num_speculative_tokens),
                                      ("spec_state_replay", args.spec_state_replay or None)) if v is not None}
+        spec = None
+        if args.speculative_config is not None:
+            if args.num_speculative_tokens is not None or args.spec_state_replay:
+                raise UserError("--speculative-config replaces --num-speculative-tokens and --spec-state-replay; "
+                                "give one or the other")
+            spec, spec_options = _planned_speculation(cfg, args)
+            options.update(spec_options)
         weights = None if args.weights_gib is None else int(args.weights_gib * 2**30)
         plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
                               args.kv_cache_dtype, args.gpu_memory_utilization, weights, **options)
+        if spec is not None and spec.is_dflash2:
+            plan += _dflash2_notes(spec, args.tp, options["drafter_weights_bytes"], estimated=weights is None)
     print(format_summary(cfg, args.path, tp=args.tp))
     if plan is not None:
         print("\n" + plan)
     return 0
+
+
+def _dflash2_notes(spec, tp: int, books: int, estimated: bool) -> str:
+    from .summary import human_bytes
+
+    sharded = spec.sm70_dflash2.sharded_selector_codebook
+    where = "in the weights above" if estimated else "not added to the measured --weights-gib"
+    lines = [f"  DFlash2 selector codebooks: {human_bytes(books)} per GPU "
+             f"({f'sharded over TP {tp}' if sharded else 'replicated'}; {where}; the drafter's other weights are not "
+             "estimated, pass --weights-gib with measured weights)",
+             "  sm70_dflash2 options (value [source, release note default]):"]
+    return "\n".join(lines + [f"    {line}" for line in spec.sm70_dflash2.describe()]) + "\n"
+
+
+def _planned_speculation(cfg, args: argparse.Namespace):
+    """(resolved SpeculativeConfig, CacheConfig fields) of `--speculative-config`, checked as the engine would."""
+    from .spec.config import SpeculativeConfig
+    from .spec.dflash2.checks import check_dflash2
+
+    spec = SpeculativeConfig.resolve(args.speculative_config, cfg.text.mtp is not None, tensor_parallel_size=args.tp)
+    options = spec.cache_fields(args.kv_cache_dtype, "float16")
+    if spec.is_dflash2:
+        from .spec.dflash2.sharded_codebook import codebook_bytes_per_gpu
+
+        for warning in check_dflash2(spec, cfg, kv_cache_dtype=args.kv_cache_dtype, dtype="float16"):
+            print(f"revolta: warning: {warning}", file=sys.stderr)
+        options["drafter_weights_bytes"] = codebook_bytes_per_gpu(  # the part of the drafter sharding changes
+            spec.drafter.vocab_size, spec.drafter.selector_rank, args.tp, bool(spec.sm70_dflash2.sharded_selector_codebook))
+    return spec, options
 
 
 def _sampling_params(args: argparse.Namespace, defaults=None):

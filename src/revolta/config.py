@@ -35,6 +35,18 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a Qwen3.8-Flash-Next model; the message names the field."""
 
 
+def read_config_json(path: str | Path, error: type[ConfigError] = ConfigError) -> tuple[dict[str, Any], str]:
+    """`<path>/config.json` (or the json file itself) -> (its dict, the file's name for messages)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise error(f"no config.json at {file}: pass a checkpoint directory that contains one")
+    try:
+        return json.loads(file.read_text()), str(file)
+    except json.JSONDecodeError as e:
+        raise error(f"{file} is not valid JSON: {e}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     """Rotary embedding of the QSA attention, its indexer and the MTP layer (spec §2.7)."""
@@ -230,15 +242,8 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         """Read `<path>/config.json` (or a path to the json itself) and validate it."""
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(f"no config.json at {file}: pass a checkpoint directory that contains one")
-        try:
-            raw = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{file} is not valid JSON: {e}") from None
-        return cls.from_dict(raw, source=str(file))
+        raw, source = read_config_json(path)
+        return cls.from_dict(raw, source=source)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":

@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .cache.capacity import DEFAULT_CUDAGRAPH_RESERVE_MIB, CacheConfig, MemoryBudget, estimate_activation_bytes, plan_cache
-from .cache.capacity import resolve_kv_dtype
+from .cache.capacity import CacheConfig, MemoryBudget, default_cudagraph_reserve_mib, estimate_activation_bytes
+from .cache.capacity import plan_cache, resolve_kv_dtype
 from .cache.hybrid import HybridAllocator
 from .cache.storage import MTP, CacheStorage, kv_scales_from_state_dict
 from .cuda_graphs import DecodeGraphs, default_capture_sizes, graph_warning
@@ -35,6 +35,7 @@ from .runner import ModelRunner, StepSequence
 from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
 from .spec.commit import check_replay_slots, commit_verified
 from .spec.config import SpeculativeConfig
+from .spec.dflash2.checks import check_dflash2
 from .spec.graphs import SpecGraphs
 from .spec.mtp import DraftItem, MTPDrafter
 from .spec.stats import SpecStats
@@ -62,7 +63,8 @@ class EngineConfig:
     CUDA graphs (CUDA + Triton kernels, unless `enforce_eager`): decode steps replay graphs
     captured for `cudagraph_capture_sizes` (default 1, 2, 4, 8, 16, ... up to max_num_seqs).
     `cudagraph_mem_mib` is the memory kept for them before the cache is sized (default: env
-    REVOLTA_CUDAGRAPH_MEM_MIB, else 700 MiB); after capture a warning names a better value when the
+    REVOLTA_CUDAGRAPH_MEM_MIB, else by speculative method: 1200 MiB for DFlash2, 700 MiB for MTP
+    and no speculation, spec/engine.md §4.7); after capture a warning names a better value when the
     graphs took clearly more.
     """
 
@@ -76,8 +78,9 @@ class EngineConfig:
     kv_offload_gib: float = 0.0  # CPU tier: evicted prefix blocks and snapshots in pinned host memory
     block_size: int | None = None
     kernels: str = "torch"  # "torch" references or "triton" kernels
-    # vLLM's dict ({"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": False}); None: MTP4
-    # when the model has its MTP head loaded, else off; {"method": None}: off (spec/config.py)
+    # vLLM's dict ({"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": False}, or
+    # {"method": "dflash2", "model": DIR, ...}); None: MTP4 when the model has its MTP head loaded, else off;
+    # {"method": None}: off (spec/config.py)
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
     # vision-tower output rows one step may compute, and rows the encoder cache holds; default the token budget,
     # at least MIN_ENCODER_TOKENS (a default ~1 MP image is 1,024 rows, a default video up to 3,136)
@@ -97,12 +100,22 @@ class EngineConfig:
         if sizes is not None and (not sizes or any(not isinstance(b, int) or b < 1 for b in sizes)):
             raise ValueError(f"cudagraph_capture_sizes={sizes!r} must be a non-empty list of batch sizes >= 1")
 
+    @property
+    def speculative_method(self) -> str | None:
+        """"mtp", "dflash2" or None, read from speculative_config without resolving it (None: MTP or off)."""
+        spec = self.speculative_config
+        if isinstance(spec, SpeculativeConfig):
+            return spec.method
+        method = spec.get("method", "mtp") if isinstance(spec, Mapping) else None
+        return "dflash2" if method == "dflash" else method
+
     def resolved_cudagraph_mem_mib(self) -> float:
+        """Explicit value, else env REVOLTA_CUDAGRAPH_MEM_MIB, else the speculative method's default."""
         if self.cudagraph_mem_mib is not None:
             return float(self.cudagraph_mem_mib)
         env = os.environ.get("REVOLTA_CUDAGRAPH_MEM_MIB")
         if env is None:
-            return DEFAULT_CUDAGRAPH_RESERVE_MIB
+            return default_cudagraph_reserve_mib(self.speculative_method)
         try:
             return float(env)
         except ValueError:
@@ -121,17 +134,22 @@ class Engine:
         dtype = str(model.dtype).removeprefix("torch.")
         self.spec = SpeculativeConfig.resolve(config.speculative_config, has_mtp=model.mtp is not None)
         kv_scales = kv_scales_from_state_dict(model.kv_scales)
-        if self.spec.enabled:
+        if self.spec.is_dflash2:
+            for warning in check_dflash2(self.spec, cfg, kv_cache_dtype=config.kv_cache_dtype, dtype=dtype):
+                logger.warning(warning)
+        elif self.spec.enabled:
             check_draft_kv_dtype(self.spec, config.kv_cache_dtype, kv_scales, dtype)
         cache = CacheConfig(max_model_len=config.max_model_len, kv_cache_dtype=config.kv_cache_dtype,
                             block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             enable_prefix_caching=config.enable_prefix_caching,
                             kv_offload_gib=config.kv_offload_gib,
-                            num_speculative_tokens=self.spec.num_speculative_tokens,
-                            spec_state_replay=self.spec.spec_state_replay,
-                            draft_kv_cache_dtype=self.spec.kv_cache_dtype)
+                            **self.spec.cache_fields(config.kv_cache_dtype, dtype))
         self.plan = plan_cache(cfg, cache, self._budget(), tp=1, dtype=dtype)
+        logger.info("speculative decoding: %s", self.spec.describe())
+        for line in self.plan.capacity_lines():
+            logger.info(line)
+        require_wired_drafter(self.spec)  # every configuration check above has passed
         self.storage = CacheStorage(cfg, self.plan.layout, device=model.device, kv_scales=kv_scales)
         cpu_layout = self.plan.cpu_layout()
         self.cpu_storage = None if cpu_layout is None else CacheStorage(cfg, cpu_layout, "cpu", pin_memory=True)
@@ -146,14 +164,12 @@ class Engine:
                                    self.encoder_cache, self.encoder_budget,
                                    lookahead_fn=self._num_drafts if self.spec.enabled else None)
         self._seqs: dict[str, Sequence] = {}
-        logger.info("speculative decoding: %s", self.spec.describe())
-        for line in self.plan.capacity_lines():
-            logger.info(line)
         self.graphs: DecodeGraphs | None = None  # decode steps replay these when they fit
         self.spec_graphs: SpecGraphs | None = None  # with speculation: steady-state rounds replay these
         if model.device.type == "cuda" and config.use_cuda_graphs:
             if self.spec.enabled:  # every decoding step is a verify round
-                self.spec_graphs = self._capture_graphs(spec=True)
+                # the round graphs run the MTP drafter (spec/graphs.py); another drafter drafts eagerly
+                self.spec_graphs = self._capture_graphs(spec=True) if self.spec.method == "mtp" else None
                 # measured on an H200 (benchmarks/RESULTS.md, S1b): a graph-replayed MTP4 round costs 8.5 ms
                 # at C1 (18-20 ms at C8) on the 4-layer real-width slice, a graph-replayed decode step 2.2 ms
                 # (4.8 ms): a round must emit ~4 tokens per request to break even
@@ -345,7 +361,8 @@ class Engine:
         max_tokens = getattr(seq.request, "max_tokens", None)
         if max_tokens is not None:
             room = min(room, max_tokens - len(seq.request.token_ids) - 1)
-        return max(0, min(self.spec.num_speculative_tokens, room))
+        # the concurrency ladder (DFlash2's dflash_concurrency_drafts; all k for MTP) at the running count
+        return max(0, min(self.spec.drafts_at(len(self.scheduler.running)), room))
 
     def _spec_step(self, items: list[ScheduledSeq], sample_fn: SampleFn,
                    prompt_logits_fn: PromptLogitsFn | None = None) -> list[SchedRequest]:
@@ -459,6 +476,16 @@ class Engine:
 
 
 SPEC_LOG_INTERVAL = 64  # verify rounds between acceptance-statistics log lines
+
+
+def require_wired_drafter(spec: SpeculativeConfig) -> None:
+    """The integration seam for DFlash2: the engine and `LLM` call this once every configuration
+    check has passed (LLM before loading weights, Engine after planning the cache). Replace the
+    refusal with the drafter's construction when the DFlash2 drafter is wired into the engine."""
+    if spec.is_dflash2:
+        raise ValueError("DFlash2 drafting is not wired into the engine yet: the configuration passed every check "
+                         f"({spec.describe()}); use speculative_config {{'method': 'mtp'}} (the default when the "
+                         "checkpoint has an MTP layer) or {'method': None} for now")
 
 
 def check_draft_kv_dtype(spec: SpeculativeConfig, kv_cache_dtype: str, kv_scales: Mapping, dtype: str) -> None:

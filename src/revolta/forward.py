@@ -109,6 +109,8 @@ class ForwardMeta:
     input_ids: [T] long (raw ids; the n-gram hash reads them, media pads included).
     positions: [3, T] long mRoPE positions (all rows equal for text).
     cos, sin: [T, rotary_dim] fp32 rotary tables for `positions`, shared by all QSA layers.
+    taps: when set, its keys are decoder layer ids and the text model stores the wide residual leaving
+    each of those layers, [T, h*d], under its id (a DFlash drafter's context, spec/engine.md §2.1).
     """
 
     cu_seqlens: list[int]
@@ -118,6 +120,7 @@ class ForwardMeta:
     cos: Tensor
     sin: Tensor
     paged: PagedMeta | None = None
+    taps: dict[int, Tensor | None] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -31,13 +31,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .config import ModelConfig
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, require_wired_drafter
 from .media_sources import media_from_messages
 from .mm_processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .model import FlashNextModel, load_model
 from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
 from .spec.config import SpeculativeConfig
+from .spec.dflash2.checks import check_dflash2, check_pipeline_parallel
 from .spec.stats import SpecStats
 from .spec.verify import greedy_accept, rejection_sample
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
@@ -114,6 +115,9 @@ def _check_engine_args(engine_args: Mapping[str, Any]) -> None:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"LLM() got an unknown engine argument {name!r}{hint} "
                             f"(accepted vLLM names: {', '.join(sorted(ENGINE_ARG_NAMES))})")
+    spec = engine_args.get("speculative_config")
+    if isinstance(spec, Mapping) and spec.get("method") in ("dflash2", "dflash"):
+        check_pipeline_parallel(engine_args.get("pipeline_parallel_size", 1))  # a DFlash2 limit, not a "yet"
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if engine_args.get(name, 1) != 1:
             raise ValueError(f"{name}={engine_args[name]}: only 1 is supported by this generation path yet")
@@ -228,10 +232,16 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         # speculative decoding: MTP4 when the checkpoint has an MTP layer and no method is given
-        has_mtp = ModelConfig.from_pretrained(self.model_path).text.mtp is not None
-        self.speculative_config = SpeculativeConfig.resolve(engine_args.get("speculative_config"), has_mtp)
+        target = ModelConfig.from_pretrained(self.model_path)
+        self.speculative_config = SpeculativeConfig.resolve(engine_args.get("speculative_config"),
+                                                            target.text.mtp is not None)
+        if self.speculative_config.is_dflash2:  # the DFlash2 checks run before any weight loads
+            for warning in check_dflash2(self.speculative_config, target, dtype=str(self.dtype).removeprefix("torch."),
+                                         kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto")):
+                logger.warning(warning)
+            require_wired_drafter(self.speculative_config)
         self.model: FlashNextModel = load_model(self.model_path, dtype=self.dtype, device=self.device,
-                                                with_mtp=self.speculative_config.enabled,
+                                                with_mtp=self.speculative_config.method == "mtp",
                                                 progress=not self.is_default_model)
         self.cfg: ModelConfig = self.model.cfg
         self.tokenizer = self._load_tokenizer(tokenizer, engine_args.get("skip_tokenizer_init", False))
@@ -334,7 +344,8 @@ class LLM:
             why = "enforce_eager" if ec.enforce_eager else "no CUDA" if self.device.type != "cuda" else "torch kernels"
             rows.append(("cuda graphs", "off", why))
         mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
-            "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else "default"
+            "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else \
+            "default (1200 MiB with DFlash2, else 700 MiB)"
         rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
         spec_source = arg("speculative_config") if "speculative_config" in self.engine_args else \
             f"default ({'MTP4: the checkpoint has an MTP layer' if self.cfg.text.mtp is not None else 'no MTP layer'})"

@@ -79,8 +79,10 @@ class TextModel(nn.Module):
     def forward(self, embeds: Tensor, meta: ForwardMeta) -> Tensor:
         """embeds: [T, d] -> wide pre-mixer state X^(L) [T, h*d]."""
         x = embeds.repeat(1, self.cfg.hc_count)  # h identical copies, branch-major
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, meta)
+            if meta.taps is not None and i in meta.taps:
+                meta.taps[i] = x
         return x
 
 
@@ -194,7 +196,8 @@ class FlashNextModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, *, cu_seqlens: list[int] | None = None,
                 states: list[SequenceState] | None = None, mm_embeds: Tensor | None = None,
-                mm_index: Tensor | None = None, logits_indices: Tensor | None = None, return_hidden: bool = False, paged: PagedMeta | None = None):
+                mm_index: Tensor | None = None, logits_indices: Tensor | None = None, return_hidden: bool = False,
+                paged: PagedMeta | None = None, taps: dict[int, Tensor | None] | None = None):
         """Logits for a batch of token ids.
 
         input_ids: [B, S] (each row one fresh sequence; returns logits [B, S, V]) or a flat [T]
@@ -204,6 +207,7 @@ class FlashNextModel(nn.Module):
         logits_indices: [N] rows of the flat batch to project (e.g. the last token of each sequence).
         return_hidden: also return the wide pre-mixer state [T, h*d] (the MTP input).
         paged: run on the paged hybrid cache instead of `states` (see runner.ModelRunner).
+        taps: {layer id: None, ...}; each value is replaced by the wide residual [T, h*d] leaving that layer.
         Logits are fp32.
         """
         batched = input_ids.dim() == 2
@@ -221,7 +225,7 @@ class FlashNextModel(nn.Module):
             raise ValueError(f"cu_seqlens={cu_seqlens} must have len(states)+1={len(states) + 1} entries ending at "
                              f"T={input_ids.shape[0]}")
         meta = self.make_meta(input_ids, cu_seqlens, states, positions)
-        meta.paged = paged
+        meta.paged, meta.taps = paged, taps
         wide = self.model.language_model(self.embed(input_ids, mm_embeds, mm_index), meta)
         for b, st in enumerate(states):
             st.num_tokens += cu_seqlens[b + 1] - cu_seqlens[b]

@@ -13,6 +13,7 @@ layout from static buffers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,12 +90,30 @@ class StepInputs:
                    block_table=p["block_table"].view(B, W).to(torch.int32), slot_mapping=p["slot_mapping"])
 
 
+@dataclass(frozen=True)
+class HiddenTaps:
+    """What the hidden rows of a step are when a drafter needs more than the final wide state.
+
+    layer_ids: decoder layers whose leaving residual [T, h*d] is kept during the forward;
+    features: {layer id: residual} -> the rows [T, F] `execute(return_hidden=True)` and `verify` return
+    instead of the final wide state (e.g. a DFlash drafter's context features, spec/dflash2/taps.py).
+    """
+
+    layer_ids: tuple[int, ...]
+    features: Callable[[dict[int, Tensor]], Tensor]
+
+
 class ModelRunner:
-    """Runs `model` on `storage` with the torch references or the Triton kernels."""
+    """Runs `model` on `storage` with the torch references or the Triton kernels.
+
+    hidden_taps: None (default) returns the final wide state [T, h*d] as the hidden rows (the MTP input);
+    a HiddenTaps returns its features of the tapped layers instead.
+    """
 
     def __init__(self, model: FlashNextModel, storage: CacheStorage, kernels: str = "torch",
-                 row_invariant: bool | None = None):
+                 row_invariant: bool | None = None, hidden_taps: HiddenTaps | None = None):
         self.model, self.storage = model, storage
+        self.hidden_taps = hidden_taps
         self.ops = kernel_ops(kernels)
         self.block_size = storage.layout.block_size
         self.ratio = model.cfg.text.indexer_compress_ratio
@@ -162,9 +181,18 @@ class ModelRunner:
         B = inputs.slots.shape[0]
         paged = self.paged_meta(inputs, cu_seqlens)
         states = [SequenceState() for _ in range(B)]  # token counts live in the cache, not here
-        return self.model(inputs.input_ids, inputs.positions, cu_seqlens=cu_seqlens, states=states,
-                          mm_embeds=mm_embeds, mm_index=mm_index,
-                          logits_indices=logits_indices, return_hidden=return_hidden, paged=paged)
+        taps = self._new_taps() if return_hidden else None
+        out = self.model(inputs.input_ids, inputs.positions, cu_seqlens=cu_seqlens, states=states,
+                         mm_embeds=mm_embeds, mm_index=mm_index,
+                         logits_indices=logits_indices, return_hidden=return_hidden, paged=paged, taps=taps)
+        return self._tapped(out, taps)
+
+    def _new_taps(self) -> dict[int, Tensor | None] | None:
+        return None if self.hidden_taps is None else dict.fromkeys(self.hidden_taps.layer_ids)
+
+    def _tapped(self, out, taps: dict[int, Tensor | None] | None):
+        """(logits, wide) -> (logits, the HiddenTaps features) when taps were kept."""
+        return out if taps is None else (out[0], self.hidden_taps.features(taps))
 
     def paged_meta(self, inputs: StepInputs, cu_seqlens: list[int]) -> PagedMeta:
         """The PagedMeta of one step's device inputs (cu_seqlens: the host copy)."""
@@ -222,7 +250,8 @@ class ModelRunner:
 
         draft_slots: per sequence the slots receiving the GDN state after each row (running slot
         first), or None for replay. Returns (logits [T, V] of every row, wide hidden [T, h*d],
-        the step's PagedMeta whose `spec.record` feeds spec.commit.commit_verified).
+        the step's PagedMeta whose `spec.record` feeds spec.commit.commit_verified); with `hidden_taps`
+        the hidden rows are its features instead of the wide state.
         """
         inputs = self._inputs(seqs)
         cu = offsets([len(s.token_ids) for s in seqs])
@@ -245,10 +274,12 @@ class ModelRunner:
         paged.spec = VerifyMeta(num_seqs=inputs.slots.shape[0], num_rows=paged.max_new_tokens,
                                 draft_slots=draft_table, flat_index=flat_index)
         states = [SequenceState() for _ in range(inputs.slots.shape[0])]
+        taps = self._new_taps()
         with row_invariant(self.row_invariant):
-            logits, wide = self.model(inputs.input_ids, inputs.positions, cu_seqlens=cu_seqlens, states=states,
-                                      return_hidden=True, paged=paged)
-        return logits, wide, paged
+            out = self.model(inputs.input_ids, inputs.positions, cu_seqlens=cu_seqlens, states=states,
+                             return_hidden=True, paged=paged, taps=taps)
+        logits, hidden = self._tapped(out, taps)
+        return logits, hidden, paged
 
     @torch.no_grad()
     def mtp(self, seqs: list[StepSequence], hidden: Tensor, step: int = 0,

@@ -167,7 +167,11 @@ def _model_bytes(name: str) -> int:
 
 def _kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
     """QSA KV heads held by one TP rank: split when kv_heads >= tp, else replicated (spec §10.6)."""
-    h = cfg.text.num_key_value_heads
+    return kv_heads_per_rank(cfg.text.num_key_value_heads, tp)
+
+
+def kv_heads_per_rank(h: int, tp: int) -> int:
+    """KV heads of an attention layer with `h` of them held by one TP rank: split when h >= tp, else replicated."""
     if tp < 1 or (h >= tp and h % tp) or (h < tp and tp % h):
         raise ValueError(f"tp={tp} neither divides nor is a multiple of num_key_value_heads={h}")
     return max(1, h // tp)

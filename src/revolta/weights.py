@@ -178,6 +178,7 @@ def _plan(
     target_shapes: Mapping[str, tuple[int, ...]],
     target_dtypes: Mapping[str, torch.dtype],
     skip_prefixes: tuple[str, ...],
+    renames: Mapping[str, str],
 ) -> tuple[list[_Piece], list[str]]:
     """Map each on-disk tensor to a piece; return (pieces, error lines). Reads headers only."""
     errors: list[str] = []
@@ -200,7 +201,7 @@ def _plan(
         if m:
             ple_shards[f"{m['base']}.weight"][int(m["s"])] = name
             continue
-        target, index = _translate(name, target_shapes)
+        target, index = _translate(name if name in target_shapes else renames.get(name, name), target_shapes)
         if target.startswith(skip_prefixes):
             continue
         if target not in target_shapes:
@@ -471,6 +472,7 @@ def load_weights(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     skip_prefixes: Iterable[str] = (),
+    renames: Mapping[str, str] | None = None,
     progress: bool = True,
 ) -> None:
     """Load a safetensors checkpoint (official names) into `model` in place.
@@ -479,6 +481,7 @@ def load_weights(
     other tensors stay put) in `dtype` (default: keep each tensor's dtype) first; `A_log`/`dt_bias` end fp32.
     `skip_prefixes` (e.g. `("mtp.",)` or `("model.visual.",)`) drops on-disk names and model names with those
     prefixes from loading and from the missing/unexpected check; skipped model tensors are left as they are.
+    `renames` maps further on-disk names the model does not have to its own names (another model's layout).
     Everything is checked from the file headers before any data is read; problems raise one `CheckpointError`.
     """
     skip = tuple(skip_prefixes)
@@ -494,7 +497,7 @@ def load_weights(
     blank, blank_volatile = uninitialised_buffers(model)
     optional = {n for n in targets if any(p.search(n) for p in _OPTIONAL_ON_DISK) and n not in blank}
 
-    pieces, errors = _plan(files, headers, shapes, dtypes, skip)
+    pieces, errors = _plan(files, headers, shapes, dtypes, skip, renames or {})
     errors += _coverage_errors(pieces, shapes, aliases, skip, optional)
     blank_volatile = sorted(n for n in blank_volatile if not n.startswith(skip))
     if blank_volatile:

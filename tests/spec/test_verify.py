@@ -97,7 +97,8 @@ def test_config_resolution():
     c = SpeculativeConfig.resolve({"method": "mtp", "num_speculative_tokens": 2, "spec_state_replay": True}, True)
     assert (c.num_speculative_tokens, c.spec_state_replay) == (2, True)
     assert SpeculativeConfig.resolve(c, True) == c
-    for raw, msg in [({"method": "dflash"}, "not supported"), ({"num_speculative_tokens": 0}, r"\[1, 8\]"),
+    for raw, msg in [({"method": "eagle"}, "not supported"), ({"method": "dflash"}, "needs .model."),
+                     ({"num_speculative_tokens": 0}, r"\[1, 8\]"),
                      ({"method": "mtp", "typo": 1}, "unknown keys"), ({"spec_state_replay": "yes"}, "true or false"),
                      ({"draft_sample_method": "probabilistic"}, "not validated"), ("mtp", "must be a dict")]:
         with pytest.raises(ValueError, match=msg):

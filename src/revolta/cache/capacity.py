@@ -20,6 +20,14 @@ Method (spec/engine.md §4.1-4.2, docs/cache.md has a worked example):
     release-note method   = (pool pages - null block - dummy slot) / per request, printed beside it
                             (it counts state as pages of one shared pool; revolta's slots are
                             separate tensors, so it would promise more than is allocated)
+
+DFlash2 (speculative_method "dflash2") adds no MTP layer to the pages; its drafter keeps its own
+KV group (`DraftKVGroup`): per running request every full-attention draft layer holds
+max_model_len tokens and every sliding-window layer its window, reserved for max_num_seqs
+requests before the pool is sized (the drafter's cache is its own tensors, like a per-request
+cache; a paged drafter cache would share pool pages instead). State slots per request are the
+same rule as MTP: 1 running + 1 prefix snapshot + 1 per draft, i.e. 2 + 7 (the release note's
+2 + 7 per GDN cache group: a revolta slot holds every GDN layer), or 2 with replay.
 """
 
 from __future__ import annotations
@@ -28,12 +36,14 @@ import math
 from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
-from ..summary import fixed_state_breakdown, human_bytes, kv_bytes_breakdown, parameter_counts
+from ..summary import KV_DTYPES, fixed_state_breakdown, human_bytes, kv_bytes_breakdown, kv_heads_per_rank
+from ..summary import parameter_counts
 
 GiB, MiB = 2**30, 2**20
 KERNEL_PAGE = 16  # attention / int8-scale kernels address 16-token pages inside a block
 AUTO_BLOCK_SIZE = 256
 DEFAULT_CUDAGRAPH_RESERVE_MIB = 700.0  # ReVolta TP4 profile for MTP and non-speculative runs (spec §4.7)
+DFLASH2_CUDAGRAPH_RESERVE_MIB = 1200.0  # ReVolta 0.1.3 DFlash2 default, with tail graphs off (spec §4.7)
 DEFAULT_OTHER_RESERVE_MIB = 512.0  # CUDA context, NCCL buffers, allocator slack
 CPU_TIER_STATE_FRACTION = 0.25  # share of the CPU tier that holds state snapshots
 
@@ -53,6 +63,35 @@ WEIGHT_FORMATS = {  # bits per routed-expert parameter; everything else is 16-bi
 
 class CacheConfigError(ValueError):
     """A cache configuration that cannot work; raised before any weight is loaded, says what to change."""
+
+
+def default_cudagraph_reserve_mib(speculative_method: str | None) -> float:
+    """The CUDA-graph reserve when none is given: 1200 MiB for DFlash2, else 700 MiB (spec §4.7)."""
+    return DFLASH2_CUDAGRAPH_RESERVE_MIB if speculative_method == "dflash2" else DEFAULT_CUDAGRAPH_RESERVE_MIB
+
+
+@dataclass(frozen=True, slots=True)
+class DraftKVGroup:
+    """The DFlash2 drafter's own KV cache: its attention layers (model-wide head counts)."""
+
+    num_layers: int
+    num_sliding_layers: int
+    sliding_window: int | None
+    num_kv_heads: int
+    head_dim: int
+    kv_cache_dtype: str  # resolved: fp16 | bf16 | fp32 | fp8_e4m3 | int8
+
+    def bytes_per_token(self, tp: int = 1) -> int:
+        """K and V (+ int8 per-token scales) of one draft layer for one token, per GPU."""
+        heads = kv_heads_per_rank(self.num_kv_heads, tp)
+        elt = 4 if self.kv_cache_dtype == "fp32" else KV_DTYPES[self.kv_cache_dtype]
+        return 2 * heads * self.head_dim * elt + (2 * heads * 4 if self.kv_cache_dtype == "int8" else 0)
+
+    def bytes_per_request(self, max_model_len: int, tp: int = 1) -> int:
+        """Full layers hold max_model_len tokens, sliding-window layers min(window, max_model_len)."""
+        full = self.num_layers - self.num_sliding_layers
+        window = min(self.sliding_window or 0, max_model_len)
+        return self.bytes_per_token(tp) * (full * max_model_len + self.num_sliding_layers * window)
 
 
 def resolve_kv_dtype(name: str, dtype: str = "float16") -> str:
@@ -83,7 +122,9 @@ class CacheConfig:
     block_size: int | None = None  # None: AUTO_BLOCK_SIZE (capped by max_model_len)
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 8192
-    num_speculative_tokens: int = 0  # > 0: MTP drafts; adds the MTP layer's K/V to every page
+    num_speculative_tokens: int = 0  # > 0: drafts per round (MTP: adds the MTP layer's K/V to every page)
+    speculative_method: str = "mtp"  # with num_speculative_tokens > 0: "mtp" or "dflash2" (needs draft_kv_group)
+    draft_kv_group: DraftKVGroup | None = None  # DFlash2's drafter cache
     spec_state_replay: bool = False  # True: no per-draft state slots (the replay kernel commits in place)
     draft_kv_cache_dtype: str | None = None  # None: inherit kv_cache_dtype
     enable_prefix_caching: bool = True
@@ -96,6 +137,18 @@ class CacheConfig:
     def num_draft_slots(self) -> int:
         """Per-draft state slots per running request."""
         return 0 if self.spec_state_replay else self.num_speculative_tokens
+
+    @property
+    def with_mtp(self) -> bool:
+        """The MTP layer's K/V is part of every page."""
+        return self.num_speculative_tokens > 0 and self.speculative_method == "mtp"
+
+    @property
+    def spec_label(self) -> str:
+        if not self.num_speculative_tokens:
+            return "off"
+        name = "DFlash2" if self.speculative_method == "dflash2" else "MTP"
+        return f"{name} x{self.num_speculative_tokens} ({'replay' if self.spec_state_replay else 'per-draft state slots'})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +211,7 @@ class CachePlan:
     num_cpu_blocks: int = 0
     num_cpu_slots: int = 0
     scalar_bytes: int = 0  # per-layer fp8 scales
+    draft_kv_bytes_per_request: int = 0  # DFlash2's drafter KV group, per running request
 
     @property
     def block_size(self) -> int:
@@ -170,6 +224,16 @@ class CachePlan:
     @property
     def num_slots(self) -> int:
         return self.layout.num_slots
+
+    @property
+    def draft_kv_bytes(self) -> int:
+        """The drafter KV group reserved for max_num_seqs running requests (not part of `storage_bytes`)."""
+        return self.cache.max_num_seqs * self.draft_kv_bytes_per_request
+
+    @property
+    def state_slots_per_request(self) -> float:
+        """Running slot + per-draft slots + this request's share of the prefix snapshots."""
+        return 1 + self.cache.num_draft_slots + self.num_snapshot_slots / self.cache.max_num_seqs
 
     @property
     def storage_bytes(self) -> int:
@@ -267,7 +331,12 @@ def validate_cache_config(cfg: ModelConfig, cache: CacheConfig, tp: int = 1) -> 
         resolve_kv_dtype(cache.draft_kv_cache_dtype)
     if cache.num_speculative_tokens < 0:
         fail(f"num_speculative_tokens={cache.num_speculative_tokens} must be >= 0")
-    if cache.num_speculative_tokens and not cfg.text.num_mtp_layers:
+    if cache.num_speculative_tokens and cache.speculative_method not in ("mtp", "dflash2"):
+        fail(f"speculative_method={cache.speculative_method!r}; use 'mtp' or 'dflash2'")
+    if cache.num_speculative_tokens and cache.speculative_method == "dflash2" and cache.draft_kv_group is None:
+        fail("speculative_method='dflash2' needs the drafter's KV group (draft_kv_group); plan it from the drafter's "
+             "config.json")
+    if cache.with_mtp and not cfg.text.num_mtp_layers:
         fail(f"num_speculative_tokens={cache.num_speculative_tokens} needs the checkpoint's MTP layer, and this "
              "config has none (mtp_num_hidden_layers = 0); turn speculative decoding off")
     if cache.kv_offload_gib < 0:
@@ -298,19 +367,22 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
         raise CacheConfigError("the CUDA-graph reserve must be >= 0 MiB (0 disables it)")
     kv = resolve_kv_dtype(cache.kv_cache_dtype, dtype)
     draft = resolve_kv_dtype(cache.draft_kv_cache_dtype, dtype) if cache.draft_kv_cache_dtype else kv
-    with_mtp = cache.num_speculative_tokens > 0
+    with_mtp = cache.with_mtp
+    group = cache.draft_kv_group if cache.num_speculative_tokens and not with_mtp else None
+    draft_per_request = 0 if group is None else group.bytes_per_request(cache.max_model_len, tp)
     bs = choose_block_size(cfg, cache)
     kvpt = kv_page_bytes_per_token(cfg, kv, draft, with_mtp, tp)
     page = bs * kvpt
     state = state_bytes_per_slot(cfg, tp, dtype, with_mtp, cache.pending_ring)
     state_pages = -(-state // page)
     scalars = _scalar_bytes(cfg, kv, draft, with_mtp)
-    avail = budget.cache_bytes - scalars
+    avail = budget.cache_bytes - scalars - cache.max_num_seqs * draft_per_request
     if avail <= 0:
+        drafter = f" + DFlash2 drafter KV {human_bytes(cache.max_num_seqs * draft_per_request)}" if group else ""
         raise CacheConfigError(
             f"no memory left for the KV cache: weights {human_bytes(budget.weights_bytes)} + activations "
             f"{human_bytes(budget.activation_bytes)} + CUDA graphs {human_bytes(budget.cudagraph_reserve_bytes)} + "
-            f"other {human_bytes(budget.other_bytes)} exceed gpu_memory_utilization x memory = "
+            f"other {human_bytes(budget.other_bytes)}{drafter} exceed gpu_memory_utilization x memory = "
             f"{human_bytes(budget.usable_bytes)} by {human_bytes(-avail)}; raise --gpu-memory-utilization, use more "
             "GPUs (--tp), a smaller weight format, or lower --max-num-batched-tokens")
     pool_pages = avail // page
@@ -331,7 +403,7 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
             f"{max(0, num_blocks - 1):,} blocks ({human_bytes(max(0, num_blocks - 1) * page)}), i.e. "
             f"{fit:,} tokens; lower --max-model-len to {fit:,} or less, use --kv-cache-dtype fp8_e4m3, raise "
             "--gpu-memory-utilization, use more GPUs (--tp) or lower --max-num-seqs")
-    per_request = -(-L // bs) + slots_per_request * state_pages
+    per_request = -(-L // bs) + slots_per_request * state_pages + -(-draft_per_request // page)
     # Reported capacity is what the allocated tensors physically hold: the KV blocks (state
     # slots are separate tensors sized for max_num_seqs), capped by the running slots.
     kv_tokens = (num_blocks - 1) * bs
@@ -353,7 +425,7 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
                      state_bytes=state, state_pages=state_pages, pool_pages=pool_pages, num_running_slots=running,
                      num_snapshot_slots=snapshots, pages_per_request=per_request, max_concurrency=conc,
                      kv_cache_tokens=kv_tokens, unified_concurrency=unified, num_cpu_blocks=cpu_blocks,
-                     num_cpu_slots=cpu_slots, scalar_bytes=scalars)
+                     num_cpu_slots=cpu_slots, scalar_bytes=scalars, draft_kv_bytes_per_request=draft_per_request)
 
 
 # ---- estimates for a dry run (no weights, no GPU) ------------------------------------------
@@ -406,37 +478,42 @@ def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_l
                    kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                    weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
                    activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
-                   other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, **cache_options) -> str:
+                   other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
+                   **cache_options) -> str:
     """What `revolta info DIR --gpu-memory GiB --tp N --max-model-len L --kv-cache-dtype D` prints:
     the budget, the pool layout and the two capacity lines, computed without weights or a GPU.
 
     gpu_memory_gib: memory of one GPU. weights_bytes: per-GPU weights when known (else estimated
-    for `weight_format`). cache_options: further `CacheConfig` fields (max_num_seqs,
-    num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
+    for `weight_format`). drafter_weights_bytes: per-GPU weights of a separate drafter, added to
+    estimated weights (not to measured ones). cache_options: further `CacheConfig` fields
+    (max_num_seqs, num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
     Raises CacheConfigError for configurations that cannot work.
     """
     return format_plan(dry_run_plan(cfg, gpu_memory_gib, tp, max_model_len, kv_cache_dtype, gpu_memory_utilization,
                                     weights_bytes, weight_format=weight_format, dtype=dtype,
                                     activation_bytes=activation_bytes, cudagraph_reserve_mib=cudagraph_reserve_mib,
-                                    other_reserve_mib=other_reserve_mib, **cache_options), cfg)
+                                    other_reserve_mib=other_reserve_mib, drafter_weights_bytes=drafter_weights_bytes,
+                                    **cache_options), cfg)
 
 
 def dry_run_plan(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len: int,
                  kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                  weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
                  activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
-                 other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, **cache_options) -> CachePlan:
+                 other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
+                 **cache_options) -> CachePlan:
     """The `CachePlan` behind `dry_run_report` (same arguments)."""
     if gpu_memory_gib <= 0:
         raise CacheConfigError(f"--gpu-memory={gpu_memory_gib} GiB must be > 0")
     cache = CacheConfig(max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, **cache_options)
     validate_cache_config(cfg, cache, tp)
     if weights_bytes is None:
-        weights_bytes = estimate_weight_bytes(cfg, tp, weight_format)["total"]
+        weights_bytes = estimate_weight_bytes(cfg, tp, weight_format)["total"] + drafter_weights_bytes
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(cfg, tp, cache.max_num_batched_tokens, cache.max_num_seqs,
                                                      cache.num_speculative_tokens, dtype)
-    graphs = DEFAULT_CUDAGRAPH_RESERVE_MIB if cudagraph_reserve_mib is None else cudagraph_reserve_mib
+    method = cache.speculative_method if cache.num_speculative_tokens else None
+    graphs = default_cudagraph_reserve_mib(method) if cudagraph_reserve_mib is None else cudagraph_reserve_mib
     if graphs < 0:
         raise CacheConfigError(f"cudagraph reserve {graphs} MiB must be >= 0 (0 disables it)")
     budget = MemoryBudget(gpu_memory_bytes=int(gpu_memory_gib * GiB), gpu_memory_utilization=gpu_memory_utilization,
@@ -448,10 +525,12 @@ def dry_run_plan(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len
 def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
     """Human-readable budget, layout and capacity of a plan (the dry-run text)."""
     c, b, lay = plan.cache, plan.budget, plan.layout
-    spec = (f"MTP x{c.num_speculative_tokens} ({'replay' if c.spec_state_replay else 'per-draft state slots'})"
-            if c.num_speculative_tokens else "off")
+    spec = c.spec_label
     kv_dt = lay.kv_cache_dtype + (f" (MTP draft {lay.draft_kv_cache_dtype})"
                                   if lay.with_mtp and lay.draft_kv_cache_dtype != lay.kv_cache_dtype else "")
+    g = c.draft_kv_group if plan.draft_kv_bytes_per_request else None
+    if g is not None:
+        kv_dt += f" (DFlash2 draft {g.kv_cache_dtype})"
     usable_blocks = plan.num_blocks - 1
     kv_tokens = usable_blocks * plan.block_size
     full_len = kv_tokens // c.max_model_len if c.max_model_len else 0
@@ -463,6 +542,10 @@ def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
         f" ({c.max_num_batched_tokens:,}-token batch) - CUDA graphs {human_bytes(b.cudagraph_reserve_bytes)}"
         f" - other {human_bytes(b.other_bytes)}",
         f"    = cache budget {human_bytes(b.cache_bytes)} ({b.cache_bytes:,} B)",
+        *([f"  DFlash2 draft KV group: {g.num_layers} layers ({g.num_sliding_layers} sliding, window "
+           f"{g.sliding_window}) x {g.bytes_per_token(lay.tp):,} B/token = "
+           f"{human_bytes(plan.draft_kv_bytes_per_request)} per request, x {c.max_num_seqs} seqs = "
+           f"{human_bytes(plan.draft_kv_bytes)} taken from the budget"] if g is not None else []),
         f"  block: {plan.block_size} tokens x {plan.kv_bytes_per_token:,} B/token = {plan.page_bytes:,} B page "
         f"(every QSA layer{' + MTP layer' if lay.with_mtp else ''}: K, V, compressed index keys"
         f"{', int8 scales' if lay.kv_cache_dtype == 'int8' else ''})",
@@ -475,7 +558,9 @@ def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
         f"  allocated: {human_bytes(plan.storage_bytes)} ({plan.storage_bytes:,} B); KV blocks hold "
         f"{kv_tokens:,} tokens = {full_len} full {c.max_model_len:,}-token requests",
         f"  per {c.max_model_len:,}-token request: {-(-c.max_model_len // plan.block_size):,} KV pages + "
-        f"{1 + c.num_draft_slots} state slots x {plan.state_pages} = {plan.pages_per_request:,} pages",
+        f"{1 + c.num_draft_slots} state slots x {plan.state_pages}"
+        f"{f' + {-(-plan.draft_kv_bytes_per_request // plan.page_bytes)} draft KV pages' if g is not None else ''}"
+        f" = {plan.pages_per_request:,} pages",
         f"  release-note method (state pages drawn from one shared pool): ({plan.pool_pages:,} - 1 null - "
         f"{plan.state_pages} dummy) / {plan.pages_per_request:,} = {plan.unified_concurrency:.2f}x, i.e. "
         f"{int(plan.unified_concurrency * c.max_model_len):,} tokens; revolta's state slots are separate tensors, "
@@ -485,5 +570,10 @@ def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
         lines.append(f"  CPU tier: {c.kv_offload_gib:g} GiB / {lay.tp} ranks: {plan.num_cpu_blocks - 1:,} blocks "
                      f"({(plan.num_cpu_blocks - 1) * plan.block_size:,} tokens) + {plan.num_cpu_slots - 1} snapshots "
                      "per rank, pinned host memory")
+    if c.num_speculative_tokens:
+        snap = plan.num_snapshot_slots / c.max_num_seqs
+        lines.append(f"  state slots per request: {plan.state_slots_per_request:g} = 1 running + {snap:g} prefix "
+                     f"snapshot + {c.num_draft_slots} per-draft ({'replay' if c.spec_state_replay else 'no replay'}; "
+                     "one slot holds every GDN layer, vLLM counts the same per GDN cache group)")
     lines += ["  " + x for x in plan.capacity_lines()]
     return "\n".join(lines) + "\n"

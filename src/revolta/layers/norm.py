@@ -57,3 +57,25 @@ class GatedRMSNorm(nn.Module):
         zf = z.float()
         gate = torch.sigmoid(zf) if self.activation == "sigmoid" else torch.nn.functional.silu(zf)
         return (of * self.weight.float() * gate).to(o.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Plain RMSNorm (Qwen3/Llama): w * round(x * rsqrt(mean(x^2) + eps)), statistic in fp32.
+
+    x: [..., N]; weight: [N]. The normalised value is rounded to x.dtype before the gain, as in the
+    Qwen3 reference, so low-precision results match it. Returns the promoted dtype of x and weight.
+    """
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Plain RMSNorm with a stored gain (one-initialised); the DFlash drafter's norms."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,15 +181,25 @@ def ensure_default_model(cache_dir: str | os.PathLike | None = None, progress: b
     Returns:
         Path of a complete checkpoint directory, loadable by `load_model` / `LLM(model=...)`.
     """
-    final = default_model_dir(cache_dir)
+    return build_once(default_model_dir(cache_dir), lambda d: write_default_checkpoint(d, progress=progress),
+                      "the embedded default model")
+
+
+def build_once(final: Path, write: Callable[[Path], Any], what: str) -> Path:
+    """Return `final`, first building it with `write(directory)` if it is not complete yet.
+
+    `write` fills a temporary sibling directory and must write `PRESET_MARKER` last; the directory is then
+    renamed into place, so a crash never leaves a half-written preset and concurrent builders keep the first
+    finished copy.
+    """
     if is_complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building the embedded default model in %s (once; offline)", final)
+    logger.info("building %s in %s (once; offline)", what, final)
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
-        write_default_checkpoint(tmp, progress=progress)
+        write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
         try:
             os.rename(tmp, final)
@@ -198,7 +209,7 @@ def ensure_default_model(cache_dir: str | os.PathLike | None = None, progress: b
                 os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; another builder won otherwise
-    logger.info("default model ready in %.1f s", time.perf_counter() - start)
+    logger.info("%s ready in %.1f s", what, time.perf_counter() - start)
     return final
 
 

@@ -5,6 +5,8 @@ verify.py   the acceptance rule: greedy longest prefix + bonus, lossless rejecti
 mtp.py      the MTP drafter: k recursive MTP steps on the paged cache, pending target hiddens
 commit.py   recurrent state after verification: per-draft state slots or replay, bitwise equal
 stats.py    acceptance statistics per request and per engine
+dflash2/    DFlash2: configuration options, the concurrency ladder, checks before weights, sharded
+            selector codebooks (docs/speculative.md; the drafter itself is not wired into the engine yet)
 """
 
 from .config import SpeculativeConfig

@@ -58,12 +58,12 @@ class DraftItem:
     num_drafts: int
 
 
-class MTPDrafter:
-    """Keeps each request's pending target rows and proposes drafts with the MTP head."""
+class PendingRowsDrafter:
+    """The engine-facing bookkeeping every drafter shares: each request's pending target rows."""
 
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
-        self.runner = runner
-        self.k = num_speculative_tokens
+    rows_name = "target"  # what the rows are, for messages
+
+    def __init__(self):
         self.pending: dict[str, PendingRows] = {}
 
     def has_pending(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:
@@ -72,11 +72,34 @@ class MTPDrafter:
         return p is not None and p.end == num_computed and p.num_preemptions == num_preemptions
 
     def keep(self, request_id: str, hidden: Tensor, start: int, num_preemptions: int) -> None:
-        """Rows [m, h*d] of committed target positions start .. start + m - 1."""
+        """Rows [m, ...] of committed target positions start .. start + m - 1."""
         self.pending[request_id] = PendingRows(hidden, start, num_preemptions)
 
     def drop(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+
+    def take(self, item: DraftItem) -> PendingRows | None:
+        """Pop the item's pending rows; None (the request dropped) when they do not end at its step.
+
+        Raises when such an item was scheduled with drafts."""
+        if not self.has_pending(item.request_id, item.step.num_computed, item.num_preemptions):
+            self.drop(item.request_id)
+            if item.num_drafts:
+                raise ValueError(f"request {item.request_id!r} was scheduled with {item.num_drafts} drafts but has "
+                                 f"no pending {self.rows_name} rows")
+            return None
+        return self.pending.pop(item.request_id)
+
+
+class MTPDrafter(PendingRowsDrafter):
+    """Keeps each request's pending target rows and proposes drafts with the MTP head."""
+
+    rows_name = "MTP"
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
+        super().__init__()
+        self.runner = runner
+        self.k = num_speculative_tokens
 
     @torch.no_grad()
     def propose(self, items: list[DraftItem], graphs: "SpecGraphs | None" = None) -> list[list[int]] | Tensor:
@@ -91,13 +114,9 @@ class MTPDrafter:
         seed_seqs, seed_hidden, seed_items = [], [], []
         for i, it in enumerate(items):
             c = it.step.num_computed
-            if not self.has_pending(it.request_id, c, it.num_preemptions):
-                self.drop(it.request_id)
-                if it.num_drafts:
-                    raise ValueError(f"request {it.request_id!r} was scheduled with {it.num_drafts} drafts but has "
-                                     "no pending MTP rows")
+            p = self.take(it)
+            if p is None:
                 continue
-            p = self.pending.pop(it.request_id)
             seed_seqs.append(replace(it.step, token_ids=it.all_token_ids[p.start + 1:c + 1], num_computed=p.start,
                                      mm_embeds=None, mm_index=None))
             seed_hidden.append(p.hidden)

@@ -1,0 +1,114 @@
+"""On a GPU: every hot-path kernel against its torch reference at the real model's shapes.
+
+The CPU tests (tests/kernels) check the same kernels under TRITON_INTERPRET=1 on small shapes;
+here the compiled kernels run with the real head counts and widths (GDN H=16 / HV=48 / K=V=128,
+QSA 24 q heads / 2 KV heads / D=256 with the 4 x 128 indexer, MoE 512 experts of 2560 x 640, HC
+2560 x 4 streams with rank 320), also with the sm_70 launch configurations in fp16. The GDN and
+QSA checks are the benchmark scripts' own correctness stages (benchmarks/bench_gdn.py,
+bench_qsa.py), so a benchmark row is never timed on a kernel this test would fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+def test_gdn_kernels_real_shapes():
+    """Chunked prefill (varlen, slot pool), decode, verify, commit and replay (bitwise), bf16 and
+    fp16, plus the sm_70 launch configs in fp16."""
+    gdn = _bench("bench_gdn")
+    gdn.correctness()
+    gdn.v100_configs()
+    assert not gdn.RESULTS["errors"], gdn.RESULTS["errors"]
+    failed = [c for c in gdn.RESULTS["checks"] if not c["ok"]]
+    assert gdn.RESULTS["checks"] and not failed, failed
+
+
+def test_qsa_select_and_sparse_decode_real_shapes():
+    """Indexer top-budget selection and sparse paged decode over 3,000-token contexts, fp16 and
+    fp8-e4m3 KV, 1 and 5 query rows per request."""
+    qsa = _bench("bench_qsa")
+    out = qsa.check_correctness("cuda")
+    assert out and all(r["ok"] for r in out), out
+
+
+@pytest.mark.parametrize("M", [1, 8, 300])
+def test_moe_real_shapes(M):
+    """Routing (top-10 of 512 + the shared expert) and the fused grouped expert MLP, bf16, and the
+    sm_70 configs in fp16."""
+    from revolta.kernels import moe as MOE
+    H, I, E, TOPK = 2560, 640, 512, 10
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    w1 = torch.randn(E + 1, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * H ** -0.5
+    w2 = torch.randn(E + 1, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * I ** -0.5
+    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(M, E, device="cuda", generator=gen)
+    shared = torch.randn(M, device="cuda", generator=gen)
+    ids, w = MOE.moe_route(logits, TOPK, shared_logits=shared)
+    ids_ref, w_ref = MOE.moe_route_ref(logits, TOPK, shared_logits=shared)
+    assert torch.equal(ids, ids_ref)
+    assert (w - w_ref).abs().max().item() < 1e-6
+    ref = MOE.fused_moe_ref(x, w1, w2, ids, w)
+    assert rel_err(MOE.fused_moe(x, w1, w2, ids, w, path="triton"), ref) < 1e-2
+    x16, w1h, w2h = x.half(), w1.half(), w2.half()
+    ref16 = MOE.fused_moe_ref(x16, w1h, w2h, ids, w)
+    cfg70 = MOE.moe_config(M, TOPK + 1, E + 1, arch=70)
+    assert rel_err(MOE.fused_moe(x16, w1h, w2h, ids, w, path="triton", config=cfg70), ref16) < 2e-3
+
+
+@pytest.mark.parametrize("M", [1, 5, 64, 1000])
+def test_hyperconnection_and_norms_real_shapes(M):
+    """HC read (bf16, and the sm_70 config in fp16), HC write bitwise, the (1+w) RMSNorm over 2560
+    and the gated RMSNorm over 48 heads x 128."""
+    from revolta.kernels import hc as HC
+    from revolta.kernels import norm as NORM
+    from revolta.layers.hyperconnection import HyperConnection
+    D, NH, R = 2560, 4, 320
+    torch.manual_seed(M)
+    m = HyperConnection(D, NH, R, 1e-6).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    ws = (m.hc_norm.weight.detach(), m.input_mix_weight_down.weight.detach(), m.input_mix_weight_up.weight.detach(),
+          m.block_inject_weight.weight.detach())
+    x = torch.randn(M, NH * D, device="cuda", dtype=torch.bfloat16) * 2
+    u, inj = HC.hc_read(x, *ws, NH, 1e-6, path="triton")
+    u_ref, inj_ref = HC.hc_read_ref(x, *ws, NH, 1e-6)
+    assert rel_err(u, u_ref) < 1e-2 and rel_err(inj, inj_ref) < 1e-2
+    xh, wh = x.half(), [w.half() for w in ws]
+    u70, _ = HC.hc_read(xh, *wh, NH, 1e-6, path="triton", config=HC.hc_config(M, D, R, NH, arch=70))
+    assert rel_err(u70, HC.hc_read_ref(xh, *wh, NH, 1e-6)[0]) < 2e-3
+    out = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(HC.hc_combine(x, inj, out), HC.hc_combine_ref(x, inj, out))  # compiled without FMA fusion
+    h = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    w_norm = torch.randn(D, device="cuda", dtype=torch.bfloat16) * 0.1
+    assert rel_err(NORM.zc_rms_norm(h, w_norm, 1e-6), NORM.zc_rms_norm_ref(h, w_norm, 1e-6)) < 1e-2
+    o, z = (torch.randn(M * 48, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    w_gate = torch.randn(128, device="cuda", dtype=torch.float16) * 0.1
+    got = NORM.gated_rms_norm(o, w_gate, z, 1e-6)
+    assert not got.isnan().any()
+    assert rel_err(got, NORM.gated_rms_norm_ref(o, w_gate, z, 1e-6)) < 2e-3

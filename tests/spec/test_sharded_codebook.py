@@ -1,0 +1,114 @@
+"""sharded_selector_codebook (spec/engine.md §2.7): vocabulary-row shards of both selector codebooks,
+combined by one all-reduce, are bitwise the replicated lookup except that -0 becomes +0. Two CPU
+processes over gloo; the vocabulary does not divide evenly, so the last shard is shorter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+
+from revolta.spec.dflash2.sharded_codebook import (ShardedCodebooks, check_codebook_shape, load_codebook_shards,
+                                                   vocab_shard)
+
+VOCAB, RANK, TOP_K, DRAFTS = 1001, 16, 4, 7
+
+
+def tables(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both codebooks, with exact zeros, negative zeros and extreme finite values planted."""
+    g = torch.Generator().manual_seed(3)
+    pred, succ = (torch.randn(VOCAB, RANK, generator=g).to(dtype) for _ in range(2))
+    big = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).tiny
+    for t in (pred, succ):
+        t[::7, 0] = -0.0
+        t[3::11, 1] = 0.0
+        t[5::13, 2] = big
+        t[6::17, 3] = -tiny / 2  # subnormal
+    return pred, succ
+
+
+def ids(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predecessors [B, 1 + 6K] (anchor + 6 positions' candidates), successors [B, 7, K], over both
+    shards including their edges."""
+    start1 = vocab_shard(VOCAB, 1, 2)[0]
+    pred = torch.randint(0, VOCAB, (3, 1 + (DRAFTS - 1) * TOP_K), generator=generator)
+    succ = torch.randint(0, VOCAB, (3, DRAFTS, TOP_K), generator=generator)
+    pred[0, :4] = torch.tensor([0, start1 - 1, start1, VOCAB - 1])
+    succ[0, 0] = torch.tensor([0, 7, start1, 7 * 100])  # rows 0, 7 and 700 hold -0 in column 0
+    return pred, succ
+
+
+def assert_bitwise_but_negative_zero(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Every element bitwise equal, except want == -0 where got must be +0; returns how many -0 there were."""
+    ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[want.dtype]
+    neg_zero = (want == 0) & torch.signbit(want)
+    assert torch.equal(got.view(ints)[~neg_zero], want.view(ints)[~neg_zero])
+    assert not torch.signbit(got[neg_zero]).any() and (got[neg_zero] == 0).all()
+    return int(neg_zero.sum())
+
+
+def _worker(rank: int, world: int, rendezvous: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        for dtype in (torch.float32, torch.float16):
+            pred, succ = tables(dtype)
+            books = ShardedCodebooks.from_full(pred, succ, rank, world)
+            assert books.predecessor_codebook.shape[0] == (501 if rank == 0 else 500)
+            gen = torch.Generator().manual_seed(9)  # same ids on both ranks, as the selector's are
+            for _ in range(3):
+                p_ids, s_ids = ids(gen)
+                got_p, got_s = books.lookup(p_ids, s_ids)
+                assert got_p.shape == (*p_ids.shape, RANK) and got_s.shape == (*s_ids.shape, RANK)
+                n = assert_bitwise_but_negative_zero(got_p, pred[p_ids])
+                n += assert_bitwise_but_negative_zero(got_s, succ[s_ids])
+                assert n > 0  # the -0 exception is exercised, not only claimed
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_lookup_matches_replicated_on_two_gloo_ranks(tmp_path):
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+
+
+def test_shards_cover_every_row_once():
+    for vocab, world in [(1001, 2), (248320, 4), (10, 3), (7, 7)]:
+        ranges = [vocab_shard(vocab, r, world) for r in range(world)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == vocab
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert vocab_shard(248320, 1, 4) == (62080, 124160)
+    with pytest.raises(ValueError, match="fewer rows"):
+        vocab_shard(3, 0, 4)
+
+
+def test_single_rank_is_the_replicated_lookup():
+    pred, succ = tables(torch.float32)
+    books = ShardedCodebooks.from_full(pred, succ, 0, 1)
+    p_ids, s_ids = ids(torch.Generator().manual_seed(1))
+    got_p, got_s = books.lookup(p_ids, s_ids)
+    assert torch.equal(got_p.view(torch.int32), pred[p_ids].view(torch.int32))  # no collective: even -0 survives
+    assert torch.equal(got_s.view(torch.int32), succ[s_ids].view(torch.int32))
+
+
+def test_checkpoint_shapes_are_checked_before_slicing(tmp_path):
+    pred, succ = tables(torch.float16)
+    save_file({"candidate_selector.predecessor_codebook": pred, "candidate_selector.successor_codebook": succ,
+               "fc.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    for rank in range(2):
+        start, end = vocab_shard(VOCAB, rank, 2)
+        got = load_codebook_shards(tmp_path, VOCAB, RANK, rank, 2)
+        assert torch.equal(got["predecessor_codebook"], pred[start:end])
+        assert torch.equal(got["successor_codebook"], succ[start:end])
+    with pytest.raises(ValueError, match=r"shape \[1001, 16\], expected \[vocab_size=1000, selector_rank=16\]"):
+        load_codebook_shards(tmp_path, 1000, RANK, 0, 2)
+    with pytest.raises(ValueError, match="selector_rank=32"):
+        load_codebook_shards(tmp_path, VOCAB, 32, 1, 2)
+    save_file({"candidate_selector.predecessor_codebook": pred}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="successor_codebook"):
+        load_codebook_shards(tmp_path, VOCAB, RANK, 0, 2)
+    with pytest.raises(ValueError, match="expected"):
+        check_codebook_shape("x", (VOCAB, RANK + 1), VOCAB, RANK)
+    with pytest.raises(ValueError, match="expected"):
+        ShardedCodebooks.from_full(pred, succ[:, :8], 0, 2)
