@@ -250,6 +250,17 @@ def test_logprobs(llm):
     assert _greedy(llm, PROMPTS[0], max_tokens=2).logprobs is None
 
 
+def test_num_cached_tokens_is_the_prefix_hit_of_the_first_admission(tiny_dir):
+    llm = LLM(model=str(tiny_dir), block_size=16)
+    ids = llm.tokenizer.encode(" ".join(f"w{i}" for i in range(40)))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first, second = (llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0
+    # whole blocks, up to the last boundary before the final prompt token (the hybrid cache's snapshot point)
+    assert second.num_cached_tokens == (len(ids) - 1) // 16 * 16 > 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_prompt_logprobs_match_the_full_forward(tiny_dir):
     # a small token budget splits the prompt into chunks; the second run would hit the prefix cache
     # if prompt-logprob requests did not compute their whole prompt

@@ -95,6 +95,16 @@ def state_trace(engine, request_id, trace):
     return hook
 
 
+def run_with_preemption_and_hits(engine, reqs):
+    """Run greedily and check that the pool forced a preemption and that the prefix cache hit."""
+    preempted = []
+    orig = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))
+    run(engine, reqs)
+    assert preempted, "the pool was large enough for everything: no preemption happened"
+    assert engine.allocator.stats.hit_tokens > 0, "no prefix-cache hit happened"
+
+
 @pytest.mark.parametrize("drafter", ["mtp", "forced"])
 @torch.no_grad()
 def test_greedy_spec_equals_no_spec_8_concurrent_with_preemption_and_prefix_hits(model, drafter):
@@ -124,12 +134,7 @@ def test_greedy_spec_equals_no_spec_8_concurrent_with_preemption_and_prefix_hits
 
         engine.drafter.propose = mixed
         assert propose is not mixed
-    preempted = []
-    orig = engine.scheduler._preempt
-    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))
-    run(engine, reqs)
-    assert preempted, "the pool was large enough for everything: no preemption happened"
-    assert engine.allocator.stats.hit_tokens > 0, "no prefix-cache hit happened"
+    run_with_preemption_and_hits(engine, reqs)
     assert engine.spec_stats.num_draft_tokens > 0
     if drafter == "forced":
         assert engine.spec_stats.num_accepted_tokens > 0
@@ -141,23 +146,30 @@ def test_greedy_spec_equals_no_spec_8_concurrent_with_preemption_and_prefix_hits
 @pytest.mark.parametrize("corrupt", [None, 0, 2], ids=["accept-all", "reject-0", "reject-2"])
 @torch.no_grad()
 def test_forced_acceptance_commits_the_state_of_the_non_spec_run(model, corrupt, replay):
+    check_forced_acceptance(model, {"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": replay},
+                            corrupt, num_drafts=4, max_tokens=17)
+
+
+def check_forced_acceptance(model, spec, corrupt, num_drafts, max_tokens):
+    """Forced drafts (the non-spec run's tokens, draft `corrupt` wrong): the same tokens, acceptance
+    exactly `corrupt` (or all) at every position, and every committed recurrent tensor bitwise the
+    non-spec run's at each committed length."""
     prompt = ids(21, seed=5)
-    n = 17
     base_trace: dict[int, list] = {}
     base = make_engine(model, {"method": None})
-    plain = Req("a", prompt, n)
+    plain = Req("a", prompt, max_tokens)
     run(base, [plain], state_trace(base, "a", base_trace))
     ref = plain.token_ids
 
-    engine = make_engine(model, {"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": replay})
-    assert engine.allocator.config.per_draft_state is (not replay)
+    engine = make_engine(model, spec)
+    assert engine.allocator.config.per_draft_state is (not engine.spec.spec_state_replay)
     force_drafts(engine, {"a": (len(prompt), ref)}, corrupt)
     trace: dict[int, list] = {}
-    req = Req("a", prompt, n)
+    req = Req("a", prompt, max_tokens)
     run(engine, [req], state_trace(engine, "a", trace))
     assert req.token_ids == ref
     s = engine.spec_stats
-    j = 4 if corrupt is None else corrupt
+    j = num_drafts if corrupt is None else corrupt
     assert s.num_rounds > 0
     assert s.accepted_per_position == [d if p < j else 0 for p, d in enumerate(s.drafted_per_position)], s
     assert len(trace) >= 3 and set(trace) <= set(base_trace)

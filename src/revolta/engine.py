@@ -36,6 +36,8 @@ from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
 from .spec.commit import check_replay_slots, commit_verified
 from .spec.config import SpeculativeConfig
 from .spec.dflash2.checks import check_dflash2
+from .spec.dflash2.checkpoint import load_draft_model
+from .spec.dflash2.drafter import DFlash2Drafter
 from .spec.graphs import SpecGraphs
 from .spec.mtp import DraftItem, MTPDrafter
 from .spec.stats import SpecStats
@@ -149,7 +151,6 @@ class Engine:
         logger.info("speculative decoding: %s", self.spec.describe())
         for line in self.plan.capacity_lines():
             logger.info(line)
-        require_wired_drafter(self.spec)  # every configuration check above has passed
         self.storage = CacheStorage(cfg, self.plan.layout, device=model.device, kv_scales=kv_scales)
         cpu_layout = self.plan.cpu_layout()
         self.cpu_storage = None if cpu_layout is None else CacheStorage(cfg, cpu_layout, "cpu", pin_memory=True)
@@ -158,7 +159,7 @@ class Engine:
         self.encoder_budget = config.max_num_encoder_input_tokens or default
         self.encoder_cache = None if model.model.visual is None else EncoderCache(config.encoder_cache_size or default)
         self.runner = ModelRunner(model, self.storage, kernels=config.kernels)
-        self.drafter = MTPDrafter(self.runner, self.spec.num_speculative_tokens) if self.spec.enabled else None
+        self.drafter = self._make_drafter()
         self.spec_stats = SpecStats()  # summed over every verify round of this engine
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.encoder_cache, self.encoder_budget,
@@ -178,6 +179,18 @@ class Engine:
                                "drafts are accepted; pass speculative_config={'method': None} for plain decoding")
             else:
                 self.graphs = self._capture_graphs()
+
+    def _make_drafter(self) -> MTPDrafter | DFlash2Drafter | None:
+        """The configured drafter: the checkpoint's MTP head, or a DFlash2 drafter loaded from
+        speculative_config["model"] in the target's dtype on its device (its config was checked
+        against the target before anything was allocated)."""
+        if not self.spec.enabled:
+            return None
+        if not self.spec.is_dflash2:
+            return MTPDrafter(self.runner, self.spec.num_speculative_tokens)
+        draft = load_draft_model(self.spec.model, dtype=self.model.dtype, device=self.model.device)
+        return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
+                              sampled=self.spec.draft_sample_method == "probabilistic")
 
     def _capture_graphs(self, spec: bool = False) -> DecodeGraphs | SpecGraphs:
         cfg = self.config
@@ -476,16 +489,6 @@ class Engine:
 
 
 SPEC_LOG_INTERVAL = 64  # verify rounds between acceptance-statistics log lines
-
-
-def require_wired_drafter(spec: SpeculativeConfig) -> None:
-    """The integration seam for DFlash2: the engine and `LLM` call this once every configuration
-    check has passed (LLM before loading weights, Engine after planning the cache). Replace the
-    refusal with the drafter's construction when the DFlash2 drafter is wired into the engine."""
-    if spec.is_dflash2:
-        raise ValueError("DFlash2 drafting is not wired into the engine yet: the configuration passed every check "
-                         f"({spec.describe()}); use speculative_config {{'method': 'mtp'}} (the default when the "
-                         "checkpoint has an MTP layer) or {'method': None} for now")
 
 
 def check_draft_kv_dtype(spec: SpeculativeConfig, kv_cache_dtype: str, kv_scales: Mapping, dtype: str) -> None:

@@ -31,7 +31,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .config import ModelConfig
-from .engine import Engine, EngineConfig, require_wired_drafter
+from .engine import Engine, EngineConfig
 from .media_sources import media_from_messages
 from .mm_processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .model import FlashNextModel, load_model
@@ -146,6 +146,7 @@ class _Request:
     parent_id: str | None = None  # the prompt's request id when n > 1
     mm_prompt: MultimodalPrompt | None = None  # media items, positions (prompt_token_ids are then expanded)
     spec_stats: SpecStats | None = None  # acceptance statistics (the engine records them) when speculating
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (the scheduler sets it)
 
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.params.stop_strings, self.params.include_stop_str_in_output)
@@ -187,7 +188,8 @@ class _Request:
             self.metrics.spec_decode = copy.deepcopy(self.spec_stats)
         return RequestOutput(self.parent_id or self.request_id, self.prompt, list(self.prompt_token_ids),
                              [self.completion()], finished=self.finished, metrics=self.metrics,
-                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
+                             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+                             num_cached_tokens=self.num_cached_tokens)
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -233,13 +235,18 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device)
         # speculative decoding: MTP4 when the checkpoint has an MTP layer and no method is given
         target = ModelConfig.from_pretrained(self.model_path)
-        self.speculative_config = SpeculativeConfig.resolve(engine_args.get("speculative_config"),
+        spec_arg = engine_args.get("speculative_config")
+        if self.is_default_model and isinstance(spec_arg, Mapping) and spec_arg.get("method") in ("dflash2", "dflash") \
+                and spec_arg.get("model") is None:  # the embedded default has an embedded drafter
+            from .presets import ensure_default_drafter
+
+            spec_arg = {**spec_arg, "model": str(ensure_default_drafter())}
+        self.speculative_config = SpeculativeConfig.resolve(spec_arg,
                                                             target.text.mtp is not None)
         if self.speculative_config.is_dflash2:  # the DFlash2 checks run before any weight loads
             for warning in check_dflash2(self.speculative_config, target, dtype=str(self.dtype).removeprefix("torch."),
                                          kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto")):
                 logger.warning(warning)
-            require_wired_drafter(self.speculative_config)
         self.model: FlashNextModel = load_model(self.model_path, dtype=self.dtype, device=self.device,
                                                 with_mtp=self.speculative_config.method == "mtp",
                                                 progress=not self.is_default_model)
@@ -661,7 +668,8 @@ class LLM:
             if p.greedy:
                 emitted = greedy_accept(sample_rows.argmax(-1).tolist(), d)
             else:
-                emitted = rejection_sample(self.sampler.probs(sample_rows, [p] * n), d, None, r.generator)
+                q = getattr(d, "probs", None)  # [n - 1, V] when the drafter sampled (DFlash2 probabilistic)
+                emitted = rejection_sample(self.sampler.probs(sample_rows, [p] * n), d, q, r.generator)
             for j, token_id in enumerate(emitted):
                 if r.finished:
                     break

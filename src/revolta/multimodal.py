@@ -2,8 +2,8 @@
 
 * `load_image` / `preprocess_image`: decode, convert to RGB, resize (bicubic) to multiples of patch*merge within a
   pixel budget (`smart_resize`), normalise, and cut into the flat patch stream `layers.vision.VisionModel` reads.
-* `load_video` / `preprocess_video`: decode a clip with decord, sample frames at a target fps (or a fixed count),
-  then the same resize and patching, with temporal_patch_size frames per patch.
+* `load_video` / `preprocess_video`: decode a clip with decord (or PyAV), sample frames at a target fps (or a fixed
+  count), then the same resize and patching, with temporal_patch_size frames per patch.
 * The two halves separately: `resize_to_budget` / `resize_video` give uint8 frames [F, H, W, 3] (what a request
   keeps), `to_patches` turns them into the tower's float input when it runs.
 * `expand_media_placeholders`: one `<|image_pad|>` / `<|video_pad|>` per item in the prompt becomes t*h*w/m^2 pads,
@@ -219,7 +219,7 @@ def load_video(
 ) -> tuple[list[Image.Image], list[float]]:
     """Decode and sample a clip -> (RGB frames, timestamp in seconds of each frame).
 
-    source: a file path or encoded bytes (decoded with decord), or already-decoded frames: an array/tensor
+    source: a file path or encoded bytes (decoded with decord, else PyAV), or already-decoded frames: an array/tensor
     [F, H, W, 3] uint8 or a list of PIL images (then `source_fps`, default `fps`, dates them).
     Sampling: `num_frames` evenly spaced frames when given, else one frame every 1/fps seconds; the count is
     clamped to [frame_multiple, max_frames] and rounded down to a multiple of `frame_multiple` (the temporal
@@ -257,14 +257,26 @@ def _frames_from_arrays(source: Any, max_image_pixels: int) -> list[Image.Image]
 
 def _decode_video_file(source: Any, fps: float | None, num_frames: int | None, max_frames: int,
                        frame_multiple: int, max_image_pixels: int) -> tuple[list[Image.Image], list[float]]:
-    try:
-        import decord
-    except ImportError:
-        raise MediaError("video input needs the decord package: pip install 'revolta[video]'") from None
+    """Decode with decord when it is installed, else PyAV (decord has no wheels for recent Pythons)."""
     if isinstance(source, (str, os.PathLike)) and not os.path.isfile(source):
         raise MediaError(f"video file not found: {os.fspath(source)}")
     if isinstance(source, (bytes, bytearray, memoryview)) and len(source) == 0:
         raise MediaError("cannot decode video: the data is empty")
+    try:
+        import decord
+    except ImportError:
+        decord = None
+    if decord is not None:
+        return _decode_with_decord(decord, source, fps, num_frames, max_frames, frame_multiple, max_image_pixels)
+    try:
+        import av
+    except ImportError:
+        raise MediaError("video input needs a video decoder: pip install 'revolta[video]' (decord or PyAV)") from None
+    return _decode_with_av(av, source, fps, num_frames, max_frames, frame_multiple, max_image_pixels)
+
+
+def _decode_with_decord(decord: Any, source: Any, fps: float | None, num_frames: int | None, max_frames: int,
+                        frame_multiple: int, max_image_pixels: int) -> tuple[list[Image.Image], list[float]]:
     try:
         reader = decord.VideoReader(io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview))
                                     else os.fspath(source), ctx=decord.cpu(0), num_threads=1)
@@ -281,6 +293,36 @@ def _decode_video_file(source: Any, fps: float | None, num_frames: int | None, m
         raise MediaError(f"cannot decode video: {_decord_message(e)}") from None
     rate = rate if rate > 0 else VIDEO_FPS
     return [Image.fromarray(f) for f in batch], [i / rate for i in idx]
+
+
+def _decode_with_av(av: Any, source: Any, fps: float | None, num_frames: int | None, max_frames: int,
+                    frame_multiple: int, max_image_pixels: int) -> tuple[list[Image.Image], list[float]]:
+    """The same sampling as decord's path: frame indices from the frame count and the average rate.
+
+    Every frame is decoded (the codec needs its predecessors anyway), but only the sampled ones are
+    converted to RGB; a container that does not state its frame count is counted by decoding it.
+    """
+    try:
+        with av.open(io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview))
+                     else os.fspath(source)) as container:
+            if not container.streams.video:
+                raise MediaError("cannot decode video: the data has no video stream")
+            stream = container.streams.video[0]
+            _check_pixels(stream.codec_context.width, stream.codec_context.height, max_image_pixels, "video frame")
+            rate = float(stream.average_rate or 0) or VIDEO_FPS
+            frames = list(container.decode(stream))  # av.VideoFrame, still in the codec's pixel format
+        if not frames:
+            raise MediaError("the video has no frames")
+        idx = _sample_indices(len(frames), rate, fps, num_frames, max_frames, frame_multiple)
+        rgb = [Image.fromarray(frames[i].to_ndarray(format="rgb24")) for i in idx]  # each [H, W, 3] uint8
+    except MediaError:
+        raise
+    except (av.FFmpegError, OSError, ValueError, EOFError) as e:
+        reason = getattr(e, "strerror", None) or str(e)  # FFmpeg's reason, without the errno and file name
+        raise MediaError(f"cannot decode video: {' '.join(reason.split())[:300]}") from None
+    for f in rgb:  # a stream may change size mid-way; the header only told the first
+        _check_pixels(f.width, f.height, max_image_pixels, "video frame")
+    return rgb, [i / rate for i in idx]
 
 
 def _decord_message(e: Exception) -> str:

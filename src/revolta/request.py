@@ -87,3 +87,6 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
+    # prompt tokens whose cache came from the prefix cache at the request's first admission (None: not yet
+    # scheduled); a multiple of the block size, as in vLLM
+    num_cached_tokens: int | None = None

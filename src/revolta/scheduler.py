@@ -25,7 +25,8 @@ from .mm_processor import MediaItem, MultimodalPrompt
 
 class SchedRequest(Protocol):
     """What the scheduler reads from a request; an optional `mm_prompt` attribute (a MultimodalPrompt whose
-    token_ids are the prompt_token_ids) carries its media."""
+    token_ids are the prompt_token_ids) carries its media. An optional `num_cached_tokens` attribute that is
+    None receives the prefix-cache hit (in tokens) of the request's first admission (vLLM's num_cached_tokens)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -134,6 +135,8 @@ class Scheduler:
                 break  # no room: wait for running requests to finish
             del self.waiting[j]
             seq.num_computed_tokens = alloc.num_computed_tokens  # includes a prefix hit
+            if getattr(seq.request, "num_cached_tokens", 0) is None:  # the first admission's hit, not a re-admission's
+                seq.request.num_cached_tokens = alloc.num_cached_tokens
             self.running.append(seq)
             out.append(ScheduledSeq(seq, alloc, self._media_commit(enc, seq, alloc)))
             scheduled.add(seq.request_id)

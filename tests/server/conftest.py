@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,11 @@ STARTUP_TIMEOUT_S = 180
 class Server:
     url: str
     proc: subprocess.Popen
+    log_path: str  # the server's stdout and stderr
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
 
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
         """The value of one (label-free apart from model_name) sample on /metrics."""
@@ -45,14 +51,16 @@ def run_server(*args: str) -> Iterator[Server]:
     port = _free_port()
     cmd = [sys.executable, "-m", "revolta.cli", "serve", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
            "--enable-fault-injection", *args]
-    log = open(os.devnull, "w") if not os.environ.get("REVOLTA_SERVER_LOG") else None
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+    log = tempfile.NamedTemporaryFile("w", prefix="revolta-serve-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"revolta serve exited with {proc.returncode} (set REVOLTA_SERVER_LOG=1 to see why)")
+                with open(log.name, errors="replace") as f:
+                    tail = f.read()[-3000:]
+                raise RuntimeError(f"revolta serve exited with {proc.returncode}:\n{tail}")
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
@@ -61,15 +69,18 @@ def run_server(*args: str) -> Iterator[Server]:
             if time.monotonic() > deadline:
                 raise RuntimeError("revolta serve did not become healthy in time")
             time.sleep(0.2)
-        yield Server(url, proc)
+        yield Server(url, proc, log.name)
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
-        if log:
-            log.close()
+        log.close()
+        if os.environ.get("REVOLTA_SERVER_LOG"):  # show it, as the server would have printed it
+            with open(log.name, errors="replace") as f:
+                sys.stderr.write(f.read())
+        os.unlink(log.name)
 
 
 @pytest.fixture(scope="session")

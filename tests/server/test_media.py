@@ -2,7 +2,7 @@
 weights, a real 2-block vision tower). Valid media give 200 on all three chat-like APIs with the expanded
 placeholder tokens counted in usage and by the token counters; every bad item is a 400 in the route's envelope
 with the loader's message, and the engine keeps serving. Media are generated here: PNGs with pillow, a clip as a
-YUV4MPEG2 stream (raw frames that decord reads, like tests/test_mm_llm.py).
+YUV4MPEG2 stream (raw frames that decord reads, like tests/test_mm_llm.py), and an MP4 encoded with PyAV.
 """
 
 from __future__ import annotations
@@ -43,6 +43,22 @@ def y4m(num_frames: int = 4, height: int = 32, width: int = 32, fps: int = 4) ->
     for _ in range(num_frames):
         out += [b"FRAME\n", rng.integers(16, 236, (3, height, width), dtype=np.uint8).tobytes()]
     return b"".join(out)
+
+
+def mp4(codec: str = "mpeg4", num_frames: int = 8, height: int = 64, width: int = 64, fps: int = 4) -> bytes:
+    """A short MP4 clip of random frames, encoded with one of the encoders PyAV's FFmpeg bundles."""
+    import av
+
+    rng = np.random.default_rng(7)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())  # flush the encoder
+    return buf.getvalue()
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:
@@ -134,6 +150,7 @@ def test_bad_images_are_400_on_every_api_then_a_valid_image_works(server, case):
     ([image(data_url(png()))] * 2, "At most 1 image(s) may be provided in one prompt.", "image"),
     ([video(data_url(y4m(), "video/x-yuv4mpeg"))], "At most 0 video(s)", "video"),
     ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}], "At most 0 audio(s)", "audio"),
+    ([{"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}}], "At most 0 audio(s)", "audio"),
     ([{"type": "image_url", "image_url": {}}], "image_url.url must be a non-empty string", "image"),
     ([{"type": "hologram"}], "Unsupported chat content part type", None),
     # a literal <|image_pad|> in the text cannot take an image's place (spec §5.3's known issue): 2 pads, 1 image
@@ -213,6 +230,8 @@ def test_video_and_raised_limits(media_server):
     assert r.status_code == 400 and "At most 16 image(s) may be provided in one prompt." in r.json()["error"]["message"]
     r = chat_with(server, *[image(data_url(png(32, seed=k))) for k in range(16)], video(clip))
     assert r.status_code == 200, r.text
+    audio = chat_with(server, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})
+    assert audio.status_code == 400 and "At most 0 audio(s)" in audio.json()["error"]["message"]
     assert r.json()["usage"]["prompt_tokens"] > 16 * image_tokens(32)
     # file:// only below --allowed-local-media-path
     assert chat_with(server, image(f"file://{root}/cat.png")).status_code == 200
@@ -220,3 +239,54 @@ def test_video_and_raised_limits(media_server):
     assert r.status_code == 400 and "outside the allowed directory" in r.json()["error"]["message"]
     r = chat_with(server, image(f"file://{root}/missing.png"))
     assert r.status_code == 400 and "not found" in r.json()["error"]["message"]
+
+
+def test_mp4_video(media_server):
+    """G42: an MP4 in a video_url part -> 200 with its pads counted; a corrupt one -> 400 naming the part, and the
+    engine keeps serving."""
+    import openai
+
+    server, _ = media_server
+    oc = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    text = [{"type": "text", "text": "What happens?"}]
+    baseline = oc.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text}])
+    clip = mp4()  # 8 frames of 64 x 64 at 4 fps: 2 s, sampled at 2 fps -> 4 frames, 2 temporal groups
+    out = oc.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        {"role": "user", "content": [video(data_url(clip, "video/mp4")), *text]}])
+    assert out.choices[0].finish_reason in ("stop", "length")
+    # 2 groups of pads, each with its vision start/end and a timestamp's text
+    assert out.usage.prompt_tokens >= baseline.usage.prompt_tokens + 2 * (pads(64, video=True) + 2)
+    for name, bad in {"truncated": clip[: len(clip) // 2], "random bytes": np.random.default_rng(1).bytes(4000),
+                      "zeroed moov": clip[:-600] + bytes(600)}.items():
+        r = chat_with(server, video(data_url(bad, "video/mp4")))
+        assert r.status_code == 400, (name, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "video" and error["message"].startswith("video 0: cannot decode video"), (name, error)
+        ok = oc.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": [video(data_url(clip, "video/mp4")), *text]}])
+        assert ok.usage.prompt_tokens == out.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("codec", ["mpeg4", "libx264"])
+def test_pyav_fallback_decodes_like_decord(codec, monkeypatch):
+    """Without decord, load_video decodes with PyAV: the same sampled frames and timestamps as decord (the oracle);
+    corrupt data is a MediaError either way; with neither installed the error says what to install."""
+    import sys
+
+    from revolta import multimodal as mm
+
+    clip = mp4(codec, num_frames=10, fps=5)
+    frames, stamps = mm.load_video(clip, fps=2.0)  # decord: 2 s at 2 fps -> 4 frames
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "decord", None)  # `import decord` raises ImportError
+        av_frames, av_stamps = mm.load_video(clip, fps=2.0)
+        assert av_stamps == stamps and len(av_frames) == len(frames) == 4
+        for a, b in zip(av_frames, frames):
+            assert a.size == b.size == (64, 64) and np.array_equal(np.asarray(a), np.asarray(b))
+        with pytest.raises(mm.MediaError, match="cannot decode video: Invalid data"):
+            mm.load_video(clip[: len(clip) // 2])
+        with pytest.raises(mm.MediaError, match="above the limit"):
+            mm.load_video(clip, max_image_pixels=1000)
+        m.setitem(sys.modules, "av", None)
+        with pytest.raises(mm.MediaError, match=r"pip install 'revolta\[video\]' \(decord or PyAV\)"):
+            mm.load_video(clip)

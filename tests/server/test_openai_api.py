@@ -210,6 +210,54 @@ def test_responses(server, oc):
     assert "data: [DONE]" not in lines and all(line.startswith(("event: ", "data: ")) for line in lines)
 
 
+def block_size(server) -> int:
+    line = next(x for x in httpx.get(server.url + "/metrics").text.splitlines()
+                if x.startswith("vllm:cache_config_info{"))
+    return int(line.split('block_size="')[1].split('"')[0])
+
+
+def test_responses_cached_tokens_come_from_the_prefix_cache(server, oc):
+    text = "a prompt of its own " + "word " * 900
+    first = oc.responses.create(model=MODEL, input=text, max_output_tokens=1)
+    second = oc.responses.create(model=MODEL, input=text, max_output_tokens=1)
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    prompt, cached, bs = second.usage.input_tokens, second.usage.input_tokens_details.cached_tokens, block_size(server)
+    # whole blocks up to the last boundary before the final prompt token (where the hybrid cache snapshots)
+    assert prompt == first.usage.input_tokens and 0 < cached < prompt and cached % bs == 0
+    assert cached == (prompt - 1) // bs * bs
+    events = list(oc.responses.create(model=MODEL, input=text, max_output_tokens=1, stream=True))
+    assert events[-1].response.usage.input_tokens_details.cached_tokens == cached
+
+
+def test_responses_output_text_logprobs(server, oc):
+    """include=["message.output_text.logprobs"] + top_logprobs: the chat route's logprobs for the same greedy answer
+    (the same prompt), in the SDK's types, non-stream and stream; without include, none."""
+    kw = {"model": MODEL, "input": HI[0]["content"], "max_output_tokens": 5, "temperature": 0, "top_logprobs": 3,
+          "include": ["message.output_text.logprobs"], "extra_body": NO_THINK}
+    r = oc.responses.create(**kw)
+    [part] = [p for item in r.output if item.type == "message" for p in item.content]
+    lps = part.logprobs
+    assert lps is not None and len(lps) == r.usage.output_tokens
+    chat = oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, temperature=0, logprobs=True,
+                                      top_logprobs=3, extra_body=NO_THINK).choices[0].logprobs.content
+    assert [(x.token, x.bytes) for x in lps] == [(x.token, x.bytes) for x in chat]
+    for mine, theirs in zip(lps, chat):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4) and len(mine.top_logprobs) == 3
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in theirs.top_logprobs]
+        assert mine.top_logprobs[0].logprob == pytest.approx(mine.logprob, abs=1e-6)  # greedy: the top token
+    events = list(oc.responses.create(**kw, stream=True))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    final = [p for item in events[-1].response.output if item.type == "message" for p in item.content][0]
+    assert [x.token for x in done.logprobs] == [x.token for x in final.logprobs] == [x.token for x in lps]
+    assert [x.token for x in deltas] == [x.token for x in lps][:len(deltas)] and deltas  # tokens that made text
+    assert all(len(x.top_logprobs) == 3 for x in deltas)
+    plain = oc.responses.create(**{k: v for k, v in kw.items() if k != "include"})
+    assert [p.logprobs for item in plain.output if item.type == "message" for p in item.content] == [[]]
+    with pytest.raises(openai.BadRequestError):
+        oc.responses.create(**{**kw, "top_logprobs": 50})
+
+
 def test_completions(server, oc):
     r = oc.completions.create(model=MODEL, prompt="1,2,3,", max_tokens=4)
     assert r.object == "text_completion" and isinstance(r.choices[0].text, str)

@@ -1,11 +1,15 @@
-"""spec/server.md §7 D30 and H: API keys, keep-alive comments, disconnects freeing the cache, concurrency.
+"""spec/server.md §7 D30 and H44-H45: API keys, disconnects freeing the cache, concurrency (keep-alive: H43 in
+test_keep_alive.py).
 
-This module runs its own server with --api-key and a tiny --sse-keep-alive-interval.
+This module runs its own server with --api-key and a tiny --sse-keep-alive-interval (the first thing a stream
+sends during a prefill is then a comment, which the prefill-disconnect test waits for).
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +19,7 @@ import openai
 import pytest
 
 from .conftest import MODEL, run_server, sse_lines
+from .test_media import png as media_png
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -49,12 +54,6 @@ def wait_for_idle(srv, free_blocks: float, within_s: float = 2.0) -> None:
                          f"(want {free_blocks})")
 
 
-def long_messages(srv, tokens: int = 1500) -> list[dict]:
-    text = "word " * tokens
-    assert httpx.post(srv.url + "/tokenize", json={"prompt": text}, headers=AUTH).json()["count"] >= tokens
-    return [{"role": "user", "content": text}]
-
-
 # ---- D30: authentication ----------------------------------------------------------------------
 def test_api_key(srv, clients):
     oc, ac = clients
@@ -80,52 +79,32 @@ def test_api_key(srv, clients):
     assert oc.models.list().data[0].id == MODEL and ac.messages.create(**msg).usage.input_tokens > 0
 
 
-# ---- H43: keep-alive on a slow prefill --------------------------------------------------------
-@pytest.mark.parametrize("route", ["chat", "completions", "responses", "messages"])
-def test_keep_alive_before_first_token(srv, route):
-    messages = long_messages(srv)
-    body = {"chat": {"messages": messages, "max_tokens": 2},
-            "completions": {"prompt": messages[0]["content"], "max_tokens": 2},
-            "responses": {"input": messages[0]["content"], "max_output_tokens": 2},
-            "messages": {"messages": messages, "max_tokens": 2}}[route]
-    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
-            "messages": "/v1/messages"}[route]
-    with httpx.stream("POST", srv.url + path, json={"model": MODEL, "stream": True, "temperature": 0, **body},
-                      headers=AUTH) as r:
-        lines = sse_lines(r)
-    comments = [i for i, line in enumerate(lines) if line.startswith(":")]
-    assert comments and all(lines[i] == ": keep-alive" for i in comments)
-    # a comment arrives before the first token's frame (the prefill is silent for more than 0.05 s)
-    token_marks = {"chat": '"delta": {"reasoning"', "completions": '"text": ', "responses": "reasoning_text.delta",
-                   "messages": "thinking_delta"}
-    first_token = next(i for i, line in enumerate(lines) if token_marks[route] in line)
-    assert comments[0] < first_token
-    for i in comments:  # only ever between whole events
-        assert i == 0 or not lines[i - 1].startswith("event:")
-
-
-def test_sdks_parse_streams_with_keep_alive(srv, clients):
-    oc, ac = clients
-    messages = long_messages(srv, 800)
-    text = "".join(c.choices[0].delta.content or "" for c in oc.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=3, temperature=0, stream=True, extra_body=NO_THINK) if c.choices)
-    plain = oc.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
-                                       extra_body=NO_THINK)
-    assert text
-    assert text == plain.choices[0].message.content
-    with ac.messages.stream(model=MODEL, max_tokens=3, messages=messages) as s:
-        assert s.get_final_message().usage.output_tokens == 3
-
-
 # ---- H44: disconnects abort and free the cache ------------------------------------------------
+REPEATS = 20  # spec/server.md §7 H44: no KV-cache creep after 20 repetitions
+ABORT_METRIC = 'vllm:request_success_total{model_name="revolta-default",finished_reason="abort"}'
+ABORT_LOG = re.compile(r"Request [0-9a-f]+ aborted\.")
+
+
+def aborts(srv) -> tuple[float, int]:
+    """Aborts as /metrics counts them and as the server log reports them ("Request <id> aborted.")."""
+    return srv.metric(ABORT_METRIC, AUTH), len(ABORT_LOG.findall(srv.log()))
+
+
+def check_aborted(srv, oc, baseline: float, before: tuple[float, int], k: int) -> None:
+    """Within 2 s of the k-th disconnect: nothing running or waiting, every block free again, the abort on /metrics
+    and in the log; then a new request succeeds."""
+    wait_for_idle(srv, baseline)
+    assert aborts(srv) == (before[0] + k, before[1] + k)
+    assert oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=1).choices[0].finish_reason
+
+
 def test_disconnect_mid_stream_frees_cache(srv, clients):
     oc, _ = clients
     oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
     running, baseline = idle_state(srv)
     assert running == 0
-    aborted_before = srv.metric('vllm:request_success_total{model_name="revolta-default",finished_reason="abort"}',
-                                AUTH)
-    for _ in range(5):
+    before = aborts(srv)
+    for k in range(1, REPEATS + 1):
         with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=AUTH,
                           json={"model": MODEL, "messages": HI, "max_tokens": 1000, "ignore_eos": True,
                                 "stream": True}) as r:
@@ -134,76 +113,120 @@ def test_disconnect_mid_stream_frees_cache(srv, clients):
                 data += line.startswith("data:")
                 if data == 5:
                     break
-        wait_for_idle(srv, baseline)
-    aborted = srv.metric('vllm:request_success_total{model_name="revolta-default",finished_reason="abort"}', AUTH)
-    assert aborted == aborted_before + 5
-    assert oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices[0].finish_reason
+        assert data == 5
+        check_aborted(srv, oc, baseline, before, k)
+    assert idle_state(srv) == (0, baseline)  # no creep
 
 
 def test_disconnect_during_prefill_and_non_stream(srv, clients):
     oc, _ = clients
-    messages = long_messages(srv)
     oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
     _, baseline = idle_state(srv)
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=AUTH,
-                      json={"model": MODEL, "messages": messages, "max_tokens": 1000, "stream": True}) as r:
-        next(r.iter_lines())  # the role chunk: the engine is still prefilling; then the iterator is dropped
-    wait_for_idle(srv, baseline)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=0.5,
-                   json={"model": MODEL, "messages": HI, "max_tokens": 1000, "ignore_eos": True})
-    wait_for_idle(srv, baseline)
-    assert oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices[0].finish_reason
+    before = aborts(srv)
+    for k in range(1, REPEATS // 2 + 1):  # 20 disconnects in all, alternating the two kinds
+        # a prompt of its own each time (a prefix-cache hit would make the prefill instant): the client leaves at the
+        # first keep-alive comment, while the engine is still prefilling and nothing else has been sent
+        messages = [{"role": "user", "content": f"{k} " + "word " * 300}]
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=AUTH,
+                          json={"model": MODEL, "messages": messages, "max_tokens": 1000, "ignore_eos": True,
+                                "stream": True}) as r:
+            first = next(line for line in r.iter_lines() if line)
+        assert first == ": keep-alive"
+        check_aborted(srv, oc, baseline, before, 2 * k - 1)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up on a long non-streaming answer
+            httpx.post(srv.url + "/v1/chat/completions", headers=AUTH, timeout=0.3,
+                       json={"model": MODEL, "messages": HI, "max_tokens": 1000, "ignore_eos": True})
+        check_aborted(srv, oc, baseline, before, 2 * k)
+    assert idle_state(srv) == (0, baseline)
 
 
 # ---- H45: concurrency -------------------------------------------------------------------------
-def test_concurrent_streams_are_independent(srv, clients):
-    oc, _ = clients
-    prompts = [f"question number {i}" for i in range(8)]
-    solo = [oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=4,
-                                       temperature=0, extra_body=NO_THINK).choices[0].message.content
-            for p in prompts]
-    assert all(solo)
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+          "required": ["city"]}
 
-    def stream(i: int) -> tuple[str, str]:
-        route = ("chat", "messages", "responses")[i % 3]
-        messages = [{"role": "user", "content": prompts[i]}]
-        path, body = {"chat": ("/v1/chat/completions", {"messages": messages, "max_tokens": 4}),
-                      "messages": ("/v1/messages", {"messages": messages, "max_tokens": 4}),
-                      "responses": ("/v1/responses", {"input": prompts[i], "max_output_tokens": 4})}[route]
-        with httpx.stream("POST", srv.url + path, headers=AUTH, timeout=60,
-                          json={"model": MODEL, "temperature": 0, "stream": True, **NO_THINK, **body}) as r:
-            lines = [line for line in sse_lines(r) if not line.startswith(":")]
-        text, ident = "", None
-        for line in lines:
-            if not line.startswith("data: {"):
-                continue
-            d = json.loads(line[6:])
-            if route == "chat":
-                ident = d["id"]
-                text += "".join(c["delta"].get("content") or "" for c in d["choices"])
-            elif route == "messages":
-                ident = ident or d.get("message", {}).get("id")
-                text += d.get("delta", {}).get("text", "") if d["type"] == "content_block_delta" else ""
-            else:
-                ident = ident or d.get("response", {}).get("id")
-                text += d["delta"] if d["type"] == "response.output_text.delta" else ""
+
+def mixed_request(i: int, route: str, stream: bool) -> tuple[str, dict]:
+    """Request i on `route`: odd ones carry the weather tool, every fourth (2, 6) a 64x64 PNG."""
+    text, tool, picture = f"question number {i}", i % 2 == 1, i % 4 == 2
+    png = base64.b64encode(media_png(seed=i)).decode()
+    if route == "chat":
+        content = [{"type": "text", "text": text}] + \
+            ([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}}] if picture else [])
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]
+        path = "/v1/chat/completions"
+    elif route == "messages":
+        content = ([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]
+                   if picture else []) + [{"type": "text", "text": text}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        tools = [{"name": "get_weather", "input_schema": PARAMS}]
+        path = "/v1/messages"
+    else:
+        content = [{"type": "input_text", "text": text}] + \
+            ([{"type": "input_image", "image_url": "data:image/png;base64," + png}] if picture else [])
+        body = {"input": [{"role": "user", "content": content}], "max_output_tokens": 4}
+        tools = [{"type": "function", "name": "get_weather", "parameters": PARAMS}]
+        path = "/v1/responses"
+    return path, {"model": MODEL, "temperature": 0, "stream": stream, **NO_THINK, **body,
+                  **({"tools": tools} if tool else {})}
+
+
+def answer(route: str, r: httpx.Response) -> tuple[str, str]:
+    """(id, text) of a non-streaming answer."""
+    d = r.json()
+    assert r.status_code == 200, d
+    if route == "chat":
+        return d["id"], d["choices"][0]["message"]["content"] or ""
+    if route == "messages":
+        return d["id"], "".join(b.get("text", "") for b in d["content"])
+    return d["id"], "".join(p["text"] for item in d["output"] if item["type"] == "message" for p in item["content"])
+
+
+def streamed_answer(route: str, r: httpx.Response) -> tuple[str, str]:
+    """(id, text) of a stream, which must end as its API says."""
+    assert r.status_code == 200
+    lines = [line for line in sse_lines(r) if not line.startswith(":")]
+    text, ident = "", None
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        d = json.loads(line[6:])
         if route == "chat":
-            assert lines[-1] == "data: [DONE]"
+            ident = d["id"]
+            text += "".join(c["delta"].get("content") or "" for c in d["choices"])
+        elif route == "messages":
+            ident = ident or d.get("message", {}).get("id")
+            text += d.get("delta", {}).get("text", "") if d["type"] == "content_block_delta" else ""
         else:
-            ends = ("event: message_stop",) if route == "messages" else \
-                ("event: response.completed", "event: response.incomplete")
-            assert lines[-2] in ends, lines[-2:]
-        return ident, text
+            ident = ident or d.get("response", {}).get("id")
+            text += d["delta"] if d["type"] == "response.output_text.delta" else ""
+    if route == "chat":
+        assert lines[-1] == "data: [DONE]"
+    else:
+        ends = ("event: message_stop",) if route == "messages" else \
+            ("event: response.completed", "event: response.incomplete")
+        assert lines[-2] in ends, lines[-2:]
+    return ident, text
 
-    def plain(i: int) -> tuple[str, str]:
-        r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
-                                       max_tokens=4, temperature=0, extra_body=NO_THINK)
-        return r.id, r.choices[0].message.content
 
+def test_concurrent_streams_are_independent(srv):
+    """8 streams (chat, messages, responses; with and without a tool and an image) and 8 non-streaming chat requests
+    at once: all finish, ids are unique, and each greedy answer equals the same request's answer run alone."""
+    streams = [(("chat", "messages", "responses")[i % 3], i) for i in range(8)]
+    plains = [("chat", i) for i in range(8)]
+
+    def run(route: str, i: int, stream: bool) -> tuple[str, str]:
+        path, body = mixed_request(i, route, stream)
+        if not stream:
+            return answer(route, httpx.post(srv.url + path, headers=AUTH, timeout=120, json=body))
+        with httpx.stream("POST", srv.url + path, headers=AUTH, timeout=120, json=body) as r:
+            return streamed_answer(route, r)
+
+    solo = [run(route, i, False)[1] for route, i in streams + plains]
+    assert all(solo)
     with ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(stream, i) for i in range(8)]
-        plains = [pool.submit(plain, i) for i in range(8)]
-        results = [f.result() for f in streams] + [f.result() for f in plains]
+        futures = [pool.submit(run, route, i, True) for route, i in streams] + \
+            [pool.submit(run, route, i, False) for route, i in plains]
+        results = [f.result() for f in futures]
     assert len({ident for ident, _ in results}) == 16
-    assert [text for _, text in results] == solo + solo
+    assert [text for _, text in results] == solo

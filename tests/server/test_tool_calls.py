@@ -227,3 +227,24 @@ def test_stop_strings_do_not_cut_tool_arguments(oc, say):
     chunks = tool_chunks(oc, messages=ASK, tools=[WEATHER], max_tokens=200, stop=["."], extra_body=extra)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world"
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_reasoning_streams_before_content(oc, say):
+    """B14's streaming half: every reasoning delta comes before the first content delta, and both equal the
+    non-streaming split."""
+    say(THOUGHT + "It is sunny.", THOUGHT + "It is sunny.")
+    plain = oc.chat.completions.create(model=M, messages=ASK, max_tokens=100).choices[0].message
+    kinds, reasoning, content = [], "", ""
+    for c in oc.chat.completions.create(model=M, messages=ASK, max_tokens=100, stream=True):
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        if d.model_extra.get("reasoning"):
+            kinds.append("reasoning")
+            reasoning += d.model_extra["reasoning"]
+        if d.content:
+            kinds.append("content")
+            content += d.content
+    assert kinds == sorted(kinds, key=lambda k: k == "content") and "reasoning" in kinds and "content" in kinds
+    assert (reasoning, content) == (plain.model_extra["reasoning"], plain.content) == \
+        ("The user wants weather.", "It is sunny.")

@@ -106,3 +106,36 @@ def test_sse_response_runs_on_close_even_if_the_body_never_starts():
 
     asyncio.run(run())
     assert closed == [True] and not started
+
+
+def test_sse_response_holds_the_first_frame_until_ready():
+    """With `ready` (RequestStream.started), only comments go out until it returns: the stream's opening frames wait
+    for the engine's first output, as spec/server.md §7 H43 checks; the frames source starts afterwards."""
+    from revolta.server.sse import sse_response
+
+    events = []
+
+    async def ready():
+        await asyncio.sleep(0.3)  # a queue wait or a prefill
+        events.append("ready")
+
+    async def frames():
+        events.append("frames started")
+        yield "data: first\n\n"
+
+    async def receive():
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            events.append(message["body"].decode())
+
+    async def run():
+        response = sse_response(frames(), 0.05, lambda: events.append("closed"), ready=ready)
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+
+    asyncio.run(run())
+    first = events.index("ready")
+    assert first >= 3 and set(events[:first]) == {KEEP_ALIVE}
+    assert events[first:] == ["ready", "frames started", "data: first\n\n", "closed"]

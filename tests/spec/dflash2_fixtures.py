@@ -21,6 +21,10 @@ def drafter_config(target: ModelConfig, **overrides) -> dict:
            "use_sliding_window": True,
            "dflash_config": {"block_size": 8, "mask_token_id": 3, "selector_rank": 16, "selector_top_k": 4,
                              "conv_kernel_size": 2, "conv_group_size": 16}}
+    L = target.text.num_hidden_layers  # taps: dflash's default spread, explicit on a tiny target (too few layers)
+    cfg["num_target_layers"] = L
+    if L < 8:
+        cfg["dflash_config"]["target_layer_ids"] = [0, L // 2, L - 1]
     draft = overrides.pop("dflash_config", {})
     cfg.update(overrides)
     cfg["dflash_config"] = {**cfg["dflash_config"], **draft}

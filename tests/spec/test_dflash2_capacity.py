@@ -37,8 +37,9 @@ def test_dflash2_state_slots_and_draft_kv_group(tmp_path):
     assert keep.state_slots_per_request == 2 + 7 and replay.state_slots_per_request == 2
     assert keep.num_slots - replay.num_slots == seqs * 7
     assert keep.allocator_config().per_draft_state and not replay.allocator_config().per_draft_state
-    # the drafter's own group: 5 sliding layers x 2048 tokens x (K + V) x 2 KV heads per rank x 128 x 1 byte
-    assert keep.draft_kv_bytes_per_request == replay.draft_kv_bytes_per_request == 5 * 2048 * 2 * 2 * 128
+    # the drafter's own group: 5 sliding layers x 2048 tokens x (K + V) x 2 KV heads per rank x 128 x 2 bytes
+    # (revolta's drafter cache is 16-bit beside the fp8 target cache)
+    assert keep.draft_kv_bytes_per_request == replay.draft_kv_bytes_per_request == 5 * 2048 * 2 * 2 * 128 * 2
     assert keep.draft_kv_bytes == seqs * keep.draft_kv_bytes_per_request
     # no MTP layer in DFlash2's pages: the page is the no-speculation page
     off = dry_run_plan(cfg, *ARGS, cudagraph_reserve_mib=1200)
@@ -59,9 +60,9 @@ def test_info_reports_dflash2_with_replay_on_and_off(tmp_path, capsys):
         out = capsys.readouterr().out
         plan = by_replay[replay]
         assert f"speculative decoding DFlash2 x7 ({'replay' if replay else 'per-draft state slots'})" in out
-        assert "KV fp8_e4m3 (DFlash2 draft fp8_e4m3)" in out and "CUDA graphs 1.17 GiB" in out
-        assert ("DFlash2 draft KV group: 5 layers (5 sliding, window 2048) x 512 B/token = 5.00 MiB per request, "
-                "x 8 seqs = 40.00 MiB taken from the budget") in out
+        assert "KV fp8_e4m3 (DFlash2 draft fp16)" in out and "CUDA graphs 1.17 GiB" in out
+        assert ("DFlash2 draft KV group: 5 layers (5 sliding, window 2048) x 1,024 B/token = 10.00 MiB per request, "
+                "x 8 seqs = 80.00 MiB taken from the budget") in out
         assert "DFlash2 selector codebooks: 60.62 MiB per GPU (sharded over TP 4; in the weights above" in out
         assert f"state slots per request: {slots}" in out
         assert f"GPU KV cache size: {plan.kv_cache_tokens:,} tokens" in out

@@ -17,6 +17,7 @@ from revolta.engine import Engine, EngineConfig
 from revolta.model import FlashNextModel, init_random_weights
 from revolta.spec.config import SpeculativeConfig
 from revolta.spec.dflash2.checks import check_dflash2
+from revolta.weights import CheckpointError
 from dflash2_fixtures import tiny_target, write_drafter
 from test_engine import Req, ids
 from test_engine import run as run_engine
@@ -67,10 +68,16 @@ def test_working_alternatives_pass(tmp_path):
         assert plan.layout.kv_cache_dtype == "int8" and not plan.layout.with_mtp
         assert plan.draft_kv_bytes_per_request == (64 * 2 + 256) * 2 * 2 * 16 * 2  # fp16 K+V, 2 heads x 16
     # 1-byte formats that work for both, and int8 for a drafter without sliding windows or sinks
-    assert check(spec_for(drafter), "fp8_e4m3") == [] and check(spec_for(drafter), "fp16") == []
+    # revolta's drafter cache is 16-bit: an inherited 1-byte format gives a 16-bit drafter cache and a warning
+    assert check(spec_for(drafter), "fp16") == []
+    (warning,) = check(spec_for(drafter), "fp8_e4m3")
+    assert "context K/V is kept at float16 beside the fp8_e4m3 target cache" in warning
     full = write_drafter(tmp_path / "full", layer_types=["full_attention"] * 3)
-    assert check(spec_for(full), "int8") == []
-    assert spec_for(full).cache_fields("int8", "float16")["draft_kv_group"].kv_cache_dtype == "int8"
+    (warning,) = check(spec_for(full), "int8")
+    assert "beside the int8 target cache" in warning
+    assert spec_for(full).cache_fields("int8", "float16")["draft_kv_group"].kv_cache_dtype == "fp16"
+    with pytest.raises(ValueError, match="a int8 drafter cache is not implemented"):
+        check(spec_for(full, kv_cache_dtype="int8"), "int8")
 
 
 def test_pipeline_parallel_and_target_mismatch_are_rejected(tmp_path):
@@ -84,9 +91,12 @@ def test_pipeline_parallel_and_target_mismatch_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="vocab_size=1000 but the target has 512"):
         check(vocab)
     layers = tiny_target().text.num_hidden_layers
-    taps = spec_for(write_drafter(tmp_path / "taps", dflash_config={"target_layer_ids": [0, layers]}))
+    taps = spec_for(write_drafter(tmp_path / "taps", dflash_config={"target_layer_ids": [0, layers]},
+                                  num_target_layers=None))
     with pytest.raises(ValueError, match=f"taps target layers \\[{layers}\\], outside this target's 0..{layers - 1}"):
         check(taps)
+    with pytest.raises(ValueError, match=f"target_layer_ids \\[{layers}\\] do not exist in a target with {layers} layers"):
+        spec_for(write_drafter(tmp_path / "taps2", dflash_config={"target_layer_ids": [0, layers]}))
     trained = spec_for(write_drafter(tmp_path / "trained", num_target_layers=layers + 1))
     with pytest.raises(ValueError, match=f"num_target_layers={layers + 1} layers but this target has {layers}"):
         check(trained)
@@ -110,21 +120,20 @@ def tiny_model():
     return m
 
 
-def test_engine_refuses_dflash2_after_the_checks_pass(tmp_path, tiny_model, caplog):
-    drafter = write_drafter(tmp_path / "d")
+def test_engine_checks_and_plans_before_loading_the_drafter(tmp_path, tiny_model, caplog):
+    drafter = write_drafter(tmp_path / "d")  # a config.json without weights
     cfg = dict(max_model_len=256, max_num_seqs=4, block_size=16, kv_cache_gib=0.004)
     with caplog.at_level(logging.INFO, logger="revolta.engine"):
-        with pytest.raises(ValueError, match="DFlash2 drafting is not wired into the engine yet: the configuration "
-                                             "passed every check"):
+        with pytest.raises(CheckpointError, match="no model.safetensors.index.json or model.safetensors in"):
             Engine(tiny_model, EngineConfig(**cfg, speculative_config={"method": "dflash2", "model": drafter}))
     assert any("GPU KV cache size" in r.message for r in caplog.records)  # planned (and logged) first
-    # a failing check wins over the refusal
+    # a failing check wins over loading
     with pytest.raises(ValueError, match="int8 draft KV does not support"):
         Engine(tiny_model, EngineConfig(**cfg, kv_cache_dtype="int8",
                                         speculative_config={"method": "dflash2", "model": drafter}))
 
 
-def test_llm_checks_and_refuses_before_loading_weights(tmp_path, monkeypatch):
+def test_llm_checks_before_loading_weights(tmp_path, monkeypatch):
     import revolta.llm as llm
 
     def no_weights(*a, **k):
@@ -136,7 +145,7 @@ def test_llm_checks_and_refuses_before_loading_weights(tmp_path, monkeypatch):
     (target / "config.json").write_text(json.dumps(TINY))
     drafter = write_drafter(tmp_path / "d")
     dflash = {"method": "dflash2", "model": drafter}
-    with pytest.raises(ValueError, match="not wired into the engine yet"):
+    with pytest.raises(AssertionError, match="weights were loaded"):  # every check passed: loading starts
         llm.LLM(str(target), speculative_config=dflash)
     with pytest.raises(ValueError, match="int8 draft KV does not support"):
         llm.LLM(str(target), speculative_config=dflash, kv_cache_dtype="int8")

@@ -38,13 +38,19 @@ def _dist(gen, V=6):
     return torch.softmax(torch.randn(V, generator=gen) * 1.5, dim=-1)
 
 
-@pytest.mark.parametrize("one_hot", [False, True], ids=["sampled-drafts", "greedy-drafts"])
-def test_rejection_sampling_reproduces_the_target_distribution(one_hot):
+@pytest.mark.parametrize("one_hot,sparse", [(False, False), (False, True), (True, False)],
+                         ids=["sampled-drafts", "sparse-q-drafts", "greedy-drafts"])
+def test_rejection_sampling_reproduces_the_target_distribution(one_hot, sparse):
     """First emitted token ~ p_0 and, given it, the second ~ p_1 (when the first draft was
-    accepted) or the chain stops; drafts drawn from q (or q's argmax for greedy drafting)."""
+    accepted) or the chain stops; drafts drawn from q (dense, or sparse on a few candidates as
+    DFlash2's selector proposes), or q's argmax for greedy drafting."""
     gen = torch.Generator().manual_seed(0)
     p = torch.stack([_dist(gen), _dist(gen), _dist(gen)])  # [3, V] target rows
     q = torch.stack([_dist(gen), _dist(gen)])  # [2, V] draft distributions
+    if sparse:  # DFlash2's selector: q lives on K = 3 candidates, zero elsewhere
+        keep = q.topk(3, dim=-1).indices
+        q = torch.zeros_like(q).scatter_(-1, keep, q.gather(-1, keep))
+        q = q / q.sum(-1, keepdim=True)
     trials = 6000
     first = torch.zeros(6)
     second = torch.zeros(6)  # second token when the first equals draft token x0 = argmax q_0

@@ -131,7 +131,7 @@ class CacheConfig:
     num_snapshot_slots: int | None = None  # None: max_num_seqs with prefix caching, else 0
     snapshot_interval: int = 0  # extra snapshots every N tokens of prefill (multiple of block_size)
     kv_offload_gib: float = 0.0  # CPU tier, GiB in total over the TP ranks (pinned host memory)
-    pending_ring: int | None = None  # QSA pending index keys per slot; None: default_pending_ring
+    pending_ring: int | None = None  # QSA pending index keys per slot; None: default_pending_ring (c + drafts)
 
     @property
     def num_draft_slots(self) -> int:
@@ -295,10 +295,14 @@ def kv_page_bytes_per_token(cfg: ModelConfig, kv_dtype: str, draft_dtype: str, w
     return trunk + m["mtp_main_kv"] + m["mtp_kv_scales"] + m["mtp_index_keys"]
 
 
-def default_pending_ring(cfg: ModelConfig) -> int:
-    """Entries of the per-slot ring of raw index keys: 2c, so a speculative verify of up to c
-    tokens never overwrites keys of the group it still needs (spec/model.md §4.6)."""
-    return 2 * cfg.text.indexer_compress_ratio
+def default_pending_ring(cfg: ModelConfig, num_speculative_tokens: int = 0) -> int:
+    """Entries of the per-slot ring of raw index keys: at least max(2c, c + k). A verify step writes the keys
+    of its 1 + k rows after up to c - 1 keys of the incomplete group it still needs, so the ring must
+    hold c + k of them (spec/model.md §4.6), rounded up to a power of two (the index-compress kernel
+    addresses it by position mod its length): 8 for MTP4 at c = 4, 16 for DFlash2's 7 drafts."""
+    c = cfg.text.indexer_compress_ratio
+    need = max(2 * c, c + num_speculative_tokens)
+    return 1 << (need - 1).bit_length()
 
 
 def state_bytes_per_slot(cfg: ModelConfig, tp: int, dtype: str, with_mtp: bool, pending_ring: int | None = None) -> int:
@@ -373,7 +377,8 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
     bs = choose_block_size(cfg, cache)
     kvpt = kv_page_bytes_per_token(cfg, kv, draft, with_mtp, tp)
     page = bs * kvpt
-    state = state_bytes_per_slot(cfg, tp, dtype, with_mtp, cache.pending_ring)
+    ring = default_pending_ring(cfg, cache.num_speculative_tokens) if cache.pending_ring is None else cache.pending_ring
+    state = state_bytes_per_slot(cfg, tp, dtype, with_mtp, ring)
     state_pages = -(-state // page)
     scalars = _scalar_bytes(cfg, kv, draft, with_mtp)
     avail = budget.cache_bytes - scalars - cache.max_num_seqs * draft_per_request
@@ -420,7 +425,7 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
                                    f"({human_bytes(state)} per rank) and one block; raise it or set 0")
     layout = CacheLayout(num_blocks=num_blocks, block_size=bs, num_slots=num_slots, kv_cache_dtype=kv,
                          draft_kv_cache_dtype=draft, dtype=_TORCH_NAMES[_act(dtype)], tp=tp, with_mtp=with_mtp,
-                         pending_ring=cache.pending_ring)
+                         pending_ring=ring)
     return CachePlan(cache=cache, budget=budget, layout=layout, kv_bytes_per_token=kvpt, page_bytes=page,
                      state_bytes=state, state_pages=state_pages, pool_pages=pool_pages, num_running_slots=running,
                      num_snapshot_slots=snapshots, pages_per_request=per_request, max_concurrency=conc,

@@ -167,7 +167,7 @@ class Messages:
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:
             return sse_response(self._stream(stream, parser, prompt, mid), s.config.sse_keep_alive_interval,
-                                stream.close)
+                                stream.close, ready=stream.started)
         [c] = await unless_disconnected(request, parse_all(stream, [parser]))
         content: list[dict[str, Any]] = []
         if parser.reasoning:

@@ -43,6 +43,8 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
+    block_size: int = 0  # tokens per KV block: a prefix-cache hit (usage cached_tokens) is a multiple of it
+    prefix_caching: bool = False
     speculative: bool = False  # the engine drafts; the counters below sum every verify round
     num_spec_rounds: int = 0
     num_draft_tokens: int = 0
@@ -83,11 +85,24 @@ class RequestStream:
         self.request_id, self._engine, self._sink = request_id, engine, sink
         self.done = False
         self._finished: set[int] = set()  # completion indexes seen finished (reader side)
+        self._head: Any = None  # the first item, taken off the queue by `started`
+        self.num_cached_tokens = 0  # the prefix-cache hit the engine reported for the prompt (usage details)
+
+    async def started(self) -> None:
+        """Wait until the engine has something for this request: its first output, or its failure.
+
+        A stream's opening frames wait for this, so that a queue wait and the prefill are covered by
+        keep-alive comments alone (spec/server.md §7 H43), as vLLM sends its role chunk only with the
+        first output. What arrived is kept for the iteration.
+        """
+        if self._head is None and not self.done:
+            self._head = await self._sink.queue.get()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.done:
-                batch = [await self._sink.queue.get()]
+                head, self._head = self._head, None
+                batch = [head if head is not None else await self._sink.queue.get()]
                 while not self._sink.queue.empty():
                     batch.append(self._sink.queue.get_nowait())
                 latest: dict[int, RequestOutput] = {}  # a slow reader skips intermediate cumulative outputs
@@ -96,6 +111,7 @@ class RequestStream:
                         self.done = True  # the loop already dropped the request
                         raise item
                     latest[item.outputs[0].index] = item
+                    self.num_cached_tokens = getattr(item, "num_cached_tokens", None) or self.num_cached_tokens
                     if item.finished:
                         self._finished.add(item.outputs[0].index)
                 self.done = len(self._finished) >= self._sink.n
@@ -170,6 +186,7 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.llm.has_unfinished_requests())
                 if self.llm.has_unfinished_requests():
+                    self._publish_stats()  # what the commands changed shows now, not after a long (prefill) step
                     self._step()
                 self._publish_stats()
         except BaseException as e:  # a bug in the loop itself: fail everyone, /health turns 503
@@ -255,6 +272,7 @@ class EngineLoop:
         spec = getattr(engine, "spec_stats", None) if getattr(engine, "drafter", None) is not None else None
         self.stats = EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
                                  kv_cache_usage=alloc.usage, num_free_blocks=alloc.num_free_blocks,
+                                 block_size=alloc.block_size, prefix_caching=alloc.config.enable_prefix_caching,
                                  speculative=spec is not None,
                                  num_spec_rounds=spec.num_rounds if spec else 0,
                                  num_draft_tokens=spec.num_draft_tokens if spec else 0,

@@ -102,6 +102,10 @@ class Metrics:
                 "# HELP revolta:kv_cache_free_blocks Free KV cache blocks (prefix-cached ones included).",
                 "# TYPE revolta:kv_cache_free_blocks gauge",
                 f"revolta:kv_cache_free_blocks{{{m}}} {stats.num_free_blocks}",
+                "# HELP vllm:cache_config_info Information of the KV cache configuration.",
+                "# TYPE vllm:cache_config_info gauge",
+                f'vllm:cache_config_info{{{m},block_size="{stats.block_size}",'
+                f'enable_prefix_caching="{stats.prefix_caching}"}} 1',
                 "# HELP vllm:prompt_tokens_total Prompt tokens of requests that reached the engine.",
                 "# TYPE vllm:prompt_tokens_total counter", f"vllm:prompt_tokens_total{{{m}}} {self.prompt_tokens}",
                 "# HELP vllm:generation_tokens_total Generated tokens.",

@@ -83,7 +83,7 @@ class Completions:
             opts = body.stream_options
             frames = self._stream(streams[0], prompts[0], body, request_id, bool(opts and opts.include_usage))
             return sse_response(openai_frames(frames, streams[0]), s.config.sse_keep_alive_interval,
-                                streams[0].close)
+                                streams[0].close, ready=streams[0].started)
         results = await unless_disconnected(request, asyncio.gather(*(collect(st) for st in streams)))
         choices, flat = [], []
         for p_index, ((text, ids), completions) in enumerate(zip(prompts, results)):

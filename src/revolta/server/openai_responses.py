@@ -20,13 +20,15 @@ from .chat_prompt import RenderedPrompt, normalize_messages, tool_setup
 from .engine_loop import RequestFailed, RequestStream
 from .errors import APIError, bad_request
 from .generation import ServerState, created, parse_all, parsed_outputs, unless_disconnected
+from .openai_chat import logprobs_content
 from .output import ChoiceParser
-from .params import build_sampling_params, check_model, read_body
+from .params import build_sampling_params, check_model, check_top_logprobs, read_body
 from .protocol import ResponsesRequest
 from .sse import event_frame, sse_response
 from .tool_schema import ToolRequestError, responses_tools_to_openai
 
 MAX_STORED = 1024
+INCLUDE_LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for output_text logprobs
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -105,32 +107,40 @@ class Responses:
         if (body.reasoning or {}).get("effort") == "none":
             kwargs.setdefault("enable_thinking", False)
         prompt = await s.renderer.render(normalize_messages(messages), tools, kwargs)
+        check_top_logprobs(body.top_logprobs)
+        top = body.top_logprobs or 0
+        logprobs = top if INCLUDE_LOGPROBS in (body.include or ()) else None  # as vLLM: top_logprobs alone adds none
         params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
-                                       max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens")
+                                       max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens",
+                                       logprobs=logprobs)
         stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         rid = f"resp_{uuid.uuid4().hex}"
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
         if body.stream:
-            return sse_response(self._stream(stream, parser, prompt, body, rid, conversation),
-                                s.config.sse_keep_alive_interval, stream.close)
+            return sse_response(self._stream(stream, parser, prompt, body, rid, conversation, logprobs),
+                                s.config.sse_keep_alive_interval, stream.close, ready=stream.started)
         [c] = await unless_disconnected(request, parse_all(stream, [parser]))
-        response = self._response(body, rid, c, parser, len(prompt.token_ids), self._items(rid, parser))
+        text_logprobs = _logprobs(c, 0, logprobs)
+        response = self._response(body, rid, c, parser, len(prompt.token_ids), self._items(rid, parser, text_logprobs),
+                                  cached=stream.num_cached_tokens)
         self._store(body, rid, conversation, parser)
         return JSONResponse(response)
 
     @staticmethod
-    def _items(rid: str, parser: ChoiceParser) -> list[dict[str, Any]]:
+    def _items(rid: str, parser: ChoiceParser, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         items = []
         if parser.reasoning:
             items.append(_reasoning_item(f"rs_{rid}", parser.reasoning, "completed"))
         if parser.content or not parser.tool_calls:
-            items.append(_message_item(f"msg_{rid}", parser.content or "", "completed"))
+            items.append(_message_item(f"msg_{rid}", parser.content or "", "completed", logprobs))
         for t in parser.tool_calls:
             items.append(_call_item(f"fc_{t.id}", t.id, t.name, t.arguments, "completed"))
         return items
 
     def _response(self, body: ResponsesRequest, rid: str, c: CompletionOutput | None, parser: ChoiceParser | None,
-                  prompt_tokens: int, output: list[dict[str, Any]], status: str | None = None) -> dict[str, Any]:
+                  prompt_tokens: int, output: list[dict[str, Any]], status: str | None = None,
+                  cached: int = 0) -> dict[str, Any]:
+        """The response object; `cached` is the prompt's prefix-cache hit in tokens (the engine's count)."""
         if status is None:
             status = "incomplete" if c is not None and c.finish_reason == "length" else "completed"
         out_tokens = len(c.token_ids) if c is not None else 0
@@ -145,8 +155,7 @@ class Responses:
                 "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "text": {"format": {"type": "text"}}, "metadata": {},
                 "reasoning": body.reasoning, "store": body.store,
-                # cached_tokens: the LLM API does not report prefix-cache hits per request yet
-                "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
                           "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": prompt_tokens + out_tokens}}
 
@@ -163,8 +172,12 @@ class Responses:
             self.stored.popitem(last=False)
 
     async def _stream(self, stream: RequestStream, parser: ChoiceParser, prompt: RenderedPrompt,
-                      body: ResponsesRequest, rid: str, conversation: list[dict[str, Any]]) -> AsyncIterator[str]:
+                      body: ResponsesRequest, rid: str, conversation: list[dict[str, Any]],
+                      logprobs: int | None) -> AsyncIterator[str]:
+        """The event stream. With `logprobs`, each output_text.delta carries the tokens not reported yet (those
+        of reasoning before it included) and the done events the whole list, as the non-streaming answer."""
         seq = 0
+        sent_tokens = 0  # generated tokens whose logprobs an output_text.delta carried
 
         def ev(kind: str, **payload: Any) -> str:
             nonlocal seq
@@ -188,8 +201,9 @@ class Responses:
                                  content_index=0, text=text))
             elif item["type"] == "message":
                 part = item["content"][0]
+                part["logprobs"] = _logprobs(last, 0, logprobs) if last is not None else []
                 frames += [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                              text=part["text"], logprobs=[]),
+                              text=part["text"], logprobs=part["logprobs"]),
                            ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
                               part=part)]
             else:
@@ -228,7 +242,8 @@ class Responses:
                             yield f
                     open_item["content"][0]["text"] += delta.content
                     yield ev("response.output_text.delta", item_id=open_item["id"], output_index=len(output) - 1,
-                             content_index=0, delta=delta.content, logprobs=[])
+                             content_index=0, delta=delta.content, logprobs=_logprobs(last, sent_tokens, logprobs))
+                    sent_tokens = len(last.token_ids)
                 for t in delta.tool_calls:
                     if t.id is not None:
                         for f in open_(_call_item(f"fc_{t.id}", t.id, t.name, "", "in_progress")):
@@ -242,13 +257,15 @@ class Responses:
                     yield f
             for f in close():
                 yield f
-            final = self._response(body, rid, last, parser, len(prompt.token_ids), output)
+            final = self._response(body, rid, last, parser, len(prompt.token_ids), output,
+                                   cached=stream.num_cached_tokens)
             self._store(body, rid, conversation, parser)
             yield ev(f"response.{final['status']}", response=final)
         except RequestFailed as e:
             for f in close():
                 yield f
-            failed = self._response(body, rid, last, parser, len(prompt.token_ids), output, "failed")
+            failed = self._response(body, rid, last, parser, len(prompt.token_ids), output, "failed",
+                                    cached=stream.num_cached_tokens)
             failed["error"] = {"code": "server_error", "message": str(e)}
             yield ev("response.failed", response=failed)
         finally:
@@ -260,9 +277,15 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _logprobs(c: CompletionOutput, start: int, top: int | None) -> list[dict[str, Any]]:
+    """output_text logprobs of generated tokens [start, end) of `c` ([] when not asked for): every token of
+    the answer, reasoning included, as the chat route's logprobs.content and vLLM's Responses report them."""
+    return logprobs_content(c, start, len(c.token_ids), top) if top is not None else []
 
 
 def _call_item(item_id: str, call_id: str, name: str | None, arguments: str, status: str) -> dict[str, Any]:

@@ -77,6 +77,11 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
         raise bad_request("The prompt is empty; give at least one token", "prompt")
 
 
+def check_top_logprobs(top_logprobs: int | None) -> None:
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", "top_logprobs")
+
+
 def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams, config: ServerConfig,
                           max_tokens: int | None, max_tokens_param: str = "max_tokens",
                           logprobs: int | None = None) -> SamplingParams:
@@ -109,8 +114,7 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
     if n > 1 and temperature == 0:
         raise bad_request("n > 1 needs sampling: greedy decoding (temperature=0) gives n identical choices; "
                           "set temperature > 0 or n=1", "n")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "top_logprobs")
+    check_top_logprobs(logprobs)
     kwargs: dict[str, Any] = {"temperature": temperature, "max_tokens": max_tokens, "n": n, "stop": stops or None,
                               "logprobs": logprobs}
     for name in ("top_p", "top_k", "min_p"):

@@ -97,6 +97,8 @@ class ResponsesRequest(_Body):
     store: bool = True
     previous_response_id: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" adds logprobs to output_text; others ignored
+    top_logprobs: int | None = None
 
 
 class AnthropicMessage(_Body):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -81,7 +81,21 @@ class _ClosingStreamingResponse(StreamingResponse):
             self._on_close()
 
 
-def sse_response(frames: AsyncIterator[str], interval: float, on_close: Callable[[], None]) -> StreamingResponse:
+async def _after(ready: Callable[[], Awaitable[None]], frames: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`frames`, started only once `ready()` returns (a cancelled wait leaves them unstarted: on_close)."""
+    await ready()
+    it = frames.__aiter__()
+    try:
+        async for frame in it:
+            yield frame
+    finally:
+        await it.aclose()
+
+
+def sse_response(frames: AsyncIterator[str], interval: float, on_close: Callable[[], None],
+                 ready: Callable[[], Awaitable[None]] | None = None) -> StreamingResponse:
     """An event stream of `frames` with keep-alive comments; `on_close` (e.g. aborting the engine
-    request, which must be idempotent) runs when the response ends for any reason."""
-    return _ClosingStreamingResponse(with_keep_alive(frames, interval), on_close)
+    request, which must be idempotent) runs when the response ends for any reason. With `ready`
+    (e.g. RequestStream.started), the first frame waits for it: until then only comments are sent."""
+    body = frames if ready is None else _after(ready, frames)
+    return _ClosingStreamingResponse(with_keep_alive(body, interval), on_close)

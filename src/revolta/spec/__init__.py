@@ -6,7 +6,7 @@ mtp.py      the MTP drafter: k recursive MTP steps on the paged cache, pending t
 commit.py   recurrent state after verification: per-draft state slots or replay, bitwise equal
 stats.py    acceptance statistics per request and per engine
 dflash2/    DFlash2: configuration options, the concurrency ladder, checks before weights, sharded
-            selector codebooks (docs/speculative.md; the drafter itself is not wired into the engine yet)
+            selector codebooks and the DFlash2 drafter (docs/speculative.md, docs/dflash2.md)
 """
 
 from .config import SpeculativeConfig

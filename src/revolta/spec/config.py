@@ -79,7 +79,7 @@ class SpeculativeConfig:
             out["draft_kv_group"] = DraftKVGroup(
                 num_layers=d.num_layers, num_sliding_layers=d.num_sliding_layers, sliding_window=d.sliding_window,
                 num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
-                kv_cache_dtype=resolve_kv_dtype(self.kv_cache_dtype or kv_cache_dtype, dtype))
+                kv_cache_dtype=_drafter_kv_dtype(resolve_kv_dtype(self.kv_cache_dtype or kv_cache_dtype, dtype), dtype))
         return out
 
     def drafts_at(self, num_running: int) -> int:
@@ -188,3 +188,9 @@ class SpeculativeConfig:
             return (f"DFlash2 x{self.num_speculative_tokens} from {self.model} ({state}, {self.draft_sample_method} "
                     f"drafts{', ladder ' + ladder if ladder else ''})")
         return f"MTP x{self.num_speculative_tokens} ({state}, {self.draft_sample_method} drafts)"
+
+
+def _drafter_kv_dtype(resolved: str, dtype: str) -> str:
+    """The DFlash2 drafter cache is 16-bit in revolta: a quantised format inherited from the target
+    means the activation dtype (an explicit one is refused by spec/dflash2/checks.py)."""
+    return resolve_kv_dtype("auto", dtype) if resolved in ("fp8_e4m3", "int8") else resolved

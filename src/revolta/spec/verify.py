@@ -23,6 +23,16 @@ import torch
 from torch import Tensor
 
 
+class DraftTokens(list):
+    """A request's draft ids (a plain list of ints to every reader) with the drafter's proposal
+    distribution when it sampled them: probs [n, V] fp32 (row i for draft i), or None for greedy
+    (one-hot) drafts."""
+
+    def __init__(self, ids=(), probs: Tensor | None = None):
+        super().__init__(ids)
+        self.probs = probs
+
+
 def greedy_accept(target_ids: Sequence[int], drafts: Sequence[int]) -> list[int]:
     """target_ids: argmax of each of the n + 1 rows; drafts: n tokens -> emitted tokens (accepted + bonus)."""
     if len(target_ids) != len(drafts) + 1:

@@ -7,8 +7,9 @@ to log. The items and how they apply to revolta:
     configurations that work.
  12 INT8 target + a separate 16-bit draft cache (speculative_config kv_cache_dtype float16/auto):
     passes; the drafter cache is its own tensors, so the target's INT8 page rules do not apply.
- 13 draft KV dtype: None inherits the target's (SpeculativeConfig.cache_fields), as the release note says
-    for the released drafter.
+ 13 draft KV dtype: None inherits the target's, as the release note says for the released drafter. revolta's
+    drafter cache is 16-bit only: an inherited fp8/int8 format gives a 16-bit drafter cache and a warning
+    (the capacity report counts 16 bits), an explicit one is refused.
  16 n-gram assist / lookup: not implemented; `sm70_dflash2.lookup` is refused (options.py) and the
     vLLM keys are unknown keys of speculative_config (spec/config.py).
  17 draft_sample_method greedy (recommended) or probabilistic (a warning: not validated for this
@@ -29,10 +30,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from ...cache.capacity import resolve_kv_dtype
 from ...config import ModelConfig
 from ..config import SpeculativeConfig
 from .drafter_facts import DrafterFacts
 
+QUANTIZED_KV = ("fp8_e4m3", "int8")
 TAIL_CUDAGRAPHS_ENV = "VLLM_SM70_DFLASH2_TAIL_CUDAGRAPHS"
 
 
@@ -102,10 +105,18 @@ def check_dflash2(spec: SpeculativeConfig, cfg: ModelConfig, *, kv_cache_dtype: 
     env = os.environ if env is None else env
     check_pipeline_parallel(pipeline_parallel_size)
     check_matches_target(spec.drafter, cfg)
-    draft_kv = spec.cache_fields(kv_cache_dtype, dtype)["draft_kv_group"].kv_cache_dtype  # item 13: None inherits
+    draft_kv = resolve_kv_dtype(spec.kv_cache_dtype or kv_cache_dtype, dtype)  # item 13: None inherits
     check_draft_kv(spec.drafter, draft_kv, kv_cache_dtype, explicit=spec.kv_cache_dtype is not None)
     check_tail_cudagraphs(env)
     warnings = []
+    if draft_kv in QUANTIZED_KV:
+        # revolta's drafter context cache (spec/dflash2/model.py DraftKVCache) stores K/V at the activation dtype
+        if spec.kv_cache_dtype is not None:
+            raise ValueError(f"speculative_config kv_cache_dtype={spec.kv_cache_dtype!r}: revolta keeps the DFlash2 "
+                             f"drafter's context K/V at the activation dtype ({dtype}); a {draft_kv} drafter cache is "
+                             "not implemented. Use 'auto' (the default) for a 16-bit drafter cache beside the target's")
+        warnings.append(f"the DFlash2 drafter's context K/V is kept at {dtype} beside the {draft_kv} target cache "
+                        "(revolta has no quantised drafter cache); the capacity report counts it at 16 bits")
     if spec.draft_sample_method == "probabilistic":
         warnings.append("DFlash2 draft_sample_method='probabilistic' is not validated for this model (release note); "
                         "verification stays lossless, 'greedy' is the recommended setting")

@@ -10,9 +10,16 @@ one block from its anchor: the step's first token, whose position is where the c
 
 A request whose pending rows do not continue its cache (it was preempted, or its first rows came
 after a prefix-cache hit) starts a new cache at its pending rows' first position: the drafter then
-sees less context, which can only lower acceptance, never change the output. Drafts are the greedy
-walk ("greedy" draft_sample_method: q is one-hot in rejection sampling); a request verifying fewer
-drafts than the block holds takes the walk's first ones.
+sees less context, which can only lower acceptance, never change the output. A request verifying
+fewer drafts than the block holds takes the walk's first ones.
+
+Drafts are the greedy walk by default ("greedy" draft_sample_method: q is one-hot in rejection
+sampling). With "probabilistic" the walk samples at temperature 1 and each request's drafts carry
+their proposal distribution q (the selector's softmax over its K candidates, scattered to the
+vocabulary) as `DraftTokens.probs`, which rejection sampling uses as the draft distribution, so the
+output distribution is exact either way. The walk's noise comes from this drafter's own generator
+(seeded 0 at start-up): a seeded request's tokens may then depend on what else is drafting; the
+greedy walk keeps the per-seed guarantee.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 
 from ...runner import ModelRunner
 from ..mtp import DraftItem, PendingRowsDrafter
+from ..verify import DraftTokens
 from .model import DFlash2DraftModel, DraftKVCache
 from .taps import hidden_taps
 
@@ -30,7 +38,8 @@ class DFlash2Drafter(PendingRowsDrafter):
 
     rows_name = "DFlash2 context"
 
-    def __init__(self, runner: ModelRunner, drafter: DFlash2DraftModel, num_speculative_tokens: int):
+    def __init__(self, runner: ModelRunner, drafter: DFlash2DraftModel, num_speculative_tokens: int,
+                 sampled: bool = False):
         super().__init__()
         cfg = drafter.cfg
         if not 1 <= num_speculative_tokens <= cfg.num_drafts:
@@ -42,6 +51,8 @@ class DFlash2Drafter(PendingRowsDrafter):
         self.text = runner.model.model.language_model
         runner.hidden_taps = hidden_taps(self.text, cfg)
         self.caches: dict[str, tuple[DraftKVCache, int]] = {}  # request -> (cache, its num_preemptions)
+        self.sampled = sampled
+        self.generator = torch.Generator(runner.model.device).manual_seed(0) if sampled else None
 
     def drop(self, request_id: str) -> None:
         super().drop(request_id)
@@ -79,11 +90,22 @@ class DFlash2Drafter(PendingRowsDrafter):
             return drafts
         device = self.runner.model.device
         anchors = torch.tensor([items[i].all_token_ids[items[i].step.num_computed] for i in want], device=device)
-        for i, row in zip(want, self._draft(caches, anchors).tolist()):
-            drafts[i] = row[:items[i].num_drafts]
+        sel = self._draft(caches, anchors)
+        probs = None if sel.q is None else self._dense_q(sel)  # [B, D, V]
+        for b, (i, row) in enumerate(zip(want, sel.tokens.tolist())):
+            n = items[i].num_drafts
+            drafts[i] = DraftTokens(row[:n], None if probs is None else probs[b, :n])
         return drafts
 
-    def _draft(self, caches: list[DraftKVCache], anchors: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts [B, num_drafts] from caches that already hold each request's whole context."""
+    def _draft(self, caches: list[DraftKVCache], anchors: torch.Tensor):
+        """The selector's walk (tokens [B, num_drafts], q when sampled) from caches that already hold
+        each request's whole context."""
         empty = [anchors.new_zeros(0, self.drafter.fc.in_features, dtype=self.drafter.fc.weight.dtype)] * len(caches)
-        return self.drafter(empty, caches, anchors, self.text.embed_tokens, self.runner.model.compute_logits).tokens
+        return self.drafter(empty, caches, anchors, self.text.embed_tokens, self.runner.model.compute_logits,
+                            temperature=1.0 if self.sampled else 0.0, generator=self.generator)
+
+    def _dense_q(self, sel) -> torch.Tensor:
+        """q [B, D, K] over candidates [B, D, K] -> [B, D, V] (zero off the candidates)."""
+        vocab = self.runner.model.cfg.text.vocab_size
+        q = sel.q.new_zeros(*sel.q.shape[:2], vocab)
+        return q.scatter_(-1, sel.candidates, sel.q)

@@ -6,7 +6,9 @@ then the top-level `<name>`; `block_size` defaults to 16 there, and so here. The
 follows the Qwen3 config rules that package builds on: `sliding_window` counts only when
 `use_sliding_window` is true, and without `layer_types` the layers from `max_window_layers` on
 slide. The drafter model reads its own full config (spec/dflash2/draft_config.py); this is only the
-part the checks and the cache plan use, and can be derived from that config once both are on main.
+part the checks and the cache plan use. For a DFlash2 drafter that full config is parsed here too, so
+everything the model would refuse is refused at configuration time, and the tapped layers are the
+model's (its defaults included).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class DrafterFacts:
     has_attention_sinks: bool  # `attention_sink_bias` declared
     selector_rank: int | None  # None: no candidate selector (a DFlash v1 drafter)
     selector_top_k: int | None
-    target_layer_ids: tuple[int, ...] | None = None  # tapped target layers, when the checkpoint lists them
+    target_layer_ids: tuple[int, ...] | None = None  # tapped target layers (the drafter model's; None for DFlash v1)
     num_target_layers: int | None = None  # layers of the target it was trained on, when declared
 
     @property
@@ -102,6 +104,10 @@ class DrafterFacts:
         taps = value("target_layer_ids")
         if taps is not None and (not isinstance(taps, list) or not all(isinstance(i, int) for i in taps)):
             raise ValueError(f"{path}/config.json: target_layer_ids={taps!r} must be a list of layer indices")
+        if rank and top_k:  # whatever the drafter model would refuse is refused now, before any weight loads
+            from .draft_config import DFlash2DraftConfig
+
+            taps = list(DFlash2DraftConfig.from_dict(dict(raw), source=f"{path}/config.json").target_layer_ids)
         return cls(path=path, vocab_size=need_int("vocab_size"), hidden_size=hidden, num_layers=layers,
                    num_kv_heads=int(kv_heads), head_dim=int(head_dim), block_size=block, num_sliding_layers=sliding,
                    sliding_window=window if sliding else None,
