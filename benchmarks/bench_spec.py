@@ -10,8 +10,9 @@ greedy and a sampling target (sampling rows: the cost of a round at the acceptan
 per-layer widths (hidden 2560, GDN 16/48 heads of 128, QSA 32/2 heads of 256) with 4 layers and
 64 experts, so one step is bandwidth-shaped like a slice of the real model; `slice` is the engine
 benchmark's real-width slice (bench_e2e.py: real layer shapes, 512 experts, vocab 248,320, --layers
-layers) with the real MTP layer, weights drawn on the GPU. Verify steps run
-eagerly (no CUDA graph yet). Times are wall clock around `engine.step`, with a device sync.
+layers) with the real MTP layer, weights drawn on the GPU. Speculative rounds replay the
+spec/graphs.py CUDA graphs (captured for the run's concurrency; `--eager`: none). Times are wall clock
+around `engine.step`, with a device sync.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from revolta.config import ModelConfig  # noqa: E402
@@ -35,6 +38,7 @@ from revolta.engine import Engine, EngineConfig  # noqa: E402
 from revolta.model import FlashNextModel, init_random_weights  # noqa: E402
 from revolta.sampling import Sampler, SamplingParams  # noqa: E402
 from revolta.spec.verify import greedy_accept, rejection_sample  # noqa: E402
+from forced_drafts import force_drafts  # noqa: E402
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script with the torch path
@@ -86,25 +90,55 @@ def sample(requests, logits, drafts=None):
             r.token_ids.append(t)
 
 
-def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed=0, prompt=128):
+class _Timed:
+    """A replay callable with CUDA events around it: the GPU time of each call, no extra sync."""
+
+    def __init__(self, fn, events: list):
+        self.fn, self.events = fn, events
+
+    def __call__(self):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        self.fn()
+        b.record()
+        self.events.append((a, b))
+
+    replay = __call__  # stands in for a CUDAGraph too
+
+
+def time_graphs(engine) -> dict[str, list]:
+    """Wrap every captured graph of the engine (speculative draft / verify / commit, or decode)."""
+    parts: dict[str, list] = {}
+    if DEVICE != "cuda":
+        return parts
+    if engine.spec_graphs is not None:
+        for B, rnd in engine.spec_graphs.graphs.items():
+            engine.spec_graphs.graphs[B] = replace(rnd, **{name: _Timed(getattr(rnd, name), parts.setdefault(name, []))
+                                                           for name in ("draft", "verify", "commit")})
+    elif engine.graphs is not None:
+        for g in engine.graphs.graphs.values():
+            g.graph = _Timed(g.graph.replay, parts.setdefault("decode", []))
+    return parts
+
+
+def gpu_ms(parts: dict[str, list]) -> dict[str, float]:
+    """Median GPU milliseconds of each wrapped graph (after a sync), skipping the first two calls."""
+    sync()
+    return {f"{name}_gpu_ms": statistics.median([a.elapsed_time(b) for a, b in ev[2:] or ev])
+            for name, ev in parts.items() if ev}
+
+
+def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed=0, prompt=128, eager=False):
     engine = Engine(model, EngineConfig(max_model_len=4096, max_num_seqs=max(8, concurrency),
                                         max_num_batched_tokens=4096, kv_cache_gib=4.0 if DEVICE == "cuda" else 0.5,
                                         kernels="triton" if DEVICE == "cuda" else "torch",
+                                        enforce_eager=eager, cudagraph_capture_sizes=(concurrency,),
                                         speculative_config=spec))
     rng = random.Random(seed)
-    if refs is not None:
-        propose = engine.drafter.propose
-
-        def forced(items):
-            out = propose(items)
-            for it, d in zip(items, out):
-                p, ref = refs[it.request_id]
-                g = len(it.all_token_ids) - p
-                want = (ref[g:g + it.num_drafts] + [0] * it.num_drafts)[:it.num_drafts]
-                d[:] = [t if rng.random() < rate else (t + 1) % model.cfg.text.vocab_size for t in want]
-            return out
-
-        engine.drafter.propose = forced
+    if refs is not None:  # the MTP head still runs (its cost is part of the round), its drafts replaced
+        vocab = model.cfg.text.vocab_size
+        force_drafts(engine, refs, lambda rid, d: [t if rng.random() < rate else (t + 1) % vocab for t in d])
+    parts = time_graphs(engine)
     g = torch.Generator().manual_seed(1)
     reqs = [Req(f"r{i}", torch.randint(0, 1000, (prompt,), generator=g).tolist(), tokens, temperature)
             for i in range(concurrency)]
@@ -123,8 +157,11 @@ def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed
                 times.append(time.perf_counter() - t0)
                 emitted.append(sum(len(r.token_ids) for r in reqs) - before)
     step = statistics.median(times[2:] or times)
+    graphs = engine.spec_graphs
     return reqs, {"step_ms": step * 1e3, "tokens_per_step": sum(emitted) / len(emitted),
-                  "tokens_per_s": sum(emitted) / sum(times), "acceptance": engine.spec_stats.acceptance_rate}
+                  "tokens_per_s": sum(emitted) / sum(times), "acceptance": engine.spec_stats.acceptance_rate,
+                  "graph_rounds": graphs.num_replays if graphs is not None else 0, "decode_steps": len(times),
+                  "graph_mib": graphs.used_bytes / 2**20 if graphs is not None else 0.0, **gpu_ms(parts)}
 
 
 def main() -> None:
@@ -133,6 +170,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="slice depth")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--eager", action="store_true", help="speculative rounds without CUDA graphs (the old rows)")
     args = ap.parse_args()
     if args.model == "slice":
         from bench_e2e import slice_config
@@ -157,17 +195,34 @@ def main() -> None:
                 # only apply to greedy; sampling rows measure the round's cost at the acceptance it gets
                 for rate in ((0.0, 0.5, 0.8) if temperature == 0 else (0.0,)):
                     _, m = run(model, c, args.tokens, {"method": "mtp", "spec_state_replay": replay}, temperature,
-                               refs, rate, prompt=args.prompt)
+                               refs, rate, prompt=args.prompt, eager=args.eager)
                     rows.append(dict(concurrency=c, temperature=temperature, mode="replay" if replay else "per-draft",
                                      rate=rate, speedup=m["tokens_per_s"] / base["tokens_per_s"], **m))
                     print(json.dumps(rows[-1]), flush=True)
-    print("| C | target | state | synthetic rate | measured acceptance | ms / round | tokens / round | speedup |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| C | target | state | synthetic rate | measured acceptance | ms / round | tokens / round | "
+          "no-spec ms / step | graph rounds / decode steps | speedup |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    base_ms = {}
     for r in rows:
-        if r["mode"] != "off":
+        if r["mode"] == "off":
+            base_ms[r["concurrency"], r["temperature"]] = r["step_ms"]
+            continue
+        print(f"| {r['concurrency']} | {'greedy' if r['temperature'] == 0 else 'sampling'} | {r['mode']} | "
+              f"{r['rate']} | {r['acceptance'] or 0:.2f} | {r['step_ms']:.2f} | {r['tokens_per_step']:.2f} | "
+              f"{base_ms[r['concurrency'], r['temperature']]:.2f} | {r['graph_rounds']} / {r['decode_steps']} | "
+              f"{r['speedup']:.2f}x |")
+    print("\n| C | target | state | synthetic rate | ms / round | draft graph GPU ms | verify graph GPU ms | "
+          "commit graph GPU ms | round minus graph GPU ms | no-spec ms / step | no-spec decode graph GPU ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    base_gpu = {(r["concurrency"], r["temperature"]): r.get("decode_gpu_ms", float("nan")) for r in rows
+                if r["mode"] == "off"}
+    for r in rows:
+        if r["mode"] != "off" and "verify_gpu_ms" in r:
+            parts = [r.get(f"{p}_gpu_ms", 0.0) for p in ("draft", "verify", "commit")]
+            key = (r["concurrency"], r["temperature"])
             print(f"| {r['concurrency']} | {'greedy' if r['temperature'] == 0 else 'sampling'} | {r['mode']} | "
-                  f"{r['rate']} | {r['acceptance'] or 0:.2f} | {r['step_ms']:.2f} | {r['tokens_per_step']:.2f} | "
-                  f"{r['speedup']:.2f}x |")
+                  f"{r['rate']} | {r['step_ms']:.2f} | {parts[0]:.2f} | {parts[1]:.2f} | {parts[2]:.3f} | "
+                  f"{r['step_ms'] - sum(parts):.2f} | {base_ms[key]:.2f} | {base_gpu[key]:.2f} |")
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_spec.json").write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))

@@ -17,6 +17,7 @@ from revolta.config import ModelConfig
 from revolta.engine import Engine, EngineConfig
 from revolta.model import FlashNextModel, init_random_weights
 from revolta.spec.verify import greedy_accept
+import forced_drafts
 from test_engine import Req, assert_clean, ids
 from test_engine import run as run_engine
 from test_paged_model import TINY
@@ -72,23 +73,9 @@ def run(engine, reqs, on_step=None):
 def force_drafts(engine, refs: dict[str, list[int]], corrupt: int | None = None):
     """Replace the MTP drafts by the target's own greedy continuation (draft `corrupt` altered).
     The MTP head still runs (its K/V seeding is part of what is under test)."""
-    propose = engine.drafter.propose
     vocab = engine.model.cfg.text.vocab_size
-
-    def forced(items):
-        out = propose(items)
-        for it, d in zip(items, out):
-            if it.num_drafts:
-                prompt_len, ref = refs[it.request_id]
-                g = len(it.all_token_ids) - prompt_len
-                new = list(ref[g:g + it.num_drafts])
-                assert len(new) == it.num_drafts, "drafts past max_tokens: the draft count was not trimmed"
-                if corrupt is not None and corrupt < len(new):
-                    new[corrupt] = (new[corrupt] + 1) % vocab
-                d[:] = new
-        return out
-
-    engine.drafter.propose = forced
+    forced_drafts.force_drafts(engine, refs, lambda rid, d: forced_drafts.wrong_at(d, corrupt, vocab),
+                               check_count=True)
 
 
 def recurrent_state(engine, slot):

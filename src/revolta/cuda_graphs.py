@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -45,7 +46,23 @@ def graph_warning(used_bytes: int, reserve_bytes: int) -> str | None:
             f"REVOLTA_CUDAGRAPH_MEM_MIB={suggest}), or pass enforce_eager=True to run without graphs.")
 
 
-def _pool_bytes(pool) -> int:
+def capture_graph(fn: Callable[[], Any], pool, device: torch.device, warmup: int = 2
+                  ) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Run `fn` `warmup` times on a side stream (compiles the Triton kernels, sizes the workspaces),
+    then capture one call into a graph in memory pool `pool` -> (graph, what the captured call returned)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+def pool_bytes(pool) -> int:
     """Bytes of the caching allocator's segments that belong to graph memory pool `pool`."""
     return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
@@ -83,22 +100,14 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for B in reversed(self.batch_sizes):
             self._fill_padding(B)
-            inputs = StepInputs.unpack(self.static, B, B, self.width)
             cu = list(range(B + 1))
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # warm up: compiles the Triton kernels, sizes the workspaces
-                for _ in range(2):
-                    self.runner.forward_packed(inputs, cu)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.runner.forward_packed(StepInputs.unpack(self.static, B, B, self.width), cu)
+            graph, logits = capture_graph(
+                lambda: self.runner.forward_packed(StepInputs.unpack(self.static, B, B, self.width), cu), pool, device)
             self.graphs[B] = _Graph(graph, logits)
         torch.cuda.synchronize(device)
         # the graphs' own pool (what a replay keeps alive); the drop in free memory also counts
         # workspaces and Triton modules first created during capture
-        self.used_bytes = max(_pool_bytes(pool), free_before - torch.cuda.mem_get_info(device)[0])
+        self.used_bytes = max(pool_bytes(pool), free_before - torch.cuda.mem_get_info(device)[0])
 
     def _fill_padding(self, B: int) -> None:
         """Every row a one-token sequence on the dummy slot 0 / null block 0."""

@@ -33,11 +33,12 @@ from .model import FlashNextModel
 from .multimodal import MediaError
 from .runner import ModelRunner, StepSequence
 from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
-from .spec.commit import commit_verified
+from .spec.commit import check_replay_slots, commit_verified
 from .spec.config import SpeculativeConfig
 from .spec.dflash2.checks import check_dflash2
 from .spec.dflash2.checkpoint import load_draft_model
 from .spec.dflash2.drafter import DFlash2Drafter
+from .spec.graphs import SpecGraphs
 from .spec.mtp import DraftItem, MTPDrafter
 from .spec.stats import SpecStats
 
@@ -165,13 +166,17 @@ class Engine:
                                    lookahead_fn=self._num_drafts if self.spec.enabled else None)
         self._seqs: dict[str, Sequence] = {}
         self.graphs: DecodeGraphs | None = None  # decode steps replay these when they fit
+        self.spec_graphs: SpecGraphs | None = None  # with speculation: steady-state rounds replay these
         if model.device.type == "cuda" and config.use_cuda_graphs:
-            if self.spec.enabled:  # every decoding step is a verify step, which runs eagerly (not captured yet)
-                # measured on an H200 (benchmarks/RESULTS.md, S1): an eager MTP4 round costs 40-56 ms on a
-                # 4-layer real-width slice where a graph-captured decode step costs 2.1 ms
-                logger.warning("speculative decoding runs its draft and verify steps without CUDA graphs: on a GPU "
-                               "it is currently slower than plain decoding with graphs (see benchmarks/RESULTS.md, "
-                               "S1); pass speculative_config={'method': None} for the faster path")
+            if self.spec.enabled:  # every decoding step is a verify round
+                # the round graphs run the MTP drafter (spec/graphs.py); another drafter drafts eagerly
+                self.spec_graphs = self._capture_graphs(spec=True) if self.spec.method == "mtp" else None
+                # measured on an H200 (benchmarks/RESULTS.md, S1b): a graph-replayed MTP4 round costs 8.5 ms
+                # at C1 (18-20 ms at C8) on the 4-layer real-width slice, a graph-replayed decode step 2.2 ms
+                # (4.8 ms): a round must emit ~4 tokens per request to break even
+                logger.warning("speculative decoding replays CUDA graphs, but on a GPU one round still costs about "
+                               "4x a plain decode step (benchmarks/RESULTS.md, S1b): it is only faster when most "
+                               "drafts are accepted; pass speculative_config={'method': None} for plain decoding")
             else:
                 self.graphs = self._capture_graphs()
 
@@ -187,16 +192,21 @@ class Engine:
         return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
                               sampled=self.spec.draft_sample_method == "probabilistic")
 
-    def _capture_graphs(self) -> DecodeGraphs:
+    def _capture_graphs(self, spec: bool = False) -> DecodeGraphs | SpecGraphs:
         cfg = self.config
         sizes = list(cfg.cudagraph_capture_sizes or default_capture_sizes(cfg.max_num_seqs))
         if max(sizes) > cfg.max_num_seqs:
             raise ValueError(f"cudagraph_capture_sizes={sizes} has sizes above max_num_seqs={cfg.max_num_seqs}; "
                              "drop them or raise max_num_seqs")
         width = -(-(cfg.max_model_len + self.plan.cache.num_speculative_tokens) // self.plan.layout.block_size)
-        graphs = DecodeGraphs(self.runner, sizes, width)
+        if spec:
+            graphs = SpecGraphs(self.runner, sizes, self.spec.num_speculative_tokens, self.spec.spec_state_replay,
+                                width)
+            what = f"speculative round (MTP draft steps, verify of 1 + {self.spec.num_speculative_tokens} rows, commit)"
+        else:
+            graphs, what = DecodeGraphs(self.runner, sizes, width), "decode"
         graphs.capture()
-        logger.info("CUDA graphs: captured decode batch sizes %s in %.0f MiB", sizes, graphs.used_bytes / 2**20)
+        logger.info("CUDA graphs: captured %s batch sizes %s in %.0f MiB", what, sizes, graphs.used_bytes / 2**20)
         if cfg.kv_cache_gib is None:  # the reserve was part of the memory budget
             warning = graph_warning(graphs.used_bytes, int(cfg.resolved_cudagraph_mem_mib() * 2**20))
             if warning:
@@ -376,9 +386,11 @@ class Engine:
                      and it.alloc.num_computed_tokens > 0 for it in items]
         self.storage.pre_forward([it.alloc for it in items], self.allocator.take_swap_outs(), self.cpu_storage)
         steps = [self._step_sequence(it) for it in items]
-        drafts = self.drafter.propose([
-            DraftItem(it.seq.request_id, st, it.seq.all_token_ids, it.seq.num_preemptions,
-                      it.alloc.num_lookahead_tokens if v else 0) for it, st, v in zip(items, steps, is_verify)])
+        draft_items = [DraftItem(it.seq.request_id, st, it.seq.all_token_ids, it.seq.num_preemptions,
+                                 it.alloc.num_lookahead_tokens if v else 0) for it, st, v in zip(items, steps, is_verify)]
+        graphed = (self.spec_graphs is not None and all(is_verify)
+                   and self.spec_graphs.can_run(steps, [d.num_drafts for d in draft_items]))
+        drafts = self.drafter.propose(draft_items, self.spec_graphs) if graphed else self.drafter.propose(draft_items)
         pre = [i for i, v in enumerate(is_verify) if not v]
         ver = [i for i, v in enumerate(is_verify) if v]
         rows: dict[int, tuple[Tensor, Tensor]] = {}  # item -> (logits rows, wide rows)
@@ -398,11 +410,15 @@ class Engine:
                 rows[i] = (logits[j:j + 1], wide[offset:offset + n])
                 offset += n
         paged = None
-        if ver:
+        if graphed:  # spec/graphs.py: replay the verify graph; the drafts reach the host here
+            num_drafts = [d.num_drafts for d in draft_items]
+            logits, wide, drafts = self.spec_graphs.verify(steps, drafts, num_drafts, self._slot_rows(items))
+            R = self.spec_graphs.rows
+            for i, n in enumerate(num_drafts):
+                rows[i] = (logits[i * R:i * R + n + 1], wide[i * R:i * R + n + 1])
+        elif ver:
             vsteps = [replace(steps[i], token_ids=steps[i].token_ids + drafts[i]) for i in ver]
-            slot_rows = None if self.spec.spec_state_replay else \
-                [[items[i].alloc.state_slot, *items[i].alloc.draft_slots] for i in ver]
-            logits, wide, paged = self.runner.verify(vsteps, slot_rows)
+            logits, wide, paged = self.runner.verify(vsteps, self._slot_rows([items[i] for i in ver]))
             cu = paged.cu_seqlens.tolist()
             for j, i in enumerate(ver):
                 rows[i] = (logits[cu[j]:cu[j + 1]], wide[cu[j]:cu[j + 1]])
@@ -426,9 +442,15 @@ class Engine:
                     stats.record(len(d), a)
                 self.spec_stats.record(len(d), a)
         if ver:
-            input_ids = torch.tensor([t for i in ver for t in steps[i].token_ids + drafts[i]], device=paged.slots.device)
-            self._commit_verified(paged, input_ids, [items[i] for i in ver], [accepted[i] for i in ver])
-            self.storage.post_forward([items[i].alloc for i in ver])
+            vitems, vaccepted = [items[i] for i in ver], [accepted[i] for i in ver]
+            if graphed:
+                self.spec_graphs.commit([it.alloc.state_slot for it in vitems], self._keep_slots(vitems, vaccepted),
+                                        [a + 1 for a in vaccepted])
+            else:
+                input_ids = torch.tensor([t for i in ver for t in steps[i].token_ids + drafts[i]],
+                                         device=paged.slots.device)
+                self._commit_verified(paged, input_ids, vitems, vaccepted)
+            self.storage.post_forward([it.alloc for it in vitems])
         for i, it in enumerate(items):
             if not it.seq.request.finished:
                 keep = it.num_new_tokens + accepted[i]
@@ -448,11 +470,22 @@ class Engine:
         """Recurrent state of the verified requests: the state after the definite token and the
         accepted drafts goes to the slot the allocator keeps as running (spec/commit.py)."""
         device = paged.slots.device
-        keep = [it.alloc.draft_slots[a - 1] if a and it.alloc.draft_slots else it.alloc.state_slot
-                for it, a in zip(items, accepted)]
+        keep = self._keep_slots(items, accepted)
+        check_replay_slots([it.alloc.state_slot for it in items], keep, paged.spec.draft_slots is None)
         commit_verified(self.storage, self.runner.ops, paged.spec, paged.cu_seqlens, input_ids,
                         paged.slots, torch.tensor(keep, dtype=torch.int32, device=device),
                         torch.tensor([a + 1 for a in accepted], dtype=torch.int32, device=device))
+
+
+    def _slot_rows(self, items: list[ScheduledSeq]) -> list[list[int]] | None:
+        """Per verified request its running slot then its per-draft slots (None with replay)."""
+        return None if self.spec.spec_state_replay else [[it.alloc.state_slot, *it.alloc.draft_slots] for it in items]
+
+    @staticmethod
+    def _keep_slots(items: list[ScheduledSeq], accepted: list[int]) -> list[int]:
+        """The slot holding each request's committed state after `accepted` drafts."""
+        return [it.alloc.draft_slots[a - 1] if a and it.alloc.draft_slots else it.alloc.state_slot
+                for it, a in zip(items, accepted)]
 
 
 SPEC_LOG_INTERVAL = 64  # verify rounds between acceptance-statistics log lines

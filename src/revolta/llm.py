@@ -359,12 +359,13 @@ class LLM:
         rows.append(("block_size (effective)", self.engine.plan.layout.block_size,
                      arg("block_size") if ec.block_size else "default (chosen for the model)"))
         rows.append(("kernels", ec.kernels, f"default for {self.device.type}"))
-        graphs = self.engine.graphs
+        graphs = self.engine.graphs or self.engine.spec_graphs
         if graphs is not None:
             rows.append(("cudagraph_capture_sizes", graphs.batch_sizes, arg("cudagraph_capture_sizes")))
+            what = "speculative rounds (MTP draft steps, verify, commit)" if self.engine.spec_graphs else "decode steps"
+            rows.append(("cuda graphs", f"{what}, {graphs.used_bytes / 2**20:,.0f} MiB", "captured at start-up"))
         else:
-            why = "enforce_eager" if ec.enforce_eager else "no CUDA" if self.device.type != "cuda" else \
-                "speculative decoding (eager verify steps)" if self.speculative_config.enabled else "torch kernels"
+            why = "enforce_eager" if ec.enforce_eager else "no CUDA" if self.device.type != "cuda" else "torch kernels"
             rows.append(("cuda graphs", "off", why))
         mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
             "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else \

@@ -245,8 +245,8 @@ class ModelRunner:
     @torch.no_grad()
     def verify(self, seqs: list[StepSequence], draft_slots: list[list[int]] | None
                ) -> tuple[Tensor, Tensor, PagedMeta]:
-        """Verify forward (eager; not captured in a CUDA graph yet): each sequence's definite token
-        and drafts, every row computed like a decode row.
+        """Verify forward, eager (steady-state rounds replay `spec.graphs.SpecGraphs` instead): each
+        sequence's definite token and drafts, every row computed like a decode row.
 
         draft_slots: per sequence the slots receiving the GDN state after each row (running slot
         first), or None for replay. Returns (logits [T, V] of every row, wide hidden [T, h*d],
@@ -255,19 +255,28 @@ class ModelRunner:
         """
         inputs = self._inputs(seqs)
         cu = offsets([len(s.token_ids) for s in seqs])
-        paged = self.paged_meta(inputs, cu)
         device = inputs.slots.device
-        R = paged.max_new_tokens
+        R = max(b - a for a, b in zip(cu, cu[1:]))
         flat = [b * R + j for b, s in enumerate(seqs) for j in range(len(s.token_ids))]
         table = None
         if draft_slots is not None:
             table = torch.tensor([d + [0] * (R - len(d)) for d in draft_slots], dtype=torch.int32).to(device)
-        paged.spec = VerifyMeta(num_seqs=len(seqs), num_rows=R, draft_slots=table,
-                                flat_index=torch.tensor(flat, dtype=torch.long).to(device))
-        states = [SequenceState() for _ in seqs]
+        return self.verify_packed(inputs, cu, table, torch.tensor(flat, dtype=torch.long).to(device))
+
+    def verify_packed(self, inputs: StepInputs, cu_seqlens: list[int], draft_table: Tensor | None,
+                      flat_index: Tensor) -> tuple[Tensor, Tensor, PagedMeta]:
+        """The verify forward on one step's device inputs (the speculative graphs capture this).
+
+        draft_table: int32 [B, R] per-draft state slots (None: replay); flat_index: [T] int64 padded
+        position b * R + j of every flat row (R = the longest sequence). Returns as `verify`.
+        """
+        paged = self.paged_meta(inputs, cu_seqlens)
+        paged.spec = VerifyMeta(num_seqs=inputs.slots.shape[0], num_rows=paged.max_new_tokens,
+                                draft_slots=draft_table, flat_index=flat_index)
+        states = [SequenceState() for _ in range(inputs.slots.shape[0])]
         taps = self._new_taps()
         with row_invariant(self.row_invariant):
-            out = self.model(inputs.input_ids, inputs.positions, cu_seqlens=cu, states=states,
+            out = self.model(inputs.input_ids, inputs.positions, cu_seqlens=cu_seqlens, states=states,
                              return_hidden=True, paged=paged, taps=taps)
         logits, hidden = self._tapped(out, taps)
         return logits, hidden, paged
@@ -282,8 +291,12 @@ class ModelRunner:
         (default every row) [N, V] fp32, wide output M [T, h*d]).
         """
         inputs = self._inputs(seqs)
-        cu = offsets([len(s.token_ids) for s in seqs])
-        states = [SequenceState() for _ in seqs]
-        return self.model.mtp_forward(hidden, inputs.input_ids, inputs.positions, cu, states,
-                                      step=step % self.num_mtp_layers, paged=self.paged_meta(inputs, cu),
+        return self.mtp_packed(inputs, offsets([len(s.token_ids) for s in seqs]), hidden, step, logits_rows)
+
+    def mtp_packed(self, inputs: StepInputs, cu_seqlens: list[int], hidden: Tensor, step: int = 0,
+                   logits_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`mtp` on one step's device inputs (the speculative graphs capture the draft steps)."""
+        states = [SequenceState() for _ in range(inputs.slots.shape[0])]
+        return self.model.mtp_forward(hidden, inputs.input_ids, inputs.positions, cu_seqlens, states,
+                                      step=step % self.num_mtp_layers, paged=self.paged_meta(inputs, cu_seqlens),
                                       logits_indices=logits_rows)

@@ -16,6 +16,7 @@ from revolta.config import ModelConfig
 from revolta.engine import Engine, EngineConfig
 from revolta.model import FlashNextModel, init_random_weights
 from revolta.spec.verify import greedy_accept
+from forced_drafts import force_drafts, wrong_at
 from test_kernel_path_gpu import SMALL
 
 pytestmark = pytest.mark.gpu
@@ -46,27 +47,24 @@ def sample(requests, logits, drafts=None):
             r.gaps.append(float(top2[j, 0] - top2[j, 1]))
 
 
-def run(model, spec, prompts, n, refs=None):
-    engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
-                                        kv_cache_gib=0.5, kernels="triton", speculative_config=spec))
+def force(engine, refs, wrong=None):
+    """Forced drafts (the run without speculation's tokens), request rid's draft wrong(rid) altered."""
+    vocab = engine.model.cfg.text.vocab_size
+    force_drafts(engine, refs, None if wrong is None else lambda rid, d: wrong_at(d, wrong(rid), vocab))
+
+
+def run(model, spec, prompts, n, refs=None, sample_fn=None, **kw):
+    cfg = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, kv_cache_gib=0.5, kernels="triton",
+               speculative_config=spec)
+    engine = Engine(model, EngineConfig(**{**cfg, **kw}))
     if refs is not None:  # forced drafts: the run without speculation's own tokens
-        propose = engine.drafter.propose
-
-        def forced(items):
-            out = propose(items)
-            for it, d in zip(items, out):
-                p, ref = refs[it.request_id]
-                g = len(it.all_token_ids) - p
-                d[:] = (ref[g:g + it.num_drafts] + [0] * it.num_drafts)[:it.num_drafts]
-            return out
-
-        engine.drafter.propose = forced
+        force(engine, refs)
     reqs = [Req(f"r{i}", p, n) for i, p in enumerate(prompts)]
     for r in reqs:
         engine.add_request(r)
     with torch.no_grad():
         while engine.has_unfinished():
-            engine.step(sample)
+            engine.step(sample_fn or sample)
     return reqs, engine
 
 
@@ -77,15 +75,21 @@ def model():
     return m.to("cuda", torch.float32)
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("replay", [False, True])
 @pytest.mark.parametrize("forced", [False, True])
-def test_spec_greedy_equals_no_spec_on_triton(model, replay, forced):
+def test_spec_greedy_equals_no_spec_on_triton(model, replay, forced, eager):
+    """With the speculative-round CUDA graphs (spec/graphs.py, the default) and without them."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (5, 90, 33, 140, 17, 64, 8, 111)]
     base, _ = run(model, {"method": None}, prompts, 24)
     refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base} if forced else None
-    spec, engine = run(model, {"method": "mtp", "spec_state_replay": replay}, prompts, 24, refs)
+    spec, engine = run(model, {"method": "mtp", "spec_state_replay": replay}, prompts, 24, refs, enforce_eager=eager)
     assert engine.spec_stats.num_rounds > 0
+    if eager:
+        assert engine.spec_graphs is None
+    else:
+        assert engine.spec_graphs.num_replays > 0, "no round replayed the speculative graphs"
     if forced:
         assert engine.spec_stats.acceptance_rate > 0.5, engine.spec_stats.summary()
     for b, s in zip(base, spec):

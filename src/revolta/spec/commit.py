@@ -37,13 +37,14 @@ def commit_verified(storage: CacheStorage, ops: KernelOps, meta: VerifyMeta, cu_
     cu_seqlens: int32 [B + 1] and input_ids: [T] of the verify step; slots: int32 [B] the
     running slots it read; keep_slots: int32 [B] the slots that hold the committed state from now
     on (= slots for replay; draft_slots[b, n_b - 1] with per-draft slots); num_kept: int32 [B] in
-    [1, rows of b] (definite token + accepted drafts).
+    [1, rows of b] (definite token + accepted drafts). Device work only, no host sync, so a
+    CUDA graph can capture it (spec/graphs.py); rows padded onto the dummy slot 0 are harmless.
     """
-    moved = [(int(s), int(k)) for s, k in zip(slots.tolist(), keep_slots.tolist()) if s != k]
-    if moved:
-        if meta.draft_slots is None:
-            raise ValueError("replay commits in place: keep_slots must equal slots")
-        storage.copy_slots(moved, skip_gdn_state=True)
+    if meta.draft_slots is not None:
+        # carry the small slot tensors to the kept slot (an identity copy where nothing moved)
+        src, dst = slots.long(), keep_slots.long()
+        for x in storage.slot_tensors(skip_gdn_state=True):
+            x.index_copy_(0, dst, x.index_select(0, src))
     for rec in meta.record.values():
         if isinstance(rec, GDNRecord):
             cache = storage.gdn[rec.layer_idx]
@@ -58,11 +59,22 @@ def commit_verified(storage: CacheStorage, ops: KernelOps, meta: VerifyMeta, cu_
                                                                     num_kept).to(cache.context_ids.dtype)
 
 
+def check_replay_slots(slots: list[int], keep_slots: list[int], replay: bool) -> None:
+    """Replay commits in place: every kept slot must be the running slot (host lists, checked before
+    the device work)."""
+    if replay and slots != keep_slots:
+        raise ValueError(f"replay commits in place: keep_slots {keep_slots} must equal slots {slots}")
+
+
 def _advance_context(history: Tensor, input_ids: Tensor, cu_seqlens: Tensor, num_kept: Tensor) -> Tensor:
-    """[B, n-1] the last n-1 ids of (history ++ the first num_kept ids of each sequence)."""
-    keep = history.shape[1]
-    rows = []
-    for b, (start, n) in enumerate(zip(cu_seqlens[:-1].tolist(), num_kept.tolist())):
-        ids = torch.cat([history[b], input_ids[start:start + n].to(history.dtype)])
-        rows.append(ids[ids.shape[0] - keep:])
-    return torch.stack(rows)
+    """[B, n-1] the last n-1 ids of (history ++ the first num_kept ids of each sequence), gathered
+    without a per-sequence loop: entry j is element num_kept + j of that concatenation."""
+    B, keep = history.shape
+    if keep == 0 or B == 0:
+        return history.clone()
+    j = torch.arange(keep, device=history.device)
+    at = num_kept.long()[:, None] + j[None, :]  # [B, n-1] index into (history ++ new ids)
+    from_hist = at < keep
+    flat = (cu_seqlens[:-1].long()[:, None] + at - keep).clamp(0, max(input_ids.shape[0] - 1, 0))
+    new = input_ids[flat].to(history.dtype)
+    return torch.where(from_hist, history.gather(1, at.clamp(max=keep - 1)), new)

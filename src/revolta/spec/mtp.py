@@ -21,11 +21,15 @@ rows; the MTP K/V it finds in hit pages came from the request that computed them
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..runner import ModelRunner, StepSequence
+
+if TYPE_CHECKING:
+    from .graphs import SpecGraphs
 
 
 @dataclass
@@ -98,10 +102,13 @@ class MTPDrafter(PendingRowsDrafter):
         self.k = num_speculative_tokens
 
     @torch.no_grad()
-    def propose(self, items: list[DraftItem]) -> list[list[int]]:
+    def propose(self, items: list[DraftItem], graphs: "SpecGraphs | None" = None) -> list[list[int]] | Tensor:
         """Seed the MTP K/V with every item's pending rows and draft `num_drafts` tokens for each.
 
-        Returns one list of draft token ids per item (empty where num_drafts is 0).
+        Returns one list of draft token ids per item (empty where num_drafts is 0). With `graphs`
+        (the engine passes them only for a round they can verify: every item drafts) and pending rows
+        that fit the seed graph (at most 1 + k per item: not the first round after a prefill), the
+        seed and the draft steps replay a CUDA graph and the drafts stay on the device: [n, k] int64.
         """
         drafts: list[list[int]] = [[] for _ in items]
         seed_seqs, seed_hidden, seed_items = [], [], []
@@ -116,6 +123,8 @@ class MTPDrafter(PendingRowsDrafter):
             seed_items.append(i)
         if not seed_seqs:
             return drafts
+        if graphs is not None and len(seed_items) == len(items) and graphs.can_seed(seed_seqs):
+            return graphs.draft(seed_seqs, seed_hidden, [it.step for it in items])
         lens = [len(s.token_ids) for s in seed_seqs]
         last = torch.tensor(lens).cumsum(0) - 1  # the last row of each seeded sequence
         want = [j for j, i in enumerate(seed_items) if items[i].num_drafts]
