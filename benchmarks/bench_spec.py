@@ -171,7 +171,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="speculative rounds without CUDA graphs (the old rows)")
+    ap.add_argument("--methods", default="mtp", help="comma-separated: mtp, dflash2 (a released-shape drafter, "
+                    "benchmarks/dflash2_slice.py; --model slice only)")
+    ap.add_argument("--rates", default="0.0,0.5,0.8", help="synthetic acceptance rates of the greedy rows")
     args = ap.parse_args()
+    methods = args.methods.split(",")
+    rates = tuple(float(r) for r in args.rates.split(","))
     if args.model == "slice":
         from bench_e2e import slice_config
 
@@ -184,31 +189,44 @@ def main() -> None:
         model = FlashNextModel(ModelConfig.from_dict(model_config(args.model))).eval()
         init_random_weights(model, seed=3)
         model = model.to(DEVICE, torch.float16 if DEVICE == "cuda" else torch.float32)
+    drafter_dir = None
+    if "dflash2" in methods:
+        if args.model != "slice":
+            raise SystemExit("--methods dflash2 needs --model slice (the drafter is shaped for the real width)")
+        import tempfile
+
+        from dflash2_slice import write_slice_drafter
+
+        drafter_dir = write_slice_drafter(model.cfg, Path(tempfile.mkdtemp()) / "drafter", device=DEVICE)
     rows = []
     for c in (1, 8):
         for temperature in (0.0, 1.0):
             base_reqs, base = run(model, c, args.tokens, {"method": None}, temperature, prompt=args.prompt)
             refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base_reqs}
             rows.append(dict(concurrency=c, temperature=temperature, mode="off", **base))
-            for replay in (False, True):
+            for method, replay in ((m, r) for m in methods for r in (False, True)):
+                spec = {"method": method, "spec_state_replay": replay}
+                if method == "dflash2":
+                    spec["model"] = drafter_dir
                 # a sampling target accepts a forced draft x with probability p(x), so synthetic rates
                 # only apply to greedy; sampling rows measure the round's cost at the acceptance it gets
-                for rate in ((0.0, 0.5, 0.8) if temperature == 0 else (0.0,)):
-                    _, m = run(model, c, args.tokens, {"method": "mtp", "spec_state_replay": replay}, temperature,
-                               refs, rate, prompt=args.prompt, eager=args.eager)
-                    rows.append(dict(concurrency=c, temperature=temperature, mode="replay" if replay else "per-draft",
+                for rate in (rates if temperature == 0 else (0.0,)):
+                    _, m = run(model, c, args.tokens, spec, temperature, refs, rate, prompt=args.prompt,
+                               eager=args.eager)
+                    rows.append(dict(concurrency=c, temperature=temperature, method=method,
+                                     mode="replay" if replay else "per-draft",
                                      rate=rate, speedup=m["tokens_per_s"] / base["tokens_per_s"], **m))
                     print(json.dumps(rows[-1]), flush=True)
-    print("| C | target | state | synthetic rate | measured acceptance | ms / round | tokens / round | "
+    print("| C | target | method | state | synthetic rate | measured acceptance | ms / round | tokens / round | "
           "no-spec ms / step | graph rounds / decode steps | speedup |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     base_ms = {}
     for r in rows:
         if r["mode"] == "off":
             base_ms[r["concurrency"], r["temperature"]] = r["step_ms"]
             continue
-        print(f"| {r['concurrency']} | {'greedy' if r['temperature'] == 0 else 'sampling'} | {r['mode']} | "
-              f"{r['rate']} | {r['acceptance'] or 0:.2f} | {r['step_ms']:.2f} | {r['tokens_per_step']:.2f} | "
+        print(f"| {r['concurrency']} | {'greedy' if r['temperature'] == 0 else 'sampling'} | {r['method']} | "
+              f"{r['mode']} | {r['rate']} | {r['acceptance'] or 0:.2f} | {r['step_ms']:.2f} | {r['tokens_per_step']:.2f} | "
               f"{base_ms[r['concurrency'], r['temperature']]:.2f} | {r['graph_rounds']} / {r['decode_steps']} | "
               f"{r['speedup']:.2f}x |")
     print("\n| C | target | state | synthetic rate | ms / round | draft graph GPU ms | verify graph GPU ms | "
