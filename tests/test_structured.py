@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-pytest.importorskip("xgrammar")
+import xgrammar  # noqa: E402,F401  (a test dependency: fail, do not skip, when CI lacks it)
 
 from revolta import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from revolta.structured import (RequestConstraint, StructuredDecoding, StructuredOutputError,  # noqa: E402

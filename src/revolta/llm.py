@@ -37,7 +37,7 @@ from .mm_processor import MediaConfig, MultimodalPrompt, parse_limits, process_m
 from .model import FlashNextModel, load_model
 from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
-from .spec.config import SpeculativeConfig
+from .spec.config import DFLASH2_METHODS, SpeculativeConfig
 from .spec.dflash2.checks import check_dflash2, check_pipeline_parallel
 from .spec.stats import SpecStats
 from .spec.verify import greedy_accept, rejection_sample
@@ -118,7 +118,7 @@ def _check_engine_args(engine_args: Mapping[str, Any]) -> None:
             raise TypeError(f"LLM() got an unknown engine argument {name!r}{hint} "
                             f"(accepted vLLM names: {', '.join(sorted(ENGINE_ARG_NAMES))})")
     spec = engine_args.get("speculative_config")
-    if isinstance(spec, Mapping) and spec.get("method") in ("dflash2", "dflash"):
+    if isinstance(spec, Mapping) and spec.get("method") in DFLASH2_METHODS:
         check_pipeline_parallel(engine_args.get("pipeline_parallel_size", 1))  # a DFlash2 limit, not a "yet"
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if engine_args.get(name, 1) != 1:
@@ -252,7 +252,7 @@ class LLM:
         # speculative decoding: MTP4 when the checkpoint has an MTP layer and no method is given
         target = ModelConfig.from_pretrained(self.model_path)
         spec_arg = engine_args.get("speculative_config")
-        if self.is_default_model and isinstance(spec_arg, Mapping) and spec_arg.get("method") in ("dflash2", "dflash") \
+        if self.is_default_model and isinstance(spec_arg, Mapping) and spec_arg.get("method") in DFLASH2_METHODS \
                 and spec_arg.get("model") is None:  # the embedded default has an embedded drafter
             from .presets import ensure_default_drafter
 

@@ -31,12 +31,6 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-
-
 def test_gdn_kernels_real_shapes():
     """Chunked prefill (varlen, slot pool), decode, verify, commit and replay (bitwise), bf16 and
     fp16, plus the sm_70 launch configs in fp16."""

@@ -36,6 +36,8 @@ from .dflash2.options import SM70DFlash2Options
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # MTP4, the reference deployment's default (spec/engine.md §2.8)
 METHODS = ("mtp", "dflash2", "dflash")  # "dflash": the release note's name, with a DFlash2 drafter
+DFLASH2_METHODS = ("dflash2", "dflash")
+QUANTIZED_KV = ("fp8_e4m3", "int8")  # 1-byte KV formats; revolta's DFlash2 drafter cache stays 16-bit
 DRAFT_SAMPLE_METHODS = ("greedy",)
 DFLASH2_DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # probabilistic: allowed with a warning (checks.py)
 _KEYS = ("method", "num_speculative_tokens", "spec_state_replay", "kv_cache_dtype", "draft_sample_method")
@@ -97,7 +99,7 @@ class SpeculativeConfig:
         """
         if isinstance(raw, SpeculativeConfig) and raw.is_dflash2:
             return raw
-        if isinstance(raw, Mapping) and raw.get("method") in ("dflash2", "dflash"):
+        if isinstance(raw, Mapping) and raw.get("method") in DFLASH2_METHODS:
             return cls._resolve_dflash2(raw, tensor_parallel_size, env)
         if isinstance(raw, SpeculativeConfig):
             raw = {k: getattr(raw, k) for k in _KEYS}
@@ -193,4 +195,4 @@ class SpeculativeConfig:
 def _drafter_kv_dtype(resolved: str, dtype: str) -> str:
     """The DFlash2 drafter cache is 16-bit in revolta: a quantised format inherited from the target
     means the activation dtype (an explicit one is refused by spec/dflash2/checks.py)."""
-    return resolve_kv_dtype("auto", dtype) if resolved in ("fp8_e4m3", "int8") else resolved
+    return resolve_kv_dtype("auto", dtype) if resolved in QUANTIZED_KV else resolved

@@ -32,10 +32,9 @@ from collections.abc import Mapping
 
 from ...cache.capacity import resolve_kv_dtype
 from ...config import ModelConfig
-from ..config import SpeculativeConfig
+from ..config import QUANTIZED_KV, SpeculativeConfig
 from .drafter_facts import DrafterFacts
 
-QUANTIZED_KV = ("fp8_e4m3", "int8")
 TAIL_CUDAGRAPHS_ENV = "VLLM_SM70_DFLASH2_TAIL_CUDAGRAPHS"
 
 
