@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5  # how long the idle thread blocks on its queue before re-checking `stop`
 
 
+class InjectedEngineDeath(RuntimeError):
+    """What the loop thread raises on a `kill()` (--enable-fault-injection): a stand-in for a bug in the loop."""
+
+
 class RequestFailed(Exception):
     """A request the engine failed after accepting it (reported to that request only)."""
 
@@ -170,6 +174,8 @@ class EngineLoop:
         request_id = uuid.uuid4().hex
         sink = _Sink(loop, asyncio.Queue(), params.n, fault)
         self._commands.put(("add", request_id, prompt, params, sink, accepted))
+        if not self.alive:  # the thread died after the check above: nobody else will answer this add
+            self._refuse_queued_adds()
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine answered
@@ -179,6 +185,10 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def kill(self) -> None:
+        """Make the loop thread die as it would on a bug in the loop itself (a fault-injection hook)."""
+        self._commands.put(("die",))
 
     # ---- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -195,6 +205,18 @@ class EngineLoop:
             for rid, sink in list(self._sinks.items()):
                 sink.put(RequestFailed("the engine stopped; retry later", status=500))
             self._sinks.clear()
+            self._refuse_queued_adds()
+
+    def _refuse_queued_adds(self) -> None:
+        """After the thread died: answer every request still queued for it with a 503 (else it waits forever)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                sink, accepted = cmd[4], cmd[5]
+                sink.loop.call_soon_threadsafe(_settle, accepted, RequestFailed("the engine is not running", 503))
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -218,6 +240,8 @@ class EngineLoop:
                 return
             self._sinks[request_id] = sink
             sink.loop.call_soon_threadsafe(_settle, accepted, None)
+        elif cmd[0] == "die":
+            raise InjectedEngineDeath("engine loop killed by request (--enable-fault-injection)")
         elif cmd[0] == "abort":
             request_id = cmd[1]
             if self._sinks.pop(request_id, None) is not None:

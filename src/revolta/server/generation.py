@@ -25,6 +25,7 @@ from .tool_grammar import forced_call_constraint
 T = TypeVar("T")
 # honoured only with --enable-fault-injection: fail the request after N tokens, with this status (default 500)
 FAULT_HEADER, FAULT_STATUS_HEADER = "x-revolta-fail-after-tokens", "x-revolta-fail-status"
+KILL_ENGINE_HEADER = "x-revolta-kill-engine"  # the engine loop dies before this request (the /health 503 check)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class ServerState:
             raise APIError(503, f"The server is overloaded: {limit} requests are already in flight "
                                 "(--max-pending-requests); retry later", headers={"Retry-After": "1"})
         fault = None
+        if self.fault_injection and KILL_ENGINE_HEADER in request.headers:
+            self.engine.kill()
         if self.fault_injection and FAULT_HEADER in request.headers:
             try:
                 fault = Fault(int(request.headers[FAULT_HEADER]), int(request.headers.get(FAULT_STATUS_HEADER, 500)))

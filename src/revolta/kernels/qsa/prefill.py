@@ -5,7 +5,8 @@ dense over 0..t while n = floor((t + 1) / c) <= budget, else over its selected g
 This first version reuses the row kernel of sparse_attn.py (one program per query row and KV head,
 flash-decoding splits), with per-row selections from `qsa_select_rows`. It is correct for any chunking
 (groups are keyed by absolute token index) but re-reads K/V per query row: it is not a tiled
-FlashAttention prefill. On sm_70 its tl.dot runs on the FMA units (no tensor cores).
+FlashAttention prefill. On sm_70 its tl.dot runs on the FMA units (no tensor cores). The torch reference,
+also the CPU path, is vectorised over blocks of one request's rows.
 
 Call order for a step: store_kv (new K/V into the pages), index_compress (new complete groups), then this.
 """
@@ -15,11 +16,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import check, varlen_rows
-from .select import qsa_select_rows, qsa_select_rows_ref
-from .sparse_attn import attend_rows, attend_rows_ref, check_attn
+from .common import check, dequant_cache_ref, varlen_rows
+from .select import qsa_select_rows, request_group_keys, select_request_rows_ref
+from .sparse_attn import attend_request_rows_ref, attend_rows, check_attn
 
 SELECT_WORKSPACE_BYTES = 256 << 20
+ROW_BLOCK_BYTES = 64 << 20  # the reference's working set per block of rows (gathered K/V or int64 score keys)
 
 
 def _rows(q, cu_seqlens, seq_lens):
@@ -32,13 +34,35 @@ def qsa_prefill_ref(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, b
                     seq_lens: Tensor, scale: float, budget_blocks: int, index_q: Tensor | None = None,
                     index_cache: Tensor | None = None, selected: Tensor | None = None, kv_dtype: str = "auto",
                     k_scale: Tensor | None = None, v_scale: Tensor | None = None, ratio: int = 4) -> Tensor:
-    """Torch reference of `qsa_prefill`."""
-    row_req, row_pos = _rows(q, cu_seqlens, seq_lens)
+    """Torch reference of `qsa_prefill`, and the CPU prefill path.
+
+    Vectorised over blocks of one request's rows (`select_request_rows_ref`, `attend_request_rows_ref`): a
+    per-row loop costs a Python round trip per token, which made a 70K-token CPU prefill take minutes. It
+    computes what the per-row `qsa_select_rows_ref` + `attend_rows_ref` compute (the tests hold them equal).
+    """
+    _, row_pos = _rows(q, cu_seqlens, seq_lens)
     if selected is None:
-        selected = qsa_select_rows_ref(index_q, index_cache, block_table, seq_lens, row_req, row_pos, budget_blocks,
-                                       ratio)
-    return attend_rows_ref(q, gate, k_cache, v_cache, block_table, selected, row_req, row_pos, scale, kv_dtype,
-                           k_scale, v_scale, ratio, budget_blocks)
+        check(index_q is not None and index_cache is not None, "qsa_prefill needs `selected` or index_q + index_cache")
+    kf = dequant_cache_ref(k_cache, kv_dtype, k_scale)  # [NB, bs, KVH, D] fp32
+    vf = dequant_cache_ref(v_cache, kv_dtype, v_scale)
+    token_bytes = 8 * k_cache.shape[2] * k_cache.shape[3] * (budget_blocks * ratio + ratio)  # one row's K + V gather
+    out = torch.empty_like(q)
+    cu, lens = cu_seqlens.tolist(), seq_lens.tolist()
+    for b in range(len(lens)):
+        if cu[b] == cu[b + 1]:
+            continue
+        keys = None if selected is not None else \
+            request_group_keys(index_cache, block_table, b, lens[b] // ratio, ratio)  # [N, Di]
+        score_bytes = 0 if keys is None else 8 * (index_q.shape[1] + 1) * max(1, keys.shape[0])
+        block = max(1, ROW_BLOCK_BYTES // max(token_bytes, score_bytes))
+        for r0 in range(cu[b], cu[b + 1], block):
+            r1 = min(cu[b + 1], r0 + block)
+            pos = row_pos[r0:r1]
+            sel = selected[r0:r1] if selected is not None else \
+                select_request_rows_ref(index_q[r0:r1], keys, pos, budget_blocks, ratio)
+            out[r0:r1] = attend_request_rows_ref(q[r0:r1], gate[r0:r1], kf, vf, block_table[b], sel, pos, scale,
+                                                 ratio)
+    return out
 
 
 def qsa_prefill(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,

@@ -95,14 +95,45 @@ def _topk_kernel(score_ptr, out_ptr, seq_lens_ptr, row_req_ptr, row_pos_ptr, str
             ties += tl.sum(eq, axis=0)
 
 
+def request_group_keys(index_cache: Tensor, block_table: Tensor, req: int, num_groups: int, ratio: int = 4) -> Tensor:
+    """The compressed keys of groups 0..num_groups-1 of request `req`: fp32 [num_groups, Di]."""
+    bs = index_cache.shape[1] * ratio
+    j = torch.arange(num_groups, device=index_cache.device)
+    return index_cache[block_table[req].long()[(j * ratio) // bs], (j * ratio % bs) // ratio].float()
+
+
 def index_scores_ref(index_q: Tensor, index_cache: Tensor, block_table: Tensor, req: int, num_groups: int,
                      ratio: int = 4) -> Tensor:
     """fp32 scores [..., num_groups] of index queries [..., Hi, Di] of request `req` (QSAIndexer.scores)."""
-    bs = index_cache.shape[1] * ratio
-    j = torch.arange(num_groups, device=index_q.device)
-    keys = index_cache[block_table[req].long()[(j * ratio) // bs], (j * ratio % bs) // ratio]  # [n, Di]
-    dots = torch.einsum("...hd,nd->...hn", index_q.float(), keys.float())
+    keys = request_group_keys(index_cache, block_table, req, num_groups, ratio)  # [n, Di]
+    dots = torch.einsum("...hd,nd->...hn", index_q.float(), keys)
     return dots.relu().sum(dim=-2) / math.sqrt(index_q.shape[-1])
+
+
+def select_request_rows_ref(index_q: Tensor, keys: Tensor, row_pos: Tensor, budget: int, ratio: int = 4) -> Tensor:
+    """Selections of many rows of one request at once (the vectorised form of `select_top_ref` per row).
+
+    index_q: [R, Hi, Di]; keys: fp32 [N, Di], the request's compressed keys (N >= every row's group count);
+    row_pos: [R] token index of each row. Returns int32 [R, budget]: ascending ids, -1 padded; rows with
+    n <= budget take 0..n-1. The top-`budget` is exact with the (descending score, ascending id) order: each
+    score's bits (scores are >= +0, so as int32 they order like the values) and its reversed id form one
+    unique int64 key, so `topk` has no ties to break.
+    """
+    n = (row_pos.long() + 1) // ratio  # [R] complete groups visible to each row
+    ids = torch.arange(budget, device=index_q.device)
+    out = torch.where(ids < n[:, None], ids, -1).to(torch.int32)  # [R, budget]
+    sparse = (n > budget).nonzero().squeeze(1)
+    if sparse.numel() == 0:
+        return out
+    width = int(n[sparse].max())
+    dots = torch.einsum("rhd,nd->rhn", index_q[sparse].float(), keys[:width])  # [Rs, Hi, width]
+    scores = dots.relu_().sum(dim=1).div_(math.sqrt(index_q.shape[-1]))  # [Rs, width]
+    j = torch.arange(width, device=index_q.device)
+    bits = scores.view(torch.int32).clamp_min_(0)  # -0.0 -> +0, as the kernel's integer max does
+    bits.masked_fill_(j >= n[sparse, None], -1)  # groups not complete at the row's own position: below every key
+    key = (bits.long() << 31).bitwise_or_(width - 1 - j)  # [Rs, width] int64
+    out[sparse] = key.topk(budget, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+    return out
 
 
 def select_top_ref(scores: Tensor, budget: int) -> Tensor:

@@ -174,6 +174,32 @@ def attend_rows_ref(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, b
     return out
 
 
+def attend_request_rows_ref(q: Tensor, gate: Tensor, kf: Tensor, vf: Tensor, table_row: Tensor, selected: Tensor,
+                            row_pos: Tensor, scale: float, ratio: int) -> Tensor:
+    """Many rows of one request at once (the vectorised form of `attend_rows_ref`): q, gate [R, Hq, D];
+    kf, vf: fp32 [NB, bs, KVH, D] (dequantised caches); table_row: [max_blocks] its block table; selected
+    [R, budget]; row_pos [R]. Every row gathers a fixed-width token list (its groups x c, then a c - 1 slot
+    tail), the unused slots masked out of the softmax. Returns [R, Hq, D] in q's dtype, gated."""
+    R, Hq, D = q.shape
+    bs, KVH = kf.shape[1], kf.shape[2]
+    budget = selected.shape[1]
+    pos = row_pos.long()
+    n = (pos + 1) // ratio
+    ids = torch.arange(budget, device=q.device)
+    groups = torch.where(n[:, None] <= budget, torch.where(ids < n[:, None], ids, -1), selected.long())  # [R, budget]
+    offs = torch.arange(ratio, device=q.device)
+    toks = torch.cat([(groups[:, :, None] * ratio + offs).flatten(1), n[:, None] * ratio + offs[:-1]], 1)  # [R, L]
+    valid = torch.cat([(groups >= 0).repeat_interleave(ratio, 1), n[:, None] * ratio + offs[:-1] <= pos[:, None]], 1)
+    toks = toks.where(valid, 0)
+    pages = table_row.long()[toks // bs]
+    kk, vv = kf[pages, toks % bs], vf[pages, toks % bs]  # [R, L, KVH, D]
+    qf = q.float().view(R, KVH, Hq // KVH, D)  # q-head h reads kv-head h // (Hq / KVH)
+    logits = torch.einsum("rkgd,rlkd->rkgl", qf, kk) * scale
+    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    att = torch.einsum("rkgl,rlkd->rkgd", torch.softmax(logits, dim=-1), vv).reshape(R, Hq, D)
+    return (att * torch.sigmoid(gate.float())).to(q.dtype)
+
+
 def check_attn(q, gate, k_cache, v_cache, block_table, seq_lens, selected, kv_dtype, k_scale, v_scale):
     check(q.dim() == 3 and gate.shape == q.shape, f"q, gate: expected equal [rows, Hq, D], got {tuple(q.shape)}, "
           f"{tuple(gate.shape)}")

@@ -80,7 +80,7 @@ def check_matches_target(facts: DrafterFacts, cfg: ModelConfig) -> None:
         raise ValueError(f"the DFlash2 drafter {facts.path} was built for a target of num_target_layers="
                          f"{facts.num_target_layers} layers but this target has {t.num_hidden_layers}; pass a drafter "
                          "trained for this target")
-    bad = [i for i in facts.target_layer_ids or () if not 0 <= i < t.num_hidden_layers]
+    bad = [i for i in facts.target_layer_ids if not 0 <= i < t.num_hidden_layers]
     if bad:
         raise ValueError(f"the DFlash2 drafter {facts.path} taps target layers {bad}, outside this target's "
                          f"0..{t.num_hidden_layers - 1}; pass a drafter trained for this target")
