@@ -216,3 +216,58 @@ def test_forced_call_grammar_matches_the_chat_template():
     for bad in (call.replace("<parameter=days>\n3\n</parameter>\n", ""), call.replace("\n3\n", "\nthree\n"),
                 call.replace("\nf\n", "\ng\n"), call.replace('{"n": 2}', '{"m": 2}'), "unknown>\n" + call[12:]):
         assert not accepts(bad), bad
+
+
+def _typed(args: dict) -> dict:
+    return typed_arguments(type("Call", (), {"function": type("F", (), {"arguments": json.dumps(args)})})())
+
+
+def test_forced_anthropic_tool_use_on_the_real_model(compact):
+    """Check 24 through the real model: tool_choice {"type": "tool"} / {"type": "any"} makes the random weights
+    write a call (the grammar does), which comes back as a typed tool_use block with stop_reason tool_use, streamed
+    as input_json_delta fragments whose concatenation is the same JSON; a tool_result turn after it is a 200."""
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=compact.url, api_key="x", max_retries=0)
+    tools = [{"name": f["function"]["name"], "input_schema": f["function"]["parameters"]} for f in (WEATHER, NOOP)]
+    ask = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+           "extra_body": {"temperature": 0}}
+    m = ac.messages.create(**ask, tool_choice={"type": "tool", "name": "get_weather"})
+    [use] = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name == "get_weather" and use.id  # vLLM-style chatcmpl-tool-<hex> ids
+    _typed(use.input)
+    with ac.messages.stream(**ask, tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        fragments = [e.delta.partial_json for e in s if e.type == "content_block_delta"
+                     and e.delta.type == "input_json_delta"]
+        final = s.get_final_message()
+    [streamed] = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and fragments and json.loads("".join(fragments)) == streamed.input
+    assert streamed.input == use.input  # greedy: the stream and the plain call agree
+    anyone = ac.messages.create(**ask, tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert anyone.stop_reason == "tool_use" and len([b for b in anyone.content if b.type == "tool_use"]) == 1
+    history = ask["messages"] + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18C"}]}]
+    follow = ac.messages.create(**{**ask, "messages": history, "max_tokens": 2})
+    assert follow.usage.output_tokens >= 1
+
+
+def test_forced_responses_function_call_on_the_real_model(client):
+    """Check 32 through the real model: a forced function tool gives a function_call item with typed arguments,
+    streamed as function_call_arguments deltas that add up to the final item's arguments."""
+    tools = [{"type": "function", "name": f["function"]["name"], "parameters": f["function"]["parameters"]}
+             for f in (WEATHER, NOOP)]
+    ask = {"model": MODEL, "input": "hi", "tools": tools, "max_output_tokens": 64, "temperature": 0,
+           "tool_choice": {"type": "function", "name": "get_weather"}}
+    r = client.responses.create(**ask)
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    _typed(json.loads(call.arguments))
+    deltas, done = [], None
+    for e in client.responses.create(**ask, stream=True):
+        if e.type == "response.function_call_arguments.delta":
+            deltas.append(e.delta)
+        elif e.type == "response.completed":
+            done = e.response
+    [streamed] = [item for item in done.output if item.type == "function_call"]
+    assert deltas and "".join(deltas) == streamed.arguments and streamed.arguments == call.arguments
