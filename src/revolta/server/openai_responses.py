@@ -110,7 +110,7 @@ class Responses:
         check_top_logprobs(body.top_logprobs)
         top = body.top_logprobs or 0
         logprobs = top if INCLUDE_LOGPROBS in (body.include or ()) else None  # as vLLM: top_logprobs alone adds none
-        params = build_sampling_params(body.model_dump(), defaults=s.defaults, config=s.config,
+        params = build_sampling_params({**body.model_dump(), "n": 1}, defaults=s.defaults, config=s.config,  # one output
                                        max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens",
                                        logprobs=logprobs, structured_outputs=structured)
         stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))

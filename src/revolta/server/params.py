@@ -17,6 +17,7 @@ from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import StructuredOutputsParams
 from .config import ServerConfig
 from .errors import APIError, bad_request
+from .protocol import SamplingFields
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -88,7 +89,9 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
                           logprobs: int | None = None,
                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams from request fields (None = not given), with the API's limits checked first.
-    `structured_outputs` comes from structured_request.py (already checked)."""
+    `structured_outputs` comes from structured_request.py (already checked). Fields a route's body model
+    does not declare (vLLM extras such as `stop` on /v1/responses) are type-checked here like declared ones."""
+    fields = _typed_sampling_fields(fields)
     if max_tokens is not None:
         if max_tokens < 1:
             raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
@@ -133,6 +136,17 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
     except ValueError as e:  # SamplingParams' own checks: report the field it names
         message = str(e).replace("SamplingParams.", "")
         return _raise(message, message.split("=")[0] if "=" in message else None)
+
+
+def _typed_sampling_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """`fields` with every sampling field it gives validated against SamplingFields' types (ValidationError
+    -> 400 naming the field, errors.py), so an undeclared extra of the wrong type cannot reach the engine."""
+    given = {k: v for k, v in fields.items() if k in SamplingFields.model_fields and v is not None}
+    typed = SamplingFields.model_validate(given).model_dump(include=set(given))
+    budget = fields.get("thinking_token_budget")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise bad_request(f"thinking_token_budget must be a positive integer, got {budget!r}", "thinking_token_budget")
+    return {**fields, **typed}
 
 
 def _raise(message: str, param: str | None) -> SamplingParams:
