@@ -19,12 +19,14 @@ token, sits at p; the target has computed positions 0 .. p - 1):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...config import RopeConfig
 from ...layers.moe import SwiGLU
@@ -100,6 +102,11 @@ def _pad_stack(rows: list[Tensor], length: int) -> Tensor:
     """[N_b, ...] tensors -> [B, length, ...], zero-padded after each."""
     return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, length - r.shape[0])) for r in rows])
 
+# With a mask, SDPA's default on sm90 is cuDNN, which builds an execution plan for every new shape: ~12 ms of host
+# time per call on the H200, and the context grows every round, so every call was a new shape. The memory-efficient
+# kernel (what sm70 runs anyway) has no per-shape plan.
+CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 class DraftAttention(nn.Module):
     """`self_attn`: Qwen3 GQA attention with q/k RMSNorm; K/V come from the context and the block."""
@@ -134,7 +141,8 @@ class DraftAttention(nn.Module):
         mask = block_visibility(context_lens, ctx_k.shape[1], S, self.causal, self.window)
         groups = q.shape[2] // k.shape[2]  # query head h reads K/V head h // groups
         k, v = (t.repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
