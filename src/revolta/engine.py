@@ -169,9 +169,8 @@ class Engine:
         self.spec_graphs: SpecGraphs | None = None  # with speculation: steady-state rounds replay these
         if model.device.type == "cuda" and config.use_cuda_graphs:
             if self.spec.enabled:  # every decoding step is a verify round
-                # the round graphs run the MTP drafter (spec/graphs.py); DFlash2 drafts eagerly into the
-                # verify and commit graphs
-                self.spec_graphs = self._capture_graphs(spec=True)
+                # the round graphs run the MTP drafter (spec/graphs.py); another drafter drafts eagerly
+                self.spec_graphs = self._capture_graphs(spec=True) if self.spec.method == "mtp" else None
                 # measured on an H200 (benchmarks/RESULTS.md, S1b): a graph-replayed MTP4 round costs 8.5 ms
                 # at C1 (18-20 ms at C8) on the 4-layer real-width slice, a graph-replayed decode step 2.2 ms
                 # (4.8 ms): a round must emit ~4 tokens per request to break even
@@ -201,11 +200,9 @@ class Engine:
                              "drop them or raise max_num_seqs")
         width = -(-(cfg.max_model_len + self.plan.cache.num_speculative_tokens) // self.plan.layout.block_size)
         if spec:
-            mtp = self.spec.method == "mtp"
             graphs = SpecGraphs(self.runner, sizes, self.spec.num_speculative_tokens, self.spec.spec_state_replay,
-                                width, draft_graph=mtp)
-            what = (f"speculative round ({'MTP draft steps, ' if mtp else ''}verify of 1 + "
-                    f"{self.spec.num_speculative_tokens} rows, commit)")
+                                width)
+            what = f"speculative round (MTP draft steps, verify of 1 + {self.spec.num_speculative_tokens} rows, commit)"
         else:
             graphs, what = DecodeGraphs(self.runner, sizes, width), "decode"
         graphs.capture()
@@ -393,10 +390,7 @@ class Engine:
                                  it.alloc.num_lookahead_tokens if v else 0) for it, st, v in zip(items, steps, is_verify)]
         graphed = (self.spec_graphs is not None and all(is_verify)
                    and self.spec_graphs.can_run(steps, [d.num_drafts for d in draft_items]))
-        if graphed and self.spec_graphs.draft_graph:
-            drafts = self.drafter.propose(draft_items, self.spec_graphs)
-        else:
-            drafts = self.drafter.propose(draft_items)
+        drafts = self.drafter.propose(draft_items, self.spec_graphs) if graphed else self.drafter.propose(draft_items)
         pre = [i for i, v in enumerate(is_verify) if not v]
         ver = [i for i, v in enumerate(is_verify) if v]
         rows: dict[int, tuple[Tensor, Tensor]] = {}  # item -> (logits rows, wide rows)
@@ -418,9 +412,7 @@ class Engine:
         paged = None
         if graphed:  # spec/graphs.py: replay the verify graph; the drafts reach the host here
             num_drafts = [d.num_drafts for d in draft_items]
-            logits, wide, verified = self.spec_graphs.verify(steps, drafts, num_drafts, self._slot_rows(items))
-            if isinstance(drafts, Tensor):  # drafted on the device: they reach the host here
-                drafts = verified
+            logits, wide, drafts = self.spec_graphs.verify(steps, drafts, num_drafts, self._slot_rows(items))
             R = self.spec_graphs.rows
             for i, n in enumerate(num_drafts):
                 rows[i] = (logits[i * R:i * R + n + 1], wide[i * R:i * R + n + 1])

@@ -11,21 +11,12 @@ the reserve.
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from revolta.engine import Engine, EngineConfig
-from revolta.presets.default_drafter import init_drafter_weights
-from revolta.spec.dflash2.checkpoint import save_draft_model
-from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
-from revolta.spec.dflash2.model import DFlash2DraftModel
 from test_spec_gpu import Req, force, greedy_accept, model  # noqa: F401  (the MTP test model)
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "spec"))  # the DFlash2 drafter fixture of the CPU tests
-from dflash2_fixtures import drafter_config  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -44,11 +35,11 @@ def recording_sample(calls):
     return sample
 
 
-def spec_run(model, prompts, refs, eager, replay, spec=None):  # noqa: F811
-    spec = {"method": "mtp", **(spec or {}), "spec_state_replay": replay}
+def spec_run(model, prompts, refs, eager, replay):  # noqa: F811
     engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
                                         kv_cache_gib=0.5, kernels="triton", enforce_eager=eager,
-                                        cudagraph_capture_sizes=(4,), speculative_config=spec))
+                                        cudagraph_capture_sizes=(4,),
+                                        speculative_config={"method": "mtp", "spec_state_replay": replay}))
     force(engine, refs, lambda rid: int(rid[1:]) % 5)
     calls = []
     reqs = [Req(f"r{i}", p, 21 + 3 * i) for i, p in enumerate(prompts)]
@@ -61,19 +52,8 @@ def spec_run(model, prompts, refs, eager, replay, spec=None):  # noqa: F811
     return engine, reqs, calls
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(model, tmp_path_factory):  # noqa: F811
-    """A 3-layer DFlash2 drafter (two sliding layers) for the test model, random weights, on disk."""
-    d = DFlash2DraftModel(DFlash2DraftConfig.from_dict(drafter_config(model.cfg), source="gpu test drafter"))
-    init_drafter_weights(d, seed=4)
-    return str(save_draft_model(d, tmp_path_factory.mktemp("dflash2")))
-
-
 @pytest.mark.parametrize("replay", [False, True], ids=["per-draft-slots", "replay"])
-@pytest.mark.parametrize("method", ["mtp", "dflash2"])
-def test_graph_rounds_equal_eager_rounds(model, replay, method, request):  # noqa: F811
-    """MTP rounds replay draft + verify + commit graphs; DFlash2 rounds draft eagerly and replay verify + commit."""
-    spec = {"method": "dflash2", "model": request.getfixturevalue("drafter_dir")} if method == "dflash2" else None
+def test_graph_rounds_equal_eager_rounds(model, replay):  # noqa: F811
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (9, 70, 33)]
     plain = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=4, kv_cache_gib=0.5, kernels="triton",
@@ -85,11 +65,10 @@ def test_graph_rounds_equal_eager_rounds(model, replay, method, request):  # noq
         while plain.has_unfinished():
             plain.step(recording_sample([]))
     refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base}
-    eager, ref_reqs, ref_calls = spec_run(model, prompts, refs, True, replay, spec)
-    graph, got_reqs, got_calls = spec_run(model, prompts, refs, False, replay, spec)
+    eager, ref_reqs, ref_calls = spec_run(model, prompts, refs, True, replay)
+    graph, got_reqs, got_calls = spec_run(model, prompts, refs, False, replay)
     assert eager.spec_graphs is None and graph.spec_graphs.batch_sizes == [4]
-    assert graph.spec_graphs.draft_graph == (method == "mtp")
-    assert graph.spec_graphs.num_replays >= (8 if method == "mtp" else 5), graph.spec_graphs.num_replays
+    assert graph.spec_graphs.num_replays >= 8, graph.spec_graphs.num_replays
     assert graph.spec_stats.num_accepted_tokens > 0
     for r, g_ in zip(ref_reqs, got_reqs):
         assert g_.token_ids == r.token_ids, r.request_id
@@ -98,7 +77,7 @@ def test_graph_rounds_equal_eager_rounds(model, replay, method, request):  # noq
     for (dl, a), (dl2, b) in zip(got_calls, ref_calls):
         assert dl == dl2
         worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
-    print(f"{method} graph vs eager rounds: worst relative logit difference {worst:.3g}")
+    print(f"graph vs eager rounds: worst relative logit difference {worst:.3g}")
     assert worst <= 1e-4
 
 

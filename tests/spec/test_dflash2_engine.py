@@ -24,14 +24,12 @@ from revolta.spec.dflash2.checkpoint import save_draft_model
 from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
 from revolta.spec.dflash2.drafter import DFlash2Drafter
 from revolta.spec.dflash2.model import DFlash2DraftModel
-from revolta.spec.graphs import SpecGraphs
 from revolta.spec.verify import DraftTokens
 from dflash2_fixtures import drafter_config
 from test_engine import Req, assert_clean, ids
 from test_paged_model import TINY
-from test_engine import run as run_engine
-from test_spec_engine import (assert_same_tokens, check_forced_acceptance, force_drafts, greedy_verify, make_engine,
-                              run, run_with_preemption_and_hits)
+from test_spec_engine import (assert_same_tokens, check_forced_acceptance, force_drafts, make_engine, run,
+                              run_with_preemption_and_hits)
 
 
 @pytest.fixture(scope="module")
@@ -150,53 +148,6 @@ def test_probabilistic_drafts_carry_their_proposal_distribution(model, drafter_d
         torch.testing.assert_close(d.probs.sum(-1), torch.ones(len(d)))
         assert all(float(d.probs[i, t]) > 0 for i, t in enumerate(d))  # each draft was drawn from its q
         assert int((d.probs > 0).sum(-1).max()) <= engine.drafter.drafter.cfg.selector_top_k
-    assert_clean(engine)
-
-
-def with_round_buffers(engine):
-    """The engine's rounds through the verify and commit graphs' static buffers, as on a GPU (DFlash2 has no
-    draft graph: it drafts eagerly into them); `capture(graphs=False)` runs the captured code eagerly."""
-    k, bs = engine.spec.num_speculative_tokens, engine.plan.layout.block_size
-    width = -(-(engine.config.max_model_len + k) // bs)
-    engine.spec_graphs = SpecGraphs(engine.runner, [1, 2, 4, 8], k, engine.spec.spec_state_replay, width,
-                                    draft_graph=False)
-    engine.spec_graphs.capture(graphs=False)
-    return engine
-
-
-@pytest.mark.parametrize("replay", [False, True], ids=["per-draft-slots", "replay"])
-@torch.no_grad()
-def test_rounds_through_the_verify_and_commit_graph_buffers_equal_no_spec(model, drafter_dir, replay):
-    """6 concurrent requests padded to the size-8 round (then smaller sizes), forced drafts with request i's
-    draft i % 8 wrong (7: all right), so every accept length runs through the static buffers."""
-    prompts = [ids(5 + 7 * i, seed=30 + i) for i in range(6)]
-    plain = [Req(f"r{i}", p, max_tokens=12 + i) for i, p in enumerate(prompts)]
-    run(make_engine(model, {"method": None}, max_num_seqs=1), plain)
-    engine = with_round_buffers(make_engine(model, dflash2(drafter_dir, spec_state_replay=replay)))
-    assert not engine.spec_graphs.can_seed([])  # no MTP seed graph for this drafter
-    force_wrong_at_request_index(engine, plain)
-    reqs = [Req(r.request_id, r.prompt_token_ids, r.max_tokens) for r in plain]
-    run(engine, reqs)
-    assert engine.spec_graphs.num_replays > 0 and engine.spec_stats.num_accepted_tokens > 0
-    assert_clean(engine)
-    assert not engine.drafter.caches
-    assert_same_tokens(reqs, plain)
-
-
-@torch.no_grad()
-def test_probabilistic_drafts_keep_their_q_through_the_verify_graph(model, drafter_dir):
-    """The verify graph returns host drafts cut to their counts; the engine must still sample with the
-    drafts the drafter proposed (DraftTokens with their proposal distribution), not those copies."""
-    engine = with_round_buffers(make_engine(model, dflash2(drafter_dir, draft_sample_method="probabilistic")))
-    seen = []
-
-    def sample(requests, logits, drafts=None):
-        seen.extend(d for d in drafts or () if d)
-        return greedy_verify(requests, logits, drafts)
-
-    run_engine(engine, [Req("a", ids(20, seed=1), 12), Req("b", ids(9, seed=2), 12)], sample_fn=sample)
-    assert engine.spec_graphs.num_replays > 0 and seen
-    assert all(isinstance(d, DraftTokens) and d.probs is not None for d in seen)
     assert_clean(engine)
 
 
