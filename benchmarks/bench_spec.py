@@ -114,8 +114,7 @@ def time_graphs(engine) -> dict[str, list]:
     if engine.spec_graphs is not None:
         for B, rnd in engine.spec_graphs.graphs.items():
             engine.spec_graphs.graphs[B] = replace(rnd, **{name: _Timed(getattr(rnd, name), parts.setdefault(name, []))
-                                                           for name in ("draft", "verify", "commit")
-                                                           if getattr(rnd, name) is not None})  # DFlash2: no draft graph
+                                                           for name in ("draft", "verify", "commit")})
     elif engine.graphs is not None:
         for g in engine.graphs.graphs.values():
             g.graph = _Timed(g.graph.replay, parts.setdefault("decode", []))

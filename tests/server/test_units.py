@@ -139,3 +139,22 @@ def test_sse_response_holds_the_first_frame_until_ready():
     first = events.index("ready")
     assert first >= 3 and set(events[:first]) == {KEEP_ALIVE}
     assert events[first:] == ["ready", "frames started", "data: first\n\n", "closed"]
+
+
+def test_sampling_fields_are_typed_whatever_the_route_declares():
+    """build_sampling_params type-checks extras a route's body model does not declare (`stop` on /v1/responses
+    was a 500), and leaves the ranges to SamplingParams: a thinking budget of 0 (close at once) is valid."""
+    from pydantic import ValidationError
+
+    from revolta.sampling import SamplingParams
+    from revolta.server.errors import APIError
+    from revolta.server.params import build_sampling_params
+
+    config, defaults = ServerConfig(served_model_name="m", max_model_len=64), SamplingParams()
+    with pytest.raises(ValidationError, match="stop"):
+        build_sampling_params({"stop": True}, defaults=defaults, config=config, max_tokens=2)
+    assert build_sampling_params({"thinking_token_budget": 0}, defaults=defaults, config=config,
+                                 max_tokens=2).thinking_token_budget == 0
+    for bad in (-1, True, "4"):
+        with pytest.raises(APIError, match="thinking_token_budget"):
+            build_sampling_params({"thinking_token_budget": bad}, defaults=defaults, config=config, max_tokens=2)

@@ -30,6 +30,8 @@ _VISUAL_PARTS = {"image_url": "image", "video_url": "video"}
 _AUDIO_PARTS = ("input_audio", "audio_url")
 
 
+CALL_OPEN = "<tool_call>\n<function="  # the opening of a qwen3_coder call, up to the tool name
+
 @dataclass(frozen=True)
 class ToolSetup:
     """The request's tools (OpenAI function shape) and how the output must use them."""
@@ -47,8 +49,8 @@ class ToolSetup:
     @property
     def forced_prefix(self) -> str:
         if self.choice == "named":
-            return f"<tool_call>\n<function={self.named}>\n"
-        return "<tool_call>\n<function=" if self.choice == "required" else ""
+            return f"{CALL_OPEN}{self.named}>\n"
+        return CALL_OPEN if self.choice == "required" else ""
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,11 @@ import logging
 from typing import Any
 
 from ..structured import StructuredOutputError, StructuredOutputsParams
-from .chat_prompt import ToolSetup
+from .chat_prompt import CALL_OPEN, ToolSetup
 from .tool_schema import _resolve_ref, schema_types
 
 logger = logging.getLogger(__name__)
 
-CALL_OPEN = "<tool_call>\n<function="
 CALL_CLOSE = "</function>\n</tool_call>"  # after the last parameter block's own "\n"
 BOOLEANS = ("true", "false", "True", "False")
 PARAMETER_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
