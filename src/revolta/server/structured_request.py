@@ -50,7 +50,8 @@ def _schema_format(fmt: Mapping[str, Any], where: str, disable_any_whitespace: b
 def from_chat(body: Mapping[str, Any], disable_any_whitespace: bool = False) -> StructuredOutputsParams | None:
     """The constraint of a Chat Completions body (a model_dump with extras), or None."""
     sources = [name for name in ("response_format", "structured_outputs", *_LEGACY) if body.get(name) is not None]
-    sources = [s for s in sources if not (s == "response_format" and (body[s] or {}).get("type", "text") == "text")]
+    sources = [s for s in sources if not (s == "response_format" and isinstance(body[s], Mapping)
+                                          and body[s].get("type", "text") == "text")]  # not an object: 400 below
     if len(sources) > 1:
         raise bad_request(f"give at most one of {', '.join(sources)}: each sets the output's structure", sources[1])
     if not sources:
