@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from revolta.config import ModelConfig  # noqa: E402
 from revolta.engine import Engine, EngineConfig  # noqa: E402
 from revolta.model import FlashNextModel, init_random_weights  # noqa: E402
-from revolta.sampling import Sampler, SamplingParams  # noqa: E402
+from revolta.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from revolta.spec.verify import greedy_accept, rejection_sample  # noqa: E402
 from forced_drafts import force_drafts  # noqa: E402
 

@@ -13,7 +13,7 @@ from revolta import LLM, SamplingParams, load_model
 from revolta.config import ModelConfig
 from revolta.model import FlashNextModel, init_random_weights
 from revolta.presets.default import DEFAULT_CONFIG
-from revolta.sampling import Sampler, make_generator
+from revolta.engine.sampling import Sampler, make_generator
 from revolta.tokenizer import write_qwen_tokenizer_dir
 from revolta.weights import save_checkpoint
 

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from revolta import LLM, SamplingParams
-from revolta.multimodal import MediaError
+from revolta.multimodal.media import MediaError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 

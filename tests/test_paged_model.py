@@ -14,7 +14,7 @@ from revolta.cache.capacity import CacheLayout
 from revolta.cache.storage import CacheStorage
 from revolta.config import ModelConfig
 from revolta.model import FlashNextModel, init_random_weights
-from revolta.runner import ModelRunner, StepSequence
+from revolta.engine.runner import ModelRunner, StepSequence
 from revolta.state import SequenceState
 from tiny_configs import T4_TEXT
 

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "load_model", "__version__"]
 
-_EXPORTS = {"LLM": ".llm", "SamplingParams": ".sampling", "StructuredOutputsParams": ".structured",
+_EXPORTS = {"LLM": ".llm", "SamplingParams": ".engine.sampling",
+            "StructuredOutputsParams": ".engine.structured",
             "load_model": ".model"}
 
 if TYPE_CHECKING:
     from .llm import LLM
     from .model import load_model
-    from .sampling import SamplingParams
-    from .structured import StructuredOutputsParams
+    from .engine.sampling import SamplingParams
+    from .engine.structured import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

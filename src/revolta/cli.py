@@ -231,7 +231,7 @@ def _planned_speculation(cfg, args: argparse.Namespace):
 
 def _sampling_params(args: argparse.Namespace, defaults=None):
     """SamplingParams from the flags, on top of `defaults` (the checkpoint's generation_config)."""
-    from .sampling import SamplingParams
+    from .engine.sampling import SamplingParams
 
     base = {k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p")} if defaults else {}
     flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
@@ -293,7 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
     compact_json = _structured_outputs_config(args.structured_outputs_config)
     ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive,
                  max_pending_requests=args.max_pending_requests)  # check the flags before loading
-    from .mm_processor import parse_limits
+    from .multimodal.processor import parse_limits
 
     parse_limits(args.limit_mm_per_prompt)  # the LLM applies them; a bad one is an error before loading
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):

@@ -32,17 +32,17 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .engine import Engine, EngineConfig
-from .media_sources import media_from_messages
-from .mm_processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
+from .multimodal.sources import media_from_messages
+from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .model import FlashNextModel, load_model
-from .request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
+from .engine.request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .engine.sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
 from .spec.config import DFLASH2_METHODS, SpeculativeConfig
 from .spec.dflash2.checks import check_dflash2, check_pipeline_parallel
 from .spec.stats import SpecStats
 from .spec.verify import greedy_accept, rejection_sample
-from .structured import (RequestConstraint, StructuredDecoding, apply_row_constraints, prompt_opens_reasoning,
-                         reasoning_ids)
+from .engine.structured import (RequestConstraint, StructuredDecoding, apply_row_constraints,
+                                prompt_opens_reasoning, reasoning_ids)
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 logger = logging.getLogger(__name__)

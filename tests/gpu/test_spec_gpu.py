@@ -2,7 +2,7 @@
 
 Greedy tokens with speculation (per-draft state slots and replay) must equal those without it.
 cuBLAS GEMMs are not row-invariant, so on the GPU the equality is not by construction (the CPU
-torch path is, see tests/test_spec_engine.py): where tokens differ, the test prints the
+torch path is, see tests/engine/test_spec_engine.py): where tokens differ, the test prints the
 top-1/top-2 logit gap of the run without speculation at the first differing step and fails
 unless that step is a near-tie. Forced drafts (the target's own tokens) exercise acceptance.
 """

@@ -82,7 +82,7 @@ def test_graph_rounds_equal_eager_rounds(model, replay):  # noqa: F811
 
 
 def test_graph_memory_counts_against_the_reserve(model, caplog):  # noqa: F811
-    with caplog.at_level(logging.INFO, logger="revolta.engine"):
+    with caplog.at_level(logging.INFO, logger="revolta.engine.engine"):
         engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=2, kernels="triton",
                                             gpu_memory_utilization=0.05, cudagraph_mem_mib=1,
                                             speculative_config={"method": "mtp"}))

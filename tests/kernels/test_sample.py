@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from revolta.kernels import sample as K
-from revolta.sampling import Sampler, SamplingParams
+from revolta.engine.sampling import Sampler, SamplingParams
 
 
 pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py

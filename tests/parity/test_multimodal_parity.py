@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from hf_oracle import TOKENS, build_pair, deterministic_topk  # noqa: E402
 from test_text_parity import assert_parity  # noqa: E402
 
-from revolta.multimodal import mrope_positions  # noqa: E402
+from revolta.multimodal.media import mrope_positions  # noqa: E402
 from revolta.state import SequenceState  # noqa: E402
 
 IMG, START, END = TOKENS["image_token_id"], TOKENS["vision_start_token_id"], TOKENS["vision_end_token_id"]
@@ -75,7 +75,7 @@ def test_video_between_text(pair):
     <|vision_end|>` run per temporal patch, a timestamp between them), then the whole forward, vs HF."""
     import numpy as np
 
-    from revolta.mm_processor import MediaConfig, process_multimodal_prompt
+    from revolta.multimodal.processor import MediaConfig, process_multimodal_prompt
 
     hf, ours, cfg = pair
     vid = TOKENS["video_token_id"]

@@ -13,8 +13,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from revolta.request import CompletionOutput, RequestMetrics, RequestOutput
-from revolta.sampling import SamplingParams
+from revolta.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+from revolta.engine.sampling import SamplingParams
 from revolta.tokenizer import Tokenizer
 
 

@@ -118,7 +118,7 @@ def test_bad_specs_are_400_naming_the_field(compact, extra, param):
 
 def test_anthropic_budget_tokens_reaches_the_engine():
     """Check 25: budget_tokens becomes the engine's thinking_token_budget (the engine forces </think> there:
-    tests/test_structured.py); < 1024 or >= max_tokens stays a 400."""
+    tests/engine/test_structured.py); < 1024 or >= max_tokens stays a 400."""
     with run_scripted() as (llm, url):
         llm.scripts.append("thinking</think>\n\nhello")
         r = httpx.post(url + "/v1/messages", json={"model": "scripted", "max_tokens": 2048, "messages": HI,

@@ -146,7 +146,7 @@ def test_sampling_fields_are_typed_whatever_the_route_declares():
     was a 500), and leaves the ranges to SamplingParams: a thinking budget of 0 (close at once) is valid."""
     from pydantic import ValidationError
 
-    from revolta.sampling import SamplingParams
+    from revolta.engine.sampling import SamplingParams
     from revolta.server.errors import APIError
     from revolta.server.params import build_sampling_params
 

@@ -123,7 +123,7 @@ def tiny_model():
 def test_engine_checks_and_plans_before_loading_the_drafter(tmp_path, tiny_model, caplog):
     drafter = write_drafter(tmp_path / "d")  # a config.json without weights
     cfg = dict(max_model_len=256, max_num_seqs=4, block_size=16, kv_cache_gib=0.004)
-    with caplog.at_level(logging.INFO, logger="revolta.engine"):
+    with caplog.at_level(logging.INFO, logger="revolta.engine.engine"):
         with pytest.raises(CheckpointError, match="no model.safetensors.index.json or model.safetensors in"):
             Engine(tiny_model, EngineConfig(**cfg, speculative_config={"method": "dflash2", "model": drafter}))
     assert any("GPU KV cache size" in r.message for r in caplog.records)  # planned (and logged) first

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from revolta.runner import StepInputs, StepSequence
+from revolta.engine.runner import StepInputs, StepSequence
 from revolta.spec.commit import _advance_context, check_replay_slots
 from revolta.spec.graphs import SpecGraphs, pad_rows, pad_verify, padding_sequence
 from forced_drafts import force_drafts, wrong_at

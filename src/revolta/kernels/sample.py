@@ -1,4 +1,4 @@
-"""Token sampling on the device without host syncs (the kernel behind `revolta.sampling`).
+"""Token sampling on the device without host syncs (the kernel behind `revolta.engine.sampling`).
 
 `sample_from_logits(logits [N, V] fp32, temperature, top_k, top_p, min_p, seeds, offsets) -> [N] int64`
 
@@ -57,7 +57,7 @@ def philox_ref(seed: Tensor, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor) -> 
 def sampling_probs_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """The sampling distribution [N, V] fp32 of each non-greedy row (temperature, top-k, top-p, min-p).
 
-    Same rules as `revolta.sampling.Sampler.probs`: top-k (<= 0 or >= V: off), then the smallest
+    Same rules as `revolta.engine.sampling.Sampler.probs`: top-k (<= 0 or >= V: off), then the smallest
     nucleus whose renormalised mass reaches top_p, then min_p relative to the most likely token.
     """
     N, V = logits.shape

@@ -1,6 +1,6 @@
 """Vision tower: patch embedding, ViT blocks with 2-D axial RoPE, and the 2x2 patch merger (spec/model.md §8.2).
 
-Input is the flat patch stream that `revolta.multimodal.preprocess_image` produces: every item (image, or video
+Input is the flat patch stream that `revolta.multimodal.media.preprocess_image` produces: every item (image, or video
 clip) contributes t*h*w patches in merge-block order (t, h/m, w/m, m, m), each patch a vector of
 C*tp*p*p values ordered (channel, frame, row, col). Output is one `out_hidden_size` vector per group of m*m
 neighbouring patches, i.e. one per `<|image_pad|>`/`<|video_pad|>` token, in the same order.

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..request import CompletionOutput
+from ..engine.request import CompletionOutput
 from .chat_prompt import RenderedPrompt, ToolSetup, normalize_messages, tool_setup
 from .engine_loop import RequestFailed, RequestStream
 from .errors import anthropic_error_body, bad_request

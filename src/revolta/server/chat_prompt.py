@@ -19,7 +19,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from ..multimodal import MediaError
+from ..multimodal.media import MediaError
 from .config import ServerConfig
 from .errors import bad_request
 from .params import check_prompt_length
@@ -79,7 +79,7 @@ def tool_setup(tools: Sequence[Any] | None, tool_choice: Any, parallel: bool = T
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI-style messages -> the template's shape. Media parts keep their URL; `LLM.chat_prompt` resolves
-    them (media_sources.py), so the server and the library accept and refuse exactly the same sources."""
+    them (multimodal/sources.py), so the server and the library accept and refuse exactly the same sources."""
     out = []
     for i, message in enumerate(messages):
         m = {k: v for k, v in message.items() if v is not None}

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..request import RequestOutput
-from ..sampling import SamplingParams
+from ..engine.request import RequestOutput
+from ..engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

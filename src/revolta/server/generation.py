@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ..request import CompletionOutput
-from ..sampling import SamplingParams
+from ..engine.request import CompletionOutput
+from ..engine.sampling import SamplingParams
 from .chat_prompt import PromptRenderer, RenderedPrompt
 from .config import ServerConfig
 from .engine_loop import EngineLoop, Fault, RequestFailed, RequestStream

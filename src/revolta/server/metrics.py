@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..request import RequestOutput
+from ..engine.request import RequestOutput
 from .engine_loop import EngineStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)

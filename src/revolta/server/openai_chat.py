@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..request import CompletionOutput
+from ..engine.request import CompletionOutput
 from .chat_prompt import RenderedPrompt, ToolSetup, normalize_messages, tool_setup
 from . import structured_request
 from .engine_loop import RequestStream

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..request import CompletionOutput
+from ..engine.request import CompletionOutput
 from .engine_loop import RequestStream
 from .errors import bad_request
 from .generation import ServerState, collect, created, openai_frames, unless_disconnected, usage_openai

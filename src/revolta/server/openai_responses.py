@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..request import CompletionOutput
+from ..engine.request import CompletionOutput
 from .chat_prompt import RenderedPrompt, normalize_messages, tool_setup
 from .engine_loop import RequestFailed, RequestStream
 from .errors import APIError, bad_request

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..request import CompletionOutput
+from ..engine.request import CompletionOutput
 from ..tokenizer import StopChecker
 from .chat_prompt import RenderedPrompt
 from .reasoning import ReasoningParser

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from ..sampling import MAX_LOGPROBS, SamplingParams
-from ..structured import StructuredOutputsParams
+from ..engine.sampling import MAX_LOGPROBS, SamplingParams
+from ..engine.structured import StructuredOutputsParams
 from .config import ServerConfig
 from .errors import APIError, bad_request
 from .protocol import SamplingFields

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from ..structured import StructuredOutputError, StructuredOutputsParams
+from ..engine.structured import StructuredOutputError, StructuredOutputsParams
 from .errors import bad_request
 
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

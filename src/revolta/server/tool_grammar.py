@@ -18,7 +18,7 @@ import json
 import logging
 from typing import Any
 
-from ..structured import StructuredOutputError, StructuredOutputsParams
+from ..engine.structured import StructuredOutputError, StructuredOutputsParams
 from .chat_prompt import CALL_OPEN, ToolSetup
 from .tool_schema import _resolve_ref, schema_types
 

@@ -31,9 +31,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..cuda_graphs import capture_graph, pool_bytes
+from ..engine.cuda_graphs import capture_graph, pool_bytes
 from ..forward import PagedMeta
-from ..runner import ModelRunner, StepInputs, StepSequence, _section_sizes, offsets
+from ..engine.runner import ModelRunner, StepInputs, StepSequence, _section_sizes, offsets
 from .commit import check_replay_slots, commit_verified
 
 

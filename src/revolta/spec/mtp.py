@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..runner import ModelRunner, StepSequence
+from ..engine.runner import ModelRunner, StepSequence
 
 if TYPE_CHECKING:
     from .graphs import SpecGraphs

@@ -14,7 +14,7 @@ from revolta.cache.capacity import CacheLayout
 from revolta.cache.storage import CacheStorage
 from revolta.model import load_model
 from revolta.presets import ensure_default_drafter
-from revolta.runner import ModelRunner, StepSequence
+from revolta.engine.runner import ModelRunner, StepSequence
 from revolta.spec.dflash2 import DraftKVCache, load_draft_model
 from revolta.spec.dflash2.drafter import DFlash2Drafter
 from revolta.spec.dflash2.taps import capture_boundaries, context_features

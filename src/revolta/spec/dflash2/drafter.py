@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ...runner import ModelRunner
+from ...engine.runner import ModelRunner
 from ..mtp import DraftItem, PendingRowsDrafter
 from ..verify import DraftTokens
 from .model import DFlash2DraftModel, DraftKVCache

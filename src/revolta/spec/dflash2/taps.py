@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ...model import TextModel
-from ...runner import HiddenTaps
+from ...engine.runner import HiddenTaps
 from .draft_config import DFlash2DraftConfig
 
 

@@ -21,26 +21,26 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .cache.capacity import CacheConfig, MemoryBudget, default_cudagraph_reserve_mib, estimate_activation_bytes
-from .cache.capacity import plan_cache, resolve_kv_dtype
-from .cache.hybrid import HybridAllocator
-from .cache.storage import MTP, CacheStorage, kv_scales_from_state_dict
+from ..cache.capacity import CacheConfig, MemoryBudget, default_cudagraph_reserve_mib, estimate_activation_bytes
+from ..cache.capacity import plan_cache, resolve_kv_dtype
+from ..cache.hybrid import HybridAllocator
+from ..cache.storage import MTP, CacheStorage, kv_scales_from_state_dict
 from .cuda_graphs import DecodeGraphs, default_capture_sizes, graph_warning
-from .encoder_cache import EncoderCache, check_item_fits
-from .forward import PagedMeta
-from .mm_processor import MediaItem, MultimodalPrompt
-from .model import FlashNextModel
-from .multimodal import MediaError
+from ..multimodal.encoder_cache import EncoderCache, check_item_fits
+from ..forward import PagedMeta
+from ..multimodal.processor import MediaItem, MultimodalPrompt
+from ..model import FlashNextModel
+from ..multimodal.media import MediaError
 from .runner import ModelRunner, StepSequence
 from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
-from .spec.commit import check_replay_slots, commit_verified
-from .spec.config import SpeculativeConfig
-from .spec.dflash2.checks import check_dflash2
-from .spec.dflash2.checkpoint import load_draft_model
-from .spec.dflash2.drafter import DFlash2Drafter
-from .spec.graphs import SpecGraphs
-from .spec.mtp import DraftItem, MTPDrafter
-from .spec.stats import SpecStats
+from ..spec.commit import check_replay_slots, commit_verified
+from ..spec.config import SpeculativeConfig
+from ..spec.dflash2.checks import check_dflash2
+from ..spec.dflash2.checkpoint import load_draft_model
+from ..spec.dflash2.drafter import DFlash2Drafter
+from ..spec.graphs import SpecGraphs
+from ..spec.mtp import DraftItem, MTPDrafter
+from ..spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from PIL import Image
 
 from revolta.config import ModelConfig
 from revolta.engine import Engine, EngineConfig
-from revolta.mm_processor import MediaConfig, MultimodalPrompt, process_multimodal_prompt
+from revolta.multimodal.processor import MediaConfig, MultimodalPrompt, process_multimodal_prompt
 from revolta.model import FlashNextModel, init_random_weights
-from revolta.multimodal import MediaError
+from revolta.multimodal.media import MediaError
 from revolta.state import SequenceState
 from tiny_configs import T4_TEXT, TOKENS, V_TINY
 

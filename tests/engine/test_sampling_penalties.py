@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from revolta.sampling import SamplingParams, apply_penalties
+from revolta.engine.sampling import SamplingParams, apply_penalties
 
 
 def test_presence_and_frequency_penalties():

@@ -158,7 +158,7 @@ def vocab_bytes(tokenizer: Any) -> list[bytes]:
     """Each token id's bytes, for xgrammar's RAW vocabulary. Special added tokens (`<|im_end|>`, image pads,
     ...) get b"", which xgrammar treats as never allowed inside a grammar; non-special added tokens
     (`<think>`, `<tool_call>`, ...) are their text."""
-    from .tokenizer import byte_to_unicode
+    from ..tokenizer import byte_to_unicode
 
     symbol_to_byte = {c: b for b, c in enumerate(byte_to_unicode())}
     added = tokenizer.added_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec.stats import SpecStats
+from ..spec.stats import SpecStats
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from .multimodal import MediaError
+from .media import MediaError
 
 
 def resolve_media_source(source: Any, allowed_local_media_path: str | os.PathLike | None = None,

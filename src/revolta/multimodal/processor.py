@@ -27,9 +27,9 @@ from typing import Any
 from PIL import Image
 from torch import Tensor
 
-from .config import ModelConfig, VisionConfig
-from .media_sources import resolve_media_source
-from .multimodal import (
+from ..config import ModelConfig, VisionConfig
+from .sources import resolve_media_source
+from .media import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_MIN_PIXELS,
     MAX_IMAGE_PIXELS,

@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from revolta.config import ModelConfig, VisionConfig
-from revolta.media_sources import resolve_media_source
-from revolta.mm_processor import MediaConfig, check_mm_data, parse_limits
-from revolta.multimodal import (
+from revolta.multimodal.sources import resolve_media_source
+from revolta.multimodal.processor import MediaConfig, check_mm_data, parse_limits
+from revolta.multimodal.media import (
     MediaError,
     expand_media_placeholders,
     load_image,

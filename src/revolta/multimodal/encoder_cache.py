@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from .mm_processor import MediaItem, MultimodalPrompt
-from .multimodal import MediaError
+from .processor import MediaItem, MultimodalPrompt
+from .media import MediaError
 
 
 @dataclass

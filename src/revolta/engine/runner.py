@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cache.storage import CacheStorage
-from .forward import PagedMeta, VerifyMeta
-from .kernels.batch_invariant import row_invariant
-from .kernels.ops import kernel_ops
-from .model import FlashNextModel
-from .state import SequenceState
+from ..cache.storage import CacheStorage
+from ..forward import PagedMeta, VerifyMeta
+from ..kernels.batch_invariant import row_invariant
+from ..kernels.ops import kernel_ops
+from ..model import FlashNextModel
+from ..state import SequenceState
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from revolta.cuda_graphs import MiB, default_capture_sizes, graph_warning
+from revolta.engine.cuda_graphs import MiB, default_capture_sizes, graph_warning
 from revolta.engine import EngineConfig
 
 

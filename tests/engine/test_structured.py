@@ -15,7 +15,7 @@ import torch
 import xgrammar  # noqa: E402,F401  (a test dependency: fail, do not skip, when CI lacks it)
 
 from revolta import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from revolta.structured import (RequestConstraint, StructuredDecoding, StructuredOutputError,  # noqa: E402
+from revolta.engine.structured import (RequestConstraint, StructuredDecoding, StructuredOutputError,  # noqa: E402
                                 prompt_opens_reasoning, unpack_bitmask)
 from revolta.tokenizer import bytes_to_symbols  # noqa: E402
 

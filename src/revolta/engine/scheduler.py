@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .cache.hybrid import Allocation, HybridAllocator
-from .encoder_cache import EncoderCache, EncoderStep
-from .mm_processor import MediaItem, MultimodalPrompt
+from ..cache.hybrid import Allocation, HybridAllocator
+from ..multimodal.encoder_cache import EncoderCache, EncoderStep
+from ..multimodal.processor import MediaItem, MultimodalPrompt
 
 
 class SchedRequest(Protocol):
