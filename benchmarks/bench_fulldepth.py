@@ -60,6 +60,7 @@ from kernel_families import FAMILIES, breakdown, count_routing  # noqa: E402
 from standin import DrafterShape, build_model, mtp_draft_bytes, standin_config, step_bytes, write_drafter  # noqa: E402
 
 from revolta.engine import Engine, EngineConfig  # noqa: E402
+from revolta.spec.graphs import SpecGraphs  # noqa: E402
 
 ACCEPTANCES = (0.6, 0.7, 0.8)  # the cost model's per-draft acceptance rates
 RECORD_ACCEPTANCE = 0.7  # the figure measured_speedup.json records for the start-up warning
@@ -127,6 +128,29 @@ def engine_config(args, spec: dict, capture: tuple[int, ...]) -> EngineConfig:
                         speculative_config=spec, cudagraph_capture_sizes=capture)
 
 
+def eager_round_graphs(engine, sizes: list[int]) -> None:
+    """On the CPU: the MTP round graphs' code run eagerly on their static buffers (`SpecGraphs.capture(
+    graphs=False)`, as the CPU tests do), so a smoke run takes the path of a GPU run's graph rounds."""
+    k = engine.spec.num_speculative_tokens
+    width = -(-(engine.config.max_model_len + k) // engine.plan.layout.block_size)
+    engine.spec_graphs = SpecGraphs(engine.runner, list(sizes), k, engine.spec.spec_state_replay, width)
+    engine.spec_graphs.capture(graphs=False)
+
+
+def graphs_size(graphs, b: int) -> int:
+    """The captured batch size a step of b requests replays (DecodeGraphs.run's choice)."""
+    return next(size for size in graphs.batch_sizes if size >= b)
+
+
+def measured_routing(runner, forward, model) -> list[int] | None:
+    """Distinct experts each target layer touched in `forward()` (an eager copy of a step), or None (then
+    the roofline assumes uniform routing) when the routing hook did not see every layer."""
+    with count_routing(runner) as counts:
+        forward()
+    layers = model.cfg.text.num_hidden_layers
+    return counts[:layers] if len(counts) >= layers else None
+
+
 def kv_bytes(engine) -> int:
     return {"fp8_e4m3": 1, "int8": 1, "fp32": 4}.get(engine.storage.layout.kv_cache_dtype, 2)
 
@@ -147,11 +171,13 @@ def plain_stage(model, args, bw_gbs: float, log: Log, out: dict) -> dict:
     log(f"plain engine ready (decode graphs for {args.concurrency if engine.graphs else 'none: eager'})")
     parts = time_graphs(engine)
     graphs = engine.graphs
+    batch = {}  # the concurrency running: the step breakdown and routing copy a decode step of all C requests
     last = LastCall(graphs if graphs is not None else engine.runner, "run" if graphs is not None else "execute",
-                    keep=lambda a: all(len(s.token_ids) == 1 for s in a[0]))
+                    keep=lambda a: len(a[0]) == batch["C"] and all(len(s.token_ids) == 1 for s in a[0]))
     refs = {}
     tokens = 1 + args.warmup + args.steps
     for C in args.concurrency:
+        batch["C"], last.args = C, None
         reqs = [Req(f"c{C}r{i}", p, tokens, device=model.device) for i, p in enumerate(args.prompts[:C])]
         n0 = len(parts.get("decode", []))
         steps = [r for r in drive(engine, reqs) if r.decoding][args.warmup:]
@@ -159,17 +185,15 @@ def plain_stage(model, args, bw_gbs: float, log: Log, out: dict) -> dict:
         wall = median([s.wall_s * 1e3 for s in steps])
         row = {"concurrency": C, "step_ms": wall, "tok_s": C / wall * 1e3, "steps": len(steps),
                "graph_steps": sum(s.graphed for s in steps)}
-        if parts.get("decode"):
-            row["graph_gpu_ms"] = gpu_ms({"d": parts["decode"][n0:]}, skip=args.warmup + 1)["d_gpu_ms"]
-        seqs = last.args[0]
-        with count_routing(engine.runner) as counts:
-            engine.runner.execute(seqs)
-        distinct = counts[:model.cfg.text.num_hidden_layers]
+        row.update(gpu_ms({"graph": parts.get("decode", [])[n0:]}, skip=args.warmup + 1))
+        seqs = last.args[0] if last.args else None
+        distinct = None if seqs is None else measured_routing(engine.runner, lambda: engine.runner.execute(seqs),
+                                                              model)
         context = args.prompt_len + 1 + args.warmup + args.steps // 2
         measured = step_bytes(model, C, context, kv_bytes(engine), 1, distinct)
         uniform = step_bytes(model, C, context, kv_bytes(engine), 1)
         row.update(bytes=measured, uniform_distinct=uniform["distinct_experts_per_layer"],
-                   measured_distinct=measured["distinct_experts_per_layer"], min_distinct=min(distinct),
+                   measured_distinct=measured["distinct_experts_per_layer"], min_distinct=min(distinct or [0]),
                    roofline_ms=measured["total"] / bw_gbs / 1e6, uniform_roofline_ms=uniform["total"] / bw_gbs / 1e6)
         row["roofline_frac"] = row["roofline_ms"] / wall
         if "graph_gpu_ms" in row:
@@ -181,8 +205,11 @@ def plain_stage(model, args, bw_gbs: float, log: Log, out: dict) -> dict:
             log(f"  routing is concentrated: {row['measured_distinct']:.1f} distinct experts per layer against "
                 f"{row['uniform_distinct']:.1f} uniform; the roofline uses the measured ones")
         out["decode"].append(row)
-        if C in args.profile_concurrency:
-            replay = graphs.graphs[C].graph.replay if graphs is not None and C in graphs.graphs else None
+        if C in args.profile_concurrency and seqs is not None:
+            replay = None
+            if graphs is not None:  # the graphs share one input buffer: put this step back in it first
+                graphs.run(seqs)
+                replay = graphs.graphs[graphs_size(graphs, C)].graph.replay
             bd = breakdown(model, lambda: engine.runner.execute(seqs), replay)
             out["breakdown"].append({"what": "plain step", "concurrency": C, **bd})
             log(f"  breakdown ({bd['source']}, {bd['items']} items, {bd['matched']:.0%} matched): "
@@ -210,6 +237,8 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
             log(f"{method}: drafter of {shape} written")
             engine = Engine(model, engine_config(args, spec, capture))
         drafter_bytes = sum(p.numel() * p.element_size() for p in engine.drafter.drafter.parameters())
+    if method == "mtp" and not args.cuda:
+        eager_round_graphs(engine, args.spec_concurrency)
     sg = engine.spec_graphs
     log(f"{method} engine ready ({'round graphs for ' + str(args.spec_concurrency) if sg else 'eager rounds'})")
     parts = time_graphs(engine)
@@ -218,14 +247,15 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
         timers = {"draft": SyncTimer(engine.drafter.propose, model.device),
                   "verify": SyncTimer(engine.runner.verify, model.device)}
         engine.drafter.propose, engine.runner.verify = timers["draft"], timers["verify"]
-        last = LastCall(engine.runner, "verify")
-    else:
-        last = LastCall(sg, "verify")
+    batch = {}  # the concurrency running: the verify breakdown and routing copy a round of all C requests
+    full = lambda a: len(a[0]) == batch["C"]  # noqa: E731
+    last = LastCall(engine.runner if sg is None else sg, "verify", keep=full)
     rng = random.Random(args.seed)
     vocab = model.cfg.text.vocab_size
     force_drafts(engine, refs, lambda rid, d: [t if rng.random() < args.rate else (t + 1) % vocab for t in d])
     tokens = 1 + args.warmup + args.steps
     for C in args.spec_concurrency:
+        batch["C"], last.args = C, None
         reqs = [Req(f"c{C}r{i}", p, tokens, device=model.device) for i, p in enumerate(args.prompts[:C])]
         n0 = {name: len(ev) for name, ev in parts.items()}
         stats0 = (engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens)
@@ -260,12 +290,8 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
         row["model_speedup"] = {str(a): expected_tokens(a, k) * plain["step_ms"] / wall for a in ACCEPTANCES}
         # the roofline: the verify of 1 + k rows per request (routing measured in an eager copy) + drafting
         steps, slot_rows = verify_inputs(engine, last, sg)
-        if steps is not None:
-            with count_routing(engine.runner) as counts:
-                engine.runner.verify(steps, slot_rows)
-            routing = counts[:model.cfg.text.num_hidden_layers]
-        else:
-            routing = None
+        routing = None if steps is None else measured_routing(engine.runner, lambda: engine.runner.verify(steps, slot_rows),
+                                                              model)
         context = args.prompt_len + 1 + args.warmup + args.steps // 2
         vb = step_bytes(model, C, context, kv_bytes(engine), 1 + k, routing)
         draft_b = mtp_draft_bytes(model, C, k, context, kv_bytes(engine)) if method == "mtp" else drafter_bytes
@@ -282,8 +308,11 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
             f"{row['measured_speedup']:.2f}x, at a=0.7 {row['model_speedup']['0.7']:.2f}x")
         out["spec"].append(row)
         if method == "mtp" and C in args.profile_concurrency and steps is not None:
-            B = sg._size(C) if sg is not None else None
-            replay = sg.graphs[B].verify if sg is not None else None
+            B = graphs_size(sg, C) if sg is not None else None
+            replay = None
+            if sg is not None:  # the sizes share one input buffer: put this round's verify back in it first
+                sg.verify(*last.args)
+                replay = sg.graphs[B].verify
             bd = breakdown(model, lambda: engine.runner.verify(steps, slot_rows), replay)
             out["breakdown"].append({"what": f"MTP{k} verify", "concurrency": C, **bd})
             log(f"  verify breakdown ({bd['source']}, {bd['items']} items, {bd['matched']:.0%} matched): "

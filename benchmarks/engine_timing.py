@@ -59,12 +59,18 @@ def sample(requests: list[Req], logits: torch.Tensor, drafts: list[list[int]] | 
 
 
 class Timed:
-    """A replay callable with CUDA events around it: the GPU time of each call, no extra sync."""
+    """A replay callable timed on each call: CUDA events around it on a GPU (no extra sync), wall
+    clock on the CPU (where the graphs' code runs eagerly)."""
 
-    def __init__(self, fn, events: list):
-        self.fn, self.events = fn, events
+    def __init__(self, fn, events: list, cuda: bool = True):
+        self.fn, self.events, self.cuda = fn, events, cuda
 
     def __call__(self):
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self.fn()
+            self.events.append((t0, time.perf_counter()))
+            return
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         self.fn()
@@ -76,23 +82,28 @@ class Timed:
 
 def time_graphs(engine) -> dict[str, list]:
     """Wrap every captured graph of the engine (speculative draft / verify / commit, or decode); the
-    returned lists fill with one event pair per replay."""
+    returned lists fill with one timing pair per replay."""
     parts: dict[str, list] = {}
+    cuda = engine.model.device.type == "cuda"
     if engine.spec_graphs is not None:
         for B, rnd in engine.spec_graphs.graphs.items():
-            engine.spec_graphs.graphs[B] = replace(rnd, **{name: Timed(getattr(rnd, name), parts.setdefault(name, []))
-                                                           for name in ("draft", "verify", "commit")})
+            engine.spec_graphs.graphs[B] = replace(rnd, **{
+                name: Timed(getattr(rnd, name), parts.setdefault(name, []), cuda) for name in ("draft", "verify", "commit")})
     elif engine.graphs is not None:
         for g in engine.graphs.graphs.values():
-            g.graph = Timed(g.graph.replay, parts.setdefault("decode", []))
+            g.graph = Timed(g.graph.replay, parts.setdefault("decode", []), cuda)
     return parts
 
 
+def _ms(a, b) -> float:
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
 def gpu_ms(parts: dict[str, list], skip: int = 2) -> dict[str, float]:
-    """Median GPU milliseconds of each wrapped graph (after a sync), skipping the first `skip` calls."""
-    if parts:
+    """Median milliseconds of each wrapped graph (GPU time; after a sync), skipping the first `skip` calls."""
+    if any(isinstance(ev[0][0], torch.cuda.Event) for ev in parts.values() if ev):
         torch.cuda.synchronize()
-    return {f"{name}_gpu_ms": statistics.median([a.elapsed_time(b) for a, b in ev[skip:] or ev])
+    return {f"{name}_gpu_ms": statistics.median([_ms(a, b) for a, b in ev[skip:] or ev])
             for name, ev in parts.items() if ev}
 
 

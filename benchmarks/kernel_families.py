@@ -194,31 +194,39 @@ def attribute(events: list[dict]) -> list[Work]:
     return out
 
 
-def align(a: list[str], b: list[str], window: int = 32) -> list[int | None]:
-    """For each a[i], the index in b of the item it matches (in order), or None. Equal names match;
-    items only one side has are skipped by looking `window` items ahead; two different names at the
-    same place (a different GEMM kernel chosen) are taken as the same op."""
+def align(a: list[str], b: list[str], window: int = 64, run: int = 4) -> list[int | None]:
+    """For each a[i], the index in b of the item it matches (in order), or None. Equal names match; at a
+    difference the sequences resync at the nearest place (fewest items skipped, within `window`) where
+    `run` names agree again: items only one side has stay unmatched, equally long differing stretches
+    (another GEMM kernel chosen at the same place) are matched position by position."""
+
+    def agree(i: int, j: int) -> bool:
+        n = min(run, len(a) - i, len(b) - j)
+        return n > 0 and a[i:i + n] == b[j:j + n]
+
+    def resync(i: int, j: int) -> tuple[int, int] | None:
+        for total in range(1, 2 * window):  # the nearest first; for one total, the most even split first
+            for da in sorted(range(max(0, total - window + 1), min(total, window - 1) + 1),
+                             key=lambda d: abs(2 * d - total)):
+                if agree(i + da, j + total - da):
+                    return da, total - da
+        return None
+
     out: list[int | None] = []
     i = j = 0
+    searches = 32  # failed resyncs allowed: unrelated sequences would cost window^2 per item otherwise
     while i < len(a):
-        if j >= len(b):
-            out.append(None)
-            i += 1
-            continue
-        if a[i] == b[j]:
+        if j < len(b) and a[i] == b[j]:
             out.append(j)
             i, j = i + 1, j + 1
             continue
-        skip_b = next((d for d in range(1, window) if j + d < len(b) and b[j + d] == a[i]), None)
-        skip_a = next((d for d in range(1, window) if i + d < len(a) and a[i + d] == b[j]), None)
-        if skip_b is not None and (skip_a is None or skip_b <= skip_a):
-            j += skip_b
-        elif skip_a is not None:
-            out.append(None)
-            i += 1
-        else:
-            out.append(j)
-            i, j = i + 1, j + 1
+        skip = resync(i, j) if j < len(b) and searches > 0 else None
+        if skip is None:  # nothing agrees nearby: take the places as the same op
+            searches -= 1
+            skip = (1, 1) if j < len(b) else (len(a) - i, 0)
+        da, db = skip
+        out += [j + t for t in range(da)] if da == db else [None] * da
+        i, j = i + da, j + db
     return out
 
 
