@@ -21,7 +21,7 @@ def fulldepth(tmp_path_factory):
     path = tmp_path_factory.mktemp("fulldepth") / "bench_fulldepth.json"
     out = bench_fulldepth.main(["--device", "cpu", "--layers", "4", "--experts", "8", "--prompt-len", "8",
                                 "--steps", "3", "--warmup", "0", "--concurrency", "2", "--spec-concurrency", "2",
-                                "--profile-concurrency", "2", "--json", str(path)])
+                                "--profile-concurrency", "2", "--strict", "--json", str(path)])
     return out, path
 
 
