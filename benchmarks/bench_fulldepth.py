@@ -405,7 +405,7 @@ def tables(out: dict) -> str:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--experts", type=int, default=64, help="experts per layer (the real model: 512)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -421,6 +421,8 @@ def parse_args(argv):
     ap.add_argument("--rate", type=float, default=0.7, help="forced drafts: probability a draft is the reference token")
     ap.add_argument("--state", choices=("default", "per-draft", "replay"), default="default",
                     help="spec_state_replay (default: each method's, per-draft slots for MTP, replay for DFlash2)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: the prompt + tokens rounded up to 256 (graph block tables are this wide)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="default: 16 on CUDA, 0.05 on CPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="C1 and C8 only, 12 timed steps")
@@ -437,7 +439,7 @@ def parse_args(argv):
     args.spec_concurrency = [c for c in args.spec_concurrency if c in args.concurrency]
     args.methods = [m for m in args.methods.split(",") if m]
     tokens = 1 + args.warmup + args.steps
-    args.max_model_len = -(-(args.prompt_len + tokens + 64) // 256) * 256
+    args.max_model_len = args.max_model_len or -(-(args.prompt_len + tokens + 64) // 256) * 256
     return args
 
 
