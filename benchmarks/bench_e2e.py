@@ -24,7 +24,6 @@ and no MTP/vision; its n-gram table keeps the real row width and per-token looku
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import random
 import sys
@@ -34,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from revolta.config import ModelConfig
-from revolta.engine import Engine, EngineConfig
-from revolta.layers.ngram import NGramEmbedding
-from revolta.model import FlashNextModel, init_random_weights
+sys.path.insert(0, str(Path(__file__).parent))
 
-REAL_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "data" / "qwen3_8_flash_next_config.json"
+from standin import build_model as build_standin, standin_config, step_bytes  # noqa: E402
+
+from revolta.engine import Engine, EngineConfig  # noqa: E402
+from revolta.model import FlashNextModel  # noqa: E402
 
 
 @dataclass
@@ -57,66 +56,15 @@ class BenchRequest:
         return len(self.token_ids) >= self.max_tokens
 
 
-def slice_config(num_layers: int, with_mtp: bool = False) -> ModelConfig:
-    """The real model's layer shapes with `num_layers` layers (and its MTP layer when asked)."""
-    raw = json.loads(REAL_CONFIG.read_text())
-    raw.pop("vision_config", None)
-    t = raw["text_config"]
-    if not with_mtp:
-        for key in ("mtp", "mtp_num_hidden_layers"):
-            t.pop(key, None)
-    t["num_hidden_layers"] = num_layers
-    t["layer_types"] = t["layer_types"][:num_layers]
-    t["ple_layer_ids"] = [i for i in t["ple_layer_ids"] if i < num_layers]
-    t.update(ngram_vocab_size_base=65_537, split_ngram_parts=1)  # fewer hash rows, same lookups per token
-    return ModelConfig.from_dict(raw)
-
-
 def build_model(args) -> FlashNextModel:
     """The embedded default's config with its weight seed (no tokenizer needed), or the slice with
-    weights drawn on the device; both built on the meta device first, so no CPU copy exists."""
+    weights drawn on the device (benchmarks/standin.py)."""
     dtype = getattr(torch, args.dtype)
     if args.model == "default":
         from revolta.presets.default import DEFAULT_WEIGHT_SEED, default_config
 
-        cfg, seed, init_device = default_config(), DEFAULT_WEIGHT_SEED, None
-    else:
-        cfg, seed, init_device = slice_config(args.layers), 0, args.device
-    with torch.device("meta"):
-        model = FlashNextModel(cfg, with_mtp=False, with_vision=False)
-    model.to_empty(device=args.device if init_device else "cpu").init_buffers()
-    init_random_weights(model, seed=seed, device=init_device)
-    return model.to_dtype(dtype).to(args.device).eval()
-
-
-def decode_step_bytes(model: FlashNextModel, batch: int, context: int, kv_bytes: int) -> dict[str, float]:
-    """Bytes one decode step of `batch` requests at `context` tokens must move (the roofline numerator)."""
-    t = model.cfg.text
-    expert_bytes = table_bytes = dense = 0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if ".mlp.experts." in name:
-            expert_bytes += nbytes
-        elif "embed_tokens" in name or "ngram_embedding" in name:
-            table_bytes += nbytes  # gathered: only the looked-up rows are read
-        else:
-            dense += nbytes
-    E, k = t.num_experts, t.num_experts_per_tok
-    distinct = E * (1 - (1 - k / E) ** batch)  # per layer, uniform routing
-    ab = model.dtype.itemsize
-    ngram_row_bytes = sum(m.num_heads * m.ngram_embedding.weight.shape[1] * ab for m in model.modules()
-                          if isinstance(m, NGramEmbedding))
-    rows = batch * (t.hidden_size * ab + ngram_row_bytes)  # embedding row + n-gram rows per token
-    gdn_state = t.num_gdn_layers * batch * 2 * (t.linear_num_value_heads * t.linear_key_head_dim
-                                               * t.linear_value_head_dim * 4)
-    selected = min(context, t.indexer_budget * t.indexer_compress_ratio)
-    qsa_kv = t.num_qsa_layers * batch * selected * 2 * t.num_key_value_heads * t.head_dim * kv_bytes
-    index = t.num_qsa_layers * batch * (context // t.indexer_compress_ratio) * t.indexer_head_dim * kv_bytes
-    out = {"dense_weights": dense, "experts": expert_bytes * distinct / E, "table_rows": rows,
-           "gdn_state": gdn_state, "qsa_kv": qsa_kv, "index_keys": index}
-    out["total"] = sum(out.values())
-    out["distinct_experts_per_layer"] = distinct
-    return out
+        return build_standin(default_config(), args.device, dtype, DEFAULT_WEIGHT_SEED, draw_on_device=False)
+    return build_standin(standin_config(args.layers), args.device, dtype, seed=0)
 
 
 def run_concurrency(engine: Engine, C: int, prompt_len: int, max_tokens: int, vocab: int, rng: random.Random,
@@ -193,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_concurrency(engine, C, args.prompt_len, 4, vocab, rng, "warmup")
             row = run_concurrency(engine, C, args.prompt_len, args.max_tokens, vocab, rng, "run")
             kv_bytes = {"fp8_e4m3": 1, "int8": 1, "fp32": 4}.get(engine.storage.layout.kv_cache_dtype, 2)
-            b = decode_step_bytes(model, C, args.prompt_len + args.max_tokens // 2, kv_bytes)
+            b = step_bytes(model, C, args.prompt_len + args.max_tokens // 2, kv_bytes)
             floor_s = b["total"] / (args.bandwidth * 1e9)
             row.update(model=args.model if args.model == "default" else f"slice{args.layers}", device=str(
                 torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"), dtype=args.dtype,

@@ -23,8 +23,6 @@ import os
 import random
 import statistics
 import sys
-import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,20 +31,16 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "gpu"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 
+from engine_timing import Req, drive, gpu_ms, random_prompts, time_graphs  # noqa: E402
+from forced_drafts import force_drafts  # noqa: E402
+from standin import build_model, standin_config, write_drafter  # noqa: E402
+
 from revolta.config import ModelConfig  # noqa: E402
 from revolta.engine import Engine, EngineConfig  # noqa: E402
 from revolta.model import FlashNextModel, init_random_weights  # noqa: E402
-from revolta.engine.sampling import Sampler, SamplingParams  # noqa: E402
-from revolta.spec.verify import greedy_accept, rejection_sample  # noqa: E402
-from forced_drafts import force_drafts  # noqa: E402
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script with the torch path
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 def model_config(name: str) -> dict:
@@ -63,71 +57,6 @@ def model_config(name: str) -> dict:
                 mtp_num_hidden_layers=1)
 
 
-class Req:
-    def __init__(self, rid, prompt, n, temperature):
-        self.request_id, self.prompt_token_ids, self.max_tokens, self.token_ids = rid, prompt, n, []
-        self.params = SamplingParams(temperature=temperature, seed=int(rid[1:]), max_tokens=n)
-        self.generator = torch.Generator(device=DEVICE).manual_seed(int(rid[1:])) if temperature else None
-
-    @property
-    def finished(self):
-        return len(self.token_ids) >= self.max_tokens
-
-
-def sample(requests, logits, drafts=None):
-    drafts = drafts if drafts is not None else [[] for _ in requests]
-    offset = 0
-    for r, d in zip(requests, drafts):
-        rows = logits[offset:offset + len(d) + 1]
-        offset += len(d) + 1
-        if r.params.greedy:
-            out = greedy_accept(rows.argmax(-1).tolist(), d)
-        else:
-            out = rejection_sample(Sampler.probs(rows, [r.params] * rows.shape[0]), d, None, r.generator)
-        for t in out:
-            if r.finished:
-                break
-            r.token_ids.append(t)
-
-
-class _Timed:
-    """A replay callable with CUDA events around it: the GPU time of each call, no extra sync."""
-
-    def __init__(self, fn, events: list):
-        self.fn, self.events = fn, events
-
-    def __call__(self):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        self.fn()
-        b.record()
-        self.events.append((a, b))
-
-    replay = __call__  # stands in for a CUDAGraph too
-
-
-def time_graphs(engine) -> dict[str, list]:
-    """Wrap every captured graph of the engine (speculative draft / verify / commit, or decode)."""
-    parts: dict[str, list] = {}
-    if DEVICE != "cuda":
-        return parts
-    if engine.spec_graphs is not None:
-        for B, rnd in engine.spec_graphs.graphs.items():
-            engine.spec_graphs.graphs[B] = replace(rnd, **{name: _Timed(getattr(rnd, name), parts.setdefault(name, []))
-                                                           for name in ("draft", "verify", "commit")})
-    elif engine.graphs is not None:
-        for g in engine.graphs.graphs.values():
-            g.graph = _Timed(g.graph.replay, parts.setdefault("decode", []))
-    return parts
-
-
-def gpu_ms(parts: dict[str, list]) -> dict[str, float]:
-    """Median GPU milliseconds of each wrapped graph (after a sync), skipping the first two calls."""
-    sync()
-    return {f"{name}_gpu_ms": statistics.median([a.elapsed_time(b) for a, b in ev[2:] or ev])
-            for name, ev in parts.items() if ev}
-
-
 def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed=0, prompt=128, eager=False):
     engine = Engine(model, EngineConfig(max_model_len=4096, max_num_seqs=max(8, concurrency),
                                         max_num_batched_tokens=4096, kv_cache_gib=4.0 if DEVICE == "cuda" else 0.5,
@@ -139,29 +68,18 @@ def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed
         vocab = model.cfg.text.vocab_size
         force_drafts(engine, refs, lambda rid, d: [t if rng.random() < rate else (t + 1) % vocab for t in d])
     parts = time_graphs(engine)
-    g = torch.Generator().manual_seed(1)
-    reqs = [Req(f"r{i}", torch.randint(0, 1000, (prompt,), generator=g).tolist(), tokens, temperature)
-            for i in range(concurrency)]
-    for r in reqs:
-        engine.add_request(r)
-    times, emitted = [], []
-    with torch.no_grad():
-        while engine.has_unfinished():
-            before = sum(len(r.token_ids) for r in reqs)
-            decoding = all(r.token_ids for r in reqs)
-            sync()
-            t0 = time.perf_counter()
-            engine.step(sample)
-            sync()
-            if decoding:  # every request past its prefill: a pure decode / verify step
-                times.append(time.perf_counter() - t0)
-                emitted.append(sum(len(r.token_ids) for r in reqs) - before)
+    reqs = [Req(f"r{i}", p, tokens, temperature, seed=i, device=DEVICE)
+            for i, p in enumerate(random_prompts(concurrency, prompt, 1000, seed=1))]
+    steps = [r for r in drive(engine, reqs) if r.decoding]  # every request past its prefill: decode / verify
+    times = [r.wall_s for r in steps]
+    emitted = [r.emitted for r in steps]
     step = statistics.median(times[2:] or times)
     graphs = engine.spec_graphs
     return reqs, {"step_ms": step * 1e3, "tokens_per_step": sum(emitted) / len(emitted),
                   "tokens_per_s": sum(emitted) / sum(times), "acceptance": engine.spec_stats.acceptance_rate,
                   "graph_rounds": graphs.num_replays if graphs is not None else 0, "decode_steps": len(times),
-                  "graph_mib": graphs.used_bytes / 2**20 if graphs is not None else 0.0, **gpu_ms(parts)}
+                  "graph_mib": graphs.used_bytes / 2**20 if graphs is not None else 0.0,
+                  **(gpu_ms(parts) if DEVICE == "cuda" else {})}
 
 
 def main() -> None:
@@ -172,32 +90,25 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="speculative rounds without CUDA graphs (the old rows)")
     ap.add_argument("--methods", default="mtp", help="comma-separated: mtp, dflash2 (a released-shape drafter, "
-                    "benchmarks/dflash2_slice.py; --model slice only)")
+                    "benchmarks/standin.py; --model slice only)")
     ap.add_argument("--rates", default="0.0,0.5,0.8", help="synthetic acceptance rates of the greedy rows")
     args = ap.parse_args()
     methods = args.methods.split(",")
     rates = tuple(float(r) for r in args.rates.split(","))
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
     if args.model == "slice":
-        from bench_e2e import slice_config
-
-        with torch.device("meta"):
-            model = FlashNextModel(slice_config(args.layers, with_mtp=True), with_vision=False)
-        model.to_empty(device=DEVICE).init_buffers()
-        init_random_weights(model, seed=3, device=DEVICE)
-        model = model.to_dtype(torch.float16 if DEVICE == "cuda" else torch.float32).eval()
+        model = build_model(standin_config(args.layers, with_mtp=True), DEVICE, dtype, seed=3, with_mtp=True)
     else:
         model = FlashNextModel(ModelConfig.from_dict(model_config(args.model))).eval()
         init_random_weights(model, seed=3)
-        model = model.to(DEVICE, torch.float16 if DEVICE == "cuda" else torch.float32)
+        model = model.to(DEVICE, dtype)
     drafter_dir = None
     if "dflash2" in methods:
         if args.model != "slice":
             raise SystemExit("--methods dflash2 needs --model slice (the drafter is shaped for the real width)")
         import tempfile
 
-        from dflash2_slice import write_slice_drafter
-
-        drafter_dir = write_slice_drafter(model.cfg, Path(tempfile.mkdtemp()) / "drafter", device=DEVICE)
+        drafter_dir = write_drafter(model.cfg, Path(tempfile.mkdtemp()) / "drafter", device=DEVICE)
     rows = []
     for c in (1, 8):
         for temperature in (0.0, 1.0):

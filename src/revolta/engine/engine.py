@@ -39,6 +39,7 @@ from ..spec.dflash2.checks import check_dflash2
 from ..spec.dflash2.checkpoint import load_draft_model
 from ..spec.dflash2.drafter import DFlash2Drafter
 from ..spec.graphs import SpecGraphs
+from ..spec.measured import slower_warning
 from ..spec.mtp import DraftItem, MTPDrafter
 from ..spec.stats import SpecStats
 
@@ -171,12 +172,10 @@ class Engine:
             if self.spec.enabled:  # every decoding step is a verify round
                 # the round graphs run the MTP drafter (spec/graphs.py); another drafter drafts eagerly
                 self.spec_graphs = self._capture_graphs(spec=True) if self.spec.method == "mtp" else None
-                # measured on an H200 (benchmarks/RESULTS.md, S1b): a graph-replayed MTP4 round costs 8.5 ms
-                # at C1 (18-20 ms at C8) on the 4-layer real-width slice, a graph-replayed decode step 2.2 ms
-                # (4.8 ms): a round must emit ~4 tokens per request to break even
-                logger.warning("speculative decoding replays CUDA graphs, but on a GPU one round still costs about "
-                               "4x a plain decode step (benchmarks/RESULTS.md, S1b): it is only faster when most "
-                               "drafts are accepted; pass speculative_config={'method': None} for plain decoding")
+                # as long as a benchmark row (spec/measured_speedup.json) says speculation is slower
+                warning = slower_warning(self.spec.method)
+                if warning:
+                    logger.warning(warning)
             else:
                 self.graphs = self._capture_graphs()
 

@@ -1,0 +1,176 @@
+"""Driving `revolta.engine.Engine` in the benchmarks and timing it: requests with greedy or sampled
+targets, the sample function speculative rounds need, wall-clock steps around a device sync, the GPU
+time of every captured CUDA graph (events around each replay, no extra sync) and the copy-bandwidth
+ceiling a roofline divides by.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from revolta.engine.sampling import Sampler, SamplingParams
+from revolta.spec.verify import greedy_accept, rejection_sample
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Req:
+    """The engine's request protocol (scheduler.SchedRequest) for a greedy (temperature 0) or sampled target."""
+
+    def __init__(self, rid: str, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 device: torch.device | str = "cpu"):
+        self.request_id, self.prompt_token_ids, self.max_tokens, self.token_ids = rid, prompt, max_tokens, []
+        self.params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+        self.generator = torch.Generator(device=device).manual_seed(seed) if temperature else None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.token_ids) >= self.max_tokens
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`count` distinct prompts of `length` token ids below `vocab` (deterministic in `seed`)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def sample(requests: list[Req], logits: torch.Tensor, drafts: list[list[int]] | None = None) -> None:
+    """Engine.step's sample_fn: request i owns 1 + len(drafts[i]) rows; appends what it emits."""
+    drafts = drafts if drafts is not None else [[] for _ in requests]
+    offset = 0
+    for r, d in zip(requests, drafts):
+        rows = logits[offset:offset + len(d) + 1]
+        offset += len(d) + 1
+        if r.params.greedy:
+            out = greedy_accept(rows.argmax(-1).tolist(), d)
+        else:
+            out = rejection_sample(Sampler.probs(rows, [r.params] * rows.shape[0]), d, None, r.generator)
+        for t in out:
+            if r.finished:
+                break
+            r.token_ids.append(t)
+
+
+class Timed:
+    """A replay callable timed on each call: CUDA events around it on a GPU (no extra sync), wall
+    clock on the CPU (where the graphs' code runs eagerly)."""
+
+    def __init__(self, fn, events: list, cuda: bool = True):
+        self.fn, self.events, self.cuda = fn, events, cuda
+
+    def __call__(self):
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self.fn()
+            self.events.append((t0, time.perf_counter()))
+            return
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        self.fn()
+        b.record()
+        self.events.append((a, b))
+
+    replay = __call__  # stands in for a CUDAGraph too
+
+
+def time_graphs(engine) -> dict[str, list]:
+    """Wrap every captured graph of the engine (speculative draft / verify / commit, or decode); the
+    returned lists fill with one timing pair per replay."""
+    parts: dict[str, list] = {}
+    cuda = engine.model.device.type == "cuda"
+    if engine.spec_graphs is not None:
+        for B, rnd in engine.spec_graphs.graphs.items():
+            engine.spec_graphs.graphs[B] = replace(rnd, **{
+                name: Timed(getattr(rnd, name), parts.setdefault(name, []), cuda) for name in ("draft", "verify", "commit")})
+    elif engine.graphs is not None:
+        for g in engine.graphs.graphs.values():
+            g.graph = Timed(g.graph.replay, parts.setdefault("decode", []), cuda)
+    return parts
+
+
+def _ms(a, b) -> float:
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
+def gpu_ms(parts: dict[str, list], skip: int = 2) -> dict[str, float]:
+    """Median milliseconds of each wrapped graph (GPU time; after a sync), skipping the first `skip` calls."""
+    if any(isinstance(ev[0][0], torch.cuda.Event) for ev in parts.values() if ev):
+        torch.cuda.synchronize()
+    return {f"{name}_gpu_ms": statistics.median([_ms(a, b) for a, b in ev[skip:] or ev])
+            for name, ev in parts.items() if ev}
+
+
+def graph_replays(engine) -> int:
+    """Steps the engine's graphs served so far (decode steps, or speculative rounds)."""
+    graphs = engine.spec_graphs if engine.spec_graphs is not None else engine.graphs
+    return graphs.num_replays if graphs is not None else 0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One Engine.step: wall seconds (device synced on both sides), tokens the requests gained, how many
+    were unfinished before it, whether every request was past its prefill (a pure decode / verify step)
+    and whether a graph served it."""
+
+    wall_s: float
+    emitted: int
+    active: int
+    decoding: bool
+    graphed: bool
+
+
+@torch.no_grad()
+def step_once(engine, reqs: list[Req]) -> StepRecord:
+    """One `engine.step` over the added `reqs`, timed."""
+    device = engine.model.device
+    before = sum(len(r.token_ids) for r in reqs)
+    active = sum(not r.finished for r in reqs)
+    decoding = all(r.token_ids for r in reqs)
+    replays = graph_replays(engine)
+    sync(device)
+    t0 = time.perf_counter()
+    engine.step(sample)
+    sync(device)
+    return StepRecord(time.perf_counter() - t0, sum(len(r.token_ids) for r in reqs) - before, active, decoding,
+                      graph_replays(engine) > replays)
+
+
+def drive(engine, reqs: list[Req]) -> list[StepRecord]:
+    """Add `reqs` and step the engine until they finish; one record per step."""
+    for r in reqs:
+        engine.add_request(r)
+    records = []
+    while engine.has_unfinished():
+        records.append(step_once(engine, reqs))
+    return records
+
+
+def copy_bandwidth_gbs(device: torch.device | str, gib: float = 1.0, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth (read + write) of a `gib` GiB fp16 buffer, median of `reps`."""
+    device = torch.device(device)
+    a = torch.empty(int(gib * 2**29), dtype=torch.float16, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for i in range(reps + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            b.copy_(a)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            b.copy_(a)
+            seconds = time.perf_counter() - t0
+        if i >= 2:
+            times.append(seconds)
+    return 2 * a.numel() * a.element_size() / statistics.median(times) / 1e9

@@ -1,0 +1,108 @@
+"""The engine benchmarks run end to end on CPU (tiny widths, torch path), so they cannot rot between
+GPU runs: every stage of bench_fulldepth.py, the kernel-family attribution and the measured-speedup
+table the start-up warning reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def fulldepth(tmp_path_factory):
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_fulldepth
+
+    path = tmp_path_factory.mktemp("fulldepth") / "bench_fulldepth.json"
+    out = bench_fulldepth.main(["--device", "cpu", "--layers", "4", "--experts", "8", "--prompt-len", "8",
+                                "--steps", "3", "--warmup", "0", "--concurrency", "2", "--spec-concurrency", "2",
+                                "--profile-concurrency", "2", "--strict", "--json", str(path)])
+    return out, path
+
+
+def test_fulldepth_smoke_rows(fulldepth):
+    out, path = fulldepth
+    saved = json.loads(path.read_text())
+    assert [r["concurrency"] for r in saved["decode"]] == [2]
+    assert {(r["method"], r["concurrency"]) for r in saved["spec"]} == {("mtp", 2), ("dflash2", 2)}
+    mtp, dflash2 = saved["spec"]
+    # on CPU the MTP rounds run the round graphs' code eagerly on their buffers: the GPU run's path
+    assert mtp["graph_rounds"] == mtp["rounds"] > 0 and mtp["verify_gpu_ms"] > 0 and mtp["draft_gpu_ms"] > 0
+    assert dflash2["verify_ms"] > 0 and dflash2["draft_ms"] > 0  # eager rounds, as on the GPU
+    for r in saved["spec"]:
+        assert r["round_ms"] > 0 and set(r["model_speedup"]) == {"0.6", "0.7", "0.8"}
+        assert r["verify_bytes"]["total"] > 0 and r["draft_bytes"] > 0
+    plain = saved["decode"][0]
+    assert 0 < plain["measured_distinct"] <= 8 and plain["roofline_ms"] > 0
+    step, verify = saved["breakdown"]
+    assert (step["what"], step["source"]) == ("plain step", "eager")
+    assert (verify["what"], verify["source"]) == ("MTP4 verify", "graph replay") and verify["matched"] > 0.9
+    for b in saved["breakdown"]:
+        assert b["total_ms"] > 0 and b["family_ms"]["MoE"] > 0 and b["family_ms"]["GDN"] > 0
+
+
+def test_fulldepth_writes_the_warning_table(fulldepth):
+    from revolta.spec.measured import load_measured, slower_warning
+
+    out, path = fulldepth
+    rows = load_measured(path.parent / "measured_speedup.json")
+    assert {r.method for r in rows} == {"mtp", "dflash2"}
+    for method in ("mtp", "dflash2"):
+        mine = [r for r in rows if r.method == method]
+        warning = slower_warning(method, mine)
+        assert (warning is None) == all(r.speedup >= 1 for r in mine)
+
+
+def _span(cat, name, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1, "pid": 1, "args": args}
+
+
+def test_graph_replay_kernels_take_the_eager_scopes():
+    """A replay's kernels (launched by one cudaGraphLaunch) take the family of the eager kernel they
+    match in order; GEMMs get their scope, norm kernels count as norms, a kernel only the graph has
+    falls back to its name, and one traced to no launch inherits the launch order's scope."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from kernel_families import attribute, summarise
+
+    events = [
+        _span("user_annotation", "phase:eager", 0, 100, **{"External id": 1}),
+        _span("user_annotation", "family:MoE", 10, 20, **{"External id": 2}),
+        _span("cuda_driver", "cuLaunchKernelEx", 12, 1, correlation=101),
+        _span("cuda_runtime", "cudaLaunchKernel", 15, 1, correlation=102),
+        _span("user_annotation", "family:GDN", 40, 20, **{"External id": 3}),
+        _span("cuda_runtime", "cudaLaunchKernel", 41, 1, correlation=103),
+        _span("kernel", "_moe_gate_up_kernel", 200, 5, correlation=101),
+        _span("kernel", "sm90_xmma_gemm_f16", 206, 3, correlation=102),
+        _span("kernel", "sm90_xmma_gemm_f16", 210, 4, correlation=103),
+        _span("kernel", "_gated_rms_norm_kernel", 215, 2, correlation=999, **{"External id": 3}),
+        _span("kernel", "elementwise_kernel", 218, 1, correlation=998),
+        _span("user_annotation", "phase:replay0", 300, 50, **{"External id": 4}),
+        _span("cuda_runtime", "cudaGraphLaunch", 301, 2, correlation=110),
+    ] + [_span("kernel", name, ts, dur, correlation=110) for name, ts, dur in (
+        ("_moe_gate_up_kernel", 400, 4), ("sm90_xmma_gemm_f16", 405, 2), ("graph_only_copy", 408, 1),
+        ("sm90_xmma_gemm_f16", 410, 3), ("_gated_rms_norm_kernel", 414, 1), ("elementwise_kernel", 416, 5))]
+    work = attribute(events)
+    assert [(w.name, w.phase, w.family) for w in work if w.phase == "eager"] == [
+        ("_moe_gate_up_kernel", "eager", "MoE"), ("sm90_xmma_gemm_f16", "eager", "MoE"),
+        ("sm90_xmma_gemm_f16", "eager", "GDN"), ("_gated_rms_norm_kernel", "eager", "norms"),
+        ("elementwise_kernel", "eager", "GDN")]  # no launch found: the scope of the kernel launched before
+    out = summarise(work, replays=1)
+    assert out["source"] == "graph replay" and out["items"] == 6
+    ms = {f: round(v * 1e3) for f, v in out["family_ms"].items()}  # µs
+    assert ms == {"MoE": 6, "GDN": 8, "QSA": 0, "HC": 0, "norms": 1, "lm_head/sampling": 0, "other": 1}
+    assert out["matched"] == pytest.approx(5 / 6)
+
+
+def test_align_skips_what_one_side_lacks():
+    sys.path.insert(0, str(BENCHMARKS))
+    from kernel_families import align
+
+    assert align(list("abXcd"), list("abcd")) == [0, 1, None, 2, 3]
+    assert align(list("abcd"), list("aYbcd")) == [0, 2, 3, 4]
+    assert align(list("aQcd"), list("aRcd")) == [0, 1, 2, 3]  # a different kernel at the same place
+    assert align(list("abc"), list("ab")) == [0, 1, None]
