@@ -1,0 +1,110 @@
+"""Turn a model built from the config into the quantized checkpoint's layout, before any weight loads.
+
+`quantize_modules(model, qcfg)` replaces each `nn.Linear` the config quantizes with a `QuantLinear` and each
+`Experts` bank with `QuantExperts` (meta-device modules stay on meta), after checking every size against the
+format: any linear the format cannot store raises one QuantConfigError naming every module and the reason.
+Never quantized: the LM head, the HyperConnection and PLE projections (their kernels read the 16-bit
+weights), and, for AutoAWQ (which quantizes decoder layers only), everything outside the decoder layers
+and the MTP layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..quant.config import QuantConfig, QuantConfigError
+from ..quant.format import weight_format
+from .linear import QuantLinear
+from .moe import Experts
+from .quant_moe import QuantExperts
+
+_NEVER = ("hyper_connection", ".ple.")
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _candidate(name: str, qcfg: QuantConfig) -> bool:
+    if name == "lm_head" or any(s in name for s in _NEVER):
+        return False
+    if qcfg.method == "awq":
+        return name.startswith(("model.language_model.layers.", "mtp."))
+    return True
+
+
+def quantize_modules(model: nn.Module, qcfg: QuantConfig) -> int:
+    """Swap the quantized linears and expert banks of `model` in place; returns how many were swapped."""
+    if not qcfg.packed:
+        return 0
+    plan, problems = [], []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and _candidate(name, qcfg):
+            scheme = qcfg.scheme_for(name)
+            if scheme is not None:
+                fmt = weight_format(scheme)
+                problems += [f"{name} [{mod.out_features}, {mod.in_features}]: {p}"
+                             for p in fmt.problems(mod.out_features, mod.in_features)]
+                plan.append((name, QuantLinear(mod.in_features, mod.out_features, mod.bias is not None, fmt)))
+        elif isinstance(mod, Experts) and _candidate(name, qcfg):
+            schemes = {p: qcfg.scheme_for(f"{name}.0.{p}") for p in _EXPERT_PROJS}
+            if len(set(schemes.values())) > 1:
+                problems.append(f"{name}: gate/up/down projections are stored differently ({schemes}); revolta "
+                                "needs one format for all routed-expert projections")
+                continue
+            scheme = schemes["gate_proj"]
+            if scheme is not None:
+                E, two_i, H = mod.gate_up_proj.shape
+                fmt = weight_format(scheme)
+                problems += [f"{name}.*.{p}: {q}" for p, (o, i) in
+                             (("gate_proj", (two_i // 2, H)), ("down_proj", (H, two_i // 2)))
+                             for q in fmt.problems(o, i)]
+                plan.append((name, QuantExperts(E, H, two_i // 2, fmt)))
+    if problems:
+        raise QuantConfigError(f"{qcfg.source}: {len(problems)} modules cannot be stored as the checkpoint's config "
+                               "says (exclude them in its ignore list, or fix the config):\n  " + "\n  ".join(problems))
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    for name, new in plan:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new.to(device) if device.type != "meta"
+                else new.to("meta"))
+    return len(plan)
+
+
+def packed_modules(model: nn.Module):
+    """(name, module) of every QuantLinear and QuantExperts in `model`."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))]
+
+
+def check_loaded_shapes(model: nn.Module) -> None:
+    """After loading: stored `weight_shape` values (compressed-tensors) must equal the module sizes."""
+    bad = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            holders = [(name, mod, [mod.out_features, mod.in_features])]
+        elif isinstance(mod, QuantExperts):
+            I, H = mod.intermediate_size, mod.hidden_size
+            holders = [(f"{name}.gate_up_proj", mod.gate_up_proj, [I, H]), (f"{name}.down_proj", mod.down_proj, [H, I])]
+        else:
+            continue
+        for where, holder, want in holders:
+            shape = getattr(holder, "weight_shape", None)
+            if shape is not None and not bool((shape.reshape(-1, 2).cpu() == torch.tensor(want)).all()):
+                bad.append(f"{where}.weight_shape holds {shape.reshape(-1, 2).tolist()}, the config says {want}")
+    if bad:
+        raise QuantConfigError("checkpoint tensors disagree with the config:\n  " + "\n  ".join(bad))
+
+
+@torch.no_grad()
+def init_random_packed(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Draw every packed tensor (on its own device) so dequantized weights have about `std` per entry
+    (scaled down for wide inputs like init_random_weights). For benchmark models without a checkpoint."""
+    gen = None
+    for name, mod in sorted(packed_modules(model), key=lambda nm: nm[0]):
+        holders = [(mod, mod.in_features)] if isinstance(mod, QuantLinear) else \
+            [(mod.gate_up_proj, mod.hidden_size), (mod.down_proj, mod.intermediate_size)]
+        for holder, fan_in in holders:
+            packed = holder.packed()
+            dev = next(iter(packed.values())).device
+            if gen is None or gen.device != dev:
+                gen = torch.Generator(device=dev).manual_seed(seed)
+            mod.fmt.random_(packed, min(std * 4, fan_in ** -0.5), gen)
+
