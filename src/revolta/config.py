@@ -341,12 +341,9 @@ class ModelConfig:
 def _parse_quantization(raw: dict[str, Any], hf_quant_config: dict[str, Any] | None, source: str):
     """The QuantConfig of the checkpoint (None: 16-bit); unknown formats raise ConfigError here, before
     anything is built or loaded."""
-    from .quant.config import QuantConfigError, parse_quant_config
+    from .quant.config import parse_quant_config  # its QuantConfigError is a ConfigError
 
-    try:
-        return parse_quant_config(raw, hf_quant_config, source)
-    except QuantConfigError as e:
-        raise ConfigError(str(e)) from None
+    return parse_quant_config(raw, hf_quant_config, source)
 
 
 def _req(d: dict[str, Any], key: str, source: str) -> Any:

@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import ConfigError
+
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SUPPORTED = {
     "awq": "AutoAWQ GEMM layout: bits 4, zero_point true, version gemm, group_size 32/64/128 (or -1)",
@@ -35,7 +37,7 @@ SUPPORTED = {
 AWQ, CT_INT4, CT_NVFP4, MODELOPT_NVFP4 = "awq", "ct-int4", "ct-nvfp4", "modelopt-nvfp4"
 
 
-class QuantConfigError(ValueError):
+class QuantConfigError(ConfigError):
     """A quantization config revolta cannot run; the message names the value and the supported ones."""
 
 

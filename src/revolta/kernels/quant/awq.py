@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import gemv_config, launch_gemv, load_x_tile, sm_count, store_partial, tile_product
+from .common import config_for, launch_gemv, load_x_tile, store_partial, tile_product
 
 PACK = 8  # 4-bit values per int32 word
 AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # bit offset of column j (of each 8) inside its word
@@ -124,5 +124,5 @@ def awq_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_s
     """Triton version of `awq_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous)."""
     N, K = _check(qweight, qzeros, scales, group_size)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
-    cfg = config or gemv_config(x.shape[0], N, K, group_size, sm_count(x.device), n_align=PACK)
+    cfg = config or config_for(x, N, K, group_size, PACK)
     return launch_gemv(_awq_gemv_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group_size)

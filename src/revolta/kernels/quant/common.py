@@ -105,34 +105,35 @@ def _splitk_reduce_kernel(ws, bias, out, M, N, stride_om, SPLIT_K: tl.constexpr,
     tl.store(out + i_m * stride_om + o_n, acc.to(out.dtype.element_ty), mask=mask)
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (80, a V100, off the GPU: the launch config of the interpreter)."""
+def device_facts(device: torch.device) -> tuple[int, int | None]:
+    """(streaming multiprocessors, compute capability as 70 / 90) of `device`; off the GPU (the interpreter)
+    a V100's 80 SMs and no architecture."""
     if device.type != "cuda":
-        return 80
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return 80, None
+    major, minor = torch.cuda.get_device_capability(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count, 10 * major + minor
 
 
-def gemv_config(M: int, N: int, K: int, k_align: int, num_sms: int, n_align: int = 1) -> dict:
+def gemv_config(M: int, N: int, K: int, k_align: int, num_sms: int, n_align: int = 1, arch: int | None = None) -> dict:
     """Launch config of a packed GEMV / skinny GEMM of M rows (1..MAX_GEMV_ROWS).
 
     BLOCK_K divides `k_align` (the quantization group, so a K step sees one scale per feature) or
     is a multiple of it (NVFP4's 16); BLOCK_N is a multiple of `n_align` (AWQ packs 8 features per
-    word). Tiles keep BM·BK·BN <= 8K fp32 products per 4 warps on the FMA path (no spills on sm70).
+    word). Tiles keep BM·BK·BN <= 4K fp32 products per 4 warps on the FMA path, and the tl.dot tiles are
+    narrower on sm70 (FMA there too), so sm70 builds do not spill (tests/kernels/test_quant_aot.py).
     SPLIT_K divides the K steps so there are about 2 programs per SM. Depends on M only through
     BLOCK_M/USE_DOT; the split of K is a function of (N, K, device) alone.
     """
     use_dot = M >= DOT_MIN_ROWS
     bm = max(16, triton.next_power_of_2(M)) if use_dot else triton.next_power_of_2(M)
     if use_dot:
-        bn, bk = (64, 32)
-    elif bm == 1:
-        bn, bk = (256, 32)
+        bn, bk = (32, 32) if arch == 70 else (64, 32)
     elif bm <= 2:
-        bn, bk = (128, 32)
+        bn, bk = (128 // bm, 32)
     elif bm <= 4:
-        bn, bk = (64, 32)
+        bn, bk = (32, 32)
     else:
-        bn, bk = (64, 16)
+        bn, bk = (32, 16)
     bn = max(bn, n_align)
     assert k_align % bk == 0 or bk % k_align == 0, (k_align, bk)
     bn = min(bn, max(n_align, triton.next_power_of_2(N)))
@@ -143,6 +144,12 @@ def gemv_config(M: int, N: int, K: int, k_align: int, num_sms: int, n_align: int
         split *= 2
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, USE_DOT=use_dot,
                 k_per_split=triton.cdiv(steps, split) * bk, num_warps=4, num_stages=2 if use_dot else 3)
+
+
+def config_for(x: Tensor, N: int, K: int, k_align: int, n_align: int = 1) -> dict:
+    """`gemv_config` for the rows of x on x's device."""
+    sms, arch = device_facts(x.device)
+    return gemv_config(x.shape[0], N, K, k_align, sms, n_align, arch)
 
 
 def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args, **constexprs) -> Tensor:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import gemv_config, launch_gemv, load_x_tile, sm_count, store_partial, tile_product
+from .common import config_for, launch_gemv, load_x_tile, store_partial, tile_product
 
 PACK = 8
 
@@ -133,7 +133,7 @@ def ct_int4_gemv(x: Tensor, weight_packed: Tensor, weight_scale: Tensor, weight_
     """Triton version of `ct_int4_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous)."""
     N, K = _check(weight_packed, weight_scale, weight_zero_point, group_size)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
-    cfg = config or gemv_config(x.shape[0], N, K, group_size, sm_count(x.device))
+    cfg = config or config_for(x, N, K, group_size)
     zp = weight_zero_point if weight_zero_point is not None else weight_packed
     return launch_gemv(_ct_gemv_kernel, x, N, bias, cfg, weight_packed, weight_scale, zp, G=group_size,
                        HAS_ZP=weight_zero_point is not None)

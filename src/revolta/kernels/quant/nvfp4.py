@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import e2m1_to_f32, e4m3_to_f32, gemv_config, launch_gemv, load_x_tile, sm_count, store_partial
+from .common import config_for, e2m1_to_f32, e4m3_to_f32, launch_gemv, load_x_tile, store_partial
 from .common import tile_product
 
 GROUP = 16  # inputs per E4M3 scale
@@ -142,6 +142,6 @@ def nvfp4_gemv(x: Tensor, weight: Tensor, weight_scale: Tensor, global_scale: Te
     """Triton version of `nvfp4_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous)."""
     N, K, scale_bytes, per_shard = _check(weight, weight_scale, global_scale)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
-    cfg = config or gemv_config(x.shape[0], N, K, GROUP, sm_count(x.device))
+    cfg = config or config_for(x, N, K, GROUP)
     return launch_gemv(_nvfp4_gemv_kernel, x, N, bias, cfg, weight, scale_bytes, global_scale.contiguous(),
                        per_shard, INVERTED=inverted)
