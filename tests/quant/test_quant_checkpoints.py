@@ -151,3 +151,50 @@ def test_greedy_speculation_equals_no_speculation_on_a_quantized_checkpoint(orig
     b = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert a[0].metrics.spec_decode.num_draft_tokens > 0
+
+
+def test_info_prints_format_and_weight_bytes_per_gpu(original, tmp_path, capsys):
+    from revolta.cli import main
+    from revolta.layers.quantize import meta_model, weight_bytes_per_gpu
+
+    write_quantized(original, tmp_path, "awq")
+    assert main(["info", str(tmp_path), "--tp", "2", "--gpu-memory", "4", "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization: awq: awq int4, group size 32, zero points" in out
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    sizes = {tp: weight_bytes_per_gpu(meta_model(cfg), tp) for tp in (1, 2, 4)}
+    for tp in (1, 2, 4):
+        assert f"weights per GPU at TP{tp}:" in out
+    packed = sum(t.numel() * t.element_size() for n, t in load_model(tmp_path, progress=False).state_dict().items()
+                 if n.endswith((".qweight", ".qzeros", ".scales")))
+    assert sizes[1]["packed"] == packed and sizes[4]["packed"] == packed // 4
+    assert sizes[2]["dense_replicated"] == sizes[1]["dense_replicated"] > 0  # HC and PLE modules on every rank
+    from revolta.summary import human_bytes
+    assert f"- weights {human_bytes(sizes[2]['total'])} -" in out  # the dry run plans with the packed bytes
+
+
+def test_random_quantized_model_for_benchmarks():
+    from revolta.layers.quantize import random_quantized_model
+
+    model = random_quantized_model(ModelConfig.from_dict(TINY_MTP), device="cpu", dtype=torch.float32)
+    lin = model.model.language_model.layers[0].linear_attn.in_proj_qkv
+    assert isinstance(lin, QuantLinear) and lin.qweight.dtype == torch.int32 and lin.qweight.device.type == "cpu"
+    w = lin.dequantize()
+    assert 0.5 * 64 ** -0.5 < w.std() < 2 * 64 ** -0.5  # about 1/sqrt(fan-in), like init_random_weights
+    logits = model(torch.tensor([[1, 2, 3]]))
+    assert logits.isfinite().all() and logits.std() > 0
+
+
+def test_awq_layout_agrees_with_autoawq_and_the_description():
+    import awq_reference
+
+    from revolta.kernels.quant.awq import awq_dequantize_ref
+
+    if awq_reference.autoawq_packing_utils() is None:
+        pytest.skip("autoawq is not installed (.ci/run installs it with --no-deps)")
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(0))
+    t = awq_reference.quantize(w, 32)
+    theirs = awq_reference.dequantize_with_autoawq(t, 32)
+    assert torch.equal(theirs, awq_reference.dequantize(t, 32))
+    assert torch.equal(awq_dequantize_ref(t["qweight"], t["qzeros"], t["scales"], 32), theirs)
+    assert (theirs - w).abs().max() <= t["scales"].float().max() / 2 + 1e-6  # within half a step

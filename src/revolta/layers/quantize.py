@@ -36,6 +36,19 @@ def quantize_modules(model: nn.Module, qcfg: QuantConfig) -> int:
     if not qcfg.packed:
         return 0
     plan, problems = [], []
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    with torch.device(device):  # a meta model gets meta modules: nothing is allocated
+        _plan_swaps(model, qcfg, plan, problems)
+    if problems:
+        raise QuantConfigError(f"{qcfg.source}: {len(problems)} modules cannot be stored as the checkpoint's config "
+                               "says (exclude them in its ignore list, or fix the config):\n  " + "\n  ".join(problems))
+    for name, new in plan:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return len(plan)
+
+
+def _plan_swaps(model: nn.Module, qcfg: QuantConfig, plan: list, problems: list) -> None:
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and _candidate(name, qcfg):
             scheme = qcfg.scheme_for(name)
@@ -58,15 +71,6 @@ def quantize_modules(model: nn.Module, qcfg: QuantConfig) -> int:
                              (("gate_proj", (two_i // 2, H)), ("down_proj", (H, two_i // 2)))
                              for q in fmt.problems(o, i)]
                 plan.append((name, QuantExperts(E, H, two_i // 2, fmt)))
-    if problems:
-        raise QuantConfigError(f"{qcfg.source}: {len(problems)} modules cannot be stored as the checkpoint's config "
-                               "says (exclude them in its ignore list, or fix the config):\n  " + "\n  ".join(problems))
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    for name, new in plan:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new.to(device) if device.type != "meta"
-                else new.to("meta"))
-    return len(plan)
 
 
 def packed_modules(model: nn.Module):
@@ -108,3 +112,98 @@ def init_random_packed(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 gen = torch.Generator(device=dev).manual_seed(seed)
             mod.fmt.random_(packed, min(std * 4, fan_in ** -0.5), gen)
 
+
+
+# Replicated on every rank under tensor parallelism (spec/parallel-and-quantization.md §2); everything else splits.
+_REPLICATED = ("hyper_connection", ".ple.")
+_PLE_TABLE = ".ngram_embedding.weight"
+
+
+def weight_bytes_per_gpu(model: nn.Module, tp: int = 1, dense_bytes: int = 2) -> dict[str, int]:
+    """Per-GPU weight bytes of `model` (a meta-device model is fine) at tensor parallelism `tp`.
+
+    Packed tensors count their stored size; other floating tensors `dense_bytes` per value (16-bit
+    deployment; A_log/dt_bias fp32). Split by TP: everything but the HyperConnection and PLE modules
+    (replicated). The PLE table lives in host memory and is reported apart.
+    """
+    packed = set()
+    for name, mod in packed_modules(model):
+        packed.update(f"{name}.{n}" for n in _disk_tensor_names(mod))
+    out = {"packed": 0, "dense_split": 0, "dense_replicated": 0, "ple_table_host": 0}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in packed:
+            out["packed"] += t.numel() * t.element_size() // tp
+        elif name.endswith(_PLE_TABLE):
+            out["ple_table_host"] += t.numel()  # 1 byte per value, as the AWQ release stores it
+        elif t.is_floating_point():
+            size = t.numel() * (4 if name.endswith(("A_log", "dt_bias")) else dense_bytes)
+            if any(s in name for s in _REPLICATED):
+                out["dense_replicated"] += size
+            else:
+                out["dense_split"] += size // tp
+    out["total"] = out["packed"] + out["dense_split"] + out["dense_replicated"]
+    return out
+
+
+def _disk_tensor_names(mod: nn.Module) -> list[str]:
+    if isinstance(mod, QuantLinear):
+        return list(mod.packed_names)
+    return [f"{h}.{n}" for h in ("gate_up_proj", "down_proj") for n in getattr(mod, h).specs]
+
+
+def meta_model(cfg, with_mtp: bool = True, with_vision: bool = True) -> nn.Module:
+    """The model of `cfg` on the meta device, in its checkpoint's quantized layout (no memory used)."""
+    from ..model import FlashNextModel
+
+    with torch.device("meta"):
+        model = FlashNextModel(cfg, with_mtp=with_mtp, with_vision=with_vision)
+    if cfg.quantization is not None:
+        quantize_modules(model, cfg.quantization)
+    return model
+
+
+def format_quantization(cfg, tps: tuple[int, ...] = (1, 2, 4)) -> str:
+    """The `revolta info` lines of a quantized checkpoint: format, bits, group size, weight bytes per GPU."""
+    from ..summary import human_bytes
+
+    q = cfg.quantization
+    model = meta_model(cfg)
+    packed = packed_modules(model)
+    lines = [f"quantization: {q.describe()} (from {q.source.rsplit('/', 1)[-1]})",
+             f"  packed modules: {sum(isinstance(m, QuantLinear) for _, m in packed)} linears, "
+             f"{sum(isinstance(m, QuantExperts) for _, m in packed)} routed-expert banks; others 16-bit"]
+    for tp in tps:
+        b = weight_bytes_per_gpu(model, tp)
+        lines.append(f"  weights per GPU at TP{tp}: {human_bytes(b['total'])} = packed {human_bytes(b['packed'])} "
+                     f"+ 16-bit split {human_bytes(b['dense_split'])} + 16-bit replicated "
+                     f"{human_bytes(b['dense_replicated'])}" + (f"; PLE table {human_bytes(b['ple_table_host'])} "
+                                                                 "in host memory" if b["ple_table_host"] else ""))
+    return "\n".join(lines) + "\n"
+
+
+@torch.no_grad()
+def random_quantized_model(cfg, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16,
+                           group_size: int = 32, seed: int = 0, with_mtp: bool = True) -> nn.Module:
+    """The model of `cfg` (e.g. the real 48-layer, 512-expert config) with AWQ int4 weights (group
+    `group_size`) drawn on `device`, no checkpoint file: for GPU benchmarks. A config that already names a
+    quantization keeps it. Never on the CPU first: packed tensors are drawn where they live.
+
+    AWQ covers the decoder and MTP layers except the routers, the shared-expert gate and the GDN b/a
+    projections (16-bit, as released AWQ checkpoints keep them); dense weights are drawn like
+    `init_random_weights` on `device`.
+    """
+    from dataclasses import replace
+
+    from ..model import init_random_weights
+    from ..quant.config import parse_quant_config
+    from ..weights import materialize
+
+    if cfg.quantization is None:
+        awq = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+               "modules_to_not_convert": ["mlp.gate", "shared_expert_gate", "in_proj_b", "in_proj_a"]}
+        cfg = replace(cfg, quantization=parse_quant_config({"quantization_config": awq}, source="random AWQ"))
+    model = meta_model(cfg, with_mtp=with_mtp, with_vision=False)
+    materialize(model, device, dtype)
+    init_random_weights(model, seed=seed, device=str(device))
+    init_random_packed(model, seed=seed)
+    return model.eval()
