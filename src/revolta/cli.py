@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--spec-state-replay", action="store_true",
                       help="plan for speculative state replay: no per-draft state slots (spec/engine.md §3.3)")
     plan.add_argument("--weights-gib", type=float, default=None, metavar="GiB",
-                      help="measured weights per GPU (default: estimated for AWQ experts)")
+                      help="measured weights per GPU (default: a quantized checkpoint's packed and 16-bit "
+                           "tensors at --tp; else estimated for AWQ experts)")
     plan.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON",
                       help="plan for this speculative_config, as serve takes it (e.g. DFlash2: "
                            "'{\"method\": \"dflash2\", \"model\": DIR}'); replaces the two flags above")
@@ -190,11 +191,19 @@ def _info(args: argparse.Namespace) -> int:
             spec, spec_options = _planned_speculation(cfg, args)
             options.update(spec_options)
         weights = None if args.weights_gib is None else int(args.weights_gib * 2**30)
+        if weights is None and cfg.quantization is not None and cfg.quantization.packed:
+            from .layers.quantize import meta_model, weight_bytes_per_gpu
+
+            weights = weight_bytes_per_gpu(meta_model(cfg), args.tp)["total"]  # the checkpoint's own formats
         plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
                               args.kv_cache_dtype, args.gpu_memory_utilization, weights, **options)
         if spec is not None and spec.is_dflash2:
             plan += _dflash2_notes(spec, args.tp, options["drafter_weights_bytes"], estimated=weights is None)
     print(format_summary(cfg, args.path, tp=args.tp))
+    if cfg.quantization is not None and cfg.quantization.packed:
+        from .layers.quantize import format_quantization
+
+        print(format_quantization(cfg, tuple(sorted({1, 2, 4, args.tp}))))
     if plan is not None:
         print("\n" + plan)
     return 0

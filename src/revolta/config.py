@@ -238,15 +238,21 @@ class ModelConfig:
     vision_end_token_id: int = 248054
     dtype: str = "bfloat16"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # the checkpoint's quantization (revolta.quant.QuantConfig), None for 16-bit weights
+    quantization: Any = field(default=None, compare=False)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
-        """Read `<path>/config.json` (or a path to the json itself) and validate it."""
+        """Read `<path>/config.json` (or a path to the json itself) and validate it; a quantized checkpoint's
+        format comes from its `quantization_config` or, for ModelOpt exports, `hf_quant_config.json`."""
         raw, source = read_config_json(path)
-        return cls.from_dict(raw, source=source)
+        hf_quant = Path(source).parent / "hf_quant_config.json"
+        return cls.from_dict(raw, source=source,
+                             hf_quant_config=json.loads(hf_quant.read_text()) if hf_quant.is_file() else None)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config",
+                  hf_quant_config: dict[str, Any] | None = None) -> "ModelConfig":
         model_type = raw.get("model_type")
         archs = tuple(raw.get("architectures") or ())
         known_type = model_type in TOP_MODEL_TYPES + TEXT_MODEL_TYPES
@@ -281,6 +287,7 @@ class ModelConfig:
             vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
             dtype=str(dtype or "bfloat16"),
             extra={k: v for k, v in raw.items() if k not in known},
+            quantization=_parse_quantization(raw, hf_quant_config, source),
         )
         validate(cfg, source)
         return cfg
@@ -318,6 +325,8 @@ class ModelConfig:
             "tie_word_embeddings": t.tie_word_embeddings,
             "dtype": self.dtype,
         }
+        if self.quantization is not None and self.quantization.source.endswith("quantization_config"):
+            out["quantization_config"] = self.quantization.raw
         if self.vision is not None:
             v = asdict(self.vision)
             v["deepstack_visual_indexes"] = list(self.vision.deepstack_visual_indexes)
@@ -327,6 +336,14 @@ class ModelConfig:
 
     def save(self, directory: str | Path) -> None:
         Path(directory, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _parse_quantization(raw: dict[str, Any], hf_quant_config: dict[str, Any] | None, source: str):
+    """The QuantConfig of the checkpoint (None: 16-bit); unknown formats raise ConfigError here, before
+    anything is built or loaded."""
+    from .quant.config import parse_quant_config  # its QuantConfigError is a ConfigError
+
+    return parse_quant_config(raw, hf_quant_config, source)
 
 
 def _req(d: dict[str, Any], key: str, source: str) -> Any:

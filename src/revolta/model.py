@@ -307,9 +307,17 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     cfg = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = FlashNextModel(cfg, with_mtp=with_mtp, with_vision=with_vision)
+    if cfg.quantization is not None:  # packed layers in the checkpoint's format, checked before any load
+        from .layers.quantize import quantize_modules
+
+        quantize_modules(model, cfg.quantization)
     skip = [] if model.mtp is not None else ["mtp."]
     if model.model.visual is None:
         skip.append("model.visual.")
     load_weights(model, path, dtype=dtype, device=device, skip_prefixes=tuple(skip), progress=progress)
+    if cfg.quantization is not None:
+        from .layers.quantize import check_loaded_shapes
+
+        check_loaded_shapes(model)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration, if the checkpoint ships it (cache metadata)
     return model.eval()

@@ -41,8 +41,13 @@ MAX_LISTED = 25  # names listed per category in a CheckpointError
 _LM_HEAD_ALIAS = re.compile(r"^model\.lm_head\.weight$")
 _PLE_SHARD = re.compile(r"^(?P<base>.*\.ngram_embedding)\.shard_(?P<s>\d+)\.weight$")
 _EXPERT = re.compile(r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-# On disk, dropped when the model has no such tensor (spec §2.3: the final mixer has no W_inj).
-_IGNORED_IF_ABSENT = (re.compile(r"(^|\.)hyper_connection_mixer\.block_inject_weight\.weight$"),)
+# Per-expert tensors of packed experts (layers.quant_moe): the experts module places them (`disk_piece`).
+_PACKED_EXPERT = re.compile(r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
+                            r"(?P<tensor>\w+)$")
+# On disk, dropped when the model has no such tensor (spec §2.3: the final mixer has no W_inj; activation
+# scales of quantized checkpoints: revolta runs their formats weight-only, activations stay 16-bit).
+_IGNORED_IF_ABSENT = (re.compile(r"(^|\.)hyper_connection_mixer\.block_inject_weight\.weight$"),
+                      re.compile(r"\.(input_scale|input_global_scale)$"))
 # Kept fp32 in memory whatever the model or checkpoint dtype (spec §2.6, §9.1).
 _FP32_PARAMS = (re.compile(r"(^|\.)linear_attn\.(A_log|dt_bias)$"),)
 # May be absent on disk: the module derives them from the config (spec §5.1).
@@ -153,12 +158,18 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _translate(name: str, target_shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, tuple]:
-    """Disk name -> (in-memory name, index into it). PLE shards are placed by `_plan` once all are known."""
+def _translate(name: str, target_shapes: Mapping[str, tuple[int, ...]],
+               packed_experts: Mapping[str, object] = {}) -> tuple[str, tuple]:
+    """Disk name -> (in-memory name, index into it). PLE shards are placed by `_plan` once all are known.
+    packed_experts: experts-module name -> the module, for per-expert tensors of packed experts."""
     if name in target_shapes:
         return name, ()
     if _LM_HEAD_ALIAS.match(name):
         return "lm_head.weight", ()
+    m = _PACKED_EXPERT.match(name)
+    if m and m["base"] in packed_experts:
+        piece = packed_experts[m["base"]].disk_piece(int(m["e"]), m["proj"], m["tensor"])
+        return (f"{m['base']}.{piece[0]}", piece[1]) if piece is not None else (name, ())
     m = _EXPERT.match(name)
     if m:
         base, e, proj = m["base"], int(m["e"]), m["proj"]
@@ -179,6 +190,7 @@ def _plan(
     target_dtypes: Mapping[str, torch.dtype],
     skip_prefixes: tuple[str, ...],
     renames: Mapping[str, str],
+    packed_experts: Mapping[str, object] = {},
 ) -> tuple[list[_Piece], list[str]]:
     """Map each on-disk tensor to a piece; return (pieces, error lines). Reads headers only."""
     errors: list[str] = []
@@ -201,7 +213,8 @@ def _plan(
         if m:
             ple_shards[f"{m['base']}.weight"][int(m["s"])] = name
             continue
-        target, index = _translate(name if name in target_shapes else renames.get(name, name), target_shapes)
+        target, index = _translate(name if name in target_shapes else renames.get(name, name), target_shapes,
+                                   packed_experts)
         if target.startswith(skip_prefixes):
             continue
         if target not in target_shapes:
@@ -282,7 +295,8 @@ def _coverage_errors(
     written: dict[str, int] = defaultdict(int)
     sources: dict[str, list[str]] = defaultdict(list)
     for p in pieces:
-        written[p.target] += math.prod(_dst_shape(target_shapes[p.target], p.index) or (0,))
+        shape = _dst_shape(target_shapes[p.target], p.index)
+        written[p.target] += math.prod(shape) if shape is not None else 0  # () is a scalar: 1 element
         sources[p.target].append(p.src)
     full = {aliases[n] for n, shape in target_shapes.items() if written.get(n, 0) == math.prod(shape)}
     missing, twice = [], []
@@ -336,13 +350,14 @@ def _target_dtype(name: str, current: torch.dtype, dtype: torch.dtype | None) ->
 
 @torch.no_grad()
 def materialize(
-    model: nn.Module, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+    model: nn.Module, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> None:
     """Give every meta tensor real (uninitialised) storage on `device`, and move/cast the others, in place.
 
     `device=None` keeps real tensors where they are and puts meta tensors on the CPU. `dtype` applies to
     floating tensors only; `linear_attn.A_log` / `dt_bias` always become fp32 and integer buffers keep their
-    dtype. Tied tensors stay tied. Afterwards every submodule that owned a meta buffer and defines
+    dtype; `dtypes` (name -> dtype) overrides both for the names it lists. Tied tensors stay tied. Afterwards every submodule that owned a meta buffer and defines
     `init_buffers()` has it called, so derived buffers (RoPE tables, PLE int64 constants) get their values back;
     other formerly-meta buffers stay uninitialised until loaded (see `uninitialised_buffers`).
     """
@@ -361,7 +376,7 @@ def materialize(
         t = tensors.pop(key)
         mod, is_param, n, full = holders[0]
         dev = torch.device(device) if device is not None else (torch.device("cpu") if t.is_meta else t.device)
-        want = _target_dtype(full, t.dtype, dtype)
+        want = dtypes[full] if dtypes and full in dtypes else _target_dtype(full, t.dtype, dtype)
         if t.is_meta:
             new = torch.empty(t.shape, dtype=want, device=dev)
             reinit.extend(m for m, p, _, _ in holders if not p)
@@ -478,7 +493,8 @@ def load_weights(
     """Load a safetensors checkpoint (official names) into `model` in place.
 
     `model` may live on the meta device: it is materialised on `device` (default: CPU for meta tensors,
-    other tensors stay put) in `dtype` (default: keep each tensor's dtype) first; `A_log`/`dt_bias` end fp32.
+    other tensors stay put) in `dtype` (default: keep each tensor's dtype) first; `A_log`/`dt_bias` end fp32;
+    packed quantized tensors (and their scales) keep the checkpoint's dtypes.
     `skip_prefixes` (e.g. `("mtp.",)` or `("model.visual.",)`) drops on-disk names and model names with those
     prefixes from loading and from the missing/unexpected check; skipped model tensors are left as they are.
     `renames` maps further on-disk names the model does not have to its own names (another model's layout).
@@ -490,15 +506,19 @@ def load_weights(
 
     targets = _targets(model)
     shapes = {n: tuple(t.shape) for n, t in targets.items()}
-    dtypes = {n: _target_dtype(n, t.dtype, dtype) for n, t in targets.items()}
+    kept = _disk_dtype_names(model)  # packed quantized tensors: stored as the checkpoint has them
+    dtypes = {n: t.dtype if n in kept else _target_dtype(n, t.dtype, dtype) for n, t in targets.items()}
     first_name: dict[int, str] = {}
     aliases = {n: first_name.setdefault(id(t), n) for n, t in targets.items()}
     # A meta buffer has no derived value to fall back on unless its module re-derives it in init_buffers().
     blank, blank_volatile = uninitialised_buffers(model)
     optional = {n for n in targets if any(p.search(n) for p in _OPTIONAL_ON_DISK) and n not in blank}
 
-    pieces, errors = _plan(files, headers, shapes, dtypes, skip, renames or {})
+    packed_experts = {n: m for n, m in model.named_modules() if callable(getattr(m, "disk_piece", None))}
+    pieces, errors = _plan(files, headers, shapes, dtypes, skip, renames or {}, packed_experts)
     errors += _coverage_errors(pieces, shapes, aliases, skip, optional)
+    disk_dtypes, dtype_errors = _disk_dtypes(pieces, kept)
+    errors += dtype_errors
     blank_volatile = sorted(n for n in blank_volatile if not n.startswith(skip))
     if blank_volatile:
         errors.append(f"{len(blank_volatile)} non-persistent buffers are on the meta device and no checkpoint "
@@ -506,7 +526,7 @@ def load_weights(
     if errors:
         raise CheckpointError(f"checkpoint {path} does not match the model:\n" + "\n".join(errors))
 
-    materialize(model, device, dtype)
+    materialize(model, device, dtype, disk_dtypes)
     targets = _targets(model)
     by_file: dict[Path, list[_Piece]] = defaultdict(list)
     for p in pieces:
@@ -520,6 +540,26 @@ def load_weights(
             bar.update()
         reader.close()
     bar.close()
+
+
+def _disk_dtype_names(model: nn.Module) -> set[str]:
+    """Names of tensors whose modules list them in `disk_dtype_tensors` (packed quantized weights)."""
+    out = set()
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        out.update(prefix + n for n in getattr(mod, "disk_dtype_tensors", ()))
+    return out
+
+
+def _disk_dtypes(pieces: list[_Piece], kept: set[str]) -> tuple[dict[str, torch.dtype], list[str]]:
+    """The checkpoint's dtype of each kept tensor (all pieces of one tensor must agree), and errors."""
+    seen: dict[str, dict[torch.dtype, str]] = defaultdict(dict)
+    for p in pieces:
+        if p.target in kept:
+            seen[p.target].setdefault(p.src_dtype, p.src)
+    mixed = [f"{t}: " + ", ".join(f"{src} is {dt}" for dt, src in by.items()) for t, by in seen.items() if len(by) > 1]
+    errors = [f"{len(mixed)} packed tensors assembled from pieces of different dtypes:{_block(mixed)}"] if mixed else []
+    return {t: next(iter(by)) for t, by in seen.items()}, errors
 
 
 def read_kv_scales(path: str | Path) -> dict[str, torch.Tensor]:

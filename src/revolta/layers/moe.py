@@ -26,6 +26,8 @@ class Experts(nn.Module):
     gate_up_proj: [E, 2I, H] (gate rows, then up rows); down_proj: [E, H, I].
     """
 
+    packed = False  # 16-bit tensors the fused kernel can read (quant_moe.QuantExperts: packed)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -70,7 +72,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, ops=None) -> Tensor:
         """x: [T, H] -> [T, H]. ops: a kernels.ops.KernelOps whose routing and fused expert GEMMs
         (Triton) replace the torch reference."""
-        if ops is not None and ops.fused_moe is not None:
+        if ops is not None and ops.fused_moe is not None and not self.experts.packed:
             ids, weights = ops.moe_route(self.gate(x).float().contiguous(), self.top_k, self.norm_topk_prob)
             routed = ops.fused_moe(x.contiguous(), self.experts.gate_up_proj, self.experts.down_proj, ids,
                                    weights).float()

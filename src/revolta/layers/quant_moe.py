@@ -1,0 +1,81 @@
+"""Routed experts stored packed (revolta.quant formats), in the grouped layout of `moe.Experts`.
+
+gate_up_proj / down_proj hold one packed linear per expert, stacked: gate_up_proj is the [2I, H] linear of
+gate rows then up rows (per-linear values such as NVFP4 global scales kept per projection, [E, 2]),
+down_proj the [H, I] linear. On disk either layout loads: per expert
+(`experts.{e}.{gate,up,down}_proj.<tensor>`, assembled by `disk_piece`) or fused
+(`experts.gate_up_proj.<tensor>` [E, ...], `experts.down_proj.<tensor>` [E, ...]).
+
+forward is the torch reference: only the experts that received tokens are dequantized (one at a time, to
+the activation dtype) and multiplied, with exactly the arithmetic of `moe.Experts`.
+
+Seam for the fused kernel (kernels/moe.py is being redesigned for small M): a quantized `fused_moe` takes
+`gate_up_proj.packed()` / `down_proj.packed()` in place of the 16-bit [E, 2I, H] / [E, H, I] tensors and
+decodes each weight tile right after it is loaded, the step `WeightFormat.dequantize_rows` does for a
+whole linear (the tile decoders are `kernels.quant.{awq,ct_int4,nvfp4}._*_tile`). Until it exists,
+`MoE.forward` sends packed experts down this torch path on every backend (it syncs on the touched expert
+ids, so quantized MoE layers run outside CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..quant.format import TensorSpec, WeightFormat
+
+
+class PackedExpertWeights(nn.Module):
+    """One packed linear per expert: every tensor of the format's `specs` with a leading [E] axis."""
+
+    def __init__(self, num_experts: int, specs: dict[str, TensorSpec]):
+        super().__init__()
+        self.specs = specs
+        for name, spec in specs.items():
+            self.register_buffer(name, torch.empty((num_experts, *spec.shape), dtype=spec.dtype))
+
+    @property
+    def disk_dtype_tensors(self) -> tuple[str, ...]:
+        return tuple(self.specs)
+
+    def packed(self, e: int | None = None) -> dict[str, Tensor]:
+        """All experts' tensors, or expert e's."""
+        return {n: getattr(self, n) if e is None else getattr(self, n)[e] for n in self.specs}
+
+
+class QuantExperts(nn.Module):
+    packed = True  # MoE.forward: no 16-bit grouped tensors for the fused kernel
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: WeightFormat):
+        super().__init__()
+        self.fmt, self.hidden_size, self.intermediate_size = fmt, hidden_size, intermediate_size
+        self.gate_up_proj = PackedExpertWeights(num_experts, fmt.specs(2 * intermediate_size, hidden_size, shards=2))
+        self.down_proj = PackedExpertWeights(num_experts, fmt.specs(hidden_size, intermediate_size))
+
+    def disk_piece(self, e: int, proj: str, tensor: str) -> tuple[str, tuple] | None:
+        """Where the per-expert tensor `experts.{e}.{proj}.{tensor}` goes: (holder.tensor, index), or None."""
+        holder = self.down_proj if proj == "down_proj" else self.gate_up_proj
+        spec = holder.specs.get(tensor)
+        if spec is None:
+            return None
+        target = f"{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}.{tensor}"
+        if proj == "down_proj":
+            return target, (e,)
+        shard = 0 if proj == "gate_proj" else 1
+        if spec.out_axis is None:
+            return target, (e, shard)
+        n = self.intermediate_size // spec.out_pack
+        return target, (e, *([slice(None)] * spec.out_axis), slice(shard * n, (shard + 1) * n))
+
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """x: [T, H]; topk_ids/topk_weights: [T, k] -> Σ_k w_k E_{id_k}(x), accumulated in fp32, [T, H] fp32."""
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(topk_ids).tolist():
+            token_idx, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            xe = x[token_idx]  # [n, H]
+            w_gu = self.fmt.dequantize(self.gate_up_proj.packed(e), x.dtype)  # [2I, H], this expert only
+            gate, up = (xe @ w_gu.t()).split(self.intermediate_size, dim=-1)
+            ye = (F.silu(gate) * up) @ self.fmt.dequantize(self.down_proj.packed(e), x.dtype).t()  # [n, H]
+            out[token_idx] += ye.float() * topk_weights[token_idx, slot, None]
+        return out

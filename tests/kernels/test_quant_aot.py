@@ -1,0 +1,105 @@
+"""Ahead-of-time builds (no GPU) of the packed-weight kernels (kernels/quant) for sm_70 (V100, fp16
+activations) and sm_90 (H200, bf16), at the real model's projection shapes in the launch configurations
+the wrappers pick: the GEMV at M = 1, 8 (CUDA-core tile product) and 40 (tl.dot tiles), the split-K reduce,
+and the dequantize kernels of the large-M path. sm_70 budgets: no spills, <= 96 KiB shared memory, no
+Ampere/Hopper instructions (E4M3 scales and E2M1 codes are loaded as bytes and decoded with integer ops).
+
+Builds run in spawned processes with TRITON_INTERPRET=0 (the interpreter cannot compile), with
+test_moe_aot.py's `_compile` (its sm_90 ptxas handling). Print the table: `python tests/kernels/test_quant_aot.py`.
+"""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+ACT = {70: "*fp16", 90: "*bf16"}
+SHAPE = (2560, 10240)  # (N, K): the GDN in_proj_qkv; the configs depend on N and K only through SPLIT_K
+GEMV_ARGS = "x {w} ws out bias M N K stride_xm stride_om k_per_split"
+TAIL = " BLOCK_M BLOCK_N BLOCK_K SPLIT_K USE_DOT HAS_BIAS"
+
+
+def _sig(names, types, act):
+    """a activation, h fp16, w bf16 (compressed-tensors scales), f fp32, i int32, b uint8 ptr; n int32; c constexpr."""
+    table = {"a": act, "h": "*fp16", "w": "*bf16", "f": "*fp32", "i": "*i32", "b": "*u8", "n": "i32", "c": "constexpr"}
+    names = names.split()
+    assert len(names) == len(types), (names, types)
+    return {n: table[t] for n, t in zip(names, types)}
+
+
+def _builds(arch):
+    from revolta.kernels.quant import awq, common, ct_int4, nvfp4
+
+    N, K = SHAPE
+    b = {}
+    for M in (1, 8, 40):
+        for fmt, kernel, w, wt, consts, k_align, n_align in (
+                ("awq", awq._awq_gemv_kernel, "qw qz sc", "iih", dict(G=32), 32, 8),
+                ("ct_int4", ct_int4._ct_gemv_kernel, "wp sc zp", "iwi", dict(G=32, HAS_ZP=True), 32, 1),
+                ("nvfp4", nvfp4._nvfp4_gemv_kernel, "wt sc gs rows_per_shard", "bbfn", dict(INVERTED=False), 16, 1)):
+            cfg = common.gemv_config(M, N, K, k_align, 132 if arch == 90 else 80, n_align, arch)
+            names = GEMV_ARGS.format(w=w) + " " + " ".join(consts) + TAIL
+            types = "a" + wt + "faannnnnn" + "c" * len(consts) + "c" * 6
+            b[f"{fmt}_gemv_M{M}"] = (kernel, names, types,
+                                     dict(consts, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                          SPLIT_K=cfg["SPLIT_K"], USE_DOT=cfg["USE_DOT"], HAS_BIAS=False),
+                                     cfg["num_warps"], cfg["num_stages"])
+    b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
+                          dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=1024), 4, 2)
+    b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",
+                        dict(G=32, BLOCK_K=32, BLOCK_N=64), 4, 2)
+    b["ct_int4_dequant"] = (ct_int4._ct_dequant_kernel, "wp sc zp w N K n0 n_rows G HAS_ZP BLOCK_N BLOCK_K",
+                            "iwiannnncccc", dict(G=32, HAS_ZP=True, BLOCK_N=32, BLOCK_K=32), 4, 2)
+    b["nvfp4_dequant"] = (nvfp4._nvfp4_dequant_kernel, "wt sc gs w N K n0 n_rows rows_per_shard INVERTED BLOCK_N "
+                          "BLOCK_K", "bbfannnnnccc", dict(INVERTED=True, BLOCK_N=32, BLOCK_K=64), 4, 2)
+    return b
+
+
+def build_all(arch):
+    """{name: CompileReport as a dict + fp8 instructions found}; call with TRITON_INTERPRET unset or 0."""
+    from test_moe_aot import _compile
+
+    out = {}
+    for name, (kernel, names, types, consts, warps, stages) in _builds(arch).items():
+        out[name] = dataclasses.asdict(_compile(kernel, _sig(names, types, ACT[arch]), consts, arch, warps, stages))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """Both architectures built in parallel in fresh (spawned) processes that import Triton uninterpreted."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from unittest import mock
+
+    sys.path.insert(0, os.path.dirname(__file__))  # the children import this module and test_moe_aot by name
+    with mock.patch.dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1"), \
+            ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        import test_quant_aot
+
+        return dict(zip((70, 90), pool.map(test_quant_aot.build_all, (70, 90))))
+
+
+@pytest.mark.parametrize("arch", [70, 90])
+def test_aot_real_shapes(arch, reports):
+    from revolta.kernels.aot import CompileReport
+
+    problems = []
+    for name, fields in reports[arch].items():
+        report = CompileReport(**{**fields, "forbidden": tuple(fields["forbidden"])})
+        limits = dict(max_spill_bytes=0) if arch == 70 else dict(max_spill_bytes=1 << 20, shared_limit=227 * 1024)
+        try:
+            report.check(**limits)
+        except AssertionError as e:
+            problems.append(f"{name}: {e}")
+    assert not problems, "\n".join(problems)
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, os.path.dirname(__file__))
+    for arch in (70, 90):
+        for name, r in build_all(arch).items():
+            print(f"sm_{arch} {name:18s} shared {r['shared_bytes']:6d} B  regs {r['registers']:3d}  "
+                  f"spill st/ld {r['spill_store_bytes']}/{r['spill_load_bytes']} B  forbidden {r['forbidden']}")
