@@ -8,18 +8,18 @@ One H200, bf16 (fp16 for the V100 launch configs, correctness only). Order:
      timed eagerly with events and labelled so;
   4. JSON to $OUT/bench_moe_hc.json (default ./bench_out), the table printed last.
 
-MoE: hidden 2560, ffn 640, 512 experts, top-10, shared expert (ffn 640) with a sigmoid gate.
-  ours            = moe_route + fused_moe (Triton), shared expert fused as expert 512 (k = 11)
-  ours_unfused    = routed experts through fused_moe (k = 10), shared expert as torch matmuls
-  grouped_mm      = sort + torch._grouped_mm (bf16, when it exists), shared fused the same way
-  torch_loop      = per-expert torch.matmul loop (eager; host sync for the counts)
-  GB/s counts the distinct touched experts' weights (plus the shared expert); TFLOP/s 2·M·k·3·H·I.
+MoE: hidden 2560, ffn 640, top-10 of 512 experts (bf16: M = 1, 8, 40, 64, 8192, uniform and Zipf routing;
+  fp16: M = 1, 8, 40) and of the full-depth stand-in's 64 experts (fp16, M = 1, 8, 40), each with the shared
+  expert (ffn 640, sigmoid gate) riding as expert E (k = 11); see bench_moe for the columns. The tile
+  variants (moe_variants) are timed beside the default config; a fused_moe CUDA graph is replayed on new
+  inputs and checked. GB/s counts the distinct touched experts' weights (plus the shared expert).
 HC: d 2560, h 4, r 320: ours = hc_read (Triton), torch = HyperConnection.read (graph and eager);
   hc_combine (the write: x_b + inject_b * out) vs its torch reference.
 Norms: the (1+w) RMSNorm over d 2560 (zc_rms_norm) and the GDN gated RMSNorm over 48 heads x 128
   (gated_rms_norm), vs their torch references; GB/s counts input + output (+ gate) bytes.
 
-Run: python benchmarks/bench_moe_hc.py [--quick] [--parts moe,hc,elementwise]
+Run: python benchmarks/bench_moe_hc.py [--quick] [--parts moe,hc,elementwise]; no GPU: --smoke (the MoE part
+at tiny shapes under the Triton interpreter).
 """
 
 from __future__ import annotations
@@ -103,14 +103,14 @@ def ceilings():
     return copy_gbs, mm_tflops
 
 
-def routing(M, kind, gen, num_sets):
+def routing(M, kind, gen, num_sets, num_experts=E, device="cuda"):
     """num_sets router-logit sets [M, E]: 'uniform' (Gumbel noise) or 'zipf' (Gumbel-top-k on Zipf(1) popularity)."""
     sets = []
     for _ in range(num_sets):
-        gumbel = -torch.log(-torch.log(torch.rand(M, E, device="cuda", generator=gen).clamp_min(1e-20)))
+        gumbel = -torch.log(-torch.log(torch.rand(M, num_experts, device=device, generator=gen).clamp_min(1e-20)))
         if kind == "zipf":
-            pop = 1.0 / torch.arange(1, E + 1, device="cuda", dtype=torch.float32)
-            perm = torch.randperm(E, device="cuda", generator=gen)  # which experts are popular changes per set
+            pop = 1.0 / torch.arange(1, num_experts + 1, device=device, dtype=torch.float32)
+            perm = torch.randperm(num_experts, device=device, generator=gen)  # which experts are popular changes per set
             logits = torch.log(pop)[perm][None, :] + gumbel
         else:
             logits = gumbel
@@ -122,91 +122,195 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def bench_moe(Ms, copy_gbs, mm_tflops, quick):
-    dt = torch.bfloat16
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    # routed experts + the shared expert as expert E
-    w1 = (torch.randn(E + 1, 2 * I, H, device="cuda", dtype=dt, generator=gen) * H**-0.5)
-    w2 = (torch.randn(E + 1, H, I, device="cuda", dtype=dt, generator=gen) * I**-0.5)
-    w_sg = torch.randn(1, H, device="cuda", dtype=dt, generator=gen) * H**-0.5
-    expert_bytes = 3 * H * I * 2
+# ---------------------------------------------------------------------------------------------- MoE (K5)
+
+# (routed experts, token rows, routings, dtypes): the real model, then the full-depth stand-in's 64 experts
+MOE_PLAN = ((E, (1, 8, 40, 64, 8192), ("uniform", "zipf"), (torch.bfloat16,)),
+            (E, (1, 8, 40), ("uniform",), (torch.float16,)),
+            (64, (1, 8, 40), ("uniform",), (torch.float16,)))  # the stand-in runs fp16
+MOE_SMOKE_PLAN = ((16, (1, 8), ("zipf",), (torch.float16,)),)  # CPU, interpreter, tiny shapes
+
+
+def moe_variants(M, top_k, num_experts, arch):
+    """Tile configs timed beside the default one (`moe_config`'s choice), so one GPU run can pick the best;
+    change the defaults in revolta.kernels.moe_grouped.grouped_config."""
+    base = MOE.moe_config(M, top_k, num_experts, arch)
+    if not base["GROUPED"] or (arch is not None and arch < 80):
+        return {}
+    v = {"n32/64": dict(base, BLOCK_N_UP=32, BLOCK_N_DOWN=64),
+         "k64s6": dict(base, BLOCK_K_UP=64, BLOCK_K_DOWN=64, num_stages=6),
+         "n32/64w8": dict(base, BLOCK_N_UP=32, BLOCK_N_DOWN=64, num_warps=8)}
+    if M == 1:  # CUDA-core GEMV: no tl.dot, no padding of the one row
+        v["gemv"] = dict(base, USE_DOT=False, BLOCK_M=1, BLOCK_N_UP=16, BLOCK_K_UP=256, BLOCK_N_DOWN=32,
+                         BLOCK_K_DOWN=128, num_stages=1)
+    if M >= 32:
+        v["m32"] = dict(base, BLOCK_M=32)
+    return v
+
+
+def legacy_config(M, top_k, num_experts, arch):
+    """The kernel K5 measured before the grouped path (commit 511eba2): the pairs kernels, with GEMV tiles
+    (no tl.dot, BLOCK_M 1..8) below 12 rows per expert on every arch, tl.dot tiles above."""
+    T = M * top_k
+    if T / max(1, min(T, num_experts)) < 12:
+        return dict(MOE.pairs_config(M, top_k, num_experts, arch=70), num_stages=3)
+    return MOE.pairs_config(M, top_k, num_experts, arch)
+
+
+def _moe_bank(num_experts, dtype, gen, device, h, i):
+    """Routed experts with the shared one stacked last ([E+1, 2I, H], [E+1, H, I]) and the shared expert
+    as views of row E (what the model passes: its own gate / up / down tensors, same row strides)."""
+    w1 = torch.randn(num_experts + 1, 2 * i, h, device=device, dtype=dtype, generator=gen) * h**-0.5
+    w2 = torch.randn(num_experts + 1, h, i, device=device, dtype=dtype, generator=gen) * i**-0.5
+    return w1, w2, (w1[num_experts, :i], w1[num_experts, i:], w2[num_experts])
+
+
+def moe_graph_check(w1r, w2r, shared, M, num_experts, dt, gen):
+    """fused_moe captured once in a CUDA graph, replayed on new tokens and new routing written into the
+    captured buffers: rel. error against the reference of the new inputs."""
+    h = w1r.shape[-1]
+
+    def inputs():
+        x = torch.randn(M, h, device="cuda", dtype=dt, generator=gen)
+        logits = routing(M, "uniform", gen, 1, num_experts)[0]
+        return (x, *MOE.moe_route(logits, TOPK, shared_logits=torch.randn(M, device="cuda", generator=gen)))
+
+    x, ids, w = inputs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        MOE.fused_moe(x, w1r, w2r, ids, w, shared_expert=shared)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = MOE.fused_moe(x, w1r, w2r, ids, w, shared_expert=shared)
+    new = inputs()
+    for buf, val in zip((x, ids, w), new):
+        buf.copy_(val)
+    g.replay()
+    torch.cuda.synchronize()
+    return rel_err(out, MOE.fused_moe_ref(*new[:1], w1r, w2r, *new[1:], shared_expert=shared))
+
+
+def bench_moe(copy_gbs, mm_tflops, quick, timer, smoke=False):
+    """K5 rows. ours = fused_moe(path="auto") with the shared expert riding as expert E; route = + moe_route;
+    prev = the pairs kernels with K5's configs (legacy_config); grouped_mm = sort + torch._grouped_mm over the
+    stacked bank (bf16); loop = eager per-expert torch.matmul (host sync). Bytes: distinct touched routed
+    experts plus the shared one, 3·H·I weights each; floor = bytes / copy bandwidth of this run."""
+    device = "cpu" if smoke else "cuda"
+    h, i = (64, 32) if smoke else (H, I)
+    arch = MOE._arch(torch.device(device))
+    gen = torch.Generator(device=device).manual_seed(0)
     rows, checks = [], []
-    has_grouped = hasattr(torch, "_grouped_mm")
-    for M in Ms:
-        for kind in ("zipf", "uniform"):
-            num_sets = 2 if M >= 4096 else 8
-            logit_sets = routing(M, kind, gen, num_sets)
-            xs = [torch.randn(M, H, device="cuda", dtype=dt, generator=gen) for _ in range(num_sets)]
-            shared_logits = [x @ w_sg.t() for x in xs]
-            routes = [MOE.moe_route(lg, TOPK, shared_logits=s[:, 0]) for lg, s in zip(logit_sets, shared_logits)]
-            routed = [MOE.moe_route(lg, TOPK) for lg in logit_sets]
-            distinct = statistics.mean(len(torch.unique(ids[:, :TOPK])) for ids, _ in routes)
-            touched = (distinct + 1) * expert_bytes
-            flops = 2 * M * (TOPK + 1) * 3 * H * I
-            # correctness first (set 0)
-            ids, w = routes[0]
-            ref = MOE.fused_moe_ref(xs[0], w1, w2, ids, w)
-            out = MOE.fused_moe(xs[0], w1, w2, ids, w, path="triton")
-            checks.append(dict(what=f"moe triton M={M} {kind}", rel_err=rel_err(out, ref)))
-            ri, rw = MOE.moe_route_ref(logit_sets[0], TOPK, shared_logits=shared_logits[0][:, 0])
-            checks.append(dict(what=f"moe_route M={M} {kind}", ids_equal=bool(torch.equal(ri, ids)),
-                               max_w_err=(rw - w).abs().max().item()))
-            if has_grouped:
-                try:
-                    outg = MOE.fused_moe_torch(xs[0], w1, w2, ids, w, use_grouped_mm=True)
-                    checks.append(dict(what=f"moe grouped_mm M={M} {kind}", rel_err=rel_err(outg, ref)))
-                except Exception as e:  # noqa: BLE001 - a missing or shape-limited private op is reported, not fatal
-                    checks.append(dict(what=f"moe grouped_mm M={M} {kind}", error=repr(e)[:200]))
-                    has_grouped = False
-            res = dict(M=M, routing=kind, distinct_experts=distinct, touched_MB=touched / 1e6, flops=flops)
+    has_grouped = hasattr(torch, "_grouped_mm") and not smoke
+    for num_experts, Ms, kinds, dtypes in (MOE_SMOKE_PLAN if smoke else MOE_PLAN):
+        for dt in dtypes:
+            w1, w2, shared = _moe_bank(num_experts, dt, gen, device, h, i)
+            w1r, w2r = w1[:num_experts], w2[:num_experts]
+            w_sg = torch.randn(1, h, device=device, dtype=dt, generator=gen) * h**-0.5
+            expert_bytes = 3 * h * i * w1.element_size()
+            for M in Ms:
+                if not smoke and M <= 64:
+                    checks.append(dict(what=f"moe CUDA-graph replay on new inputs E={num_experts} M={M} {dt}",
+                                       rel_err=moe_graph_check(w1r, w2r, shared, M, num_experts, dt, gen)))
+                for kind in kinds:
+                    num_sets = 1 if smoke else 2 if M >= 4096 else 8
+                    logit_sets = routing(M, kind, gen, num_sets, num_experts, device)
+                    xs = [torch.randn(M, h, device=device, dtype=dt, generator=gen) for _ in range(num_sets)]
+                    shared_logits = [(x @ w_sg.t())[:, 0] for x in xs]
+                    routes = [MOE.moe_route(lg, TOPK, shared_logits=s) for lg, s in zip(logit_sets, shared_logits)]
+                    distinct = statistics.mean(len(torch.unique(ids[:, :TOPK])) for ids, _ in routes)
+                    touched = (distinct + 1) * expert_bytes
+                    res = dict(experts=num_experts, M=M, routing=kind, dtype=str(dt).split(".")[-1],
+                               distinct_experts=distinct, touched_MB=touched / 1e6, floor_us=touched / copy_gbs / 1e3,
+                               flops=2 * M * (TOPK + 1) * 3 * h * i)
+                    tag = f"E={num_experts} M={M} {kind} {res['dtype']}"
+                    ids, w = routes[0]
+                    ref = MOE.fused_moe_ref(xs[0], w1r, w2r, ids, w, shared_expert=shared)
+                    ri, rw = MOE.moe_route_ref(logit_sets[0], TOPK, shared_logits=shared_logits[0])
+                    checks.append(dict(what=f"moe_route {tag}", ids_equal=bool(torch.equal(ri, ids)),
+                                       max_w_err=(rw - w).abs().max().item()))
+                    variants = {"ours": None, "prev": legacy_config(M, TOPK + 1, num_experts + 1, arch)}
+                    if kind == "uniform" or smoke:
+                        variants.update(moe_variants(M, TOPK + 1, num_experts + 1, arch))
+                    for name, cfg in variants.items():
+                        out = MOE.fused_moe(xs[0], w1r, w2r, ids, w, path="auto" if cfg is None else "triton",
+                                            config=cfg, shared_expert=shared)
+                        checks.append(dict(what=f"moe {name} {tag}", rel_err=rel_err(out, ref)))
+                        res[f"{name}_us"] = timer([
+                            (lambda j=j, cfg=cfg: MOE.fused_moe(xs[j], w1r, w2r, *routes[j], config=cfg,
+                                                                path="auto" if cfg is None else "triton",
+                                                                shared_expert=shared)) for j in range(num_sets)])
 
-            def ours(i):
-                def f():
-                    ids_i, w_i = MOE.moe_route(logit_sets[i], TOPK, shared_logits=shared_logits[i][:, 0])
-                    return MOE.fused_moe(xs[i], w1, w2, ids_i, w_i, path="triton")
-                return f
+                    def routed_moe(j):
+                        def f():
+                            ids_j, w_j = MOE.moe_route(logit_sets[j], TOPK, shared_logits=shared_logits[j])
+                            return MOE.fused_moe(xs[j], w1r, w2r, ids_j, w_j, shared_expert=shared)
+                        return f
 
-            res["ours_us"] = graph_time_us([ours(i) for i in range(num_sets)])
-            res["ours_gemm_only_us"] = graph_time_us(
-                [(lambda i=i: MOE.fused_moe(xs[i], w1, w2, *routes[i], path="triton")) for i in range(num_sets)])
-
-            def unfused(i):
-                def f():
-                    ids_r, w_r = routed[i]
-                    y = MOE.fused_moe(xs[i], w1, w2, ids_r, w_r, path="triton")
-                    gu = xs[i] @ w1[E].t()
-                    g_, u_ = gu.split(I, dim=-1)
-                    sh = (torch.nn.functional.silu(g_) * u_) @ w2[E].t()
-                    return (y.float() + torch.sigmoid(shared_logits[i].float()) * sh.float()).to(dt)
-                return f
-
-            res["ours_unfused_shared_us"] = graph_time_us([unfused(i) for i in range(num_sets)])
-            if has_grouped:
-                try:
-                    res["grouped_mm_us"] = graph_time_us(
-                        [(lambda i=i: MOE.fused_moe_torch(xs[i], w1, w2, *routes[i], use_grouped_mm=True))
-                         for i in range(num_sets)])
-                except Exception as e:  # noqa: BLE001
-                    res["grouped_mm_error"] = repr(e)[:200]
-            if not quick or M <= 64:
-                res["torch_loop_eager_us"] = eager_time_us(
-                    [(lambda i=i: MOE.fused_moe_torch(xs[i], w1, w2, *routes[i], use_grouped_mm=False))
-                     for i in range(num_sets)], reps=3 if M >= 4096 else 5)
-            t = res["ours_us"]
-            res["ours_GBps"] = touched / (t * 1e-6) / 1e9
-            res["ours_frac_copy"] = res["ours_GBps"] / copy_gbs
-            res["ours_TFLOPs"] = flops / (t * 1e-6) / 1e12
-            res["ours_frac_mm"] = res["ours_TFLOPs"] / mm_tflops
-            rows.append(res)
-            print(json.dumps(res), flush=True)
-    # the V100 launch configs (fp16, sm70 tiles) for correctness only
-    w1h, w2h = w1[:64].half(), w2[:64].half()
-    for M in (1, 5, 64, 512):
-        x = torch.randn(M, H, device="cuda", dtype=torch.float16, generator=gen)
-        ids, w = MOE.moe_route(torch.randn(M, 64, device="cuda", generator=gen), TOPK)
-        out = MOE.fused_moe(x, w1h, w2h, ids, w, path="triton", config=MOE.moe_config(M, TOPK, 64, arch=70))
-        checks.append(dict(what=f"moe sm70 config fp16 M={M}", rel_err=rel_err(out, MOE.fused_moe_ref(x, w1h, w2h, ids, w))))
+                    res["route_us"] = timer([routed_moe(j) for j in range(num_sets)])
+                    if has_grouped and dt == torch.bfloat16:
+                        try:
+                            outg = MOE.fused_moe_torch(xs[0], w1, w2, ids, w, use_grouped_mm=True)
+                            checks.append(dict(what=f"moe grouped_mm {tag}", rel_err=rel_err(outg, ref)))
+                            res["grouped_mm_us"] = timer([
+                                (lambda j=j: MOE.fused_moe_torch(xs[j], w1, w2, *routes[j], use_grouped_mm=True))
+                                for j in range(num_sets)])
+                        except Exception as e:  # noqa: BLE001 - a missing or shape-limited private op is reported
+                            checks.append(dict(what=f"moe grouped_mm {tag}", error=repr(e)[:200]))
+                            has_grouped = False
+                    if not smoke and M <= 64 and not quick and num_experts == E and dt == torch.bfloat16:
+                        res["loop_eager_us"] = eager_time_us(
+                            [(lambda j=j: MOE.fused_moe_torch(xs[j], w1, w2, *routes[j], use_grouped_mm=False))
+                             for j in range(num_sets)], reps=3)
+                    timed = {n: res[f"{n}_us"] for n in variants}
+                    res["best"] = min(timed, key=timed.get)
+                    for n in ("ours", "route", "best"):
+                        t = res[f"{res['best']}_us"] if n == "best" else res[f"{n}_us"]
+                        res[f"{n}_frac_copy"] = touched / (t * 1e-6) / 1e9 / copy_gbs
+                    res["ours_TFLOPs"] = res["flops"] / (res["ours_us"] * 1e-6) / 1e12
+                    res["ours_frac_mm"] = res["ours_TFLOPs"] / mm_tflops
+                    rows.append(res)
+                    print(json.dumps(res), flush=True)
+    if not smoke:  # the V100 launch configs (fp16, sm70 tiles: CUDA-core FMA) for correctness only
+        w1h, w2h, sh = _moe_bank(64, torch.float16, gen, device, h, i)
+        for M in (1, 5, 40, 64, 512):
+            x = torch.randn(M, h, device=device, dtype=torch.float16, generator=gen)
+            ids, w = MOE.moe_route(torch.randn(M, 64, device=device, generator=gen), TOPK,
+                                   shared_logits=torch.randn(M, device=device, generator=gen))
+            cfg = MOE.moe_config(M, TOPK + 1, 65, arch=70)
+            out = MOE.fused_moe(x, w1h[:64], w2h[:64], ids, w, path="triton", config=cfg, shared_expert=sh)
+            ref = MOE.fused_moe_ref(x, w1h[:64], w2h[:64], ids, w, shared_expert=sh)
+            checks.append(dict(what=f"moe sm70 config fp16 M={M} grouped={cfg['GROUPED']}", rel_err=rel_err(out, ref)))
     return rows, checks
+
+
+def print_moe_table(rows, copy_gbs):
+    """One line per row: µs per call (CUDA graph of rotating inputs) and % of the copy bandwidth over the
+    distinct touched experts' bytes."""
+    if not rows:
+        return
+    nan = float("nan")
+    print(f"\nMoE (top-{TOPK} + shared): µs per call; %copy = touched bytes / time / "
+          f"{copy_gbs:,.0f} GB/s")
+    hdr = (f"{'E':>4} {'M':>5} {'route':>7} {'dtype':>8} {'experts':>7} {'MB':>7} {'floor':>7} {'ours':>8} {'%copy':>6} "
+           f"{'+route':>8} {'%copy':>6} {'prev':>8} {'grp_mm':>8} {'loop*':>8} {'best':>9} {'best us':>8} {'%copy':>6}")
+    print(hdr)
+    for r in rows:
+        print(f"{r['experts']:>4} {r['M']:>5} {r['routing']:>7} {r['dtype']:>8} {r['distinct_experts']:>7.1f} "
+              f"{r['touched_MB']:>7.1f} {r['floor_us']:>7.1f} {r['ours_us']:>8.1f} {100 * r['ours_frac_copy']:>5.0f}% "
+              f"{r['route_us']:>8.1f} {100 * r['route_frac_copy']:>5.0f}% {r['prev_us']:>8.1f} "
+              f"{r.get('grouped_mm_us', nan):>8.1f} {r.get('loop_eager_us', nan):>8.1f} {r['best']:>9} "
+              f"{r[r['best'] + '_us']:>8.1f} {100 * r['best_frac_copy']:>5.0f}%")
+    print("  ours = fused_moe (auto path) incl. the shared expert; +route = moe_route + ours; prev = the pairs kernels "
+          "with K5's configs; grp_mm = torch._grouped_mm (bf16); loop* = eager per-expert torch loop (host sync); "
+          "best = fastest of ours / prev / the tile variants (moe_variants); floor = bytes at the copy bandwidth")
+    variants = sorted({k[:-3] for r in rows for k in r if k.endswith("_us")} - {"ours", "route", "prev", "grouped_mm",
+                                                                                    "loop_eager", "floor"})
+    if variants:
+        print("  variants (µs): " + "; ".join(
+            f"E={r['experts']} M={r['M']} {r['routing']} {r['dtype']}: "
+            + ", ".join(f"{v} {r[v + '_us']:.1f}" for v in variants if v + "_us" in r) for r in rows if r["M"] <= 64))
 
 
 def bench_hc(Ms, copy_gbs, mm_tflops):
@@ -297,11 +401,36 @@ def bench_elementwise(Ms, copy_gbs):
     return rows, checks
 
 
+def moe_smoke():
+    """The MoE part's code path on CPU at tiny shapes (Triton interpreter): correctness checks and the table,
+    timings meaningless. Run: TRITON_INTERPRET=1 python benchmarks/bench_moe_hc.py --smoke"""
+    a = torch.randn(2**24)
+    t0 = time.perf_counter()
+    a.clone()
+    copy_gbs = 2 * a.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+    def timer(fns):
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t0) * 1e6 / len(fns)
+
+    rows, checks = bench_moe(copy_gbs, 1.0, False, timer, smoke=True)
+    for c in checks:
+        print("  " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()))
+    print_moe_table(rows, copy_gbs)
+    bad = [c for c in checks if c.get("rel_err", 0) > 1e-2 or c.get("ids_equal") is False or "error" in c]
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="skip the eager torch loop at prefill sizes")
+    ap.add_argument("--quick", action="store_true", help="skip the eager per-expert torch loop")
     ap.add_argument("--parts", default="moe,hc,elementwise", help="comma-separated subset of moe,hc,elementwise")
+    ap.add_argument("--smoke", action="store_true", help="no GPU: the MoE part at tiny shapes on CPU (interpreter)")
     args = ap.parse_args()
+    if args.smoke:
+        return moe_smoke()
     parts = set(args.parts.split(","))
     out_dir = os.environ.get("OUT", "./bench_out")
     os.makedirs(out_dir, exist_ok=True)
@@ -311,7 +440,7 @@ def main():
     copy_gbs, mm_tflops = ceilings()
     info.update(copy_GBps=copy_gbs, matmul_TFLOPs=mm_tflops)
     print(json.dumps(info), flush=True)
-    moe_rows, moe_checks = bench_moe([1, 5, 8, 40, 64, 8192], copy_gbs, mm_tflops, args.quick) if "moe" in parts else ([], [])
+    moe_rows, moe_checks = bench_moe(copy_gbs, mm_tflops, args.quick, graph_time_us) if "moe" in parts else ([], [])
     hc_rows, hc_checks = bench_hc([1, 5, 8, 8192], copy_gbs, mm_tflops) if "hc" in parts else ([], [])
     ew_rows, ew_checks = bench_elementwise([1, 5, 8, 64, 8192], copy_gbs) if "elementwise" in parts else ([], [])
     info["wall_s"] = time.time() - t0
@@ -324,17 +453,7 @@ def main():
         print("  " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()))
     print(f"\nceilings: copy {copy_gbs:,.0f} GB/s, bf16 matmul {mm_tflops:,.0f} TFLOP/s; "
           f"torch {info['torch']}, triton {info['triton']}, {info['device']}")
-    hdr = (f"{'MoE M':>6} {'route':>7} {'experts':>7} {'ours us':>8} {'gemm us':>8} {'unfused':>8} {'grp_mm':>8} "
-           f"{'loop*':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'%mm':>5} {'vs grp':>6}")
-    print("\n" + hdr)
-    for r in moe_rows:
-        g = r.get("grouped_mm_us")
-        print(f"{r['M']:>6} {r['routing']:>7} {r['distinct_experts']:>7.1f} {r['ours_us']:>8.1f} "
-              f"{r['ours_gemm_only_us']:>8.1f} {r['ours_unfused_shared_us']:>8.1f} {g if g else float('nan'):>8.1f} "
-              f"{r.get('torch_loop_eager_us', float('nan')):>9.1f} {r['ours_GBps']:>7.0f} {100 * r['ours_frac_copy']:>5.0f}% "
-              f"{r['ours_TFLOPs']:>8.1f} {100 * r['ours_frac_mm']:>4.0f}% {(g / r['ours_us']) if g else float('nan'):>5.2f}x")
-    print("  ours = route + fused_moe incl. shared expert (k=11, CUDA graph); gemm = fused_moe only; unfused = shared "
-          "expert as torch matmuls; loop* = eager per-expert torch loop (host sync)")
+    print_moe_table(moe_rows, copy_gbs)
     print(f"\n{'HC M':>6} {'ours us':>8} {'torch graph':>11} {'torch eager':>11} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'speedup':>7}")
     for r in hc_rows:
         print(f"{r['M']:>6} {r['ours_us']:>8.1f} {r['torch_graph_us']:>11.1f} {r['torch_eager_us']:>11.1f} "

@@ -25,6 +25,7 @@ from unittest import mock
 import pytest
 
 SM70_SPILL_BUDGET = 0
+GEMM_BUILDS = ("moe_grouped_", "moe_gate_up_", "moe_down_")  # built with the run-time alignment specialisation
 ACT = {70: "*fp16", 90: "*bf16"}
 
 
@@ -39,7 +40,7 @@ def _sig(names, types, act):
 
 def _builds(arch):
     """name -> (kernel, arg names, arg types, constexprs, num_warps, num_stages)."""
-    from revolta.kernels import hc, moe, norm, rope, sample
+    from revolta.kernels import hc, moe, moe_grouped, norm, rope, sample
 
     b = {}
     b["moe_route"] = (moe._moe_route_kernel, "logits shared ids_out w_out E stride_l stride_s stride_o TOP_K NUM_OUT "
@@ -52,21 +53,40 @@ def _builds(arch):
     b["moe_scatter"] = (moe._moe_scatter_kernel, "topk_ids ranks starts sorted_ids T BLOCK", "iiiinc", dict(BLOCK=1024), 4, 2)
     b["moe_sum"] = (moe._moe_sum_kernel, "y out H stride_ym stride_om TOP_K BLOCK_N", "fannncc", dict(TOP_K=11, BLOCK_N=1024), 4, 2)
     seen = set()
-    for M in (1, 5, 8, 40, 64, 8192):
-        cfg = moe.moe_config(M, 11, 513, arch)
-        key = tuple(sorted(cfg.items()))
+    # real shapes (512 experts + shared = 513, k = 10 + 1) and the 64-expert stand-in at decode / verify sizes
+    for M, E in ((1, 513), (5, 513), (8, 513), (40, 513), (64, 513), (8192, 513), (8, 65), (40, 65)):
+        cfg = moe.moe_config(M, 11, E, arch)
+        sort = M > 1
+        if cfg["GROUPED"] and sort:  # the one-program sort of all pairs, at every register-tile size used
+            block_t, gw = moe_grouped.group_launch(M * 11)
+            b[f"moe_group_T{block_t}"] = (moe_grouped._moe_group_kernel, "topk_ids order slot_expert slot_start "
+                                          "slot_end sorted_expert T S BLOCK_T", "iiiiiinnc", dict(BLOCK_T=block_t), gw, 2)
+        key = tuple(sorted(cfg.items())) + (sort,)
         if key in seen:
             continue
         seen.add(key)
         w, s = cfg["num_warps"], cfg["num_stages"]
-        b[f"moe_gate_up_M{M}"] = (moe._moe_gate_up_kernel, "x w act sorted_ids expert_ids T H I stride_xm stride_we "
-                                  "stride_wn stride_am TOP_K BLOCK_M BLOCK_N BLOCK_K USE_DOT", "aaaiinnnnnnnccccc",
-                                  dict(TOP_K=11, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"],
-                                       BLOCK_K=cfg["BLOCK_K_UP"], USE_DOT=cfg["USE_DOT"]), w, s)
-        b[f"moe_down_M{M}"] = (moe._moe_down_kernel, "act w topk_weights y sorted_ids expert_ids T H I stride_am "
-                               "stride_we stride_wn stride_ym BLOCK_M BLOCK_N BLOCK_K USE_DOT", "aaffiinnnnnnncccc",
-                               dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"],
-                                    USE_DOT=cfg["USE_DOT"]), w, s)
+        flags = dict(BLOCK_M=cfg["BLOCK_M"], USE_DOT=cfg["USE_DOT"], HAS_SHARED=True)
+        up = dict(BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **flags)
+        down = dict(BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], **flags)
+        if cfg["GROUPED"]:
+            b[f"moe_grouped_gate_up_M{M}_E{E}"] = (
+                moe_grouped._grouped_gate_up_kernel, "x w shared_gate shared_up act topk_ids order slot_expert "
+                "slot_start slot_end num_routed H I stride_xm stride_we stride_wn stride_am TOP_K BLOCK_M BLOCK_N "
+                "BLOCK_K USE_DOT HAS_SHARED SORTED", "aaaaaiiiiinnnnnnnccccccc", dict(TOP_K=11, SORTED=sort, **up), w, s)
+            b[f"moe_grouped_down_M{M}_E{E}"] = (
+                moe_grouped._grouped_down_kernel, "act w shared_down topk_weights y topk_ids order slot_expert "
+                "slot_start slot_end num_routed H I stride_am stride_we stride_wn stride_ym BLOCK_M BLOCK_N BLOCK_K "
+                "USE_DOT HAS_SHARED SORTED", "aaaffiiiiinnnnnnncccccc", dict(SORTED=sort, **down), w, s)
+        else:
+            b[f"moe_gate_up_M{M}_E{E}"] = (
+                moe._moe_gate_up_kernel, "x w shared_gate shared_up act sorted_ids expert_ids T num_routed H I "
+                "stride_xm stride_we stride_wn stride_am TOP_K BLOCK_M BLOCK_N BLOCK_K USE_DOT HAS_SHARED",
+                "aaaaaiinnnnnnnncccccc", dict(TOP_K=11, **up), w, s)
+            b[f"moe_down_M{M}_E{E}"] = (
+                moe._moe_down_kernel, "act w shared_down topk_weights y sorted_ids expert_ids T num_routed H I "
+                "stride_am stride_we stride_wn stride_ym BLOCK_M BLOCK_N BLOCK_K USE_DOT HAS_SHARED",
+                "aaaffiinnnnnnnnccccc", down, w, s)
     for G, warps in ((2560, 16), (256, 1), (10240, 16)):
         b[f"zc_rms_norm_G{G}"] = (norm._zc_rms_norm_kernel, "x w y N G stride_x stride_y eps BLOCK", "aaannnnsc",
                                   dict(BLOCK=1 << (G - 1).bit_length()), warps, 2)
@@ -108,11 +128,19 @@ def _builds(arch):
     return b
 
 
-def _compile(kernel, signature, constexprs, arch, num_warps, num_stages):
+def _aligned(names, types):
+    """The MoE GEMMs' arguments that the launcher specialises as multiples of 16 at the real shapes: every
+    pointer, the sizes H / I, the routed-expert count and the strides (T and S, the pair and slot counts, vary)."""
+    return tuple(n for n, t in zip(names.split(), types)
+                 if t in "afil" or n in ("H", "I", "num_routed") or n.startswith("stride_"))
+
+
+def _compile(kernel, signature, constexprs, arch, num_warps, num_stages, aligned=()):
     from revolta.kernels import aot
 
     if arch < 90:
-        return aot.compile_report(kernel, signature, constexprs, arch=arch, num_warps=num_warps, num_stages=num_stages)
+        return aot.compile_report(kernel, signature, constexprs, arch=arch, num_warps=num_warps, num_stages=num_stages,
+                                  aligned=aligned)
     real_run = subprocess.run
 
     def run(cmd, *a, **k):
@@ -122,14 +150,17 @@ def _compile(kernel, signature, constexprs, arch, num_warps, num_stages):
         return real_run(cmd, *a, **k)
 
     with mock.patch.object(aot.subprocess, "run", run):
-        return aot.compile_report(kernel, signature, constexprs, arch=arch, num_warps=num_warps, num_stages=num_stages)
+        return aot.compile_report(kernel, signature, constexprs, arch=arch, num_warps=num_warps, num_stages=num_stages,
+                                  aligned=aligned)
 
 
 def build_all(arch):
     """{name: CompileReport as a dict}; call with TRITON_INTERPRET unset or 0."""
     out = {}
     for name, (kernel, names, types, consts, warps, stages) in _builds(arch).items():
-        out[name] = dataclasses.asdict(_compile(kernel, _sig(names, types, ACT[arch]), consts, arch, warps, stages))
+        aligned = _aligned(names, types) if name.startswith(GEMM_BUILDS) else ()
+        out[name] = dataclasses.asdict(_compile(kernel, _sig(names, types, ACT[arch]), consts, arch, warps, stages,
+                                                aligned))
     return out
 
 

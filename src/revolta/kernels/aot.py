@@ -61,10 +61,13 @@ def _ptxas(arch: int) -> tuple[str, str]:
 
 
 def compile_report(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, arch: int = 70,
-                   num_warps: int = 4, num_stages: int = 2) -> CompileReport:
+                   num_warps: int = 4, num_stages: int = 2, aligned: tuple[str, ...] = ()) -> CompileReport:
     """Compile `kernel` (a @triton.jit function) for sm_<arch> and report resources.
 
     signature: argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr", ...).
+    aligned: arguments to compile as the launcher specialises them at run time when they are
+    multiples of 16 (16-byte-aligned pointers, strides and sizes divisible by 16). Without it a build
+    assumes nothing, so loads may not vectorise and tl.dot's loads may not pipeline as they do on the GPU.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -73,7 +76,9 @@ def compile_report(kernel, signature: dict[str, str], constexprs: dict[str, obje
 
     if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 kernels are InterpretedFunctions
         kernel = JITFunction(kernel.fn)
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs or {})
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs or {}, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = compiled.asm["ptx"]

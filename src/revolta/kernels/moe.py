@@ -3,33 +3,32 @@
 Pipeline for one MoE block, x: [M, H] block input, E experts, top-k:
 
     ids, w   = moe_route(x @ gate.T, k[, shared_logits])     # softmax over all E in fp32, top-k, renormalise
-    out      = fused_moe(x, gate_up_proj, down_proj, ids, w)  # Σ_k w_k · down_e(SiLU(gate_e x) · up_e x)
+    out      = fused_moe(x, gate_up_proj, down_proj, ids, w[, shared_expert=])  # Σ_k w_k · down_e(SiLU(gate_e x) · up_e x)
 
-`fused_moe` runs
-  1. `moe_align`: the M·k (token, slot) pairs grouped by expert, each group padded to a multiple of
-     BLOCK_M (`sorted_token_ids`, `expert_ids` per block, `num_tokens_post_pad`); no host sync;
-  2. gate_up kernel: per (block, N tile of I): both the gate and the up rows of one expert, fp32
-     accumulation, act = SiLU(gate)·up rounded once to the activation dtype -> [M·k, I];
-  3. down kernel: per (block, N tile of H): w_k · (act @ down_e.T) in fp32 -> [M·k, H] fp32;
-  4. sum kernel: Σ over the k slots of each token in a fixed order, one rounding -> [M, H].
-The fixed-order sum (instead of fp32 atomics) makes the output bitwise reproducible.
+`fused_moe` computes y [M·k, H] fp32 (w_pair · expert output per (token, slot) pair) with one of two
+kernel families, then a sum kernel adds the k slots of each token in a fixed order with one rounding
+-> [M, H]. The fixed-order sum (instead of fp32 atomics) makes the output bitwise reproducible.
 
 Paths (`fused_moe(..., path=)`):
-  * "triton", small M (decode / verify, M·k / active experts < 16 rows per expert): BLOCK_M of 1..8
-    rows, no `tl.dot` (broadcast multiply + reduce on CUDA cores): the GEMMs are weight-bandwidth
-    bound and padding M to 16 for `tl.dot` would waste 16x the FMA work on sm70;
-  * "triton", larger M: `tl.dot` tiles (tensor cores on sm80+; plain FMA on sm70);
+  * "triton" (= "triton_grouped" up to GROUPED_MAX_PAIRS (token, slot) pairs, else "triton_pairs").
+  * "triton_grouped" (decode, speculative verification): moe_grouped.py. One program per (touched
+    expert, N tile) loops over all rows that chose the expert, so each expert's weights are read once;
+    tl.dot on sm80+, CUDA-core FMA on sm70. No host sync, fixed shapes: CUDA-graph safe.
+  * "triton_pairs" (prefill): `moe_align` groups the pairs by expert, padded to BLOCK_M per expert;
+    one program per (block of BLOCK_M pairs, N tile) for gate_up (gate and up rows of one expert, act =
+    SiLU(gate)·up rounded once -> [M·k, I]) and for down. tl.dot tiles (tensor cores on sm80+; FMA on
+    sm70, where below 12 rows per expert GEMV tiles without tl.dot waste less).
   * "torch": tokens sorted by expert with torch ops, then per expert torch.matmul (cuBLAS, the sm70
-    tensor cores) or `torch._grouped_mm` where it exists (sm90, bf16). Needs the per-expert counts on
-    the host (one sync): prefill only, never inside a CUDA graph.
+    tensor cores; one host sync for the counts) or `torch._grouped_mm` where it exists (sm90, bf16).
   * "auto" (default): "torch" on sm < 80 when the expert GEMMs are large enough for tensor cores
     (M·k / E >= 16 rows per expert on average), else "triton".
 
-The shared expert (spec §6: σ(w_sg·x) · SwiGLU_s(x)) fuses into the same launch as expert number E:
-stack its weights after the routed ones ([E+1, 2I, H], [E+1, H, I]) and pass `shared_logits`
-(= x @ shared_expert_gate.T, can be one extra row of the router matmul) to `moe_route`, which appends
-slot k with id E and weight σ(logit). Then `fused_moe` returns routed + shared with one rounding,
-exactly the numerics of `MoE.forward`.
+The shared expert (spec §6: σ(w_sg·x) · SwiGLU_s(x)) rides along as expert number E: pass its weights
+as `shared_expert=(gate [I, H], up [I, H], down [H, I])` (the SwiGLU module's own tensors, no copy) and
+`shared_logits` (= x @ shared_expert_gate.T) to `moe_route`, which appends slot k with id E and weight
+σ(logit). Then `fused_moe` returns routed + shared with one rounding, the numerics of `MoE.forward`.
+Stacking its weights after the routed ones ([E+1, 2I, H], [E+1, H, I]) works the same without
+`shared_expert`.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .moe_grouped import _down_base, _gate_up_bases, _load_weight_tile, grouped_config, grouped_expert_mlp
 
 # ----------------------------------------------------------------------------------------------
 # routing
@@ -231,30 +232,40 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor,
 
 
 def fused_moe_ref(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor,
-                  topk_weights: Tensor) -> Tensor:
+                  topk_weights: Tensor, shared_expert: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """Σ_k w_k · down_e(SiLU(gate_e x) ⊙ up_e x) with the numerics of `Experts.forward`.
 
     x: [M, H]; gate_up_proj: [E, 2I, H] (gate rows first); down_proj: [E, H, I];
     topk_ids: [M, k] int; topk_weights: [M, k] fp32. Each expert's GEMMs round to x.dtype (torch
     matmul), the weighted sum over k is fp32, rounded once to x.dtype at the end. Returns [M, H].
+    shared_expert: (gate [I, H], up [I, H], down [H, I]), the weights of expert number E (one past the
+    routed ones); moe_route(..., shared_logits=) gives every token that slot with weight σ(logit).
     """
-    I = down_proj.shape[-1]
+    E, I = down_proj.shape[0], down_proj.shape[-1]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
         token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
         xe = x[token_idx]
-        gate, up = (xe @ gate_up_proj[e].t()).split(I, dim=-1)
-        ye = (F.silu(gate) * up) @ down_proj[e].t()
+        if shared_expert is not None and e == E:
+            ye = _swiglu(xe, *shared_expert)
+        else:
+            gate, up = (xe @ gate_up_proj[e].t()).split(I, dim=-1)
+            ye = (F.silu(gate) * up) @ down_proj[e].t()
         out.index_add_(0, token_idx, ye.float() * topk_weights[token_idx, slot, None].float())
     return out.to(x.dtype)
 
 
+def _swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """down(SiLU(x @ gate.T) ⊙ (x @ up.T)), each GEMM rounded to x.dtype as in the reference."""
+    return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+
+
 @triton.jit
-def _moe_gate_up_kernel(x, w, act, sorted_ids, expert_ids, T, H, I,
+def _moe_gate_up_kernel(x, w, shared_gate, shared_up, act, sorted_ids, expert_ids, T, num_routed, H, I,
                         stride_xm, stride_we, stride_wn, stride_am,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_SHARED: tl.constexpr):
     i_b = tl.program_id(0)
     i_n = tl.program_id(1)
     i_e = tl.load(expert_ids + i_b).to(tl.int64)
@@ -266,16 +277,17 @@ def _moe_gate_up_kernel(x, w, act, sorted_ids, expert_ids, T, H, I,
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
     p_x = x + b_tok[:, None] * stride_xm
-    p_g = w + i_e * stride_we + o_n[:, None].to(tl.int64) * stride_wn
-    p_u = p_g + I * stride_wn
+    p_gate, p_up = _gate_up_bases(w, shared_gate, shared_up, i_e, num_routed, I, stride_we, stride_wn, HAS_SHARED)
+    p_g = p_gate + o_n.to(tl.int64) * stride_wn  # [BN] row pointers
+    p_u = p_up + o_n.to(tl.int64) * stride_wn
     b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < H
         b_x = tl.load(p_x + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
-        b_wg = tl.load(p_g + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
-        b_wu = tl.load(p_u + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_wg = _load_weight_tile(p_g, o_k, m_n, m_k)  # [BN, BK]
+        b_wu = _load_weight_tile(p_u, o_k, m_n, m_k)
         if USE_DOT:
             b_g = tl.dot(b_x, tl.trans(b_wg), b_g, input_precision="ieee")
             b_u = tl.dot(b_x, tl.trans(b_wu), b_u, input_precision="ieee")
@@ -289,10 +301,10 @@ def _moe_gate_up_kernel(x, w, act, sorted_ids, expert_ids, T, H, I,
 
 
 @triton.jit
-def _moe_down_kernel(act, w, topk_weights, y, sorted_ids, expert_ids, T, H, I,
+def _moe_down_kernel(act, w, shared_down, topk_weights, y, sorted_ids, expert_ids, T, num_routed, H, I,
                      stride_am, stride_we, stride_wn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_DOT: tl.constexpr):
+                     USE_DOT: tl.constexpr, HAS_SHARED: tl.constexpr):
     i_b = tl.program_id(0)
     i_n = tl.program_id(1)
     i_e = tl.load(expert_ids + i_b).to(tl.int64)
@@ -303,13 +315,13 @@ def _moe_down_kernel(act, w, topk_weights, y, sorted_ids, expert_ids, T, H, I,
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
     p_a = act + b_sid[:, None].to(tl.int64) * stride_am
-    p_w = w + i_e * stride_we + o_n[:, None].to(tl.int64) * stride_wn
+    p_w = _down_base(w, shared_down, i_e, num_routed, stride_we, HAS_SHARED) + o_n.to(tl.int64) * stride_wn
     b_y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < I
         b_a = tl.load(p_a + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
-        b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+        b_w = _load_weight_tile(p_w, o_k, m_n, m_k)  # [BN, BK]
         if USE_DOT:
             b_y = tl.dot(b_a, tl.trans(b_w), b_y, input_precision="ieee")
         else:
@@ -331,33 +343,49 @@ def _moe_sum_kernel(y, out, H, stride_ym, stride_om, TOP_K: tl.constexpr, BLOCK_
     tl.store(out + i_m * stride_om + o_n, b_o.to(out.dtype.element_ty), mask=m_n)
 
 
+GROUPED_MAX_PAIRS = 1024  # (token, slot) pairs up to which fused_moe takes the expert-grouped kernels
+
+
 def moe_config(M: int, top_k: int, num_experts: int, arch: int | None = None) -> dict:
     """Launch config of the Triton path for M tokens (also used by the AOT compile tests).
 
-    Rows per active expert ρ = M·k / min(M·k, E) sets BLOCK_M: below 12 the GEMMs are GEMV-like
-    (no tl.dot, BLOCK_M of 1..8, tiles sized so that sm70 builds do not spill: BM·BN·BK <= 4K fp32
-    products per 128 threads); from there on, tl.dot tiles (smaller on sm70, where tl.dot is FMA).
+    Up to GROUPED_MAX_PAIRS pairs (decode, speculative verification): the expert-grouped kernels of
+    moe_grouped (`grouped_config`), which read each touched expert once. Beyond: the pairs kernels
+    (`pairs_config`), whose programs own BLOCK_M pairs of one expert each, so a heavily chosen expert's
+    row blocks run in parallel. num_experts counts the shared expert when it rides along.
+    """
+    if M * top_k <= GROUPED_MAX_PAIRS:
+        return grouped_config(M, top_k, num_experts, arch)
+    return pairs_config(M, top_k, num_experts, arch)
+
+
+def pairs_config(M: int, top_k: int, num_experts: int, arch: int | None = None) -> dict:
+    """Config of the pairs kernels. Rows per active expert ρ = M·k / min(M·k, E) sets BLOCK_M.
+
+    sm70 below 12 rows per expert: GEMV-like tiles (no tl.dot, whose sm70 form pads M to 16 FMA rows;
+    BLOCK_M of 1..8, BM·BN·BK <= 4K fp32 products per 128 threads so that nothing spills), then tl.dot
+    tiles (FMA on sm70). sm80+: tl.dot tiles (tensor cores) at every ρ.
     """
     T = M * top_k
     rho = T / max(1, min(T, num_experts))
     stages = 2 if arch == 70 else 3
-    if rho < 12:
+    if arch is not None and arch < 80 and rho < 12:
         bm = 1 if rho <= 1.0 else min(8, triton.next_power_of_2(int(rho + 0.999)))
         (bn_up, bk_up), (bn_dn, bk_dn) = {1: ((16, 256), (32, 256)), 2: ((16, 128), (32, 128)),
                                           4: ((16, 64), (32, 64)), 8: ((16, 32), (32, 32))}[bm]
-        return dict(BLOCK_M=bm, BLOCK_N_UP=bn_up, BLOCK_K_UP=bk_up, BLOCK_N_DOWN=bn_dn, BLOCK_K_DOWN=bk_dn,
-                    USE_DOT=False, num_warps=4, num_stages=stages)
-    if arch == 70:
-        return dict(BLOCK_M=32, BLOCK_N_UP=32, BLOCK_K_UP=32, BLOCK_N_DOWN=32, BLOCK_K_DOWN=32,
+        return dict(GROUPED=False, BLOCK_M=bm, BLOCK_N_UP=bn_up, BLOCK_K_UP=bk_up, BLOCK_N_DOWN=bn_dn,
+                    BLOCK_K_DOWN=bk_dn, USE_DOT=False, num_warps=4, num_stages=stages)
+    if arch is not None and arch < 80:
+        return dict(GROUPED=False, BLOCK_M=32, BLOCK_N_UP=32, BLOCK_K_UP=32, BLOCK_N_DOWN=32, BLOCK_K_DOWN=32,
                     USE_DOT=True, num_warps=4, num_stages=stages)
     if rho < 48:
-        return dict(BLOCK_M=16, BLOCK_N_UP=64, BLOCK_K_UP=64, BLOCK_N_DOWN=128, BLOCK_K_DOWN=64,
+        return dict(GROUPED=False, BLOCK_M=16, BLOCK_N_UP=64, BLOCK_K_UP=64, BLOCK_N_DOWN=128, BLOCK_K_DOWN=64,
                     USE_DOT=True, num_warps=4, num_stages=stages)
-    return dict(BLOCK_M=64, BLOCK_N_UP=64, BLOCK_K_UP=64, BLOCK_N_DOWN=128, BLOCK_K_DOWN=64,
+    return dict(GROUPED=False, BLOCK_M=64, BLOCK_N_UP=64, BLOCK_K_UP=64, BLOCK_N_DOWN=128, BLOCK_K_DOWN=64,
                 USE_DOT=True, num_warps=8, num_stages=stages)
 
 
-def _check_moe_args(x, gate_up_proj, down_proj, topk_ids, topk_weights):
+def _check_moe_args(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert=None):
     assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
     M, H = x.shape
     E, two_i, H2 = gate_up_proj.shape
@@ -367,6 +395,14 @@ def _check_moe_args(x, gate_up_proj, down_proj, topk_ids, topk_weights):
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == M, (topk_ids.shape, topk_weights.shape)
     assert topk_ids.dtype in (torch.int32, torch.int64) and topk_weights.dtype == torch.float32
     assert x.dtype == gate_up_proj.dtype == down_proj.dtype, (x.dtype, gate_up_proj.dtype, down_proj.dtype)
+    if shared_expert is not None:
+        sg, su, sd = shared_expert
+        # the kernels address the shared expert's rows with the routed experts' row strides
+        ok = (sg.shape == su.shape == (I, H) and sd.shape == (H, I) and sg.dtype == su.dtype == sd.dtype == x.dtype
+              and sg.stride() == su.stride() == (gate_up_proj.stride(1), 1) and sd.stride() == (down_proj.stride(1), 1))
+        assert ok, ("shared_expert must be (gate [I, H], up [I, H], down [H, I]) in x's dtype with the routed experts' "
+                    f"row strides; got {[(t.shape, t.stride(), t.dtype) for t in shared_expert]}, I={I}, H={H}; "
+                    "a shared expert of another width runs as its own SwiGLU")
     return M, H, E, I
 
 
@@ -378,63 +414,78 @@ def _arch(device: torch.device) -> int | None:
 
 
 def fused_moe(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-              path: str = "auto", config: dict | None = None) -> Tensor:
+              path: str = "auto", config: dict | None = None,
+              shared_expert: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """Triton (or torch-grouped) version of `fused_moe_ref`; see the module docstring for paths."""
-    M, H, E, I = _check_moe_args(x, gate_up_proj, down_proj, topk_ids, topk_weights)
+    M, H, E, I = _check_moe_args(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert)
     k = topk_ids.shape[1]
+    num_experts = E + (shared_expert is not None)
     arch = _arch(x.device)
     if path == "auto":
-        # sm70: tl.dot has no tensor cores, so big batches go to cuBLAS. sm90 + bf16: torch._grouped_mm
-        # beat the Triton GEMV path for M = 8..64 on the H200 (benchmarks/RESULTS.md, K5), Triton won at
-        # M = 1 and 8192; sizes in between were not measured and stay on Triton.
-        grouped = (hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and arch is not None and arch >= 90
-                   and 8 <= M <= 64)
-        path = "torch" if grouped or (arch is not None and arch < 80 and M * k >= 16 * E) else "triton"
+        # sm70: tl.dot has no tensor cores, so big batches go to cuBLAS
+        path = "torch" if arch is not None and arch < 80 and M * k >= 16 * num_experts else "triton"
     if path == "torch":
-        return fused_moe_torch(x, gate_up_proj, down_proj, topk_ids, topk_weights)
-    assert path == "triton", path
+        return fused_moe_torch(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert=shared_expert)
+    choose = {"triton": moe_config, "triton_grouped": grouped_config, "triton_pairs": pairs_config}
+    assert path in choose, f"fused_moe path={path!r}; use auto, torch or one of {list(choose)}"
     out = torch.empty(M, H, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    cfg = config or moe_config(M, k, E, arch)
-    bm = cfg["BLOCK_M"]
-    ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
-    sorted_ids, expert_ids, _ = moe_align(ids, E, bm)
-    T = M * k
-    num_blocks = expert_ids.shape[0]
-    act = torch.empty(T, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(T, H, dtype=torch.float32, device=x.device)
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _moe_gate_up_kernel[(num_blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
-        x, gate_up_proj, act, sorted_ids, expert_ids, T, H, I,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
-        TOP_K=k, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], USE_DOT=cfg["USE_DOT"], **launch)
-    _moe_down_kernel[(num_blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
-        act, down_proj, weights, y, sorted_ids, expert_ids, T, H, I,
-        act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], USE_DOT=cfg["USE_DOT"], **launch)
+    cfg = config or choose[path](M, k, num_experts, arch)
+    if cfg["GROUPED"]:
+        y = grouped_expert_mlp(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert, cfg)
+    else:
+        y = _pairs_expert_mlp(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert, cfg)
     block_n = min(1024, triton.next_power_of_2(H))
     _moe_sum_kernel[(M, triton.cdiv(H, block_n))](y, out, H, y.stride(0), out.stride(0), TOP_K=k, BLOCK_N=block_n)
     return out
 
 
+def _pairs_expert_mlp(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert, cfg) -> Tensor:
+    """The pairs kernels: y [M·k, H] fp32, w_pair · expert output per (token, slot) pair."""
+    M, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    I = two_i // 2
+    k = topk_ids.shape[1]
+    bm = cfg["BLOCK_M"]
+    sorted_ids, expert_ids, _ = moe_align(topk_ids.contiguous(), E + (shared_expert is not None), bm)
+    T = M * k
+    num_blocks = expert_ids.shape[0]
+    sg, su, sd = shared_expert if shared_expert is not None else (gate_up_proj, gate_up_proj, down_proj)
+    act = torch.empty(T, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(T, H, dtype=torch.float32, device=x.device)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    flags = dict(BLOCK_M=bm, USE_DOT=cfg["USE_DOT"], HAS_SHARED=shared_expert is not None)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
+        x, gate_up_proj, sg, su, act, sorted_ids, expert_ids, T, E, H, I,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+        TOP_K=k, BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **flags, **launch)
+    _moe_down_kernel[(num_blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
+        act, down_proj, sd, topk_weights.contiguous(), y, sorted_ids, expert_ids, T, E, H, I,
+        act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
+        BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], **flags, **launch)
+    return y
+
+
 def fused_moe_torch(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                    use_grouped_mm: bool | None = None) -> Tensor:
+                    use_grouped_mm: bool | None = None,
+                    shared_expert: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """The tensor-core path for sm70 prefill: sort slots by expert, cuBLAS GEMMs per expert group.
 
     Same numerics as `fused_moe_ref` (GEMM outputs rounded to x.dtype, fp32 weighted sum over k in
     slot order, one rounding). `use_grouped_mm` (default: when `torch._grouped_mm` exists, x is bf16
     and the device is sm90+) runs all experts in two launches instead of a loop; the loop needs the
-    per-expert counts on the host (one sync).
+    per-expert counts on the host (one sync). The shared expert (id E) runs as dense GEMMs over all M
+    rows (a token holds id E at most once) and replaces the routed result at its pairs.
     """
-    M, H, E, I = _check_moe_args(x, gate_up_proj, down_proj, topk_ids, topk_weights)
+    M, H, E, I = _check_moe_args(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert)
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices  # slots grouped by expert
+    order = torch.sort(flat, stable=True).indices  # slots grouped by expert; shared (id E) last
     xs = x[order // k]  # [M·k, H]
-    # scatter_add, not bincount: no host sync, so the grouped path can be captured in a CUDA graph
-    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    # scatter_add, not bincount: no host sync, so the grouped path can be captured in a CUDA graph;
+    # the shared expert's pairs fall out of the counts (its bin is dropped)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))[:E]
     arch = _arch(x.device)
     if use_grouped_mm is None:
         use_grouped_mm = hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and arch is not None and arch >= 90
@@ -444,7 +495,7 @@ def fused_moe_torch(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids
         gate, up = gu.split(I, dim=-1)
         ys = torch._grouped_mm((F.silu(gate) * up).contiguous(), down_proj.transpose(-2, -1), offs=offs)
     else:
-        ys = torch.empty(M * k, H, dtype=x.dtype, device=x.device)
+        ys = torch.zeros(M * k, H, dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
@@ -452,5 +503,9 @@ def fused_moe_torch(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids
                 ys[start:start + n] = (F.silu(gate) * up) @ down_proj[e].t()
                 start += n
     y = torch.empty(M * k, H, dtype=torch.float32, device=x.device)
-    y[order] = ys.float() * topk_weights.reshape(-1)[order, None]
-    return y.view(M, k, H).sum(1).to(x.dtype) if k > 1 else y.to(x.dtype)
+    y[order] = ys.float()
+    y = y.view(M, k, H)
+    if shared_expert is not None:
+        shared = _swiglu(x, *shared_expert).float()  # [M, H]
+        y = torch.where((topk_ids == E)[..., None], shared[:, None, :], y)
+    return (y * topk_weights[..., None]).sum(1).to(x.dtype)

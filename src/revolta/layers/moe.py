@@ -73,9 +73,17 @@ class MoE(nn.Module):
         """x: [T, H] -> [T, H]. ops: a kernels.ops.KernelOps whose routing and fused expert GEMMs
         (Triton) replace the torch reference."""
         if ops is not None and ops.fused_moe is not None and not self.experts.packed:
-            ids, weights = ops.moe_route(self.gate(x).float().contiguous(), self.top_k, self.norm_topk_prob)
-            routed = ops.fused_moe(x.contiguous(), self.experts.gate_up_proj, self.experts.down_proj, ids,
-                                   weights).float()
+            x, logits = x.contiguous(), self.gate(x).float().contiguous()
+            se = self.shared_expert
+            if (type(se.gate_proj) is nn.Linear  # a quantized shared expert runs on its own
+                    and se.gate_proj.weight.shape == (self.experts.intermediate_size, x.shape[-1])):
+                # the shared expert rides in the same launches as expert number E (one rounding at the end)
+                ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob,
+                                             shared_logits=self.shared_expert_gate(x)[:, 0])
+                return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
+                                     shared_expert=(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight))
+            ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob)
+            routed = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights).float()
         else:
             ids, weights = self.route(x)
             routed = self.experts(x, ids, weights)  # [T, H] fp32
