@@ -159,7 +159,9 @@ class Engine:
         default = max(config.max_num_batched_tokens, MIN_ENCODER_TOKENS)
         self.encoder_budget = config.max_num_encoder_input_tokens or default
         self.encoder_cache = None if model.model.visual is None else EncoderCache(config.encoder_cache_size or default)
-        self.runner = ModelRunner(model, self.storage, kernels=config.kernels)
+        self.runner = ModelRunner(model, self.storage, kernels=config.kernels,
+                                  max_num_tokens=config.max_num_batched_tokens
+                                  + config.max_num_seqs * (1 + self.spec.num_speculative_tokens))
         self.drafter = self._make_drafter()
         self.spec_stats = SpecStats()  # summed over every verify round of this engine
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,

@@ -281,6 +281,7 @@ class SpecGraphs:
             self.verify_in[: B * R].view(B, R)[:b, 1:].copy_(drafts)
         if not self.replay:
             _upload(self.draft_table[:B], torch.tensor(pad_rows(slot_rows, B, R), dtype=torch.int32))
+        self.runner.stage_ple(StepInputs.unpack(self.verify_in, B, B * R, self.width))  # rows in place before replay
         self.graphs[B].verify()
         self.num_replays += 1
         logits, wide = self.shared[("", "logits")][: b * R].clone(), self.shared[("", "wide")][: b * R].clone()
