@@ -222,3 +222,50 @@ def process_rss() -> int:
         return kb * 1024
     except (OSError, StopIteration):
         return 0
+
+
+@dataclass(frozen=True)
+class PLEMemory:
+    """Where a model's PLE tables are and what they occupy (the startup summary and the memory budget).
+
+    unlisted_device_bytes: table bytes on the compute device that are not model parameters (an FP8 table
+    kept FP8 there), which the engine adds to the weights; a 16-bit device table is a parameter already.
+    """
+
+    placement: str
+    table_bytes: int
+    unlisted_device_bytes: int
+    host_bytes: int
+    pinned: bool
+
+    def describe(self) -> str:
+        size = human_bytes(self.table_bytes)
+        if self.placement == "none":
+            return "none (the model has no PLE layer)"
+        if self.placement == "device":
+            return f"device ({size} on the device)"
+        if self.placement == "host":
+            where = "pinned host memory" if self.pinned else "host memory"
+            return f"host ({size} in {where}, none on the device: the KV pool gets that memory)"
+        return f"disk ({size} left in the checkpoint files, read by the PLE worker process; none on the device)"
+
+
+def ple_memory(model: nn.Module) -> PLEMemory:
+    tables = [emb for _, _, emb in ple_embeddings(model)]
+    if not tables:
+        return PLEMemory("none", 0, 0, 0, False)
+    placement, total, device, host, pinned = "device", 0, 0, 0, False
+    for emb in tables:
+        t = emb.table
+        if t is None:
+            w = emb.ngram_embedding.weight
+            total += w.numel() * w.element_size()
+        elif isinstance(t, StagedRows):
+            placement, total = "disk", total + t.layout.nbytes
+        else:
+            placement, total = t.placement, total + t.nbytes
+            if t.placement == "host":
+                host, pinned = host + t.nbytes, t.weight.is_pinned() if torch.cuda.is_available() else False
+            else:
+                device += t.nbytes
+    return PLEMemory(placement, total, device, host, pinned)
