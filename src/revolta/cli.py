@@ -189,6 +189,8 @@ def _info(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_pretrained(args.path)
     # the dry run's default is the release note's reference deployment: the table in pinned host memory
     ple = resolve_ple_placement(args.ple_placement, default="host")
+    if ple.source == "default":
+        ple = type(ple)(ple.value, "default: the release note's reference deployment")
     plan = None
     if args.gpu_memory is not None:  # planned first, so a rejected deployment prints only its error
         from .cache.capacity import dry_run_report
