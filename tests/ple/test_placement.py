@@ -33,17 +33,18 @@ PLE = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"
 TIMEOUT_S = 10.0  # the issue's bound for a dead or stalled worker
 
 
-def write_checkpoint(model, path, fp8: bool = False):
-    """Shards over several files (max_shard_bytes); fp8: the table as E4M3 shards with one global weight_scale."""
+def write_checkpoint(model, path, fp8: bool = False, cfg: dict = CFG, max_shard_bytes: int = 150_000):
+    """Shards over several files (max_shard_bytes); fp8: one file, the table as E4M3 shards with one global
+    weight_scale (fp32(q) * scale is the table the model computes with), the rest as the model holds it."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(CFG))
+    (path / "config.json").write_text(json.dumps(cfg))
     if not fp8:
-        save_checkpoint(model, path, max_shard_bytes=150_000, progress=False)
+        save_checkpoint(model, path, max_shard_bytes=max_shard_bytes, progress=False)
         return path
-    sd = dict(checkpoint_tensors(model, CFG["split_ngram_parts"]))
-    table = model.get_parameter(PLE + ".weight").detach()
+    sd = dict(checkpoint_tensors(model, cfg["split_ngram_parts"]))
+    table = model.get_parameter(PLE + ".weight").detach().float()
     scale = table.abs().max() / 448
-    for s, part in enumerate((table / scale).to(torch.float8_e4m3fn).chunk(CFG["split_ngram_parts"])):
+    for s, part in enumerate((table / scale).to(torch.float8_e4m3fn).chunk(cfg["split_ngram_parts"])):
         sd[f"{PLE}.shard_{s}.weight"] = part.contiguous()
     sd[f"{PLE}.weight_scale"] = scale.reshape(1)
     save_file({k: v.contiguous() for k, v in sd.items()}, path / "model.safetensors")
@@ -134,6 +135,28 @@ def test_placements_give_bitwise_identical_logits_and_tokens(request, fp8):
         assert runs[placement][0] == tokens, placement
         assert len(runs[placement][1]) == len(logits), placement
         assert all(torch.equal(a, b) for a, b in zip(runs[placement][1], logits)), placement
+
+
+@torch.no_grad()
+def test_disk_rows_reach_the_speculative_round_buffers(ckpt):
+    """MTP rounds through spec/graphs.py's static buffers (graphs=False runs the captured code eagerly): the
+    verify reads the rows the worker gathered for its padded batch, device-drafted tokens included."""
+    from revolta.spec.graphs import SpecGraphs
+
+    runs = []
+    for placement in ("device", "disk"):
+        engine = make_engine(load_model(ckpt, ple_placement=placement, progress=False), kv_cache_gib=0.004)
+        width = -(-(engine.config.max_model_len + 2) // engine.plan.layout.block_size)
+        engine.spec_graphs = SpecGraphs(engine.runner, [1, 2, 4], 2, False, width)
+        engine.spec_graphs.capture(graphs=False)
+        reqs = workload(full=False)
+        logits, _ = run_recording(engine, reqs)
+        assert engine.spec_graphs.num_replays > 0
+        assert_clean(engine)
+        close(engine)
+        runs.append(([r.token_ids for r in reqs], logits))
+    assert runs[1][0] == runs[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[0][1]))
 
 
 @torch.no_grad()

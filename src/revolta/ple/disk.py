@@ -59,7 +59,13 @@ class _Segment:
         self.path = f"/dev/shm/{self.name}"
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
+            try:  # reserve the pages now: a full /dev/shm would otherwise be a SIGBUS at the first write
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            except OSError as e:
+                os.unlink(self.path)
+                raise RuntimeError(f"the PLE worker needs {nbytes / 2**20:.0f} MiB of shared memory in /dev/shm ({e}); "
+                                   "give the container more (docker run --shm-size) or lower "
+                                   "max_num_batched_tokens") from None
             self.map = mmap.mmap(fd, max(nbytes, 1))
         finally:
             os.close(fd)
