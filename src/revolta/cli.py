@@ -209,10 +209,11 @@ def _info(args: argparse.Namespace) -> int:
         if weights is None and cfg.quantization is not None and cfg.quantization.packed:
             from .layers.quantize import meta_model, weight_bytes_per_gpu
 
-            weights = weight_bytes_per_gpu(meta_model(cfg), args.tp)["total"]  # the checkpoint's own formats
+            by_part = weight_bytes_per_gpu(meta_model(cfg), args.tp)  # the checkpoint's own formats
+            weights = by_part["total"] + (by_part["ple_table_host"] // args.tp if ple.value == "device" else 0)
         plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
                               args.kv_cache_dtype, args.gpu_memory_utilization, weights, ple_placement=ple.value,
-                              ple_source=ple.source, **options)
+                              ple_source=ple.source, weights_measured=args.weights_gib is not None, **options)
         if spec is not None and spec.is_dflash2:
             plan += _dflash2_notes(spec, args.tp, options["drafter_weights_bytes"], estimated=weights is None)
     print(format_summary(cfg, args.path, tp=args.tp))

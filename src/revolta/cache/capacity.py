@@ -484,7 +484,8 @@ def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_l
                    weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
                    activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
                    other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
-                   ple_placement: str = "host", ple_source: str = "argument", **cache_options) -> str:
+                   ple_placement: str = "host", ple_source: str = "argument", weights_measured: bool | None = None,
+                   **cache_options) -> str:
     """What `revolta info DIR --gpu-memory GiB --tp N --max-model-len L --kv-cache-dtype D` prints:
     the budget, the pool layout and the two capacity lines, computed without weights or a GPU.
 
@@ -492,7 +493,8 @@ def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_l
     for `weight_format`). drafter_weights_bytes: per-GPU weights of a separate drafter, added to
     estimated weights (not to measured ones). ple_placement: where the PLE table lives ("device"
     counts it in the estimated weights; "host" and "disk" leave it out of the GPU budget), ple_source
-    where that setting came from. cache_options: further `CacheConfig` fields (max_num_seqs,
+    where that setting came from; weights_measured: weights_bytes is a measurement, which may or may not
+    hold the table (default: whenever weights_bytes is given). cache_options: further `CacheConfig` fields (max_num_seqs,
     num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
     Raises CacheConfigError for configurations that cannot work.
     """
@@ -500,7 +502,8 @@ def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_l
                         weights_bytes, weight_format=weight_format, dtype=dtype, activation_bytes=activation_bytes,
                         cudagraph_reserve_mib=cudagraph_reserve_mib, other_reserve_mib=other_reserve_mib,
                         drafter_weights_bytes=drafter_weights_bytes, ple_placement=ple_placement, **cache_options)
-    return format_plan(plan, cfg) + ple_plan_line(cfg, tp, ple_placement, ple_source, weights_bytes is None)
+    measured = weights_bytes is not None if weights_measured is None else weights_measured
+    return format_plan(plan, cfg) + ple_plan_line(cfg, tp, ple_placement, ple_source, not measured)
 
 
 def ple_plan_line(cfg: ModelConfig, tp: int, placement: str, source: str, estimated: bool) -> str:
