@@ -37,13 +37,23 @@ CFG = dict(SMALL, mtp_num_hidden_layers=1, make_ngram_vocab_size_divisible_by=32
 TIMEOUT_S = 10.0
 
 
-@pytest.fixture(scope="module", params=["bf16-table", "fp8-table"])
-def ckpt(request, tmp_path_factory):
-    """The small model in bf16, its table in four shards over several files, or in FP8 with its scale."""
+def _checkpoint(tmp_path_factory, fp8: bool):
     m = FlashNextModel(ModelConfig.from_dict(CFG)).eval()
     init_random_weights(m, seed=7)
-    return write_checkpoint(m.to_dtype(torch.bfloat16), tmp_path_factory.mktemp("ple_gpu"),
-                            fp8=request.param == "fp8-table", cfg=CFG, max_shard_bytes=4 << 20)
+    return write_checkpoint(m.to_dtype(torch.bfloat16), tmp_path_factory.mktemp("ple_gpu"), fp8=fp8, cfg=CFG,
+                            max_shard_bytes=4 << 20)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The small model in bf16, its table in four shards over several files."""
+    return _checkpoint(tmp_path_factory, fp8=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt_fp8(tmp_path_factory):
+    """The same with its table in FP8 and one global scale (one file)."""
+    return _checkpoint(tmp_path_factory, fp8=True)
 
 
 @pytest.mark.parametrize("dtype", [FP8, torch.bfloat16])
@@ -102,12 +112,17 @@ def max_diff(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("spec", [{"method": None}, {"method": "mtp", "num_speculative_tokens": 3}],
-                         ids=["decode-graphs", "mtp-graphs"])
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("table,spec", [("ckpt", {"method": None}), ("ckpt", MTP), ("ckpt_fp8", {"method": None})],
+                         ids=["bf16-decode-graphs", "bf16-mtp-graphs", "fp8-decode-graphs"])
 @torch.no_grad()
-def test_placements_agree_with_graphs(ckpt, spec, monkeypatch):
+def test_placements_agree_with_graphs(request, table, spec, monkeypatch):
+    path = request.getfixturevalue(table)
+
     def load(placement):
-        return load_model(ckpt, dtype=torch.float16, device="cuda", ple_placement=placement, progress=False)
+        return load_model(path, dtype=torch.float16, device="cuda", ple_placement=placement, progress=False)
 
     ref_tokens, ref, replays = run(load("device"), spec)
     again_tokens, again, _ = run(load("device"), spec)
