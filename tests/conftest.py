@@ -11,9 +11,10 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's d
 
 import pytest  # noqa: E402
 
-# tests/parity holds the oracle helpers (hf_oracle.py) and tests/engine the engine-test helpers that spec and
-# GPU tests reuse (test_engine.run, test_spec_engine.make_engine); make them importable by name
-for _helpers in ("parity", "engine"):
+# tests/parity holds the oracle helpers (hf_oracle.py), tests/engine the engine-test helpers that spec and
+# GPU tests reuse (test_engine.run, test_spec_engine.make_engine), tests/ple the PLE checkpoint writer
+# (test_placement.write_checkpoint); make them importable by name
+for _helpers in ("parity", "engine", "ple"):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), _helpers))
 
 

@@ -19,6 +19,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .ple.placement import PLACEMENTS as PLE_PLACEMENTS  # torch-free
+
 EXIT_USAGE = 2
 
 
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON",
                       help="plan for this speculative_config, as serve takes it (e.g. DFlash2: "
                            "'{\"method\": \"dflash2\", \"model\": DIR}'); replaces the two flags above")
+    info.add_argument("--ple-placement", choices=PLE_PLACEMENTS, default=None,
+                      help="where the PLE table would live (default: REVOLTA_PLE_PLACEMENT / VLLM_PLE_* if set, else "
+                           "host, the release note's reference deployment); off the device it leaves the GPU budget")
     _add_serve_parser(sub)
     return parser
 
@@ -122,6 +127,11 @@ def _add_serve_parser(sub) -> None:
                        help='structured-output defaults, e.g. \'{"disable_any_whitespace": true}\' (compact JSON)')
     serve.add_argument("--tool-call-parser", default="qwen3_coder", choices=["qwen3_coder", "none"])
     serve.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"])
+    serve.add_argument("--ple-placement", choices=PLE_PLACEMENTS, default=None,
+                       help="where the PLE n-gram table lives: device (default), host (pinned host memory, read "
+                            "through a mapped view) or disk (the checkpoint files, read by a PLE worker process); "
+                            "also REVOLTA_PLE_PLACEMENT or VLLM_PLE_CPU_OFFLOAD / VLLM_PLE_DISK_OFFLOAD. If the disk "
+                            "worker dies or stalls, requests fail and revolta serve exits with status 3")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)
@@ -169,6 +179,7 @@ def _one_line(e: BaseException, limit: int = 600) -> str:
 
 def _info(args: argparse.Namespace) -> int:
     from .config import ModelConfig
+    from .ple.placement import resolve_ple_placement
     from .summary import format_summary
 
     if args.tp < 1:
@@ -176,6 +187,10 @@ def _info(args: argparse.Namespace) -> int:
     if not os.path.exists(args.path):
         raise UserError(f"{args.path}: no such file or directory; pass a checkpoint directory or its config.json")
     cfg = ModelConfig.from_pretrained(args.path)
+    # the dry run's default is the release note's reference deployment: the table in pinned host memory
+    ple = resolve_ple_placement(args.ple_placement, default="host")
+    if ple.source == "default":
+        ple = type(ple)(ple.value, "default: the release note's reference deployment")
     plan = None
     if args.gpu_memory is not None:  # planned first, so a rejected deployment prints only its error
         from .cache.capacity import dry_run_report
@@ -194,9 +209,11 @@ def _info(args: argparse.Namespace) -> int:
         if weights is None and cfg.quantization is not None and cfg.quantization.packed:
             from .layers.quantize import meta_model, weight_bytes_per_gpu
 
-            weights = weight_bytes_per_gpu(meta_model(cfg), args.tp)["total"]  # the checkpoint's own formats
+            by_part = weight_bytes_per_gpu(meta_model(cfg), args.tp)  # the checkpoint's own formats
+            weights = by_part["total"] + (by_part["ple_table_host"] // args.tp if ple.value == "device" else 0)
         plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
-                              args.kv_cache_dtype, args.gpu_memory_utilization, weights, **options)
+                              args.kv_cache_dtype, args.gpu_memory_utilization, weights, ple_placement=ple.value,
+                              ple_source=ple.source, weights_measured=args.weights_gib is not None, **options)
         if spec is not None and spec.is_dflash2:
             plan += _dflash2_notes(spec, args.tp, options["drafter_weights_bytes"], estimated=weights is None)
     print(format_summary(cfg, args.path, tp=args.tp))
@@ -206,6 +223,8 @@ def _info(args: argparse.Namespace) -> int:
         print(format_quantization(cfg, tuple(sorted({1, 2, 4, args.tp}))))
     if plan is not None:
         print("\n" + plan)
+    elif cfg.text.ple_layer_ids:
+        print(f"PLE table placement: {ple.value} [{ple.source}] (--gpu-memory plans the GPU budget with it)")
     return 0
 
 
@@ -294,7 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens",
                                                           "kv_cache_dtype", "enable_prefix_caching",
                                                           "speculative_config", "limit_mm_per_prompt",
-                                                          "allowed_local_media_path")
+                                                          "allowed_local_media_path", "ple_placement")
                    if getattr(args, name) is not None}
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")
@@ -317,8 +336,7 @@ def _serve(args: argparse.Namespace) -> int:
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
                           max_pending_requests=args.max_pending_requests,
                           structured_disable_any_whitespace=compact_json)
-    run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
-    return 0
+    return run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ class ForwardMeta:
     cos, sin: [T, rotary_dim] fp32 rotary tables for `positions`, shared by all QSA layers.
     taps: when set, its keys are decoder layer ids and the text model stores the wide residual leaving
     each of those layers, [T, h*d], under its id (a DFlash drafter's context, spec/engine.md §2.1).
+    ple_lookups: n-gram lookups the PLE layers started before the trunk ran, by state key (layers/ngram.py).
     """
 
     cu_seqlens: list[int]
@@ -121,6 +122,7 @@ class ForwardMeta:
     sin: Tensor
     paged: PagedMeta | None = None
     taps: dict[int, Tensor | None] | None = None
+    ple_lookups: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

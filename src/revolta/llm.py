@@ -35,6 +35,8 @@ from .engine import Engine, EngineConfig
 from .multimodal.sources import media_from_messages
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .model import FlashNextModel, load_model
+from .ple.load import ple_memory
+from .ple.placement import resolve_ple_placement
 from .engine.request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .engine.sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, make_generator
 from .spec.config import DFLASH2_METHODS, SpeculativeConfig
@@ -76,7 +78,9 @@ ENGINE_ARG_NAMES = frozenset({
     # revolta's own engine knobs (EngineConfig)
     "kv_cache_gib", "kv_offload_gib", "cudagraph_mem_mib", "cudagraph_capture_sizes",
     "max_num_encoder_input_tokens", "encoder_cache_size",
+    "ple_placement",  # where the PLE n-gram table lives: "device", "host" or "disk" (ple/placement.py)
 })
+_LOAD_ARGS = ("ple_placement",)  # arguments that shape how the weights load
 # vLLM arguments the media path consumes (mm_processor.py)
 _MEDIA_ARGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path")
 # arguments the engine consumes (the rest are accepted for compatibility and logged)
@@ -263,9 +267,13 @@ class LLM:
             for warning in check_dflash2(self.speculative_config, target, dtype=str(self.dtype).removeprefix("torch."),
                                          kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto")):
                 logger.warning(warning)
+        self.ple_placement = resolve_ple_placement(engine_args.get("ple_placement"))
+        if self.ple_placement.source != "default":
+            logger.info("PLE table placement %r from the %s", self.ple_placement.value, self.ple_placement.source)
         self.model: FlashNextModel = load_model(self.model_path, dtype=self.dtype, device=self.device,
                                                 with_mtp=self.speculative_config.method == "mtp",
-                                                progress=not self.is_default_model)
+                                                progress=not self.is_default_model,
+                                                ple_placement=self.ple_placement.value)
         self.cfg: ModelConfig = self.model.cfg
         self.tokenizer = self._load_tokenizer(tokenizer, engine_args.get("skip_tokenizer_init", False))
         self.max_model_len = self._resolve_max_model_len(max_model_len)
@@ -333,7 +341,8 @@ class LLM:
         width = max(len(name) for name, _, _ in rows)
         logger.info("effective configuration (value [source]):\n%s", "\n".join(
             f"  {name:<{width}} {value!s:<24} [{source}]" for name, value, source in rows))
-        unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"} - set(_ENGINE_CONFIG_ARGS) - set(_MEDIA_ARGS))
+        unused = sorted(set(self.engine_args) - {"skip_tokenizer_init"} - set(_ENGINE_CONFIG_ARGS) - set(_MEDIA_ARGS)
+                        - set(_LOAD_ARGS))
         if unused:
             logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))
 
@@ -371,6 +380,7 @@ class LLM:
             "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else \
             "default (1200 MiB with DFlash2, else 700 MiB)"
         rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
+        rows.append(("ple_placement", ple_memory(self.model).describe(), self.ple_placement.source))
         spec_source = arg("speculative_config") if "speculative_config" in self.engine_args else \
             f"default ({'MTP4: the checkpoint has an MTP layer' if self.cfg.text.mtp is not None else 'no MTP layer'})"
         rows.append(("speculative_config", self.speculative_config.describe(), spec_source))
@@ -628,6 +638,10 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished()
+
+    def check_health(self) -> None:
+        """Raise a FatalEngineError when the engine cannot run again (e.g. its PLE worker process died)."""
+        self.engine.check_health()
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:

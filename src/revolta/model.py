@@ -79,6 +79,9 @@ class TextModel(nn.Module):
     def forward(self, embeds: Tensor, meta: ForwardMeta) -> Tensor:
         """embeds: [T, d] -> wide pre-mixer state X^(L) [T, h*d]."""
         x = embeds.repeat(1, self.cfg.hc_count)  # h identical copies, branch-major
+        for layer in self.layers:  # n-gram rows need only the ids: start their lookups before the trunk
+            if layer.ple is not None:
+                layer.ple.prefetch(meta, embeds.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, meta)
             if meta.taps is not None and i in meta.taps:
@@ -293,11 +296,14 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02, devi
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-               with_mtp: bool = True, with_vision: bool = True, progress: bool = True) -> FlashNextModel:
+               with_mtp: bool = True, with_vision: bool = True, progress: bool = True,
+               ple_placement: str = "device") -> FlashNextModel:
     """Build the model for the checkpoint at `path` and load its weights (memory-mapped, no 2x RAM).
 
     Returns an eval-mode FlashNextModel in `dtype` on `device`; call it on token ids [B, S] for logits.
+    ple_placement: where the PLE n-gram table lives, "device", "host" or "disk" (ple/placement.py).
     """
+    from .ple.load import PLELoader
     from .weights import load_weights, read_kv_scales
 
     if isinstance(dtype, str):
@@ -314,7 +320,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     skip = [] if model.mtp is not None else ["mtp."]
     if model.model.visual is None:
         skip.append("model.visual.")
-    load_weights(model, path, dtype=dtype, device=device, skip_prefixes=tuple(skip), progress=progress)
+    ple = PLELoader(model, path, ple_placement)  # checks the table's shards before any data is read
+    load_weights(model, path, dtype=dtype, device=device, skip_prefixes=tuple(skip) + ple.skip_prefixes,
+                 progress=progress)
+    ple.load(device)
     if cfg.quantization is not None:
         from .layers.quantize import check_loaded_shapes
 

@@ -440,9 +440,9 @@ def estimate_weight_bytes(cfg: ModelConfig, tp: int = 1, weight_format: str = "a
     """Per-GPU weight bytes from exact parameter counts. Routed experts (trunk + MTP) use the
     format's bits; everything else is 16-bit. Split by TP: experts, embedding/lm_head (vocab
     parallel), GDN/QSA mixers, shared experts, vision, MTP dense. Replicated: hyper-connections,
-    final mixer, PLE projections. The PLE table stays in host memory unless `ple_on_gpu`
-    (then stored at 1 byte per value, as the AWQ release ships it). An estimate: a real run
-    measures the loaded weights."""
+    final mixer, PLE projections. The PLE table stays off the GPU unless `ple_on_gpu` (then
+    stored at 1 byte per value, as the AWQ release ships it, and vocab-parallel split by TP like
+    an embedding). An estimate: a real run measures the loaded weights."""
     if weight_format not in WEIGHT_FORMATS:
         raise CacheConfigError(f"weight_format={weight_format!r}; use one of {', '.join(WEIGHT_FORMATS)} "
                                "or pass the measured weights bytes")
@@ -455,7 +455,7 @@ def estimate_weight_bytes(cfg: ModelConfig, tp: int = 1, weight_format: str = "a
         "routed_experts": int(experts * WEIGHT_FORMATS[weight_format] / 8) // tp,
         "dense_split": split * 2 // tp,
         "dense_replicated": replicated * 2,
-        "ple_table": c["ple_table"] if ple_on_gpu else 0,
+        "ple_table": c["ple_table"] // tp if ple_on_gpu else 0,
     }
     out["total"] = sum(out.values())
     return out
@@ -484,21 +484,43 @@ def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_l
                    weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
                    activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
                    other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
+                   ple_placement: str = "host", ple_source: str = "argument", weights_measured: bool | None = None,
                    **cache_options) -> str:
     """What `revolta info DIR --gpu-memory GiB --tp N --max-model-len L --kv-cache-dtype D` prints:
     the budget, the pool layout and the two capacity lines, computed without weights or a GPU.
 
     gpu_memory_gib: memory of one GPU. weights_bytes: per-GPU weights when known (else estimated
     for `weight_format`). drafter_weights_bytes: per-GPU weights of a separate drafter, added to
-    estimated weights (not to measured ones). cache_options: further `CacheConfig` fields
-    (max_num_seqs, num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
+    estimated weights (not to measured ones). ple_placement: where the PLE table lives ("device"
+    counts it in the estimated weights; "host" and "disk" leave it out of the GPU budget), ple_source
+    where that setting came from; weights_measured: weights_bytes is a measurement, which may or may not
+    hold the table (default: whenever weights_bytes is given). cache_options: further `CacheConfig` fields (max_num_seqs,
+    num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
     Raises CacheConfigError for configurations that cannot work.
     """
-    return format_plan(dry_run_plan(cfg, gpu_memory_gib, tp, max_model_len, kv_cache_dtype, gpu_memory_utilization,
-                                    weights_bytes, weight_format=weight_format, dtype=dtype,
-                                    activation_bytes=activation_bytes, cudagraph_reserve_mib=cudagraph_reserve_mib,
-                                    other_reserve_mib=other_reserve_mib, drafter_weights_bytes=drafter_weights_bytes,
-                                    **cache_options), cfg)
+    plan = dry_run_plan(cfg, gpu_memory_gib, tp, max_model_len, kv_cache_dtype, gpu_memory_utilization,
+                        weights_bytes, weight_format=weight_format, dtype=dtype, activation_bytes=activation_bytes,
+                        cudagraph_reserve_mib=cudagraph_reserve_mib, other_reserve_mib=other_reserve_mib,
+                        drafter_weights_bytes=drafter_weights_bytes, ple_placement=ple_placement, **cache_options)
+    measured = weights_bytes is not None if weights_measured is None else weights_measured
+    return format_plan(plan, cfg) + ple_plan_line(cfg, tp, ple_placement, ple_source, not measured)
+
+
+def ple_plan_line(cfg: ModelConfig, tp: int, placement: str, source: str, estimated: bool) -> str:
+    """Where the dry run puts the PLE table (spec/engine.md §6.2), at 1 byte per value as the FP8 releases ship it."""
+    table = parameter_counts(cfg)["ple_table"]
+    if not table:
+        return ""
+    size = f"{human_bytes(table)} ({human_bytes(table // tp)} per TP rank)"
+    if placement == "device":
+        where = "in the GPU weights above" + ("" if estimated else " only if --weights-gib counts it")
+    elif placement == "host":
+        where = ("in pinned host memory, read by the GPU through a mapped view; not in the GPU budget, "
+                 "so the KV pool above has that memory")
+    else:
+        where = ("left in the checkpoint files, read by a PLE worker process (page cache only); not in the GPU "
+                 "budget, so the KV pool above has that memory")
+    return f"  PLE table: placement {placement} [{source}]: {size} {where}\n"
 
 
 def dry_run_plan(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len: int,
@@ -506,14 +528,15 @@ def dry_run_plan(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len
                  weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
                  activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
                  other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
-                 **cache_options) -> CachePlan:
+                 ple_placement: str = "host", **cache_options) -> CachePlan:
     """The `CachePlan` behind `dry_run_report` (same arguments)."""
     if gpu_memory_gib <= 0:
         raise CacheConfigError(f"--gpu-memory={gpu_memory_gib} GiB must be > 0")
     cache = CacheConfig(max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, **cache_options)
     validate_cache_config(cfg, cache, tp)
     if weights_bytes is None:
-        weights_bytes = estimate_weight_bytes(cfg, tp, weight_format)["total"] + drafter_weights_bytes
+        weights_bytes = (estimate_weight_bytes(cfg, tp, weight_format, ple_on_gpu=ple_placement == "device")["total"]
+                         + drafter_weights_bytes)
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(cfg, tp, cache.max_num_batched_tokens, cache.max_num_seqs,
                                                      cache.num_speculative_tokens, dtype)

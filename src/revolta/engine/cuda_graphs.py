@@ -128,6 +128,8 @@ class DecodeGraphs:
         B = next(size for size in self.batch_sizes if size >= b)
         flat = self.runner.pack_step(seqs, num_rows=B, width=self.width)
         self.static[: flat.numel()].copy_(flat, non_blocking=True)
+        if self.runner.ple_feeder is not None:  # a disk-placed PLE table: its rows are in place before the replay
+            self.runner.stage_ple(StepInputs.unpack(self.static, B, B, self.width))
         g = self.graphs[B]
         g.graph.replay()
         self.num_replays += 1

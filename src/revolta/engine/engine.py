@@ -30,6 +30,7 @@ from ..multimodal.encoder_cache import EncoderCache, check_item_fits
 from ..forward import PagedMeta
 from ..multimodal.processor import MediaItem, MultimodalPrompt
 from ..model import FlashNextModel
+from ..ple.load import ple_memory
 from ..multimodal.media import MediaError
 from .runner import ModelRunner, StepSequence
 from .scheduler import SchedRequest, ScheduledSeq, Scheduler, Sequence
@@ -152,6 +153,7 @@ class Engine:
         logger.info("speculative decoding: %s", self.spec.describe())
         for line in self.plan.capacity_lines():
             logger.info(line)
+        logger.info("PLE table: %s", ple_memory(model).describe())
         self.storage = CacheStorage(cfg, self.plan.layout, device=model.device, kv_scales=kv_scales)
         cpu_layout = self.plan.cpu_layout()
         self.cpu_storage = None if cpu_layout is None else CacheStorage(cfg, cpu_layout, "cpu", pin_memory=True)
@@ -159,7 +161,9 @@ class Engine:
         default = max(config.max_num_batched_tokens, MIN_ENCODER_TOKENS)
         self.encoder_budget = config.max_num_encoder_input_tokens or default
         self.encoder_cache = None if model.model.visual is None else EncoderCache(config.encoder_cache_size or default)
-        self.runner = ModelRunner(model, self.storage, kernels=config.kernels)
+        self.runner = ModelRunner(model, self.storage, kernels=config.kernels,
+                                  max_num_tokens=config.max_num_batched_tokens
+                                  + config.max_num_seqs * (1 + self.spec.num_speculative_tokens))
         self.drafter = self._make_drafter()
         self.spec_stats = SpecStats()  # summed over every verify round of this engine
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
@@ -213,7 +217,8 @@ class Engine:
         return graphs
 
     def _budget(self) -> MemoryBudget:
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # an FP8 PLE table on the device is not a parameter; one off the device frees its bytes for the KV pool
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + ple_memory(self.model).unlisted_device_bytes
         cfg = self.config
         if self.model.device.type == "cuda" and cfg.kv_cache_gib is None:
             total = torch.cuda.get_device_properties(self.model.device).total_memory
@@ -261,6 +266,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def check_health(self) -> None:
+        """Raise a FatalEngineError when a process the forward needs (the PLE worker) has died."""
+        self.runner.check_health()
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self, sample_fn: SampleFn, prompt_logits_fn: PromptLogitsFn | None = None) -> list[SchedRequest]:

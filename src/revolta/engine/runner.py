@@ -24,6 +24,7 @@ from ..forward import PagedMeta, VerifyMeta
 from ..kernels.batch_invariant import row_invariant
 from ..kernels.ops import kernel_ops
 from ..model import FlashNextModel
+from ..ple.disk import DEFAULT_CAPACITY, DiskRowFeeder, has_disk_tables
 from ..state import SequenceState
 
 
@@ -111,8 +112,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: FlashNextModel, storage: CacheStorage, kernels: str = "torch",
-                 row_invariant: bool | None = None, hidden_taps: HiddenTaps | None = None):
+                 row_invariant: bool | None = None, hidden_taps: HiddenTaps | None = None,
+                 max_num_tokens: int | None = None):
         self.model, self.storage = model, storage
+        # a disk-placed PLE table: the worker gathers each step's rows before it runs (ple/disk.py);
+        # max_num_tokens bounds one forward (the engine's token budget plus verify rows)
+        self.ple_feeder = DiskRowFeeder(model, storage, max_num_tokens or DEFAULT_CAPACITY) \
+            if has_disk_tables(model) else None
         self.hidden_taps = hidden_taps
         self.ops = kernel_ops(kernels)
         self.block_size = storage.layout.block_size
@@ -121,6 +127,17 @@ class ModelRunner:
         # decode and verify rows computed one at a time (kernels/batch_invariant.py); default on for the
         # torch path, whose greedy output and state must not depend on the batch or on speculation
         self.row_invariant = kernels == "torch" if row_invariant is None else row_invariant
+
+    def stage_ple(self, inputs: StepInputs) -> None:
+        """Before every forward or graph replay that reads PLE rows (not inside a capture): with a
+        disk-placed table, have the worker gather the step's rows into the device buffers."""
+        if self.ple_feeder is not None:
+            self.ple_feeder.stage(inputs.input_ids, inputs.cu_seqlens, inputs.slots, inputs.has_initial_state)
+
+    def check_health(self) -> None:
+        """Raise a FatalEngineError when a process the forward needs (the PLE worker) has died."""
+        if self.ple_feeder is not None:
+            self.ple_feeder.check_health()
 
     def _positions(self, seq: StepSequence, start: int, end: int) -> Tensor:
         known = 0 if seq.positions is None else seq.positions.shape[1]
@@ -220,6 +237,7 @@ class ModelRunner:
         B, T, W = len(seqs), sum(lens), max(len(s.block_ids) for s in seqs)
         device = self.model.device
         inputs = StepInputs.unpack(flat.to(device, non_blocking=True), B, T, W)
+        self.stage_ple(inputs)
         if logits_rows is not None:
             rows = torch.tensor(logits_rows).to(device, non_blocking=True)
         else:
@@ -254,6 +272,7 @@ class ModelRunner:
         the hidden rows are its features instead of the wide state.
         """
         inputs = self._inputs(seqs)
+        self.stage_ple(inputs)
         cu = offsets([len(s.token_ids) for s in seqs])
         device = inputs.slots.device
         R = max(b - a for a, b in zip(cu, cu[1:]))

@@ -5,6 +5,8 @@ every HyperConnection stream, plus a dilated causal conv.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,8 @@ from torch import Tensor, nn
 from ..config import TextConfig
 from ..forward import ForwardMeta, PLERecord
 from ..kernels.conv1d import causal_conv1d_ref
+from ..ple.ngram_host import row_ids
+from ..ple.table import PLETable, StagedRows
 from ..state import PLEState
 from .norm import ZCRMSNorm
 
@@ -88,7 +92,12 @@ def ngram_contexts(ids: Tensor, history: Tensor, seq_index: Tensor, local_index:
 
 
 class NGramEmbedding(nn.Module):
-    """The hashed table (one [rows, head_dim] weight; on disk split into shards) and its int64 buffers."""
+    """The hashed table and its int64 buffers.
+
+    By default the table is one [rows, head_dim] weight (`ngram_embedding`; on disk split into shards).
+    With the table off the device or in FP8 (ple/load.py) that weight is removed and `table` holds a
+    ple.table.PLETable (device or pinned host memory) or StagedRows (rows gathered by the PLE worker).
+    """
 
     def __init__(self, cfg: TextConfig, ple_index: int):
         super().__init__()
@@ -100,11 +109,13 @@ class NGramEmbedding(nn.Module):
         if rows % cfg.split_ngram_parts:
             raise ValueError(f"split_ngram_parts={cfg.split_ngram_parts} does not divide the n-gram table's {rows} "
                              "rows; the on-disk shards must be equal")
+        self.num_rows, self.head_dim = rows, cfg.ngram_head_dim
         self.register_buffer("layer_multipliers", torch.zeros(self.order, dtype=torch.int64))
         self.register_buffer("ngram_heads_vocab_sizes", torch.zeros(self.num_heads, dtype=torch.int64))
         self.register_buffer("ngram_heads_offsets", torch.zeros(self.num_heads, dtype=torch.int64))
         self.init_buffers()
         self.ngram_embedding = nn.Embedding(rows, cfg.ngram_head_dim)
+        self.table: PLETable | StagedRows | None = None
 
     def init_buffers(self) -> None:
         """Derive the int64 hash buffers from the config (a checkpoint that ships them overwrites them)."""
@@ -115,22 +126,45 @@ class NGramEmbedding(nn.Module):
         self.ngram_heads_vocab_sizes.copy_(torch.tensor(self.sizes, dtype=torch.int64))
         self.ngram_heads_offsets.copy_(torch.tensor(offsets, dtype=torch.int64))
 
+    def attach_table(self, table: PLETable | StagedRows | None) -> None:
+        """Look rows up in `table` from now on; the weight goes (ple/load.py loads the table instead;
+        None: drop the weight now, the table follows once loaded)."""
+        if "ngram_embedding" in self._modules:
+            del self.ngram_embedding
+        self.table = table
+
     def rows(self, contexts: Tensor) -> Tensor:
         """contexts: [T, order] int64 (c_0, c_1, ...) -> row ids [T, num_heads], bigram heads first."""
-        m = self.layer_multipliers.to(contexts.device)
-        mixes, mix = [], contexts[:, 0] * m[0]
-        for k in range(1, self.order):  # products fit int64: m_k < 2^63 / vocab
-            mix = mix ^ (contexts[:, k] * m[k])
-            mixes.append(mix[:, None].expand(-1, self.heads_per_ngram))
-        mixed = torch.cat(mixes, dim=-1)  # [T, num_heads]
-        sizes = self.ngram_heads_vocab_sizes.to(contexts.device)
-        return self.ngram_heads_offsets.to(contexts.device) + torch.remainder(mixed, sizes)
+        d = contexts.device
+        return row_ids(contexts, self.layer_multipliers.to(d), self.ngram_heads_vocab_sizes.to(d),
+                       self.ngram_heads_offsets.to(d), self.heads_per_ngram, torch.stack)
 
-    def forward(self, contexts: Tensor) -> Tensor:
-        """[T, order] contexts -> [T, num_heads * head_dim] concatenated rows."""
-        rows = self.rows(contexts)
+    def start_lookup(self, contexts: Tensor, dtype: torch.dtype, backend: str = "torch") -> Callable[[], Tensor]:
+        """Begin looking up [T, order] contexts; the returned function gives the rows [T, num_heads * head_dim]
+        in `dtype` (a host table's read may still be running on a side stream until it is called)."""
+        if isinstance(self.table, StagedRows):
+            return self.table.start(contexts.shape[0], dtype)
+        if self.table is not None:
+            return self.table.start(self.rows(contexts), dtype, backend)
         weight = self.ngram_embedding.weight
-        return F.embedding(rows.to(weight.device), weight).flatten(-2)
+        out = F.embedding(self.rows(contexts).to(weight.device), weight).flatten(-2).to(dtype)
+        return lambda: out
+
+    def forward(self, contexts: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """[T, order] contexts -> [T, num_heads * head_dim] concatenated rows in `dtype` (default: the
+        weight's dtype; fp32 for a table held elsewhere)."""
+        if dtype is None:
+            dtype = self.ngram_embedding.weight.dtype if self.table is None else torch.float32
+        return self.start_lookup(contexts, dtype)()
+
+
+@dataclass
+class _Lookup:
+    """A started n-gram lookup: the step's ids [T], the carried contexts [B, n-1], and its rows to come."""
+
+    ids: Tensor
+    history: Tensor
+    rows: Callable[[], Tensor]
 
 
 class PLELayer(nn.Module):
@@ -155,16 +189,28 @@ class PLELayer(nn.Module):
     def new_state(self, x: Tensor) -> PLEState:
         return PLEState(conv=x.new_zeros(self.history, x.shape[-1]), context=[self.eos] * (self.order - 1))
 
-    def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
-        """x: [T, h*d] wide residual entering the layer -> delta [T, h*d] to add to it."""
+    def prefetch(self, meta: ForwardMeta, dtype: torch.dtype) -> None:
+        """Start this layer's lookup before the trunk runs (the rows depend on the ids alone), so a host
+        table's read overlaps the layers before this one. Paged steps only; `forward` picks it up."""
+        if meta.paged is not None:
+            meta.ple_lookups[self.state_key] = self._start_lookup(None, meta, dtype)
+
+    def _start_lookup(self, x: Tensor | None, meta: ForwardMeta, dtype: torch.dtype) -> _Lookup:
         ids = meta.input_ids.long()
         seq_index, local_index = self._token_layout(meta, ids.device)
         history = self._histories(x, meta)  # [B, n-1] last ids of each sequence before this step
         contexts = ngram_contexts(ids, history, seq_index, local_index, self.eos)  # [T, n]
+        backend = meta.paged.ops.backend if meta.paged is not None else "torch"
+        return _Lookup(ids, history, self.ple_embedding.start_lookup(contexts, dtype, backend))
+
+    def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
+        """x: [T, h*d] wide residual entering the layer -> delta [T, h*d] to add to it."""
+        lookup = meta.ple_lookups.pop(self.state_key, None) or self._start_lookup(x, meta, x.dtype)
+        ids, history = lookup.ids, lookup.history
         verify = meta.paged.spec if meta.paged is not None else None
         if verify is None:
             self._store_histories(meta, self._new_histories(ids, history, meta))
-        emb = self.ple_embedding(contexts).to(x.dtype)
+        emb = lookup.rows().to(x.dtype)
         h, d = self.hc_count, self.hidden_size
         key = self.norm_key(self.key_proj(emb)).unflatten(-1, (h, d))  # [T, h, d]
         value = self.value_proj(emb)  # [T, d], shared by all branches
@@ -210,12 +256,14 @@ class PLELayer(nn.Module):
         starts = torch.tensor(cu[:-1], device=device)
         return seq_index, torch.arange(T, device=device) - starts[seq_index]
 
-    def _histories(self, x: Tensor, meta: ForwardMeta) -> Tensor:
-        """[B, n-1] n-gram context carried into this step (EOS-filled at sequence start)."""
+    def _histories(self, x: Tensor | None, meta: ForwardMeta) -> Tensor:
+        """[B, n-1] n-gram context carried into this step (EOS-filled at sequence start). x: the wide
+        residual (the simple path makes a new sequence's state from it; the paged path needs none)."""
         pm = meta.paged
         if pm is not None:
-            rows = pm.storage.ple[self.layer_idx].context_ids[pm.slots.long()].to(x.device)
-            return torch.where(pm.has_initial_state[:, None].to(x.device), rows, torch.full_like(rows, self.eos))
+            device = meta.input_ids.device
+            rows = pm.storage.ple[self.layer_idx].context_ids[pm.slots.long()].to(device)
+            return torch.where(pm.has_initial_state[:, None].to(device), rows, torch.full_like(rows, self.eos))
         out = []
         for _, _, _, seq in meta.seq_slices():
             if self.state_key not in seq.layers:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,13 +25,18 @@ from .openai_responses import responses_router
 
 logger = logging.getLogger(__name__)
 
+EXIT_ENGINE_FAILED = 3  # `revolta serve`'s status when the engine stopped on a fatal error (e.g. the PLE worker died)
+FATAL_EXIT_DELAY_S = 2.0  # /health answers 503 this long before the server shuts down
 
-def build_app(llm: Any, config: ServerConfig, fault_injection: bool = False) -> FastAPI:
-    """The server app for `llm` (an `revolta.LLM`); its engine thread runs while the app is up."""
+
+def build_app(llm: Any, config: ServerConfig, fault_injection: bool = False,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The server app for `llm` (an `revolta.LLM`); its engine thread runs while the app is up.
+    on_fatal: called (on the engine thread) once the engine has stopped on a FatalEngineError."""
     if llm.get_tokenizer() is None:
         raise ValueError(f"{config.model_path} has no tokenizer.json; the server needs one to render prompts")
     metrics = Metrics(config.served_model_name)
-    engine = EngineLoop(llm, on_output=metrics.on_output, on_finish=metrics.on_finish)
+    engine = EngineLoop(llm, on_output=metrics.on_output, on_finish=metrics.on_finish, on_fatal=on_fatal)
     state = ServerState(llm=llm, engine=engine, config=config, renderer=PromptRenderer(llm, config),
                         metrics=metrics, defaults=llm.get_default_sampling_params(), fault_injection=fault_injection)
 
@@ -53,9 +59,23 @@ def build_app(llm: Any, config: ServerConfig, fault_injection: bool = False) -> 
 
 
 def run_server(llm: Any, config: ServerConfig, host: str, port: int, fault_injection: bool = False,
-               log_level: str = "info") -> None:
+               log_level: str = "info") -> int:
+    """Serve until stopped; returns 0, or EXIT_ENGINE_FAILED when the engine stopped on a FatalEngineError
+    (the server keeps answering, /health 503, for FATAL_EXIT_DELAY_S, then shuts down)."""
     import uvicorn
 
-    app = build_app(llm, config, fault_injection)
+    fatal: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(error: BaseException) -> None:
+        fatal.append(error)
+        threading.Timer(FATAL_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+
+    app = build_app(llm, config, fault_injection, on_fatal=on_fatal)
     # http="h11"/"httptools" both advertise ASGI 2.3, so Starlette watches for disconnects while streaming
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+    server.run()
+    if fatal:
+        logger.error("revolta serve exits: the engine stopped (%s)", fatal[0])
+        return EXIT_ENGINE_FAILED
+    return 0

@@ -4,7 +4,10 @@ Handlers `await submit(...)` a prompt: the loop thread calls `LLM.add_request` a
 so a prompt the LLM rejects is a 400 before any response starts. The thread then alternates between
 draining its command queue (adds, aborts) and `LLM.step()`, and hands every RequestOutput to the
 request's asyncio queue with `call_soon_threadsafe`. A failing step fails the requests of that step
-only; the loop keeps serving the rest (and new requests).
+only; the loop keeps serving the rest (and new requests). A FatalEngineError (a process the engine
+needs, such as the PLE worker, died or stalled; raised by a step or by the idle health check) stops
+the loop instead: every request fails with its message (503), /health turns 503 and `on_fatal` is
+called (`revolta serve` then exits with a non-zero status).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
+from ..errors import FatalEngineError
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +138,10 @@ class EngineLoop:
     """Runs `llm` on a dedicated thread; `submit` / `abort` may be called from the event loop."""
 
     def __init__(self, llm: Any, on_output: Callable[[RequestOutput, float], None] | None = None,
-                 on_finish: Callable[[str, str], None] | None = None):
+                 on_finish: Callable[[str, str], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.llm = llm
-        self._on_output, self._on_finish = on_output, on_finish
+        self._on_output, self._on_finish, self._on_fatal = on_output, on_finish, on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
@@ -193,19 +198,31 @@ class EngineLoop:
     # ---- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            check_health = getattr(self.llm, "check_health", None)
             while not self._stop.is_set():
                 self._drain_commands(block=not self.llm.has_unfinished_requests())
+                if check_health is not None:
+                    check_health()  # an idle engine notices a dead helper process too
                 if self.llm.has_unfinished_requests():
                     self._publish_stats()  # what the commands changed shows now, not after a long (prefill) step
                     self._step()
                 self._publish_stats()
-        except BaseException as e:  # a bug in the loop itself: fail everyone, /health turns 503
-            logger.exception("the engine loop died")
+        except BaseException as e:  # a bug in the loop itself, or a fatal engine error: fail everyone, /health 503
+            fatal = isinstance(e, FatalEngineError)
+            if fatal:
+                logger.error("the engine stopped: %s", e)
+            else:
+                logger.exception("the engine loop died")
             self.dead = e
             for rid, sink in list(self._sinks.items()):
-                sink.put(RequestFailed("the engine stopped; retry later", status=500))
+                sink.put(RequestFailed(f"the engine stopped: {e}", status=503) if fatal else
+                         RequestFailed("the engine stopped; retry later", status=500))
+                if fatal:
+                    self.llm.abort_request(rid)  # every cache block goes back; the engine does not run again
             self._sinks.clear()
             self._refuse_queued_adds()
+            if fatal and self._on_fatal is not None:
+                self._on_fatal(e)
 
     def _refuse_queued_adds(self) -> None:
         """After the thread died: answer every request still queued for it with a 503 (else it waits forever)."""
@@ -254,6 +271,8 @@ class EngineLoop:
         live = set(self._sinks)
         try:
             outputs = self.llm.step()
+        except FatalEngineError:
+            raise  # _run stops the loop
         except Exception as e:  # fail this step's requests, keep serving
             logger.exception("engine step failed; failing %d request(s)", len(live))
             for rid in live:

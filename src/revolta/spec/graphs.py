@@ -281,6 +281,8 @@ class SpecGraphs:
             self.verify_in[: B * R].view(B, R)[:b, 1:].copy_(drafts)
         if not self.replay:
             _upload(self.draft_table[:B], torch.tensor(pad_rows(slot_rows, B, R), dtype=torch.int32))
+        if self.runner.ple_feeder is not None:  # a disk-placed PLE table: its rows are in place before the replay
+            self.runner.stage_ple(StepInputs.unpack(self.verify_in, B, B * R, self.width))
         self.graphs[B].verify()
         self.num_replays += 1
         logits, wide = self.shared[("", "logits")][: b * R].clone(), self.shared[("", "wide")][: b * R].clone()

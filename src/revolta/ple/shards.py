@@ -1,0 +1,131 @@
+"""Byte layout of the PLE table in safetensors shards, and row gathers from memory-mapped shards (torch-free).
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (dtype, shape and
+[begin, end) data offsets per tensor) and the raw little-endian data. A table shard [rows, d] is
+therefore `rows * d * itemsize` contiguous bytes at a known file offset, so the loader can read it
+straight into the table's memory and the worker can map it without copying.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+ITEMSIZE = {"F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4}  # the table dtypes
+PAGE = mmap.PAGESIZE
+PARALLEL_MIN_ROWS = 4096  # fewer unique rows are gathered on the calling thread (a pool costs more)
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    dtype: str  # safetensors name: F8_E4M3, BF16, ...
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorBytes]:
+    """Every tensor of one safetensors file by name (reads the header only)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    base = 8 + size
+    return {name: TensorBytes(v["dtype"], tuple(v["shape"]), base + v["data_offsets"][0],
+                              v["data_offsets"][1] - v["data_offsets"][0])
+            for name, v in header.items() if name != "__metadata__"}
+
+
+@dataclass(frozen=True)
+class TableShard:
+    """Rows [row_start, row_start + rows) of a table, stored row-major at byte `offset` of `file`."""
+
+    file: str
+    name: str
+    row_start: int
+    rows: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """One PLE layer's table on disk: `rows` x `width` values of safetensors dtype `dtype` in `shards`."""
+
+    name: str  # the model's name of the table, e.g. model.language_model.layers.1.ple.ple_embedding.ngram_embedding
+    dtype: str
+    rows: int
+    width: int
+    shards: tuple[TableShard, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def _page_range(start: int, end: int) -> tuple[int, int]:
+    lo = start // PAGE * PAGE
+    return lo, end - lo
+
+
+class MappedTable:
+    """A table read through read-only mappings of its shard files: no copy beyond the page cache.
+
+    gather(rows, out): out[i] = the bytes of row rows[i]. Each shard reads its sorted unique rows
+    (one pass over the file in order), on `threads` threads when there are many; with
+    `release_pages` the mapped pages a gather touched are dropped afterwards (MADV_DONTNEED on the
+    file-backed mapping: the process's RSS shrinks, the page cache keeps them).
+    """
+
+    def __init__(self, layout: TableLayout, threads: int = 1, release_pages: bool = False, prefault: bool = False):
+        self.layout, self.release_pages = layout, release_pages
+        self._maps: dict[str, mmap.mmap] = {}
+        for s in layout.shards:
+            if s.file not in self._maps:
+                with open(s.file, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                mm.madvise(mmap.MADV_RANDOM)  # single rows: read-ahead would only waste I/O
+                self._maps[s.file] = mm
+            if prefault:
+                self._maps[s.file].madvise(mmap.MADV_WILLNEED, *_page_range(s.offset, s.offset + s.rows * layout.row_bytes))
+        rb = layout.row_bytes
+        self._views = [np.frombuffer(self._maps[s.file], dtype=np.uint8, count=s.rows * rb, offset=s.offset)
+                       .reshape(s.rows, rb) for s in layout.shards]
+        self._starts = np.array([s.row_start for s in layout.shards] + [layout.rows], dtype=np.int64)
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ple-gather") if threads > 1 else None
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(len(m) for m in self._maps.values())
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """rows [N] int64 table rows -> out [N, row_bytes] uint8."""
+        uniq, inverse = np.unique(rows, return_inverse=True)  # sorted: each shard reads in file order
+        bounds = np.searchsorted(uniq, self._starts)  # uniq[bounds[s]:bounds[s+1]] lie in shard s
+        rows_of = np.empty((uniq.shape[0], self.layout.row_bytes), dtype=np.uint8)
+        work = [s for s in range(len(self._views)) if bounds[s + 1] > bounds[s]]
+
+        def one(s: int) -> None:
+            a, b = bounds[s], bounds[s + 1]
+            np.take(self._views[s], uniq[a:b] - self._starts[s], axis=0, out=rows_of[a:b])
+            if self.release_pages:
+                self._release(s, int(uniq[a] - self._starts[s]), int(uniq[b - 1] - self._starts[s]) + 1)
+
+        if self._pool is not None and uniq.shape[0] >= PARALLEL_MIN_ROWS and len(work) > 1:
+            list(self._pool.map(one, work))
+        else:
+            for s in work:
+                one(s)
+        np.take(rows_of, inverse.reshape(-1), axis=0, out=out)
+
+    def _release(self, s: int, lo: int, hi: int) -> None:
+        shard, rb = self.layout.shards[s], self.layout.row_bytes
+        self._maps[shard.file].madvise(mmap.MADV_DONTNEED, *_page_range(shard.offset + lo * rb, shard.offset + hi * rb))
