@@ -137,9 +137,10 @@ def moe_variants(M, top_k, num_experts, arch):
     base = MOE.moe_config(M, top_k, num_experts, arch)
     if not base["GROUPED"] or (arch is not None and arch < 80):
         return {}
-    v = {"n32/64": dict(base, BLOCK_N_UP=32, BLOCK_N_DOWN=64),
+    v = {"n16/32": dict(base, BLOCK_N_UP=16, BLOCK_N_DOWN=32),  # the default before K5b
+         "n64/128": dict(base, BLOCK_N_UP=64, BLOCK_N_DOWN=128),
          "k64s6": dict(base, BLOCK_K_UP=64, BLOCK_K_DOWN=64, num_stages=6),
-         "n32/64w8": dict(base, BLOCK_N_UP=32, BLOCK_N_DOWN=64, num_warps=8)}
+         "w8": dict(base, num_warps=8)}
     if M == 1:  # CUDA-core GEMV: no tl.dot, no padding of the one row
         v["gemv"] = dict(base, USE_DOT=False, BLOCK_M=1, BLOCK_N_UP=16, BLOCK_K_UP=256, BLOCK_N_DOWN=32,
                          BLOCK_K_DOWN=128, num_stages=1)

@@ -286,12 +286,14 @@ def grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None
     """Launch config of the grouped path (also used by the AOT compile tests and the benchmark).
 
     sm80+ (and the interpreter): tl.dot tiles of 16 rows (tensor cores; padding 1..15 rows to 16 costs
-    no weight bytes); 32 gate + up rows x 128 per K step keep 440+ programs in flight at M = 1.
+    no weight bytes); 2 x 32 gate + up rows and 64 down rows per program, 128 per K step (measured on the H200,
+    benchmarks/RESULTS.md K5b: 71% of copy at M = 1, 94-96% at M = 8 / 40 with 512 experts, against 59% / 86% /
+    89% with 16 / 32 rows per program).
     sm70: tl.dot would be FMA on 16 padded rows, so BLOCK_M follows the expected rows per touched expert
     ρ (1, 2, 4, 8) with broadcast FMA tiles of <= 4K fp32 products per 128 threads (no spills).
     """
     if arch is None or arch >= 80:
-        return dict(GROUPED=True, BLOCK_M=16, BLOCK_N_UP=16, BLOCK_K_UP=128, BLOCK_N_DOWN=32, BLOCK_K_DOWN=128,
+        return dict(GROUPED=True, BLOCK_M=16, BLOCK_N_UP=32, BLOCK_K_UP=128, BLOCK_N_DOWN=64, BLOCK_K_DOWN=128,
                     USE_DOT=True, num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3)
     rho = M * top_k / max(1.0, expected_distinct(M, top_k, num_experts))
     bm = 1 if M == 1 else min(8, triton.next_power_of_2(math.ceil(rho - 1e-6)))
