@@ -63,6 +63,7 @@ VARIANTS = {
     "walk_2stages": dict(cp_min_tokens=0, walk_stages=2),
     "split_wide": dict(cp_min_tokens=8192, cp_walk_bv=128, cp_walk_warps=8, prescan_bv=128, prescan_warps=8),
     "split_seg16": dict(cp_min_tokens=8192, seg_chunks=16),
+    "out_vp64": dict(out_vp=64),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
 }
 
 try:

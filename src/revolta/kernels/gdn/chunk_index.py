@@ -19,7 +19,7 @@ from ..conv1d import _find_seq
 BT = 64  # tokens per chunk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch
 def _gdn_chunk_index_kernel(cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS, BLOCK: tl.constexpr):
     """cu_chunks = [0, cumsum(ceil(len / 64))], cu_segs = [0, cumsum(ceil(chunks / SEG_CHUNKS))]."""
     o_b = tl.arange(0, BLOCK)

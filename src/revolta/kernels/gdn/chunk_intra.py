@@ -49,7 +49,7 @@ def _solve_unit_lower(b_a, SOLVE_PREC: tl.constexpr):
     return tl.dot(b_y, b_td, input_precision=SOLVE_PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SEQ"])  # one build for any batch
 def _gdn_chunk_intra_kernel(k, v, g, beta, cu_seqlens, cu_chunks, w, u, gcum, k_rstd, NUM_SEQ,
                             stride_k, stride_v, stride_g, stride_beta,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,

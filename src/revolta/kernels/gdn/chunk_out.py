@@ -14,7 +14,7 @@ import triton.language as tl
 from .chunk_index import _chunk_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SEQ"])  # one build for any batch
 def _gdn_chunk_o_kernel(q, k, h, v_new, gcum, k_rstd, o, cu_seqlens, cu_chunks, NUM_SEQ, scale,
                         stride_q, stride_k,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,

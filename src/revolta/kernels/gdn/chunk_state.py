@@ -55,7 +55,7 @@ def _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
     return b_vn, b_h
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch
 def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start,
                            cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS, stride_k,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
@@ -92,7 +92,7 @@ def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, ha
         tl.store(p_slot + o_kv, b_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch
 def _gdn_chunk_prescan_kernel(k, w, u, gcum, k_rstd, hm, cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS,
                               stride_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BV: tl.constexpr, DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr):
