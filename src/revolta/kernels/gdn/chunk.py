@@ -197,7 +197,7 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         k, v, g, beta, cu_seqlens, cu_chunks, w, u, gcum, k_rstd, B, k.stride(0), v.stride(0), g.stride(0),
         beta.stride(0), H=H, HV=HV, K=K, V=V, BK=_fit(cfg.intra_bk, K), BV=_fit(cfg.intra_bv, V),
         USE_L2NORM=use_qk_l2norm, DOT_PREC=prec, SOLVE_PREC=solve_prec, LOG_NUM_SEQ=log_b,
-        num_warps=cfg.intra_warps)
+        num_warps=cfg.intra_warps, num_stages=2)
 
     h = torch.empty(num_chunks_max, HV, K, V, dtype=dt, device=dev)
     v_new = torch.empty(T, HV, V, dtype=dt, device=dev)
@@ -214,7 +214,7 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         mbv = _fit(cfg.merge_bv, V)
         _gdn_chunk_merge_kernel[(V // mbv, B, HV)](
             hm, h_start, ssm_state, slots, has_initial_state, cu_segs, HV=HV, K=K, V=V, BV=mbv,
-            MERGE_PREC=merge_prec, num_warps=cfg.merge_warps)
+            MERGE_PREC=merge_prec, num_warps=cfg.merge_warps, num_stages=2)  # [K, K] fp32 tiles: 96 KiB (160 at 3 stages)
         walk_bv, walk_warps, walk_stages = _fit(cfg.cp_walk_bv, V), cfg.cp_walk_warps, cfg.cp_stages
     _gdn_chunk_walk_kernel[(V // walk_bv, num_segs_max, HV)](
         k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start, cu_seqlens, cu_chunks,
