@@ -12,7 +12,7 @@ an H200, most of it Triton compiling ours and autotuning fla):
    and fp16, vs fla `chunk_gated_delta_rule` (Triton path; one sequence in fla's batch form,
    varlen with cu_seqlens); µs per layer eager and CUDA-graph for both, fla / ours ratios (> 1:
    ours faster), chunk-form TFLOP/s (180 k FLOP/token/v-head), output and state difference to fla;
-3. k1_variants: the launch-configuration variants in VARIANTS at 1x8K and 1x32K (bf16, graph),
+3. k1_variants: the launch-configuration variants in VARIANTS at the three shapes (bf16, graph),
    so one run shows which configuration to make the default;
 4. k1_profile: per-kernel GPU time (torch.profiler) of ours (default, no split) and fla at 1x8K
    and 1x32K bf16, and the shared memory / registers / spills of every compiled chunk kernel;
@@ -314,19 +314,21 @@ def k1_variants():
     wanted = os.environ.get("GDN_VARIANTS")
     names = wanted.split(",") if wanted else list(VARIANTS)
     dtype = torch.bfloat16
-    for name, lens in PREFILL_CASES[:2]:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, lens in PREFILL_CASES:
+        B = len(lens)
         sets = _prefill_sets(lens, dtype)
-        cu = torch.tensor([0, sum(lens)], dtype=torch.int32, device=DEV)
-        pool = torch.randn(2, HV, K, V, device=DEV) * 0.1
-        slots = torch.ones(1, dtype=torch.int32, device=DEV)
-        init = torch.ones(1, dtype=torch.bool, device=DEV)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        pool = torch.randn(B + 1, HV, K, V, device=DEV) * 0.1
+        slots = torch.arange(1, B + 1, dtype=torch.int32, device=DEV)
+        init = torch.ones(B, dtype=torch.bool, device=DEV)
         for vname in names:
             cfg = variant(vname)
             calls = [lambda s=s, cfg=cfg: gdn_chunk_prefill(*s, cu, pool, slots, init, config=cfg) for s in sets]
             t, how = time_best(calls)
             peer = PEER_US.get((name, "bfloat16"))
             row(kernel="K1 variant", variant=vname, shape=name, dtype="bfloat16", us=t, timing=how,
-                split_segments=cfg.segment_chunks(sum(lens), HV, torch.cuda.get_device_properties(0).multi_processor_count),
+                split_segments=cfg.segment_chunks(sum(lens), HV, num_sms),
                 ratio_peer_over_ours=(peer / t) if peer else None, overrides=VARIANTS[vname])
         del sets
         torch.cuda.empty_cache()
@@ -509,8 +511,9 @@ def _print_summary(path):
                   f"{r.get('ratio_eager', nan):5.2f} graph {r.get('ratio_graph', nan):5.2f} best "
                   f"{r.get('ratio_best', nan):5.2f} | diff to fla {r.get('peer_rel_diff', nan):.1e}")
         elif r["kernel"] == "K1 variant":
-            print(f"K1 variant {r['variant']:14s} {r['shape']:6s} {r['us']:8.1f} µs ({r['timing']}, split "
-                  f"{r['split_segments']} chunks/segment)  fla(best)/ours {r['ratio_peer_over_ours'] or nan:5.2f}")
+            walk = f"split, {r['split_segments']} chunks/segment" if r["split_segments"] else "serial walk"
+            print(f"K1 variant {r['variant']:14s} {r['shape']:6s} {r['us']:8.1f} µs ({r['timing']}, {walk})  "
+                  f"fla(best)/ours {r['ratio_peer_over_ours'] or nan:5.2f}")
         elif r["kernel"] == "K2 decode":
             print(f"K2 B={r['batch']:<4d} ours {r['ours_us']:8.2f} {r['ours_state_GBps']:7.0f} GB/s {r['ours_config']:8s}"
                   f" fla {r.get('peer_us', nan):8.2f} fla/ours {r.get('ratio_peer_over_ours', nan):5.2f}"
