@@ -5,6 +5,10 @@ Real shapes: H = 16 q/k heads, HV = 48 value heads, K = V = 128, GDN conv C = 10
 PLE conv C = 10240 (W = 4, dilation 3). sm_70 builds use fp16 activations (no bf16 on V100),
 sm_90 builds bf16.
 
+Pointers and strides are compiled as 16-divisible, as the launcher specialises them for real
+tensors, so loads are vectorised and loops software-pipelined as at run time (shared memory of
+the pipelined state walk is what decides how many of its programs share an SM).
+
 Spill budgets on sm_70 (bytes of spill stores per thread, from ptxas -v): the memory-bound
 kernels (conv, recurrent decode/verify, commit) must not spill at all; the chunk kernels run
 tl.dot on FMA units on Volta (no tensor cores) and may spill up to SPILL_BUDGET_CHUNK[arch].
