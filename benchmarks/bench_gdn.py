@@ -2,23 +2,33 @@
 
     PYTHONPATH=src python benchmarks/bench_gdn.py          # results: $OUT/bench_gdn.json (default ./bench_out)
 
-1. correctness first: every kernel vs its torch reference at the real head shape (H=16, HV=48,
-   K=V=128), bf16 and fp16, plus replay == kept state bitwise on the GPU;
-2. K1 chunk prefill (1x8K, 1x32K, 8x1K varlen; initial states from a slot pool) vs fla
-   `chunk_gated_delta_rule`; ms/layer, ratio, chunk-form TFLOP/s (180 k FLOP/token/v-head);
-3. K2 decode batch 1/8/64/256 (fp32 state pool) vs fla `fused_recurrent_gated_delta_rule`;
-   µs/layer, state GB/s (read + write), with a BV sweep that shows which config the heuristic
-   should pick;
-4. K3 verify T = 2/5/8 vs T = 1 at batch 1 and 8: keep (per-position states) and replay
-   (verify without states + replay-commit) schemes, plus fla recurrent over the T tokens.
-Timing: CUDA-graph replay of a sequence of calls over rotating inputs/slots (> 60 MB of
-distinct data); eager CUDA-event timing where a peer cannot be captured (fla's varlen chunk path
-reads cu_seqlens on the host). Each section catches its own errors, so one failure does not
-lose the rest.
+Stages, in this order (GDN_STAGES=a,b selects; the default runs all but k3_verify, ~3-4 min on
+an H200, most of it Triton compiling ours and autotuning fla):
+1. correctness: every kernel vs its torch reference at the real head shape (H=16, HV=48,
+   K=V=128), bf16 and fp16: chunk prefill (varlen with an empty and a 1-token sequence, 1 x 8K, the
+   split walk with forced 1-chunk segments, and in bf16 the default split at 1 x 32K), decode,
+   verify, and replay == kept state bitwise;
+2. k1_prefill: chunk prefill at 1x8K, 1x32K, 8x1K varlen (initial states from a slot pool), bf16
+   and fp16, vs fla `chunk_gated_delta_rule` (Triton path; one sequence in fla's batch form,
+   varlen with cu_seqlens); µs per layer eager and CUDA-graph for both, fla / ours ratios (> 1:
+   ours faster), chunk-form TFLOP/s (180 k FLOP/token/v-head), output and state difference to fla;
+3. k1_variants: the launch-configuration variants in VARIANTS at the three shapes (bf16, graph),
+   so one run shows which configuration to make the default;
+4. k1_profile: per-kernel GPU time (torch.profiler) of ours (default, no split) and fla at 1x8K
+   and 1x32K bf16, and the shared memory / registers / spills of every compiled chunk kernel;
+5. k2_decode: batch 1/8/64/256 (fp32 state pool) vs fla `fused_recurrent_gated_delta_rule` on
+   the same states; µs/layer, state GB/s (read + write), output difference to fla, a BV sweep;
+6. v100_configs: the sm70 launch configurations (plain and split walk), fp16, correctness only;
+7. k3_verify (only when named): T = 2/5/8 vs T = 1 at batch 1 and 8, keep and replay schemes,
+   plus fla recurrent over the T tokens.
+Timing: CUDA-graph replay of a sequence of calls over rotating inputs/slots (> 60 MB of distinct
+data); eager CUDA-event timing as well for prefill, and where a peer cannot be captured. Each
+stage catches its own errors, so one failure does not lose the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -30,9 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from revolta.kernels.gdn import chunk as chunk_mod  # noqa: E402
 from revolta.kernels.gdn import recurrent as rec_mod  # noqa: E402
-from revolta.kernels.gdn.chunk import gdn_chunk_prefill  # noqa: E402
+from revolta.kernels.gdn.chunk import chunk_config, gdn_chunk_prefill  # noqa: E402
 from revolta.kernels.gdn.recurrent import gdn_commit, gdn_recurrent_update, gdn_replay_commit, gdn_verify  # noqa: E402
 from revolta.kernels.gdn.ref import (gdn_chunk_prefill_ref, gdn_recurrent_update_ref,  # noqa: E402
                                      gdn_verify_ref)
@@ -41,8 +50,21 @@ H, HV, K, V = 16, 48, 128, 128
 STATE_BYTES = HV * K * V * 4  # one sequence, one layer, fp32
 L2_BYTES = 60 << 20
 DEV = "cuda"
-RESULTS: dict = {"rows": [], "errors": [], "checks": []}
+RESULTS: dict = {"rows": [], "errors": [], "checks": [], "profiles": []}
 T_START = time.time()
+
+# Prefill launch configurations timed side by side in k1_variants: overrides of chunk_config(K, V, 90).
+# Edit (or select with GDN_VARIANTS=a,b) to try others; the JSON keeps every row.
+VARIANTS = {
+    "default": {},  # walk split from 16K tokens (segments chosen from T), serial walk BV32 / 3 stages below
+    "no_split": dict(cp_min_tokens=0),  # one serial walk per sequence at every length
+    "split_from_8k": dict(cp_min_tokens=8192),
+    "walk_bv64": dict(cp_min_tokens=0, walk_bv=64, walk_stages=3),  # serial walk, 96 programs of 64 columns
+    "walk_2stages": dict(cp_min_tokens=0, walk_stages=2),
+    "split_wide": dict(cp_min_tokens=8192, cp_walk_bv=128, cp_walk_warps=8, prescan_bv=128, prescan_warps=8),
+    "split_seg16": dict(cp_min_tokens=8192, seg_chunks=16),
+    "out_vp64": dict(out_vp=64),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
+}
 
 try:
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # the Triton path, as in the peer table
@@ -52,6 +74,10 @@ try:
 except Exception as e:  # noqa: BLE001
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
     PEER = f"peer unavailable ({type(e).__name__}: {e})"
+
+
+def variant(name: str):
+    return dataclasses.replace(chunk_config(K, V, 90), **VARIANTS[name])
 
 
 def log(*a):
@@ -161,25 +187,44 @@ def check(name, got, want, tol):
 # ---------------------------------------------------------------------------------------------- sections
 
 
+def _prefill_case(lens, dtype, seed, num_extra_slots=1):
+    """Inputs of one varlen prefill: (q, k, v, g, beta), cu_seqlens, a slot pool, slots, initial-state flags."""
+    T, B = sum(lens), len(lens)
+    x = rand_inputs((T,), dtype, seed)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    pool = torch.randn(B + num_extra_slots, HV, K, V, device=DEV) * 0.1
+    slots = torch.arange(num_extra_slots, B + num_extra_slots, dtype=torch.int32, device=DEV)
+    return x, cu, pool, slots
+
+
+def check_prefill(name, lens, dtype, config=None, init=None, tol=None):
+    """Ours vs the torch reference: outputs, final states, untouched slots."""
+    tol = tol or (2e-2 if dtype == torch.bfloat16 else 5e-3)
+    x, cu, pool, slots = _prefill_case(lens, dtype, 1, num_extra_slots=2)
+    init = torch.tensor(init or [True] * len(lens), device=DEV)
+    p1, p2 = pool.clone(), pool.clone()
+    o = gdn_chunk_prefill(*x, cu, p1, slots, init, config=config)
+    o_ref = gdn_chunk_prefill_ref(*x, cu, p2, slots, init)
+    check(f"chunk_prefill {name} out {dtype}", o, o_ref, tol)
+    check(f"chunk_prefill {name} state {dtype}", p1[slots.long()], p2[slots.long()], tol)
+    assert torch.equal(p1[:2], pool[:2]), "untouched slots changed"
+
+
 @section
 def correctness():
     torch.manual_seed(0)
+    split1 = dataclasses.replace(chunk_config(K, V, 90), cp_min_tokens=1, seg_chunks=1)
     for dtype in (torch.bfloat16, torch.float16):
         tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
-        lens = [1, 100, 199]
-        T, B = sum(lens), len(lens)
-        q, k, v, g, beta = rand_inputs((T,), dtype, 1)
-        cu = torch.tensor([0, 1, 101, 300], dtype=torch.int32, device=DEV)
+        check_prefill("varlen", [1, 100, 0, 199], dtype, init=[True, False, True, True])
+        check_prefill("varlen split1", [1, 100, 0, 199], dtype, config=split1, init=[True, False, True, True])
+        check_prefill("1x8K", [8192], dtype)
+        if dtype == torch.bfloat16:
+            check_prefill("1x32K default", [32768], dtype)  # the split walk at its default length
+
+        B = 3
         pool = torch.randn(8, HV, K, V, device=DEV) * 0.1
         slots = torch.tensor([3, 5, 7], dtype=torch.int32, device=DEV)
-        init = torch.tensor([True, False, True], device=DEV)
-        p1, p2 = pool.clone(), pool.clone()
-        o = gdn_chunk_prefill(q, k, v, g, beta, cu, p1, slots, init)
-        o_ref = gdn_chunk_prefill_ref(q, k, v, g, beta, cu, p2, slots, init)
-        check(f"chunk_prefill out {dtype}", o, o_ref, tol)
-        check(f"chunk_prefill state {dtype}", p1, p2, tol)
-        assert torch.equal(p1[[0, 1, 2, 4, 6]], pool[[0, 1, 2, 4, 6]]), "untouched slots changed"
-
         qd, kd, vd, gd, bd = rand_inputs((B,), dtype, 2)
         p1, p2 = pool.clone(), pool.clone()
         od = gdn_recurrent_update(qd, kd, vd, gd, bd, p1, slots)
@@ -207,46 +252,168 @@ def correctness():
     log("correctness done")
 
 
+PREFILL_CASES = [("1x8K", [8192]), ("1x32K", [32768]), ("8x1K", [1024] * 8)]
+
+
+def _fla_prefill_calls(sets, lens, pool):
+    """fla chunk prefill on the same inputs: one sequence in fla's batch form [1, T, ...] (no
+    cu_seqlens, its fastest path), several with int64 cu_seqlens; initial states = our slots' states."""
+    B = len(lens)
+    h0 = pool[1:B + 1].clone()
+    cu64 = None if B == 1 else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEV)
+    return [lambda s=s: chunk_gated_delta_rule(
+        s[0][None], s[1][None], s[2][None], g=s[3][None], beta=s[4][None], scale=K**-0.5, initial_state=h0,
+        output_final_state=True, cu_seqlens=cu64, use_qk_l2norm_in_kernel=True) for s in sets]
+
+
+def _prefill_sets(lens, dtype):
+    T = sum(lens)
+    per_set = T * (2 * H * K + HV * V) * 2
+    return [rand_inputs((T,), dtype, 10 + i) for i in range(n_sets(per_set, cap=2))]
+
+
+PEER_US: dict = {}  # (shape, dtype) -> fla graph µs, for the variants' ratios
+
+
 @section
 def k1_prefill():
-    cases = [("1x8K", [8192]), ("1x32K", [32768]), ("8x1K", [1024] * 8)]
     for dtype in (torch.bfloat16, torch.float16):
-        for name, lens in cases:
+        for name, lens in PREFILL_CASES:
             T, B = sum(lens), len(lens)
-            per_set = T * (2 * H * K + HV * V) * 2
-            sets = [rand_inputs((T,), dtype, 10 + i) for i in range(n_sets(per_set, cap=2))]
+            sets = _prefill_sets(lens, dtype)
             cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
             pool = torch.randn(B + 1, HV, K, V, device=DEV) * 0.1
             slots = torch.arange(1, B + 1, dtype=torch.int32, device=DEV)
             init = torch.ones(B, dtype=torch.bool, device=DEV)
             ours = [lambda s=s: gdn_chunk_prefill(*s, cu, pool, slots, init) for s in sets]
             t_ours = time_eager(ours)
-            t_ours_graph, _ = time_best(ours)
+            t_ours_graph, how = time_best(ours)
             flops = 180e3 * T * HV
-            r = dict(kernel="K1 chunk prefill", shape=name, dtype=str(dtype).split(".")[-1], ours_us=t_ours,
-                     ours_graph_us=t_ours_graph, ours_tflops=flops / t_ours / 1e6)
+            dt = str(dtype).split(".")[-1]
+            r = dict(kernel="K1 chunk prefill", shape=name, dtype=dt, ours_us=t_ours, ours_graph_us=t_ours_graph,
+                     ours_timing=how, ours_tflops=flops / min(t_ours, t_ours_graph) / 1e6)
             if chunk_gated_delta_rule is not None:
-                cu64 = cu.long()
-                h0 = pool[1:].clone()
-                peer = [lambda s=s: chunk_gated_delta_rule(
-                    s[0][None], s[1][None], s[2][None], s[3][None], s[4][None], scale=K**-0.5, initial_state=h0,
-                    output_final_state=True, cu_seqlens=cu64, use_qk_l2norm_in_kernel=True) for s in sets]
+                peer = _fla_prefill_calls(sets, lens, pool)
                 t_peer = time_eager(peer)
-                o_p, _ = peer[0]()
+                t_peer_graph, how_p = time_best(peer)
+                PEER_US[name, dt] = min(t_peer, t_peer_graph)
+                o_p, ht_p = peer[0]()
                 p1 = pool.clone()
                 o_o = gdn_chunk_prefill(*sets[0], cu, p1, slots, init)
-                r.update(peer_us=t_peer, ratio_peer_over_ours=t_peer / t_ours, peer_rel_diff=rel_err(o_o, o_p[0]))
+                r.update(peer_us=t_peer, peer_graph_us=t_peer_graph, peer_timing=how_p,
+                         ratio_eager=t_peer / t_ours, ratio_graph=t_peer_graph / t_ours_graph,
+                         ratio_best=min(t_peer, t_peer_graph) / min(t_ours, t_ours_graph),
+                         peer_rel_diff=rel_err(o_o, o_p[0]), peer_state_rel_diff=rel_err(p1[1:B + 1], ht_p))
             row(**r)
             del sets
             torch.cuda.empty_cache()
 
 
-def _decode_calls(B, dtype, cfg=None):
+@section
+def k1_variants():
+    wanted = os.environ.get("GDN_VARIANTS")
+    names = wanted.split(",") if wanted else list(VARIANTS)
+    dtype = torch.bfloat16
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, lens in PREFILL_CASES:
+        B = len(lens)
+        sets = _prefill_sets(lens, dtype)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        pool = torch.randn(B + 1, HV, K, V, device=DEV) * 0.1
+        slots = torch.arange(1, B + 1, dtype=torch.int32, device=DEV)
+        init = torch.ones(B, dtype=torch.bool, device=DEV)
+        for vname in names:
+            cfg = variant(vname)
+            calls = [lambda s=s, cfg=cfg: gdn_chunk_prefill(*s, cu, pool, slots, init, config=cfg) for s in sets]
+            t, how = time_best(calls)
+            peer = PEER_US.get((name, "bfloat16"))
+            row(kernel="K1 variant", variant=vname, shape=name, dtype="bfloat16", us=t, timing=how,
+                split_segments=cfg.segment_chunks(sum(lens), HV, num_sms),
+                ratio_peer_over_ours=(peer / t) if peer else None, overrides=VARIANTS[vname])
+        del sets
+        torch.cuda.empty_cache()
+
+
+def _kernel_times(fn, reps: int = 3) -> dict:
+    """GPU µs per call of each kernel `fn` launches (torch.profiler over `reps` eager calls)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            out[e.key[:90]] = us / reps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _compiled_resources() -> list:
+    """Shared memory, registers and spills of every compiled chunk-prefill kernel in this process
+    (occupancy: how many programs of each share an SM). Best effort across Triton versions."""
+    from revolta.kernels.gdn import chunk_index, chunk_intra, chunk_out, chunk_state
+    out = []
+    for mod in (chunk_index, chunk_intra, chunk_state, chunk_out):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            for caches in getattr(fn, "device_caches", {}).values():
+                for key, ck in caches[0].items():
+                    try:
+                        ck._init_handles()
+                        out.append(dict(kernel=name, warps=ck.metadata.num_warps, stages=ck.metadata.num_stages,
+                                        shared=ck.metadata.shared, regs=ck.n_regs, spills=ck.n_spills,
+                                        key=str(key)[-160:]))
+                    except Exception as e:  # noqa: BLE001
+                        out.append(dict(kernel=name, error=repr(e)[:120]))
+    return out
+
+
+@section
+def k1_profile():
+    dtype = torch.bfloat16
+    for name, lens in PREFILL_CASES[:2]:
+        x, cu, pool, slots = _prefill_case(lens, dtype, 50)
+        init = torch.ones(len(lens), dtype=torch.bool, device=DEV)
+        runs = {"ours default": lambda: gdn_chunk_prefill(*x, cu, pool, slots, init),
+                "ours no_split": lambda: gdn_chunk_prefill(*x, cu, pool, slots, init, config=variant("no_split"))}
+        if chunk_gated_delta_rule is not None:
+            runs["fla"] = _fla_prefill_calls([x], lens, pool)[0]
+        for who, fn in runs.items():
+            times = _kernel_times(fn)
+            RESULTS["profiles"].append(dict(shape=name, who=who, kernels_us=times, total_us=sum(times.values())))
+            log(f"  profile {name} {who}: total {sum(times.values()):.1f} µs")
+            for kname, us in times.items():
+                log(f"      {us:9.1f} µs  {kname}")
+        del x
+        torch.cuda.empty_cache()
+    RESULTS["kernel_resources"] = _compiled_resources()
+    for r in RESULTS["kernel_resources"]:
+        log("  ", r)
+
+
+def _decode_calls(B, dtype):
     num_sets = n_sets(B * STATE_BYTES, cap=32)
     pool = torch.randn(B * num_sets + 1, HV, K, V, device=DEV) * 0.1
     inputs = [rand_inputs((B,), dtype, 20 + i) for i in range(num_sets)]
     slot_sets = [torch.arange(1 + i * B, 1 + (i + 1) * B, dtype=torch.int32, device=DEV) for i in range(num_sets)]
-    return [lambda s=s, sl=sl: gdn_recurrent_update(*s, pool, sl) for s, sl in zip(inputs, slot_sets)], pool, inputs
+    calls = [lambda s=s, sl=sl: gdn_recurrent_update(*s, pool, sl) for s, sl in zip(inputs, slot_sets)]
+    return calls, pool, inputs, slot_sets
+
+
+def _fla_recurrent(x, h0):
+    """fla's recurrent kernel on q, k, v [B, T, H(V), K(V)] and g, beta [B, T, HV] with initial
+    states h0 [B, HV, K, V] fp32. g and beta go by keyword: the fourth and fifth positional
+    parameters of `fused_recurrent_gated_delta_rule` are g and gk (per-key decay, [B, T, HV, K]),
+    so passing beta fifth made fla read gk K times past the end of beta: the illegal memory access
+    this script hit at batch 8 and 256."""
+    q, k, v, g, beta = x
+    return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=K**-0.5, initial_state=h0,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
 @section
@@ -254,7 +421,7 @@ def k2_decode():
     dtype = torch.bfloat16
     for B in (1, 8, 64, 256):
         default_cfg = rec_mod.recurrent_config(B * HV, V, K)
-        calls, pool, inputs = _decode_calls(B, dtype)
+        calls, pool, inputs, slot_sets = _decode_calls(B, dtype)
         t_ours, how = time_best(calls)
         sweep = {}
         orig = rec_mod.recurrent_config
@@ -270,14 +437,15 @@ def k2_decode():
                  ours_config=f"BV{default_cfg[0]}/w{default_cfg[1]}",
                  ours_state_GBps=2 * B * STATE_BYTES / t_ours / 1e3, bv_sweep_us=sweep)
         if fused_recurrent_gated_delta_rule is not None:
-            h0s = [torch.randn(B, HV, K, V, device=DEV) * 0.1 for _ in range(len(inputs))]
-            peer = [lambda s=s, h0=h0: fused_recurrent_gated_delta_rule(
-                s[0][:, None], s[1][:, None], s[2][:, None], s[3][:, None], s[4][:, None], scale=K**-0.5,
-                initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-                for s, h0 in zip(inputs, h0s)]
+            h0s = [pool[sl.long()].clone() for sl in slot_sets]  # the same states ours reads
+            peer = [lambda s=s, h0=h0: _fla_recurrent([x[:, None] for x in s], h0) for s, h0 in zip(inputs, h0s)]
+            p1 = pool.clone()
+            o_ours = gdn_recurrent_update(*inputs[0], p1, slot_sets[0])
+            o_peer, ht_peer = peer[0]()
             t_peer, how_p = time_best(peer)
             r.update(peer_us=t_peer, peer_timing=how_p, peer_state_GBps=2 * B * STATE_BYTES / t_peer / 1e3,
-                     ratio_peer_over_ours=t_peer / t_ours)
+                     ratio_peer_over_ours=t_peer / t_ours, peer_rel_diff=rel_err(o_ours, o_peer[:, 0]),
+                     peer_state_rel_diff=rel_err(p1[slot_sets[0].long()], ht_peer))
         row(**r)
         del calls, pool, inputs
         torch.cuda.empty_cache()
@@ -312,10 +480,8 @@ def k3_verify():
                      keep_bytes=B * STATE_BYTES * (1 + T + 2), replay_bytes=B * STATE_BYTES * 3, launches_keep=2,
                      launches_replay=2)
             if fused_recurrent_gated_delta_rule is not None:
-                h0s = [torch.randn(B, HV, K, V, device=DEV) * 0.1 for _ in range(num_sets)]
-                peer = [lambda s=s, h0=h0: fused_recurrent_gated_delta_rule(
-                    s[0], s[1], s[2], s[3], s[4], scale=K**-0.5, initial_state=h0, output_final_state=True,
-                    use_qk_l2norm_in_kernel=True) for s, h0 in zip(inputs, h0s)]
+                h0s = [pool[sl.long()].clone() for sl in slot_sets]
+                peer = [lambda s=s, h0=h0: _fla_recurrent(s, h0) for s, h0 in zip(inputs, h0s)]
                 r["peer_recurrent_T_tokens_us"] = time_best(peer)[0]
             row(**r)
             del pool, inputs, bufs
@@ -324,23 +490,49 @@ def k3_verify():
 
 @section
 def v100_configs():
-    """The sm70 launch configs (smaller chunk tiles, fp16) for correctness only, on this GPU."""
-    orig = chunk_mod.chunk_config
-    chunk_mod.chunk_config = lambda K_, V_, arch=90: orig(K_, V_, 70)
-    try:
-        lens = [130, 64]
-        q, k, v, g, beta = rand_inputs((sum(lens),), torch.float16, 40)
-        cu = torch.tensor([0, 130, 194], dtype=torch.int32, device=DEV)
-        pool = torch.randn(3, HV, K, V, device=DEV) * 0.1
-        slots = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
-        init = torch.tensor([True, False], device=DEV)
-        p1, p2 = pool.clone(), pool.clone()
-        o = gdn_chunk_prefill(q, k, v, g, beta, cu, p1, slots, init)
-        o_ref = gdn_chunk_prefill_ref(q, k, v, g, beta, cu, p2, slots, init)
-        check("chunk_prefill sm70 config fp16 out", o, o_ref, 5e-3)
-        check("chunk_prefill sm70 config fp16 state", p1, p2, 5e-3)
-    finally:
-        chunk_mod.chunk_config = orig
+    """The sm70 launch configurations (smaller chunk tiles, FMA-sized), fp16, for correctness only."""
+    sm70 = chunk_config(K, V, 70)
+    check_prefill("sm70 config", [130, 64], torch.float16, config=sm70, init=[True, False])
+    check_prefill("sm70 config split", [130, 64], torch.float16, init=[True, False],
+                  config=dataclasses.replace(sm70, cp_min_tokens=1, seg_chunks=1))
+
+
+DEFAULT_STAGES = ("correctness", "k1_prefill", "k1_variants", "k1_profile", "k2_decode", "v100_configs")
+
+
+def _print_summary(path):
+    print("\n== GDN kernels, µs per layer call (fla/ours > 1: ours faster) ==")
+    nan = float("nan")
+    for r in RESULTS["rows"]:
+        if r["kernel"] == "K1 chunk prefill":
+            print(f"K1 {r['shape']:6s} {r['dtype']:9s} ours {r['ours_us']:8.1f} eager {r['ours_graph_us']:8.1f} graph "
+                  f"({r['ours_tflops']:5.1f} TFLOP/s) | fla {r.get('peer_us', nan):8.1f} eager "
+                  f"{r.get('peer_graph_us', nan):8.1f} {r.get('peer_timing', '')} | fla/ours eager "
+                  f"{r.get('ratio_eager', nan):5.2f} graph {r.get('ratio_graph', nan):5.2f} best "
+                  f"{r.get('ratio_best', nan):5.2f} | diff to fla {r.get('peer_rel_diff', nan):.1e}")
+        elif r["kernel"] == "K1 variant":
+            walk = f"split, {r['split_segments']} chunks/segment" if r["split_segments"] else "serial walk"
+            print(f"K1 variant {r['variant']:14s} {r['shape']:6s} {r['us']:8.1f} µs ({r['timing']}, {walk})  "
+                  f"fla(best)/ours {r['ratio_peer_over_ours'] or nan:5.2f}")
+        elif r["kernel"] == "K2 decode":
+            print(f"K2 B={r['batch']:<4d} ours {r['ours_us']:8.2f} {r['ours_state_GBps']:7.0f} GB/s {r['ours_config']:8s}"
+                  f" fla {r.get('peer_us', nan):8.2f} fla/ours {r.get('ratio_peer_over_ours', nan):5.2f}"
+                  f" diff {r.get('peer_rel_diff', nan):.1e}"
+                  f"  best sweep {min((v, k) for k, v in r['bv_sweep_us'].items() if isinstance(v, float))}")
+        else:
+            print(f"K3 B={r['batch']:<2d} T={r['T']} verify {r['verify_no_states_us']:8.2f} (x{r['ratio_to_T1']:.2f} of T=1)"
+                  f"  keep+commit {r['keep_verify_commit_us']:8.2f}  verify+replay {r['replay_verify_commit_us']:8.2f}"
+                  f"  fla(T tokens) {r.get('peer_recurrent_T_tokens_us', nan):8.2f}")
+    for p in RESULTS["profiles"]:
+        top = ", ".join(f"{k.split('(')[0][:40]} {v:.0f}" for k, v in list(p["kernels_us"].items())[:6])
+        print(f"profile {p['shape']:6s} {p['who']:14s} {p['total_us']:8.1f} µs: {top}")
+    bad = [c for c in RESULTS["checks"] if not c["ok"]]
+    for c in bad:
+        print(f"FAILED check {c['check']}: {c}")
+    for e in RESULTS["errors"]:
+        print(f"ERROR in {e['section']}: {e['error'][:300]}")
+    print(f"checks: {len(RESULTS['checks']) - len(bad)} ok, {len(bad)} failed; errors: {len(RESULTS['errors'])}; "
+          f"wall {RESULTS['meta']['wall_s']:.0f} s; json: {path}")
 
 
 def main():
@@ -357,32 +549,14 @@ def main():
         with open(path, "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)
 
-    # prefill and verify first, decode last: the fla decode peer at batch 256 has hit an illegal
-    # memory access on the H200 (2026-12-02), which ends the process
-    stages = (correctness, v100_configs, k1_prefill, k3_verify, k2_decode)
-    wanted = os.environ.get("GDN_STAGES")  # e.g. "correctness,k1_prefill" for a short re-run
+    stages = (correctness, k1_prefill, k1_variants, k1_profile, k2_decode, v100_configs, k3_verify)
+    wanted = os.environ.get("GDN_STAGES", ",".join(DEFAULT_STAGES)).split(",")  # e.g. GDN_STAGES=k1_prefill
     for stage in stages:
-        if wanted and stage.__name__ not in wanted.split(","):
-            continue
-        stage()
-        save()
-    print("\n== GDN kernels, µs per layer call ==")
-    for r in RESULTS["rows"]:
-        if r["kernel"].startswith("K1"):
-            print(f"K1 {r['shape']:6s} {r['dtype']:9s} ours {r['ours_us']:9.1f} (graph {r['ours_graph_us']:9.1f}) "
-                  f"{r['ours_tflops']:6.1f} TFLOP/s   fla {r.get('peer_us', float('nan')):9.1f}  "
-                  f"fla/ours {r.get('ratio_peer_over_ours', float('nan')):5.2f}")
-        elif r["kernel"].startswith("K2"):
-            print(f"K2 B={r['batch']:<4d} ours {r['ours_us']:8.2f} {r['ours_state_GBps']:7.0f} GB/s {r['ours_config']:8s}"
-                  f" fla {r.get('peer_us', float('nan')):8.2f} fla/ours {r.get('ratio_peer_over_ours', float('nan')):5.2f}"
-                  f"  best sweep {min((v, k) for k, v in r['bv_sweep_us'].items() if isinstance(v, float))}")
-        else:
-            print(f"K3 B={r['batch']:<2d} T={r['T']} verify {r['verify_no_states_us']:8.2f} (x{r['ratio_to_T1']:.2f} of T=1)"
-                  f"  keep+commit {r['keep_verify_commit_us']:8.2f}  verify+replay {r['replay_verify_commit_us']:8.2f}"
-                  f"  fla(T tokens) {r.get('peer_recurrent_T_tokens_us', float('nan')):8.2f}")
-    bad = [c for c in RESULTS["checks"] if not c["ok"]]
-    print(f"checks: {len(RESULTS['checks']) - len(bad)} ok, {len(bad)} failed; errors: {len(RESULTS['errors'])}; "
-          f"wall {RESULTS['meta']['wall_s']:.0f} s; json: {path}")
+        if stage.__name__ in wanted:
+            log(f"== {stage.__name__}")
+            stage()
+            save()
+    _print_summary(path)
 
 
 if __name__ == "__main__":

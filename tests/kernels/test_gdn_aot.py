@@ -5,6 +5,10 @@ Real shapes: H = 16 q/k heads, HV = 48 value heads, K = V = 128, GDN conv C = 10
 PLE conv C = 10240 (W = 4, dilation 3). sm_70 builds use fp16 activations (no bf16 on V100),
 sm_90 builds bf16.
 
+Pointers and strides are compiled as 16-divisible, as the launcher specialises them for real
+tensors, so loads are vectorised and loops software-pipelined as at run time (shared memory of
+the pipelined state walk is what decides how many of its programs share an SM).
+
 Spill budgets on sm_70 (bytes of spill stores per thread, from ptxas -v): the memory-bound
 kernels (conv, recurrent decode/verify, commit) must not spill at all; the chunk kernels run
 tl.dot on FMA units on Volta (no tensor cores) and may spill up to SPILL_BUDGET_CHUNK[arch].
@@ -18,7 +22,7 @@ import pytest
 from revolta.kernels import aot
 from revolta.kernels import conv1d as conv
 from revolta.kernels.aot import compile_report
-from revolta.kernels.gdn import chunk, recurrent
+from revolta.kernels.gdn import chunk, chunk_index, chunk_intra, chunk_out, chunk_state, recurrent
 
 H, HV, K, V, C_GDN, C_PLE = 16, 48, 128, 128, 10240, 10240
 # sm_70: tl.dot is FMA-only (Triton has no Volta MMA) and spills; the V100 fast path for chunked
@@ -66,36 +70,51 @@ def _builds(arch):
     yield "gdn_commit", (recurrent._gdn_commit_kernel,
                          "draft ssm_state slots draft_slots num_accepted T NUMEL DRAFT_MODE BLOCK", "ffiiinccc",
                          dict(NUMEL=HV * K * V, DRAFT_MODE=1, BLOCK=2048), 4)
-    yield "chunk_kkt_solve", (chunk._gdn_chunk_kkt_solve_kernel,
-                              "k g beta cu_seqlens cu_chunks ainv gcum k_rstd NUM_SEQ stride_k stride_g stride_beta "
-                              "H HV K BK USE_L2NORM DOT_PREC LOG_NUM_SEQ", "affiifffnnnnccccccc",
-                              dict(H=H, HV=HV, K=K, BK=cfg["kkt_bk"], USE_L2NORM=True, DOT_PREC="ieee", LOG_NUM_SEQ=3),
-                              cfg["kkt_warps"])
-    yield "chunk_wu", (chunk._gdn_chunk_wu_kernel,
-                       "k v beta ainv gcum k_rstd w u cu_seqlens cu_chunks NUM_SEQ stride_k stride_v stride_beta "
-                       "H HV K V BK BV DOT_PREC LOG_NUM_SEQ", "aaffffaaii" + "nnnn" + "c" * 8,
-                       dict(H=H, HV=HV, K=K, V=V, BK=cfg["wu_bk"], BV=cfg["wu_bv"], DOT_PREC="ieee", LOG_NUM_SEQ=3),
-                       cfg["wu_warps"])
-    yield "chunk_h", (chunk._gdn_chunk_h_kernel,
-                      "k w u gcum k_rstd h v_new ssm_state slots has_initial_state cu_seqlens cu_chunks stride_k "
-                      "H HV K V BK BV DOT_PREC", "aaaffaafibiinccccccc",
-                      dict(H=H, HV=HV, K=K, V=V, BK=K, BV=cfg["h_bv"], DOT_PREC="ieee"), cfg["h_warps"])
-    yield "chunk_o", (chunk._gdn_chunk_o_kernel,
+    solve_prec, merge_prec = ("tf32", "tf32x3") if arch >= 80 else ("ieee", "ieee")
+    yield "chunk_index", (chunk_index._gdn_chunk_index_kernel, "cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_CHUNKS BLOCK",
+                          "iiinnc", dict(BLOCK=16), 1)
+    yield "chunk_intra", (chunk_intra._gdn_chunk_intra_kernel,
+                          "k v g beta cu_seqlens cu_chunks w u gcum k_rstd NUM_SEQ stride_k stride_v stride_g "
+                          "stride_beta H HV K V BK BV USE_L2NORM DOT_PREC SOLVE_PREC LOG_NUM_SEQ",
+                          "aaffiiaaff" + "n" * 5 + "c" * 10,
+                          dict(H=H, HV=HV, K=K, V=V, BK=cfg.intra_bk, BV=cfg.intra_bv, USE_L2NORM=True,
+                               DOT_PREC="ieee", SOLVE_PREC=solve_prec, LOG_NUM_SEQ=3), cfg.intra_warps)
+    walk_names = ("k w u gcum k_rstd h v_new ssm_state slots has_initial_state h_start cu_seqlens cu_chunks cu_segs "
+                  "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ")
+    for name, bv, warps, stages in (("chunk_walk", cfg.walk_bv, cfg.walk_warps, cfg.walk_stages),
+                                    ("chunk_walk_split", cfg.cp_walk_bv, cfg.cp_walk_warps, cfg.cp_stages)):
+        yield name, (chunk_state._gdn_chunk_walk_kernel, walk_names, "aaaffaafibfiii" + "nnn" + "c" * 7,
+                     dict(H=H, HV=HV, K=K, V=V, BV=bv, DOT_PREC="ieee", LOG_NUM_SEQ=3), warps, stages)
+    yield "chunk_prescan", (chunk_state._gdn_chunk_prescan_kernel,
+                            "k w u gcum k_rstd hm cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_CHUNKS stride_k "
+                            "H HV K V BV DOT_PREC LOG_NUM_SEQ", "aaafffiii" + "nnn" + "c" * 7,
+                            dict(H=H, HV=HV, K=K, V=V, BV=cfg.prescan_bv, DOT_PREC="ieee", LOG_NUM_SEQ=3),
+                            cfg.prescan_warps, cfg.cp_stages)
+    yield "chunk_merge", (chunk_state._gdn_chunk_merge_kernel,
+                          "hm h_start ssm_state slots has_initial_state cu_segs HV K V BV MERGE_PREC", "fffibi" + "c" * 5,
+                          dict(HV=HV, K=K, V=V, BV=cfg.merge_bv, MERGE_PREC=merge_prec), cfg.merge_warps)
+    yield "chunk_o", (chunk_out._gdn_chunk_o_kernel,
                       "q k h v_new gcum k_rstd o cu_seqlens cu_chunks NUM_SEQ scale stride_q stride_k "
-                      "H HV K V BK BV USE_L2NORM DOT_PREC LOG_NUM_SEQ", "aaaaffaiinsnnccccccccc",
-                      dict(H=H, HV=HV, K=K, V=V, BK=cfg["o_bk"], BV=cfg["o_bv"], USE_L2NORM=True, DOT_PREC="ieee",
-                           LOG_NUM_SEQ=3), cfg["o_warps"])
+                      "H HV K V BK BV VP USE_L2NORM DOT_PREC LOG_NUM_SEQ", "aaaaffaiinsnn" + "c" * 10,
+                      dict(H=H, HV=HV, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, VP=cfg.out_vp, USE_L2NORM=True,
+                           DOT_PREC="ieee",
+                           LOG_NUM_SEQ=3), cfg.out_warps, cfg.out_stages)
 
 
 BUILDS = {arch: dict(_builds(arch)) for arch in (70, 90)}
 NAMES = list(BUILDS[70])
 MEMORY_BOUND = {"conv1d_varlen", "conv1d_state", "conv1d_update_ple", "gdn_decode", "gdn_verify_keep", "gdn_replay",
+                "chunk_index",
                 "gdn_commit"}
 
 
 def build(name, arch):
-    kernel, names, types, consts, warps = BUILDS[arch][name]
-    return compile_report(kernel, _sig(names, types, ACT[arch]), consts, arch=arch, num_warps=warps, num_stages=2)
+    kernel, names, types, consts, warps, *stages = BUILDS[arch][name]
+    sig = _sig(names, types, ACT[arch])
+    # pointers and strides specialised as 16-divisible, as the launcher does for the real tensors
+    aligned = tuple(n for n, t in sig.items() if t.startswith("*") or n.startswith("stride"))
+    return compile_report(kernel, sig, consts, arch=arch, num_warps=warps, num_stages=stages[0] if stages else 2,
+                          aligned=aligned)
 
 
 def _build_all():
@@ -130,6 +149,12 @@ def test_builds_within_budget(reports, name, arch):
     report = reports[name, arch]
     shared_limit = aot.V100_SHARED_LIMIT if arch == 70 else 227 * 1024
     report.check(max_spill_bytes=_budget(name, arch), shared_limit=shared_limit)
+
+
+def test_serial_walk_fits_two_per_sm(reports):
+    """The serial walk's shared memory leaves room for two programs per H200 SM (228 KiB, 1 KiB
+    reserved per block), so one sequence's HV * V / BV = 192 programs run in one wave on 132 SMs."""
+    assert reports["chunk_walk", 90].shared_bytes <= 113 * 1024, reports["chunk_walk", 90]
 
 
 if __name__ == "__main__":  # print the resource table: python tests/kernels/test_gdn_aot.py

@@ -1,18 +1,25 @@
-"""GDN chunked prefill kernel vs the chunked and recurrent torch references (interpreter on CPU).
+"""GDN chunked prefill kernels vs the chunked and recurrent torch references (interpreter on CPU).
+
+Outputs and intermediates are NaN-poisoned (tests/kernels/conftest.py), so a kernel that leaves a
+row, a chunk state or a segment summary unwritten fails. The split walk (context parallelism) is
+forced with one- and two-chunk segments so that small batches cross segment boundaries.
 
 bf16 is not tested here: Triton's interpreter computes bf16 tl.dot wrongly (triton#11584); the
 H200 benchmark checks bf16 against the reference instead.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
-from revolta.kernels.gdn.chunk import gdn_chunk_prefill
+from revolta.kernels.gdn.chunk import ChunkConfig, chunk_config, gdn_chunk_prefill
 from revolta.kernels.gdn.ref import _prepare_qk, gdn_chunk_prefill_ref, recurrent_gated_delta_rule_ref
+
+pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py
 
 # fp16 intermediates (W, U, h, V') as in fla; the state itself is accumulated in fp32
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=5e-3, atol=5e-3)}
-STATE_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=5e-3, atol=5e-3)}
 NUM_SLOTS = 6
 
 
@@ -29,26 +36,33 @@ def make(lens, H, HV, K, V, dtype, seed):
     return q, k, v, g, beta, pool, cu
 
 
+def split_walk(K, V, seg_chunks):
+    """The default launch configuration with the walk split into segments of seg_chunks chunks."""
+    return dataclasses.replace(chunk_config(K, V), cp_min_tokens=1, seg_chunks=seg_chunks)
+
+
+# (lengths, shape, dtype, chunks per walk segment: 0 = one segment per sequence)
 CASES = [
-    ([1, 63, 2], dict(H=2, HV=4, K=16, V=32), torch.float32),
-    ([1, 63, 2], dict(H=2, HV=4, K=16, V=32), torch.float16),
-    ([65, 0, 130], dict(H=2, HV=4, K=32, V=16), torch.float32),
-    ([130, 64], dict(H=1, HV=3, K=32, V=32), torch.float16),
+    ([1, 63, 2], dict(H=2, HV=4, K=16, V=32), torch.float32, 0),
+    ([1, 63, 2], dict(H=2, HV=4, K=16, V=32), torch.float16, 0),
+    ([65, 0, 130], dict(H=2, HV=4, K=32, V=16), torch.float32, 1),
+    ([130, 64, 3], dict(H=1, HV=3, K=32, V=32), torch.float16, 2),
 ]
 
 
-@pytest.mark.parametrize("lens,shape,dtype", CASES, ids=lambda x: str(x).replace(" ", ""))
-def test_chunk_prefill(lens, shape, dtype):
-    q, k, v, g, beta, pool0, cu = make(lens, dtype=dtype, seed=len(lens), **shape)
+@pytest.mark.parametrize("lens,shape,dtype,seg", CASES, ids=lambda x: str(x).replace(" ", ""))
+def test_chunk_prefill(lens, shape, dtype, seg):
+    q, k, v, g, beta, pool0, cu = make(lens, dtype=dtype, seed=len(lens) + seg, **shape)
     B = len(lens)
     slots = torch.tensor([4, 1, 5][:B], dtype=torch.int32)
     has_init = torch.tensor([True, False, True][:B])
     pool, pool_ref = pool0.clone(), pool0.clone()
-    o = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init)
+    config = split_walk(shape["K"], shape["V"], seg) if seg else None
+    o = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init, config=config)
     o_ref = gdn_chunk_prefill_ref(q, k, v, g, beta, cu, pool_ref, slots, has_init)
-    assert not o.isnan().any()
+    assert not o.isnan().any() and not pool.isnan().any()
     torch.testing.assert_close(o, o_ref, **TOL[dtype])
-    torch.testing.assert_close(pool, pool_ref, **STATE_TOL[dtype])
+    torch.testing.assert_close(pool, pool_ref, **TOL[dtype])
     written = [int(slots[b]) for b in range(B) if lens[b] > 0]
     others = [s for s in range(NUM_SLOTS) if s not in written]
     assert torch.equal(pool[others], pool0[others]), "only the addressed slots of non-empty sequences change"
@@ -63,11 +77,11 @@ def test_chunk_prefill(lens, shape, dtype):
         s0 = pool0[slots[b]] if has_init[b] else torch.zeros_like(pool0[0])
         o_r, s_r = recurrent_gated_delta_rule_ref(qe[bos:eos], ke[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], s0)
         torch.testing.assert_close(o[bos:eos].float(), o_r, **TOL[dtype])
-        torch.testing.assert_close(pool[slots[b]], s_r, **STATE_TOL[dtype])
+        torch.testing.assert_close(pool[slots[b]], s_r, **TOL[dtype])
 
 
 def test_chunk_prefill_strided_views_no_l2norm():
-    """q, k, v as head-contiguous column slices of one fused buffer; no in-kernel normalisation."""
+    """q, k, v as head-contiguous column slices of one fused buffer; no in-kernel normalisation; split walk."""
     lens, H, HV, K, V = [70, 5], 2, 4, 16, 16
     T = sum(lens)
     gen = torch.Generator().manual_seed(9)
@@ -80,10 +94,22 @@ def test_chunk_prefill_strided_views_no_l2norm():
     cu = torch.tensor([0, 70, 75], dtype=torch.int32)
     slots = torch.tensor([2, 1], dtype=torch.int32)
     has_init = torch.tensor([True, True])
-    o = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init, scale=0.5, use_qk_l2norm=False)
+    o = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init, scale=0.5, use_qk_l2norm=False,
+                          config=split_walk(K, V, 1))
     o_ref = gdn_chunk_prefill_ref(q, k, v, g, beta, cu, pool_ref, slots, has_init, scale=0.5, use_qk_l2norm=False)
     torch.testing.assert_close(o, o_ref, **TOL[torch.float32])
-    torch.testing.assert_close(pool, pool_ref, **STATE_TOL[torch.float32])
+    torch.testing.assert_close(pool, pool_ref, **TOL[torch.float32])
+
+
+def test_segment_choice():
+    """The walk splits only from cp_min_tokens on, with segments that grow with the sequence."""
+    cfg = dataclasses.replace(chunk_config(128, 128), cp_min_tokens=16384, seg_chunks=0)
+    assert cfg.segment_chunks(8192, 48, 132) == 0
+    seg_16k, seg_32k = cfg.segment_chunks(16384, 48, 132), cfg.segment_chunks(32768, 48, 132)
+    assert 8 <= seg_16k <= seg_32k <= 64 and 32768 // 64 // seg_32k >= 8, (seg_16k, seg_32k)
+    assert dataclasses.replace(cfg, seg_chunks=4).segment_chunks(16384, 48, 132) == 4
+    assert dataclasses.replace(cfg, cp_min_tokens=0).segment_chunks(1 << 20, 48, 132) == 0
+    assert isinstance(chunk_config(128, 128, 70), ChunkConfig)
 
 
 def test_wrapper_messages():

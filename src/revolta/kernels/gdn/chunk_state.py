@@ -1,0 +1,139 @@
+"""Chunked prefill, stage 2: the inter-chunk state walk, optionally split along the sequence.
+
+Per chunk c of one value head (state h [K, V] fp32, WY form W, U from chunk_intra.py):
+  V'_c = U_c − W_c h_c,   h_{c+1} = e^{γ_C} h_c + K̂_cᵀ (e^{γ_C − γ} ⊙ V'_c)
+which is affine in h: h_{c+1} = M_c h_c + B_c with M_c = e^{γ_C} I − K̂ᵀ F W_c.
+
+The walk is serial over chunks; each program owns one (segment, value head, BV columns of V)
+and keeps its [K, BV] slice of h in registers. Without context parallelism a segment is a whole
+sequence, so one long sequence runs only HV * V / BV programs for T / 64 steps. With it
+(SEG_CHUNKS chunks per segment) three launches replace the one walk:
+1. `_gdn_chunk_prescan_kernel` (segment, head, column tile) summarises every segment but each
+   sequence's last as the affine map h_out = P h_in + Q: the same walk run on the augmented
+   state [Q | P] of width V + K, Q from zero with U, P from the identity without U;
+2. `_gdn_chunk_merge_kernel` (sequence, head, V tile) chains the summaries from the sequence's
+   initial state: the start state of every later segment (S − 1 [K, K] x [K, BV] products);
+3. `_gdn_chunk_walk_kernel` walks all segments at once from their start states, storing h_c
+   (input dtype, for the output stage) and V'_c, and the final state of each sequence.
+The walk's products use the input dtype (fla's precision, as in one serial walk); the merge
+runs in fp32 (3xTF32 on tensor cores), so splitting adds no error beyond fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunk_index import _segment_bounds
+
+
+@triton.jit
+def _load_u(u, t0, end, i_hv, o_col, HV: tl.constexpr, V: tl.constexpr):
+    """U rows t0 .. t0 + 63 of one value head, columns o_col (zero from row `end` on and past V)."""
+    o_r = tl.arange(0, 64)
+    o_t = (t0 + o_r).to(tl.int64)
+    m = (t0 + o_r < end)[:, None] & (o_col < V)[None, :]
+    return tl.load(u + (o_t[:, None] * HV + i_hv) * V + o_col[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One chunk of the walk from state b_h [K, BV] fp32: returns (V' = U − W h [64, BV] fp32, next state)."""
+    o_r = tl.arange(0, 64)
+    o_k = tl.arange(0, K)
+    o_t = (t0 + o_r).to(tl.int64)
+    m_t = t0 + o_r < eos
+    b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
+    b_glast = tl.load(gcum + (tl.minimum(t0 + 64, eos) - 1).to(tl.int64) * HV + i_hv)
+    b_gc = tl.load(gcum + o_t * HV + i_hv, mask=m_t, other=0.0)
+    b_rk = tl.load(k_rstd + o_t * H + i_h, mask=m_t, other=0.0)
+    b_f = tl.where(m_t, tl.exp(b_glast - b_gc) * b_rk, 0.0)  # decay to the chunk end, 1/‖k‖
+    b_kt = tl.load(k + o_t[None, :] * stride_k + i_h * K + o_k[:, None], mask=m_t[None, :], other=0.0)  # [K, 64]
+    b_h = tl.dot(b_kt, (b_vn * b_f[:, None]).to(b_kt.dtype), b_h * tl.exp(b_glast), input_precision=DOT_PREC)
+    return b_vn, b_h
+
+
+@triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch
+def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start,
+                           cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS, stride_k,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                           DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr):
+    i_v, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if i_s >= tl.load(cu_segs + NUM_SEQ):
+        return
+    i_b, bos, eos, c_lo, c_hi, n_chunks, c_base = _segment_bounds(cu_seqlens, cu_chunks, cu_segs, i_s, NUM_SEQ,
+                                                                  SEG_CHUNKS, LOG_NUM_SEQ)
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV] inside one head's state
+    p_slot = ssm_state + tl.load(slots + i_b).to(tl.int64) * (HV * K * V) + i_hv * K * V
+    if c_lo == 0:  # a sequence's first segment starts from its slot (or zeros)
+        b_h = tl.zeros([K, BV], dtype=tl.float32)
+        if tl.load(has_initial_state + i_b).to(tl.int32) != 0:
+            b_h = tl.load(p_slot + o_kv)
+    else:  # later segments from the merge
+        b_h = tl.load(h_start + (i_s.to(tl.int64) * HV + i_hv) * (K * V) + o_kv)
+    o_r = tl.arange(0, 64)
+    b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
+    for i_c in range(c_lo, c_hi):
+        t0 = bos + i_c * 64
+        tl.store(h + ((c_base + i_c).to(tl.int64) * HV + i_hv) * (K * V) + o_kv, b_h.to(h.dtype.element_ty))
+        # the next chunk's U is loaded now, so its latency hides behind this chunk's products
+        b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
+        b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
+        o_t = (t0 + o_r).to(tl.int64)
+        tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
+                 mask=(t0 + o_r < eos)[:, None])
+        b_u = b_u_next
+    if c_hi == n_chunks:  # a sequence's last segment writes its final state back to the slot
+        tl.store(p_slot + o_kv, b_h)
+
+
+@triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch
+def _gdn_chunk_prescan_kernel(k, w, u, gcum, k_rstd, hm, cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS,
+                              stride_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                              BV: tl.constexpr, DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr):
+    i_col, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if i_s >= tl.load(cu_segs + NUM_SEQ):
+        return
+    i_b, bos, eos, c_lo, c_hi, n_chunks, c_base = _segment_bounds(cu_seqlens, cu_chunks, cu_segs, i_s, NUM_SEQ,
+                                                                  SEG_CHUNKS, LOG_NUM_SEQ)
+    if c_hi == n_chunks:  # nothing follows a sequence's last segment
+        return
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, K)
+    o_col = i_col * BV + tl.arange(0, BV)  # columns of [Q | P], [K, V + K]
+    b_h = tl.where(o_k[:, None] + V == o_col[None, :], 1.0, 0.0)  # Q from zero, P from the identity
+    b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_col, HV, V)  # zero in the P columns
+    for i_c in range(c_lo, c_hi):
+        t0 = bos + i_c * 64
+        b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_col, HV, V)
+        b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
+        b_u = b_u_next
+    tl.store(hm + ((i_s.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * (V + K) + o_col[None, :], b_h)
+
+
+@triton.jit
+def _gdn_chunk_merge_kernel(hm, h_start, ssm_state, slots, has_initial_state, cu_segs,
+                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                            MERGE_PREC: tl.constexpr):
+    i_v, i_b, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s0 = tl.load(cu_segs + i_b)
+    n_segs = tl.load(cu_segs + i_b + 1) - s0
+    if n_segs <= 1:
+        return
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([K, BV], dtype=tl.float32)
+    if tl.load(has_initial_state + i_b).to(tl.int32) != 0:
+        b_h = tl.load(ssm_state + tl.load(slots + i_b).to(tl.int64) * (HV * K * V) + i_hv * K * V + o_kv)
+    for i in range(0, n_segs - 1):
+        p_hm = hm + ((s0 + i).to(tl.int64) * HV + i_hv) * (K * (V + K)) + o_k[:, None] * (V + K)
+        b_p = tl.load(p_hm + V + o_k[None, :])  # [K, K]
+        b_q = tl.load(p_hm + o_v[None, :])  # [K, BV]
+        b_h = tl.dot(b_p, b_h, b_q, input_precision=MERGE_PREC)
+        tl.store(h_start + ((s0 + i + 1).to(tl.int64) * HV + i_hv) * (K * V) + o_kv, b_h)
