@@ -416,6 +416,7 @@ class LLM:
         """Queue lengths, KV-cache usage and speculation counters of the engine (the server's /metrics)."""
         return self.engine.stats()
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one engine step (one forward over every scheduled request).
 
@@ -431,6 +432,7 @@ class LLM:
         return stepped
 
     # ---- the loop ------------------------------------------------------------------------------
+    @torch.inference_mode()
     def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
         """Feed the requests to the engine (continuous batching on the paged cache) until all finish.
 

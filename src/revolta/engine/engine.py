@@ -269,7 +269,7 @@ class Engine:
                            spec=self.spec_stats if self.spec.enabled else None)
 
     # ---- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()  # LLM.step adds inference mode; tests and benchmarks touch the graphs' buffers outside it
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests that gained a token (finished ones included:
         `request.output()` is its vLLM-shaped RequestOutput)."""

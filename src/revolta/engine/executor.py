@@ -198,7 +198,6 @@ class UniProcExecutor(Executor):
         return {"graph_replays": graphs.num_replays if graphs is not None else 0}
 
     # ---- one step --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, step: ModelStep) -> StepResult:
         self._encode(step.encode)
         items = step.items
