@@ -207,7 +207,8 @@ def _info(args: argparse.Namespace) -> int:
             options.update(spec_options)
         weights = None if args.weights_gib is None else int(args.weights_gib * 2**30)
         if weights is None and cfg.quantization is not None and cfg.quantization.packed:
-            from .layers.quantize import meta_model, weight_bytes_per_gpu
+            from .layers.quantize import weight_bytes_per_gpu
+            from .quantized import meta_model
 
             by_part = weight_bytes_per_gpu(meta_model(cfg), args.tp)  # the checkpoint's own formats
             weights = by_part["total"] + (by_part["ple_table_host"] // args.tp if ple.value == "device" else 0)
@@ -218,7 +219,7 @@ def _info(args: argparse.Namespace) -> int:
             plan += _dflash2_notes(spec, args.tp, options["drafter_weights_bytes"], estimated=weights is None)
     print(format_summary(cfg, args.path, tp=args.tp))
     if cfg.quantization is not None and cfg.quantization.packed:
-        from .layers.quantize import format_quantization
+        from .quantized import format_quantization
 
         print(format_quantization(cfg, tuple(sorted({1, 2, 4, args.tp}))))
     if plan is not None:
