@@ -230,7 +230,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _dflash2_notes(spec, tp: int, books: int, estimated: bool) -> str:
-    from .cache.sizes import human_bytes
+    from .units import human_bytes
 
     sharded = spec.sm70_dflash2.sharded_selector_codebook
     where = "in the weights above" if estimated else "not added to the measured --weights-gib"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from .cache.capacity import (DEFAULT_OTHER_RESERVE_MIB, WEIGHT_FORMATS, CacheConfig, CacheConfigError, CachePlan,
                              GiB, MemoryBudget, MiB, default_cudagraph_reserve_mib, estimate_activation_bytes,
                              plan_cache, validate_cache_config)
-from .cache.sizes import human_bytes
+from .units import human_bytes
 from .config import ModelConfig
 from .summary import parameter_counts
 

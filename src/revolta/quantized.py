@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache.sizes import human_bytes
+from .units import human_bytes
 from .layers.linear import QuantLinear
 from .layers.quant_moe import QuantExperts
 from .layers.quantize import init_random_packed, packed_modules, quantize_modules, weight_bytes_per_gpu

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from .cache.sizes import (KV_DTYPES, INDEX_KEYS, fixed_state_breakdown, fixed_state_bytes_per_sequence,  # noqa: F401
-                          human_bytes, kv_bytes_breakdown, kv_bytes_per_token, kv_heads_per_rank, model_bytes,
-                          qsa_kv_heads_per_rank)
+                          kv_bytes_breakdown, kv_bytes_per_token, kv_heads_per_rank, model_bytes, qsa_kv_heads_per_rank)
+from .units import human_bytes  # noqa: F401 (re-exported)
 from .config import ModelConfig
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ import math
 from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
-from .sizes import KV_DTYPES, fixed_state_breakdown, human_bytes, kv_bytes_breakdown, kv_heads_per_rank
+from ..units import human_bytes
+from .sizes import KV_DTYPES, fixed_state_breakdown, kv_bytes_breakdown, kv_heads_per_rank
 
 GiB, MiB = 2**30, 2**20
 KERNEL_PAGE = 16  # attention / int8-scale kernels address 16-token pages inside a block

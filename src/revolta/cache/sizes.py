@@ -114,11 +114,3 @@ def fixed_state_breakdown(cfg: ModelConfig, include_mtp: bool = False, tp: int =
 def fixed_state_bytes_per_sequence(cfg: ModelConfig, include_mtp: bool = False, tp: int = 1) -> int:
     """Total of `fixed_state_breakdown` (same arguments): constant state bytes per live sequence, per GPU."""
     return fixed_state_breakdown(cfg, include_mtp, tp)["total"]
-
-
-def human_bytes(n: float) -> str:
-    """Binary units: 6442450944 -> '6.00 GiB'."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
