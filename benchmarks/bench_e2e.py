@@ -28,32 +28,17 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from engine_timing import Req  # noqa: E402
 from standin import build_model as build_standin, standin_config, step_bytes  # noqa: E402
 
 from revolta.engine import Engine, EngineConfig  # noqa: E402
 from revolta.model import FlashNextModel  # noqa: E402
-
-
-@dataclass
-class BenchRequest:
-    """The engine's request protocol (scheduler.SchedRequest) with arrival/first-token times."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return len(self.token_ids) >= self.max_tokens
 
 
 def build_model(args) -> FlashNextModel:
@@ -69,16 +54,9 @@ def build_model(args) -> FlashNextModel:
 
 def run_concurrency(engine: Engine, C: int, prompt_len: int, max_tokens: int, vocab: int, rng: random.Random,
                     tag: str) -> dict:
-    reqs = [BenchRequest(f"{tag}-{C}-{i}", [rng.randrange(1, vocab) for _ in range(prompt_len)], max_tokens)
-            for i in range(C)]
-
-    def sample(batch: list[BenchRequest], logits: torch.Tensor) -> None:
-        ids = logits.argmax(-1).tolist()  # the step's one host sync
-        now = time.perf_counter()
-        for r, token in zip(batch, ids):
-            r.token_ids.append(token)
-            if r.first_token_time is None:
-                r.first_token_time = now
+    reqs = [Req(f"{tag}-{C}-{i}", [rng.randrange(1, vocab) for _ in range(prompt_len)], max_tokens)
+            for i in range(C)]  # greedy, end-of-sequence ignored
+    first_token_time: dict[str, float] = {}
 
     sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
     sync()
@@ -87,16 +65,19 @@ def run_concurrency(engine: Engine, C: int, prompt_len: int, max_tokens: int, vo
         engine.add_request(r)
     decode_start = None
     while engine.has_unfinished():
-        engine.step(sample)
-        if decode_start is None and all(r.first_token_time is not None for r in reqs):
+        stepped = engine.step()  # sampling ends with the step's one host sync
+        now = time.perf_counter()
+        for r in stepped:
+            first_token_time.setdefault(r.request_id, now)
+        if decode_start is None and len(first_token_time) == len(reqs):
             decode_start, decode_tokens0 = time.perf_counter(), sum(len(r.token_ids) for r in reqs)
     sync()
     t_end = time.perf_counter()
-    first_all = max(r.first_token_time for r in reqs)
+    first_all = max(first_token_time.values())
     decode_tokens = sum(len(r.token_ids) for r in reqs) - decode_tokens0
     return {
         "concurrency": C,
-        "ttft_ms": 1e3 * sum(r.first_token_time - t0 for r in reqs) / C,
+        "ttft_ms": 1e3 * sum(first_token_time[r.request_id] - t0 for r in reqs) / C,
         "prefill_tok_s": C * prompt_len / (first_all - t0),
         "output_tok_s": C * max_tokens / (t_end - t0),
         "decode_tok_s": decode_tokens / (t_end - decode_start) if t_end > decode_start and decode_tokens else 0.0,

@@ -134,7 +134,7 @@ def eager_round_graphs(engine, sizes: list[int]) -> None:
     graphs=False)`, as the CPU tests do), so a smoke run takes the path of a GPU run's graph rounds."""
     k = engine.spec.num_speculative_tokens
     width = -(-(engine.config.max_model_len + k) // engine.plan.layout.block_size)
-    engine.spec_graphs = SpecGraphs(engine.runner, list(sizes), k, engine.spec.spec_state_replay, width)
+    engine.executor.spec_graphs = SpecGraphs(engine.runner, list(sizes), k, engine.spec.spec_state_replay, width)
     engine.spec_graphs.capture(graphs=False)
 
 

@@ -1,5 +1,5 @@
 """Driving `revolta.engine.Engine` in the benchmarks and timing it: requests with greedy or sampled
-targets, the sample function speculative rounds need, wall-clock steps around a device sync, the GPU
+targets (the engine samples, accepts drafts and stops them), wall-clock steps around a device sync, the GPU
 time of every captured CUDA graph (events around each replay, no extra sync) and the copy-bandwidth
 ceiling a roofline divides by.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from revolta.engine.sampling import Sampler, SamplingParams
-from revolta.spec.verify import greedy_accept, rejection_sample
+from revolta.engine import Request
+from revolta.engine.sampling import SamplingParams
 
 
 def sync(device: torch.device | str) -> None:
@@ -21,41 +21,19 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-class Req:
-    """The engine's request protocol (scheduler.SchedRequest) for a greedy (temperature 0) or sampled target."""
-
-    def __init__(self, rid: str, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 device: torch.device | str = "cpu"):
-        self.request_id, self.prompt_token_ids, self.max_tokens, self.token_ids = rid, prompt, max_tokens, []
-        self.params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
-        self.generator = torch.Generator(device=device).manual_seed(seed) if temperature else None
-
-    @property
-    def finished(self) -> bool:
-        return len(self.token_ids) >= self.max_tokens
+def Req(rid: str, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
+        device: torch.device | str = "cpu") -> Request:
+    """An engine request of exactly max_tokens tokens (end-of-sequence ignored): greedy (temperature 0) or
+    sampled with its own seeded generator."""
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature else None
+    return Request(rid, prompt, params, generator)
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """`count` distinct prompts of `length` token ids below `vocab` (deterministic in `seed`)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
-
-
-def sample(requests: list[Req], logits: torch.Tensor, drafts: list[list[int]] | None = None) -> None:
-    """Engine.step's sample_fn: request i owns 1 + len(drafts[i]) rows; appends what it emits."""
-    drafts = drafts if drafts is not None else [[] for _ in requests]
-    offset = 0
-    for r, d in zip(requests, drafts):
-        rows = logits[offset:offset + len(d) + 1]
-        offset += len(d) + 1
-        if r.params.greedy:
-            out = greedy_accept(rows.argmax(-1).tolist(), d)
-        else:
-            out = rejection_sample(Sampler.probs(rows, [r.params] * rows.shape[0]), d, None, r.generator)
-        for t in out:
-            if r.finished:
-                break
-            r.token_ids.append(t)
 
 
 class Timed:
@@ -127,7 +105,7 @@ class StepRecord:
 
 
 @torch.no_grad()
-def step_once(engine, reqs: list[Req]) -> StepRecord:
+def step_once(engine, reqs: list[Request]) -> StepRecord:
     """One `engine.step` over the added `reqs`, timed."""
     device = engine.model.device
     before = sum(len(r.token_ids) for r in reqs)
@@ -136,13 +114,13 @@ def step_once(engine, reqs: list[Req]) -> StepRecord:
     replays = graph_replays(engine)
     sync(device)
     t0 = time.perf_counter()
-    engine.step(sample)
+    engine.step()
     sync(device)
     return StepRecord(time.perf_counter() - t0, sum(len(r.token_ids) for r in reqs) - before, active, decoding,
                       graph_replays(engine) > replays)
 
 
-def drive(engine, reqs: list[Req]) -> list[StepRecord]:
+def drive(engine, reqs: list[Request]) -> list[StepRecord]:
     """Add `reqs` and step the engine until they finish; one record per step."""
     for r in reqs:
         engine.add_request(r)

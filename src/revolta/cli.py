@@ -193,7 +193,7 @@ def _info(args: argparse.Namespace) -> int:
         ple = type(ple)(ple.value, "default: the release note's reference deployment")
     plan = None
     if args.gpu_memory is not None:  # planned first, so a rejected deployment prints only its error
-        from .cache.capacity import dry_run_report
+        from .plan import dry_run_report
 
         options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                      ("num_speculative_tokens", args.num_speculative_tokens),
@@ -207,7 +207,8 @@ def _info(args: argparse.Namespace) -> int:
             options.update(spec_options)
         weights = None if args.weights_gib is None else int(args.weights_gib * 2**30)
         if weights is None and cfg.quantization is not None and cfg.quantization.packed:
-            from .layers.quantize import meta_model, weight_bytes_per_gpu
+            from .layers.quantize import weight_bytes_per_gpu
+            from .quantized import meta_model
 
             by_part = weight_bytes_per_gpu(meta_model(cfg), args.tp)  # the checkpoint's own formats
             weights = by_part["total"] + (by_part["ple_table_host"] // args.tp if ple.value == "device" else 0)
@@ -218,7 +219,7 @@ def _info(args: argparse.Namespace) -> int:
             plan += _dflash2_notes(spec, args.tp, options["drafter_weights_bytes"], estimated=weights is None)
     print(format_summary(cfg, args.path, tp=args.tp))
     if cfg.quantization is not None and cfg.quantization.packed:
-        from .layers.quantize import format_quantization
+        from .quantized import format_quantization
 
         print(format_quantization(cfg, tuple(sorted({1, 2, 4, args.tp}))))
     if plan is not None:
@@ -229,7 +230,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _dflash2_notes(spec, tp: int, books: int, estimated: bool) -> str:
-    from .summary import human_bytes
+    from .units import human_bytes
 
     sharded = spec.sm70_dflash2.sharded_selector_codebook
     where = "in the weights above" if estimated else "not added to the measured --weights-gib"
@@ -242,16 +243,17 @@ def _dflash2_notes(spec, tp: int, books: int, estimated: bool) -> str:
 
 def _planned_speculation(cfg, args: argparse.Namespace):
     """(resolved SpeculativeConfig, CacheConfig fields) of `--speculative-config`, checked as the engine would."""
-    from .spec.config import SpeculativeConfig
-    from .spec.dflash2.checks import check_dflash2
+    from .spec.resolve import resolve_speculative
 
-    spec = SpeculativeConfig.resolve(args.speculative_config, cfg.text.mtp is not None, tensor_parallel_size=args.tp)
+    spec, warnings = resolve_speculative(args.speculative_config, cfg, has_mtp=cfg.text.mtp is not None,
+                                         dtype="float16", kv_cache_dtype=args.kv_cache_dtype,
+                                         tensor_parallel_size=args.tp)
+    for warning in warnings:
+        print(f"revolta: warning: {warning}", file=sys.stderr)
     options = spec.cache_fields(args.kv_cache_dtype, "float16")
     if spec.is_dflash2:
         from .spec.dflash2.sharded_codebook import codebook_bytes_per_gpu
 
-        for warning in check_dflash2(spec, cfg, kv_cache_dtype=args.kv_cache_dtype, dtype="float16"):
-            print(f"revolta: warning: {warning}", file=sys.stderr)
         options["drafter_weights_bytes"] = codebook_bytes_per_gpu(  # the part of the drafter sharding changes
             spec.drafter.vocab_size, spec.drafter.selector_rank, args.tp, bool(spec.sm70_dflash2.sharded_selector_codebook))
     return spec, options

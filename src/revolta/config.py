@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .config_error import ConfigError
+
 TOP_MODEL_TYPES = ("qwen3_8_flash_next", "qwen4_exp")
 TEXT_MODEL_TYPES = ("qwen3_8_flash_next_text", "qwen4_exp_text")
 VISION_MODEL_TYPES = ("qwen4_exp_vision", "qwen4_exp", "qwen3_8_flash_next", "qwen3_8_flash_next_vision")
@@ -31,8 +33,6 @@ GDN, QSA = "linear_attention", "full_attention"
 _QSA_ALIASES = ("full_attention", "indexed_attention", "attention")
 
 
-class ConfigError(ValueError):
-    """A config.json that cannot describe a Qwen3.8-Flash-Next model; the message names the field."""
 
 
 def read_config_json(path: str | Path, error: type[ConfigError] = ConfigError) -> tuple[dict[str, Any], str]:

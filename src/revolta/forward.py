@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
 from .state import SequenceState
 
 if TYPE_CHECKING:
-    from .cache.storage import CacheStorage
     from .kernels.ops import KernelOps
+
+
+class PagedCache(Protocol):
+    """What the paged layers read of the cache tensors (cache/storage.py's CacheStorage is one). A protocol,
+    so that the model does not import cache/: the engine hands the storage in with each step."""
+
+    layout: Any  # cache.capacity.CacheLayout: kv_cache_dtype, draft_kv_cache_dtype, block_size, ...
+    qsa: Mapping[int, Any]  # layer -> K/V pages and their scales
+    mtp: Any  # the MTP layer's K/V pages
+    gdn: Mapping[int, Any]  # layer -> recurrent state and conv window per slot
+    ple: Mapping[int, Any]  # layer -> conv history and n-gram context per slot
+    pending_keys: Mapping[int | str, Tensor]  # raw index keys of each slot's incomplete compress group
 
 
 @dataclass
@@ -80,7 +92,7 @@ class PagedMeta:
     max_new_tokens: the largest per-sequence token count of the step (python int, no sync).
     """
 
-    storage: "CacheStorage"
+    storage: PagedCache
     ops: "KernelOps"
     slots: Tensor
     has_initial_state: Tensor

@@ -2,9 +2,10 @@
 
 One `SequenceState` per sequence holds everything an incremental forward needs to carry:
 GDN conv and recurrent state, QSA K/V with the indexer's raw and compressed keys, the PLE
-conv history and n-gram context. Layers create their entry on first use. The paged
-hybrid cache (a later issue) replaces this for serving; the model code reads state only
-through `ForwardMeta`, so both can coexist.
+conv history and n-gram context. Layers create their entry on first use. This is the path of
+notebooks, parity tests and references; serving runs on the paged hybrid cache instead (cache/, with
+`forward.PagedMeta`), where the engine's runner passes empty states. The model reads state only
+through `ForwardMeta`, so both paths share the layer code.
 """
 
 from __future__ import annotations

@@ -14,11 +14,10 @@ from revolta.cache.capacity import (
     CacheConfig,
     CacheConfigError,
     MemoryBudget,
-    dry_run_plan,
-    dry_run_report,
     plan_cache,
     resolve_kv_dtype,
 )
+from revolta.plan import dry_run_plan, dry_run_report
 from revolta.config import ModelConfig
 from revolta.summary import fixed_state_breakdown, fixed_state_bytes_per_sequence, kv_bytes_per_token
 

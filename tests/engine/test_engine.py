@@ -6,12 +6,11 @@ the batch, the chunking, preemptions or prefix-cache hits; nothing may leak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
 from revolta.engine import Engine, EngineConfig
+from engine_spies import greedy_request
 from revolta.state import SequenceState
 from test_paged_model import TINY, ids  # noqa: F401  (the tiny config and id helper)
 
@@ -19,21 +18,7 @@ from revolta.config import ModelConfig
 from revolta.model import FlashNextModel, init_random_weights
 
 
-@dataclass
-class Req:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.token_ids) >= self.max_tokens
-
-
-def greedy(requests, logits):
-    for r, t in zip(requests, logits.argmax(-1).tolist()):
-        r.token_ids.append(t)
+Req = greedy_request  # a greedy request that runs to exactly max_tokens
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +38,12 @@ def reference(model, prompt, n):
     return out
 
 
-def run(engine, reqs, abort_after=None, sample_fn=greedy, on_step=None):
+def run(engine, reqs, abort_after=None, on_step=None):
     for r in reqs:
         engine.add_request(r)
     steps = 0
     while engine.has_unfinished():
-        engine.step(sample_fn)
+        engine.step()
         steps += 1
         if abort_after is not None and steps == abort_after[0]:
             engine.abort(abort_after[1])

@@ -8,8 +8,6 @@ encoder cache must stay within its size and end empty.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +15,8 @@ from PIL import Image
 
 from revolta.config import ModelConfig
 from revolta.engine import Engine, EngineConfig
-from revolta.multimodal.processor import MediaConfig, MultimodalPrompt, process_multimodal_prompt
+from engine_spies import greedy_request
+from revolta.multimodal.processor import MediaConfig, process_multimodal_prompt
 from revolta.model import FlashNextModel, init_random_weights
 from revolta.multimodal.media import MediaError
 from revolta.state import SequenceState
@@ -30,17 +29,7 @@ MEDIA = MediaConfig(min_pixels=64, max_pixels=48 * 48, video_min_pixels=64, vide
 LIMITS = {"image": 4, "video": 1}
 
 
-@dataclass
-class Req:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    mm_prompt: MultimodalPrompt | None = None
-    token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.token_ids) >= self.max_tokens
+Req = greedy_request  # a greedy request that runs to exactly max_tokens
 
 
 @pytest.fixture(scope="module")
@@ -89,17 +78,12 @@ def make_engine(model, **kw):
     return Engine(model, EngineConfig(**cfg))
 
 
-def greedy(requests, logits):
-    for r, t in zip(requests, logits.argmax(-1).tolist()):
-        r.token_ids.append(t)
-
-
 def run(engine, reqs, max_steps=2000):
     for r in reqs:
         engine.add_request(r)
     steps, peak = 0, 0
     while engine.has_unfinished():
-        engine.step(greedy)
+        engine.step()
         peak = max(peak, engine.encoder_cache.num_used)
         steps += 1
         assert steps < max_steps, "the engine stopped making progress"
@@ -140,16 +124,20 @@ def test_prefix_hit_with_same_image_and_miss_with_changed_pixel(model):
     img = image(32, 48, 3)
     captured = {}
 
+    sample = engine.sampler.sample
+
     def capture(requests, logits):
         for r, row in zip(requests, logits):
             captured.setdefault(r.request_id, row.clone())
-        greedy(requests, logits)
+        sample(requests, logits)
+
+    engine.sampler.sample = capture
 
     def step_all(reqs):
         for r in reqs:
             engine.add_request(r)
         while engine.has_unfinished():
-            engine.step(capture)
+            engine.step()
 
     first = mm_request(model, "first", prefix + text(6, 12), {"image": [img]})
     step_all([first])
@@ -187,7 +175,7 @@ def test_adjacent_large_images_under_a_small_encoder_cache_progress(model):
     engine.add_request(chat)
     steps, text_done_at, media_done_at = 0, None, None
     while engine.has_unfinished():
-        engine.step(greedy)
+        engine.step()
         assert engine.encoder_cache.num_used <= 40
         steps += 1
         text_done_at = text_done_at or (steps if chat.finished else None)
@@ -252,7 +240,7 @@ def test_request_waiting_on_the_encoder_lets_text_in_but_not_later_media(model):
     engine = make_engine(model, max_num_batched_tokens=64, encoder_cache_size=40, max_num_encoder_input_tokens=40)
     for r in (first, blocked, chat, small):
         engine.add_request(r)
-    engine.step(greedy)
+    engine.step()
     running = [s.request_id for s in engine.scheduler.running]
     waiting = [s.request_id for s in engine.scheduler.waiting]
     assert running == ["first", "text"] and waiting == ["blocked", "small"]
@@ -270,8 +258,8 @@ def test_an_image_repeated_in_a_prompt_is_encoded_once(model):
     assert a.content_hash == b.content_hash and a.start != b.start
     engine = make_engine(model)  # 20-token chunks: one step ends the first copy and starts the second
     encoded = []
-    orig = engine._encode
-    engine._encode = lambda items: (encoded.extend(items), orig(items))
+    orig = engine.executor._encode
+    engine.executor._encode = lambda items: (encoded.extend(items), orig(items))
     run(engine, [req])
     assert len(encoded) == 1
     assert req.token_ids == reference(model, req)
@@ -284,7 +272,7 @@ def test_abort_mid_image_frees_the_encoder_cache(model):
     engine = make_engine(model)
     engine.add_request(req)
     engine.add_request(other)
-    engine.step(greedy)  # 20 tokens: `aborted` stops inside its image, `other` gets none yet
+    engine.step()  # 20 tokens: `aborted` stops inside its image, `other` gets none yet
     assert len(engine.encoder_cache) == 1 and engine.encoder_cache.num_used == 24
     engine.abort("aborted")
     assert len(engine.encoder_cache) == 0

@@ -16,8 +16,8 @@ import torch
 from revolta.config import ModelConfig
 from revolta.engine import Engine, EngineConfig
 from revolta.model import FlashNextModel, init_random_weights
-from revolta.spec.verify import greedy_accept
 import forced_drafts
+from engine_spies import record_gaps
 from test_engine import Req, assert_clean, ids
 from test_engine import run as run_engine
 from test_paged_model import TINY
@@ -32,29 +32,14 @@ def model():
     return m
 
 
-def greedy_verify(requests, logits, drafts=None):
-    """The greedy acceptance rule over each request's rows, stopping at max_tokens; records the
-    top-1/top-2 logit gap of every emitted token (`r.gaps`) for failure reports."""
-    drafts = drafts if drafts is not None else [[] for _ in requests]
-    offset = 0
-    for r, d in zip(requests, drafts):
-        rows = logits[offset:offset + len(d) + 1]
-        offset += len(d) + 1
-        top2 = rows.topk(2, dim=-1).values
-        for j, t in enumerate(greedy_accept(rows.argmax(-1).tolist(), d)):
-            if r.finished:
-                break
-            r.token_ids.append(t)
-            r.__dict__.setdefault("gaps", []).append(float(top2[j, 0] - top2[j, 1]))
-
-
 def assert_same_tokens(reqs, plain):
     """Token ids equal; otherwise name the first differing step and its top-1/top-2 gap without speculation."""
     for r, p in zip(reqs, plain):
         if r.token_ids != p.token_ids:
             j = next((i for i, (x, y) in enumerate(zip(r.token_ids, p.token_ids)) if x != y),
                      min(len(r.token_ids), len(p.token_ids)))
-            gap = p.gaps[j] if j < len(p.gaps) else float("nan")
+            gaps = getattr(p, "gaps", [])
+            gap = gaps[j] if j < len(gaps) else float("nan")
             raise AssertionError(f"{r.request_id}: first difference at generated token {j}, top-1/top-2 logit gap "
                                  f"there without speculation {gap:.3g}: {r.token_ids} != {p.token_ids}")
 
@@ -67,7 +52,8 @@ def make_engine(model, spec, **kw):
 
 
 def run(engine, reqs, on_step=None):
-    return run_engine(engine, reqs, sample_fn=greedy_verify, on_step=on_step)
+    record_gaps(engine)
+    return run_engine(engine, reqs, on_step=on_step)
 
 
 def force_drafts(engine, refs: dict[str, list[int]], corrupt: int | None = None):

@@ -15,7 +15,7 @@ from revolta.config import ModelConfig
 from revolta.engine import Engine, EngineConfig
 from revolta.model import FlashNextModel, init_random_weights
 
-from test_kernel_path_gpu import SMALL, Req, greedy, prompts
+from test_kernel_path_gpu import SMALL, Req, keep_logits, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -31,11 +31,12 @@ def run(model, eager, prompt_list, n=20, **kw):
     engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96,
                                         kernels="triton", enable_prefix_caching=False, kv_cache_gib=1.0,
                                         enforce_eager=eager, **kw))
+    keep_logits(engine)
     reqs = [Req(str(i), p, n) for i, p in enumerate(prompt_list)]
     for r in reqs:
         engine.add_request(r)
     while engine.has_unfinished():
-        engine.step(greedy)
+        engine.step()
     return engine, reqs
 
 

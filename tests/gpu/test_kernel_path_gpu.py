@@ -13,6 +13,7 @@ from revolta.config import ModelConfig
 from revolta.engine import Engine, EngineConfig
 from revolta.model import FlashNextModel, init_random_weights
 from revolta.state import SequenceState
+from engine_spies import greedy_request, spy_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -30,20 +31,15 @@ SMALL = dict(  # kernel-friendly dims: K=V=64 GDN heads, 128-wide QSA heads, spa
 )
 
 
-class Req:
-    def __init__(self, rid, prompt, n):
-        self.request_id, self.prompt_token_ids, self.max_tokens, self.token_ids = rid, prompt, n, []
-        self.logits = []
-
-    @property
-    def finished(self):
-        return len(self.token_ids) >= self.max_tokens
+def Req(rid, prompt, n):
+    """A greedy request of exactly n tokens that keeps the logits row of each (`r.logits`, see keep_logits)."""
+    r = greedy_request(rid, prompt, n)
+    r.logits = []
+    return r
 
 
-def greedy(requests, logits):
-    for r, row in zip(requests, logits):
-        r.logits.append(row.float().cpu())
-        r.token_ids.append(int(row.argmax()))
+def keep_logits(engine) -> None:
+    spy_rows(engine, lambda r, rows, emitted: r.logits.extend(rows[:emitted].float().cpu()))
 
 
 def prompts():
@@ -55,11 +51,12 @@ def generate(model, kernels, n=24):
     engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96,
                                         kernels=kernels, enable_prefix_caching=False,
                                         kv_cache_gib=1.0, enforce_eager=True))  # graphs: test_cuda_graphs
+    keep_logits(engine)
     reqs = [Req(str(i), p, n) for i, p in enumerate(prompts())]
     for r in reqs:
         engine.add_request(r)
     while engine.has_unfinished():
-        engine.step(greedy)
+        engine.step()
     return reqs
 
 

@@ -30,7 +30,7 @@ from revolta.ple.load import host_tensor
 from revolta.ple.table import pin_host_memory
 from test_kernel_path_gpu import SMALL
 from test_placement import write_checkpoint
-from test_spec_gpu import Req, sample
+from test_spec_gpu import Req
 
 pytestmark = pytest.mark.gpu
 CFG = dict(SMALL, mtp_num_hidden_layers=1, make_ngram_vocab_size_divisible_by=32, split_ngram_parts=4)
@@ -94,14 +94,16 @@ def run(model, spec):
     assert (engine.spec_graphs if spec["method"] else engine.graphs) is not None
     calls, reqs = [], [Req(str(i), p, 12) for i, p in enumerate(prompts())]
 
-    def recording(requests, logits, drafts=None):
-        calls.append(logits.float().clone())
-        sample(requests, logits, drafts)
+    sampler = engine.sampler  # every logits tensor the engine samples from, in order
+    sample, verify = sampler.sample, sampler.verify
+    sampler.sample = lambda requests, logits: (calls.append(logits.float().clone()), sample(requests, logits))[1]
+    sampler.verify = lambda requests, logits, drafts: (calls.append(logits.float().clone()),
+                                                       verify(requests, logits, drafts))[1]
 
     for r in reqs:
         engine.add_request(r)
     while engine.has_unfinished():
-        engine.step(recording)
+        engine.step()
     replays = (engine.spec_graphs or engine.graphs).num_replays
     if engine.runner.ple_feeder is not None:
         engine.runner.ple_feeder.close()
@@ -152,12 +154,12 @@ def test_a_killed_worker_fails_a_graph_replayed_step_within_the_bound(ckpt):
     for r in reqs:
         engine.add_request(r)
     while engine.graphs.num_replays < 3:
-        engine.step(sample)
+        engine.step()
     os.kill(engine.runner.ple_feeder.pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(PLEWorkerError, match="SIGKILL"):
         for _ in range(100):
-            engine.step(sample)
+            engine.step()
     assert time.monotonic() - start < TIMEOUT_S
     torch.cuda.synchronize()  # nothing on the device waits for the dead worker
     for r in reqs:

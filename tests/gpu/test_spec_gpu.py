@@ -15,7 +15,7 @@ import torch
 from revolta.config import ModelConfig
 from revolta.engine import Engine, EngineConfig
 from revolta.model import FlashNextModel, init_random_weights
-from revolta.spec.verify import greedy_accept
+from engine_spies import greedy_request, record_gaps
 from forced_drafts import force_drafts, wrong_at
 from test_kernel_path_gpu import SMALL
 
@@ -23,28 +23,11 @@ pytestmark = pytest.mark.gpu
 NEAR_TIE = 1e-3  # top-1 minus top-2 logit below which a flipped token is a near-tie
 
 
-class Req:
-    def __init__(self, rid, prompt, n):
-        self.request_id, self.prompt_token_ids, self.max_tokens, self.token_ids = rid, prompt, n, []
-        self.gaps: list[float] = []  # top-1 - top-2 logit of each emitted token's row
-
-    @property
-    def finished(self):
-        return len(self.token_ids) >= self.max_tokens
-
-
-def sample(requests, logits, drafts=None):
-    drafts = drafts if drafts is not None else [[] for _ in requests]
-    offset = 0
-    for r, d in zip(requests, drafts):
-        rows = logits[offset:offset + len(d) + 1].float()
-        offset += len(d) + 1
-        top2 = rows.topk(2, dim=-1).values
-        for j, t in enumerate(greedy_accept(rows.argmax(-1).tolist(), d)):
-            if r.finished:
-                break
-            r.token_ids.append(t)
-            r.gaps.append(float(top2[j, 0] - top2[j, 1]))
+def Req(rid, prompt, n):
+    """A greedy request of exactly n tokens; `r.gaps`: top-1 - top-2 logit of each emitted token's row."""
+    r = greedy_request(rid, prompt, n)
+    r.gaps = []
+    return r
 
 
 def force(engine, refs, wrong=None):
@@ -53,18 +36,19 @@ def force(engine, refs, wrong=None):
     force_drafts(engine, refs, None if wrong is None else lambda rid, d: wrong_at(d, wrong(rid), vocab))
 
 
-def run(model, spec, prompts, n, refs=None, sample_fn=None, **kw):
+def run(model, spec, prompts, n, refs=None, **kw):
     cfg = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, kv_cache_gib=0.5, kernels="triton",
                speculative_config=spec)
     engine = Engine(model, EngineConfig(**{**cfg, **kw}))
     if refs is not None:  # forced drafts: the run without speculation's own tokens
         force(engine, refs)
+    record_gaps(engine)
     reqs = [Req(f"r{i}", p, n) for i, p in enumerate(prompts)]
     for r in reqs:
         engine.add_request(r)
     with torch.no_grad():
         while engine.has_unfinished():
-            engine.step(sample_fn or sample)
+            engine.step()
     return reqs, engine
 
 

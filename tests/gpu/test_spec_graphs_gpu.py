@@ -16,23 +16,25 @@ import pytest
 import torch
 
 from revolta.engine import Engine, EngineConfig
-from test_spec_gpu import Req, force, greedy_accept, model  # noqa: F401  (the MTP test model)
+from test_spec_gpu import Req, force, model  # noqa: F401  (the MTP test model)
 
 pytestmark = pytest.mark.gpu
 
 
-def recording_sample(calls):
-    def sample(requests, logits, drafts=None):
-        drafts = drafts if drafts is not None else [[] for _ in requests]
+def record_calls(engine, calls):
+    """Keep each sampling call's draft counts and logits rows (the engine samples greedily itself)."""
+    sampler = engine.sampler
+    sample, verify = sampler.sample, sampler.verify
+
+    def sample_spy(requests, logits):
+        calls.append(([0] * len(requests), logits.float().clone()))
+        sample(requests, logits)
+
+    def verify_spy(requests, logits, drafts):
         calls.append(([len(d) for d in drafts], logits.float().clone()))
-        offset = 0
-        for r, d in zip(requests, drafts):
-            rows = logits[offset:offset + len(d) + 1]
-            offset += len(d) + 1
-            for t in greedy_accept(rows.argmax(-1).tolist(), d):
-                if not r.finished:
-                    r.token_ids.append(t)
-    return sample
+        return verify(requests, logits, drafts)
+
+    sampler.sample, sampler.verify = sample_spy, verify_spy
 
 
 def spec_run(model, prompts, refs, eager, replay):  # noqa: F811
@@ -45,10 +47,10 @@ def spec_run(model, prompts, refs, eager, replay):  # noqa: F811
     reqs = [Req(f"r{i}", p, 21 + 3 * i) for i, p in enumerate(prompts)]
     for r in reqs:
         engine.add_request(r)
-    sample = recording_sample(calls)
+    record_calls(engine, calls)
     with torch.no_grad():
         while engine.has_unfinished():
-            engine.step(sample)
+            engine.step()
     return engine, reqs, calls
 
 
@@ -63,7 +65,7 @@ def test_graph_rounds_equal_eager_rounds(model, replay):  # noqa: F811
         plain.add_request(r)
     with torch.no_grad():
         while plain.has_unfinished():
-            plain.step(recording_sample([]))
+            plain.step()
     refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base}
     eager, ref_reqs, ref_calls = spec_run(model, prompts, refs, True, replay)
     graph, got_reqs, got_calls = spec_run(model, prompts, refs, False, replay)
@@ -82,7 +84,7 @@ def test_graph_rounds_equal_eager_rounds(model, replay):  # noqa: F811
 
 
 def test_graph_memory_counts_against_the_reserve(model, caplog):  # noqa: F811
-    with caplog.at_level(logging.INFO, logger="revolta.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="revolta.engine"):  # the engine's and its executor's logs
         engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=2, kernels="triton",
                                             gpu_memory_utilization=0.05, cudagraph_mem_mib=1,
                                             speculative_config={"method": "mtp"}))

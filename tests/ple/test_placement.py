@@ -25,7 +25,6 @@ from revolta.ple.table import PLETable, StagedRows
 from revolta.weights import CheckpointError, checkpoint_tensors, save_checkpoint
 from test_engine import Req, assert_clean, ids
 from test_paged_model import TINY
-from test_spec_engine import greedy_verify
 
 CFG = dict(TINY, mtp_num_hidden_layers=1, split_ngram_parts=4)  # PLE at zero-based layer 1; 4 shards of 102 rows
 EOS = CFG["eos_token_id"]
@@ -91,18 +90,19 @@ def run_recording(engine, reqs):
     orig = engine.scheduler._preempt
     engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))
 
-    def sample(requests, rows, drafts=None):
-        logits.append(rows.clone())
-        greedy_verify(requests, rows, drafts)
+    sampler = engine.sampler
+    sample, verify = sampler.sample, sampler.verify
+    sampler.sample = lambda requests, rows: (logits.append(rows.clone()), sample(requests, rows))[1]
+    sampler.verify = lambda requests, rows, drafts: (logits.append(rows.clone()), verify(requests, rows, drafts))[1]
 
     for r in reqs[:1]:  # the first request alone, so the later ones hit its cached prefix
         engine.add_request(r)
     while engine.has_unfinished():
-        engine.step(sample)
+        engine.step()
     for r in reqs[1:]:
         engine.add_request(r)
     while engine.has_unfinished():
-        engine.step(sample)
+        engine.step()
     return logits, preempted
 
 
@@ -147,7 +147,7 @@ def test_disk_rows_reach_the_speculative_round_buffers(ckpt):
     for placement in ("device", "disk"):
         engine = make_engine(load_model(ckpt, ple_placement=placement, progress=False), kv_cache_gib=0.004)
         width = -(-(engine.config.max_model_len + 2) // engine.plan.layout.block_size)
-        engine.spec_graphs = SpecGraphs(engine.runner, [1, 2, 4], 2, False, width)
+        engine.executor.spec_graphs = SpecGraphs(engine.runner, [1, 2, 4], 2, False, width)
         engine.spec_graphs.capture(graphs=False)
         reqs = workload(full=False)
         logits, _ = run_recording(engine, reqs)
@@ -230,7 +230,7 @@ def _start(ckpt, n=3):
     for r in reqs:
         engine.add_request(r)
     for _ in range(4):  # prefill and a few decode steps
-        engine.step(greedy_verify)
+        engine.step()
     assert any(r.token_ids for r in reqs)
     return engine, reqs
 
@@ -239,7 +239,7 @@ def _fails_within(engine, bound):
     start = time.monotonic()
     with pytest.raises(PLEWorkerError) as e:
         while True:
-            engine.step(greedy_verify)
+            engine.step()
             assert time.monotonic() - start < bound + 5, "the step never failed"
     took = time.monotonic() - start
     assert took < bound, f"the step failed after {took:.1f} s"
@@ -266,7 +266,7 @@ def test_a_killed_worker_fails_the_step_frees_every_block_and_stops_the_engine(c
     again = Req("again", ids(5, seed=1), max_tokens=2)
     engine.add_request(again)
     with pytest.raises(PLEWorkerError, match="killed by SIGKILL"):  # the engine does not run again
-        engine.step(greedy_verify)
+        engine.step()
     _abort_all(engine, [again])
 
 

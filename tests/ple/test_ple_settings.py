@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from revolta.cache.capacity import dry_run_plan, dry_run_report
+from revolta.plan import dry_run_plan, dry_run_report
 from revolta.cli import main
 from revolta.config import ModelConfig
 from revolta.ple.placement import PLEOptions, Placement, resolve_ple_placement

@@ -155,7 +155,8 @@ def test_greedy_speculation_equals_no_speculation_on_a_quantized_checkpoint(orig
 
 def test_info_prints_format_and_weight_bytes_per_gpu(original, tmp_path, capsys):
     from revolta.cli import main
-    from revolta.layers.quantize import meta_model, weight_bytes_per_gpu
+    from revolta.layers.quantize import weight_bytes_per_gpu
+    from revolta.quantized import meta_model
 
     write_quantized(original, tmp_path, "awq")
     assert main(["info", str(tmp_path), "--tp", "2", "--gpu-memory", "4", "--max-model-len", "256"]) == 0
@@ -174,7 +175,7 @@ def test_info_prints_format_and_weight_bytes_per_gpu(original, tmp_path, capsys)
 
 
 def test_random_quantized_model_for_benchmarks():
-    from revolta.layers.quantize import random_quantized_model
+    from revolta.quantized import random_quantized_model
 
     model = random_quantized_model(ModelConfig.from_dict(TINY_MTP), device="cpu", dtype=torch.float32)
     lin = model.model.language_model.layers[0].linear_attn.in_proj_qkv

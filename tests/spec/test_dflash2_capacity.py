@@ -3,7 +3,7 @@ KV group, and the state slots per request with per-draft slots (2 + 7) and with 
 
 from __future__ import annotations
 
-from revolta.cache.capacity import dry_run_plan
+from revolta.plan import dry_run_plan
 from revolta.cli import main
 from revolta.config import ModelConfig
 from revolta.spec.config import SpeculativeConfig

@@ -22,7 +22,7 @@ from dflash2_fixtures import tiny_target, write_drafter
 from test_engine import Req, ids
 from test_engine import run as run_engine
 from test_paged_model import TINY
-from test_spec_engine import greedy_verify
+from engine_spies import record_gaps
 
 INT8_MESSAGE = ("int8 draft KV does not support sliding windows or sinks. Use a 16-bit draft cache beside the int8 "
                 "target cache (speculative_config {'kv_cache_dtype': 'auto'} or 'float16'), or kv_cache_dtype "
@@ -164,7 +164,9 @@ def test_the_ladder_sets_the_lookahead(monkeypatch):
     cfg = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16, kv_cache_gib=0.004)
     prompts = [ids(5 + 4 * i, seed=i) for i in range(3)]
     plain = [Req(f"r{i}", p, max_tokens=4 + 6 * i) for i, p in enumerate(prompts)]
-    run_engine(Engine(model, EngineConfig(**cfg, speculative_config={"method": None})), plain, sample_fn=greedy_verify)
+    base = Engine(model, EngineConfig(**cfg, speculative_config={"method": None}))
+    record_gaps(base)
+    run_engine(base, plain)
     engine = Engine(model, EngineConfig(**cfg, speculative_config={"method": "mtp", "num_speculative_tokens": 4}))
     engine.spec = replace(engine.spec, dflash_concurrency_drafts=((2, 1),))
     seen = []
@@ -176,7 +178,8 @@ def test_the_ladder_sets_the_lookahead(monkeypatch):
 
     engine.drafter.propose = record
     reqs = [Req(r.request_id, r.prompt_token_ids, r.max_tokens) for r in plain]
-    run_engine(engine, reqs, sample_fn=greedy_verify)
+    record_gaps(engine)
+    run_engine(engine, reqs)
     assert [r.token_ids for r in reqs] == [r.token_ids for r in plain]
     assert seen and all(n == 1 for running, n in seen if running >= 2)
     assert any(n == 4 for running, n in seen if running == 1)

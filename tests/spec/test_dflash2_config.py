@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from revolta.cache.capacity import dry_run_plan
+from revolta.plan import dry_run_plan
 from revolta.engine import EngineConfig
 from revolta.spec.config import SpeculativeConfig
 from revolta.spec.dflash2.ladder import drafts_at, parse_ladder

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from revolta.cache.capacity import dry_run_plan
+from revolta.plan import dry_run_plan
 from revolta.cli import main
 from revolta.config import ModelConfig
 

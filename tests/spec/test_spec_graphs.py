@@ -22,7 +22,7 @@ def graph_engine(model, replay=False, sizes=(1, 2, 4, 8), **kw):  # noqa: F811
     engine = make_engine(model, {"method": "mtp", "num_speculative_tokens": K, "spec_state_replay": replay}, **kw)
     bs = engine.plan.layout.block_size
     width = -(-(engine.config.max_model_len + K) // bs)
-    engine.spec_graphs = SpecGraphs(engine.runner, list(sizes), K, replay, width)
+    engine.executor.spec_graphs = SpecGraphs(engine.runner, list(sizes), K, replay, width)
     engine.spec_graphs.capture(graphs=False)
     return engine
 

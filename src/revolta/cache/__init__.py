@@ -1,6 +1,6 @@
 """Hybrid KV / recurrent-state cache: bookkeeping (pure Python), planning and storage.
 
-    plan = plan_cache(cfg, CacheConfig(max_model_len=...), MemoryBudget(...), tp=4)   # or dry_run_report(...)
+    plan = plan_cache(cfg, CacheConfig(max_model_len=...), MemoryBudget(...), tp=4)   # revolta.plan: dry runs
     allocator = HybridAllocator(plan.allocator_config())                             # the scheduler's API
     tensors = CacheStorage(cfg, plan.layout, "cuda")     # revolta.cache.storage: the GPU tensors
 
@@ -14,8 +14,6 @@ from .capacity import (
     CacheLayout,
     CachePlan,
     MemoryBudget,
-    dry_run_plan,
-    dry_run_report,
     plan_cache,
     validate_cache_config,
 )
@@ -24,6 +22,5 @@ from .state_pool import StatePool
 
 __all__ = [
     "Allocation", "AllocatorConfig", "BlockPool", "CacheConfig", "CacheConfigError", "CacheLayout", "CachePlan",
-    "CacheRequest", "HybridAllocator", "MemoryBudget", "PoolError", "StatePool", "SwapOuts", "dry_run_plan",
-    "dry_run_report", "plan_cache", "slot_mapping", "validate_cache_config",
+    "CacheRequest", "HybridAllocator", "MemoryBudget", "PoolError", "StatePool", "SwapOuts", "plan_cache", "slot_mapping", "validate_cache_config",
 ]

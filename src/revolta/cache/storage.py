@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from ..config import GDN, QSA, ModelConfig
-from ..summary import _kv_heads_per_rank
 from .capacity import CacheLayout, default_pending_ring
+from .sizes import qsa_kv_heads_per_rank
 from .hybrid import Allocation, SwapOuts
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class CacheStorage:
         t, L = cfg.text, layout
         self.layout, self.device, self.eos = layout, torch.device(device), t.eos_token_id
         act = getattr(torch, L.dtype)
-        kvh, c = _kv_heads_per_rank(cfg, L.tp), t.indexer_compress_ratio
+        kvh, c = qsa_kv_heads_per_rank(cfg, L.tp), t.indexer_compress_ratio
         if L.block_size % c:
             raise ValueError(f"block_size={L.block_size} is not a multiple of indexer_compress_ratio={c}")
         ring = default_pending_ring(cfg) if L.pending_ring is None else L.pending_ring

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .runner import ModelRunner, StepInputs, StepSequence, _section_sizes
+from .runner import ModelRunner, StepInputs, StepSequence, section_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class DecodeGraphs:
         B = self.batch_sizes[-1]
         device = runner.model.device
         # one static input buffer sized for the largest batch: each graph reads a prefix of it
-        self.static = torch.zeros(sum(_section_sizes(B, B, self.width)), dtype=torch.int64, device=device)
+        self.static = torch.zeros(sum(section_sizes(B, B, self.width)), dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
         self.used_bytes = 0
         self.num_replays = 0  # decode steps served by a graph (the engine's stats and tests read it)

@@ -63,7 +63,8 @@ def offsets(lens: list[int]) -> list[int]:
     return cu
 
 
-def _section_sizes(B: int, T: int, W: int) -> list[int]:
+def section_sizes(B: int, T: int, W: int) -> list[int]:
+    """Lengths of the packed step buffer's sections (_SECTIONS order) for B sequences, T tokens, a W-wide table."""
     return [T, 3 * T, 3 * B, B, B, B + 1, B, B * W, T]
 
 
@@ -84,7 +85,7 @@ class StepInputs:
     @classmethod
     def unpack(cls, flat: Tensor, B: int, T: int, W: int) -> "StepInputs":
         """Views (with dtype conversions on the device) of `flat` [sum of sections] int64."""
-        p = dict(zip(_SECTIONS, flat[: sum(_section_sizes(B, T, W))].split(_section_sizes(B, T, W))))
+        p = dict(zip(_SECTIONS, flat[: sum(section_sizes(B, T, W))].split(section_sizes(B, T, W))))
         return cls(input_ids=p["input_ids"], positions=p["positions"].view(3, T), group_pos=p["group_pos"].view(3, B),
                    slots=p["slots"].to(torch.int32), has_initial_state=p["has_initial_state"].bool(),
                    cu_seqlens=p["cu_seqlens"].to(torch.int32), seq_lens=p["seq_lens"].to(torch.int32),

@@ -16,39 +16,27 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 from ..cache.hybrid import Allocation, HybridAllocator
 from ..multimodal.encoder_cache import EncoderCache, EncoderStep
 from ..multimodal.processor import MediaItem, MultimodalPrompt
+from .request import Request
 
 
-class SchedRequest(Protocol):
-    """What the scheduler reads from a request; an optional `mm_prompt` attribute (a MultimodalPrompt whose
-    token_ids are the prompt_token_ids) carries its media. An optional `num_cached_tokens` attribute that is
-    None receives the prefix-cache hit (in tokens) of the request's first admission (vLLM's num_cached_tokens)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated so far
-
-    @property
-    def finished(self) -> bool: ...
-
-
-class Sequence:
+class SeqState:
     """A request as the scheduler and allocator see it: known tokens and how many are computed."""
 
-    def __init__(self, request: SchedRequest):
+    def __init__(self, request: Request):
         self.request = request
         self.request_id = request.request_id
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         # prompt logprobs need the logits of every prompt position: no prefix-cache hit
-        self.skip_prefix_cache = getattr(request, "prompt_logprobs", None) is not None
+        self.skip_prefix_cache = request.params.prompt_logprobs is not None
         # media: expanded prompt, items, positions; its content hashes key the prefix cache (extra_keys)
-        self.mm: MultimodalPrompt | None = getattr(request, "mm_prompt", None)
+        self.mm: MultimodalPrompt | None = request.mm_prompt
         self.extra_keys = self.mm.extra_keys if self.mm is not None else None
 
     @property
@@ -62,7 +50,7 @@ class Sequence:
 
 @dataclass
 class ScheduledSeq:
-    seq: Sequence
+    seq: SeqState
     alloc: Allocation
     encode: tuple[MediaItem, ...] = ()  # media items to run through the vision tower before this step
 
@@ -74,7 +62,7 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, allocator: HybridAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  encoder_cache: EncoderCache | None = None, max_num_encoder_input_tokens: int = 0,
-                 lookahead_fn: Callable[[Sequence], int] | None = None):
+                 lookahead_fn: Callable[[SeqState], int] | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} "
                              "must be >= 1")
@@ -84,10 +72,10 @@ class Scheduler:
         # lookahead tokens in the budget and the allocation); None = no speculation
         self.lookahead_fn = lookahead_fn
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SeqState) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -135,8 +123,8 @@ class Scheduler:
                 break  # no room: wait for running requests to finish
             del self.waiting[j]
             seq.num_computed_tokens = alloc.num_computed_tokens  # includes a prefix hit
-            if getattr(seq.request, "num_cached_tokens", 0) is None:  # the first admission's hit, not a re-admission's
-                seq.request.num_cached_tokens = alloc.num_cached_tokens
+            if seq.request.num_cached_tokens is None:  # the first admission's hit, not a re-admission's
+                seq.request.num_cached_tokens = alloc.num_cached_tokens  # vLLM's RequestOutput.num_cached_tokens
             self.running.append(seq)
             out.append(ScheduledSeq(seq, alloc, self._media_commit(enc, seq, alloc)))
             scheduled.add(seq.request_id)
@@ -144,18 +132,18 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _media_limit(enc: EncoderStep | None, seq: Sequence, num_computed: int, num_tokens: int) -> int:
+    def _media_limit(enc: EncoderStep | None, seq: SeqState, num_computed: int, num_tokens: int) -> int:
         if enc is None or seq.mm is None:
             return num_tokens
         return enc.limit(seq.mm, num_computed, num_tokens)
 
     @staticmethod
-    def _media_commit(enc: EncoderStep | None, seq: Sequence, alloc: Allocation) -> tuple[MediaItem, ...]:
+    def _media_commit(enc: EncoderStep | None, seq: SeqState, alloc: Allocation) -> tuple[MediaItem, ...]:
         if enc is None or seq.mm is None:
             return ()
         return tuple(enc.commit(seq.request_id, seq.mm, alloc.num_computed_tokens, alloc.num_new_tokens))
 
-    def _allocate(self, seq: Sequence, num_tokens: int, scheduled: set[str], lookahead: int = 0) -> Allocation | None:
+    def _allocate(self, seq: SeqState, num_tokens: int, scheduled: set[str], lookahead: int = 0) -> Allocation | None:
         while True:
             alloc = self.allocator.allocate(seq, num_tokens, lookahead)
             if alloc is not None:
@@ -167,7 +155,7 @@ class Scheduler:
             if victim is seq:
                 return None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SeqState) -> None:
         self.allocator.preempt(seq)
         self._release_media(seq)
         self.running.remove(seq)
@@ -187,7 +175,7 @@ class Scheduler:
             if it.seq.request.finished:
                 self.finish(it.seq)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SeqState) -> None:
         self.allocator.free(seq)
         self._release_media(seq)
         if seq in self.running:
@@ -195,6 +183,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _release_media(self, seq: Sequence) -> None:
+    def _release_media(self, seq: SeqState) -> None:
         if seq.mm is not None and self.encoder_cache is not None:
             self.encoder_cache.release_all(seq.request_id, seq.mm)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..quant.config import QuantConfig, QuantConfigError
-from ..quant.format import weight_format
+from ..quant.formats import weight_format
 from .linear import QuantLinear
 from .moe import Experts
 from .quant_moe import QuantExperts
@@ -149,61 +149,3 @@ def _disk_tensor_names(mod: nn.Module) -> list[str]:
     if isinstance(mod, QuantLinear):
         return list(mod.packed_names)
     return [f"{h}.{n}" for h in ("gate_up_proj", "down_proj") for n in getattr(mod, h).specs]
-
-
-def meta_model(cfg, with_mtp: bool = True, with_vision: bool = True) -> nn.Module:
-    """The model of `cfg` on the meta device, in its checkpoint's quantized layout (no memory used)."""
-    from ..model import FlashNextModel
-
-    with torch.device("meta"):
-        model = FlashNextModel(cfg, with_mtp=with_mtp, with_vision=with_vision)
-    if cfg.quantization is not None:
-        quantize_modules(model, cfg.quantization)
-    return model
-
-
-def format_quantization(cfg, tps: tuple[int, ...] = (1, 2, 4)) -> str:
-    """The `revolta info` lines of a quantized checkpoint: format, bits, group size, weight bytes per GPU."""
-    from ..summary import human_bytes
-
-    q = cfg.quantization
-    model = meta_model(cfg)
-    packed = packed_modules(model)
-    lines = [f"quantization: {q.describe()} (from {q.source.rsplit('/', 1)[-1]})",
-             f"  packed modules: {sum(isinstance(m, QuantLinear) for _, m in packed)} linears, "
-             f"{sum(isinstance(m, QuantExperts) for _, m in packed)} routed-expert banks; others 16-bit"]
-    for tp in tps:
-        b = weight_bytes_per_gpu(model, tp)
-        lines.append(f"  weights per GPU at TP{tp}: {human_bytes(b['total'])} = packed {human_bytes(b['packed'])} "
-                     f"+ 16-bit split {human_bytes(b['dense_split'])} + 16-bit replicated "
-                     f"{human_bytes(b['dense_replicated'])}" + (f"; PLE table {human_bytes(b['ple_table_host'])} "
-                                                                 "in host memory" if b["ple_table_host"] else ""))
-    return "\n".join(lines) + "\n"
-
-
-@torch.no_grad()
-def random_quantized_model(cfg, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16,
-                           group_size: int = 32, seed: int = 0, with_mtp: bool = True) -> nn.Module:
-    """The model of `cfg` (e.g. the real 48-layer, 512-expert config) with AWQ int4 weights (group
-    `group_size`) drawn on `device`, no checkpoint file: for GPU benchmarks. A config that already names a
-    quantization keeps it. Never on the CPU first: packed tensors are drawn where they live.
-
-    AWQ covers the decoder and MTP layers except the routers, the shared-expert gate and the GDN b/a
-    projections (16-bit, as released AWQ checkpoints keep them); dense weights are drawn like
-    `init_random_weights` on `device`.
-    """
-    from dataclasses import replace
-
-    from ..model import init_random_weights
-    from ..quant.config import parse_quant_config
-    from ..weights import materialize
-
-    if cfg.quantization is None:
-        awq = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-               "modules_to_not_convert": ["mlp.gate", "shared_expert_gate", "in_proj_b", "in_proj_a"]}
-        cfg = replace(cfg, quantization=parse_quant_config({"quantization_config": awq}, source="random AWQ"))
-    model = meta_model(cfg, with_mtp=with_mtp, with_vision=False)
-    materialize(model, device, dtype)
-    init_random_weights(model, seed=seed, device=str(device))
-    init_random_packed(model, seed=seed)
-    return model.eval()

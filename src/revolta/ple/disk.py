@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ..cache.storage import CacheStorage
 from ..errors import FatalEngineError
-from ..summary import human_bytes
+from ..units import human_bytes
 from .load import ple_embeddings
 from .placement import PLEOptions
 from .table import StagedRows, pin_host_memory

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..layers.ngram import NGramEmbedding, PLELayer
-from ..summary import human_bytes
+from ..units import human_bytes
 from ..weights import CheckpointError, checkpoint_files
 from .placement import PLEOptions, check_placement
 from .shards import ITEMSIZE, TableLayout, TableShard, read_header

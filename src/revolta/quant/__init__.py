@@ -2,7 +2,8 @@
 `weight_format(scheme)` to get a format's tensors and arithmetic. Kernels live in revolta.kernels.quant."""
 
 from .config import QuantConfig, QuantConfigError, WeightScheme, parse_quant_config
-from .format import TensorSpec, WeightFormat, weight_format
+from .format import TensorSpec, WeightFormat
+from .formats import weight_format
 
 __all__ = ["QuantConfig", "QuantConfigError", "TensorSpec", "WeightFormat", "WeightScheme", "parse_quant_config",
            "weight_format"]

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError
+from ..config_error import ConfigError
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SUPPORTED = {

@@ -82,14 +82,6 @@ class WeightFormat:
         raise NotImplementedError
 
 
-def weight_format(scheme: WeightScheme) -> WeightFormat:
-    """The format object of a scheme."""
-    from . import awq, ct_int4, nvfp4
-
-    formats = {f.name: f for f in (awq.AWQ, ct_int4.CTInt4, nvfp4.ModelOptNVFP4, nvfp4.CTNVFP4)}
-    return formats[scheme.format](scheme)
-
-
 def random_ints(shape, dtype: torch.dtype, generator: torch.Generator, device) -> Tensor:
     """Uniformly random bits of an integer dtype (every nibble uniform in 0..15)."""
     info = torch.iinfo(dtype)

@@ -308,14 +308,14 @@ class EngineLoop:
                 self._on_finish(request_id, "error")
 
     def _publish_stats(self) -> None:
-        engine = getattr(self.llm, "engine", None)
-        if engine is None:
+        read = getattr(self.llm, "engine_stats", None)  # a scripted LLM (tests) has none
+        if read is None:
             return
-        sched, alloc = engine.scheduler, engine.allocator
-        spec = getattr(engine, "spec_stats", None) if getattr(engine, "drafter", None) is not None else None
-        self.stats = EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
-                                 kv_cache_usage=alloc.usage, num_free_blocks=alloc.num_free_blocks,
-                                 block_size=alloc.block_size, prefix_caching=alloc.config.enable_prefix_caching,
+        st = read()
+        spec = st.spec
+        self.stats = EngineStats(num_running=st.num_running, num_waiting=st.num_waiting,
+                                 kv_cache_usage=st.kv_cache_usage, num_free_blocks=st.num_free_blocks,
+                                 block_size=st.block_size, prefix_caching=st.prefix_caching,
                                  speculative=spec is not None,
                                  num_spec_rounds=spec.num_rounds if spec else 0,
                                  num_draft_tokens=spec.num_draft_tokens if spec else 0,

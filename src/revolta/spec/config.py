@@ -188,6 +188,14 @@ class SpeculativeConfig:
         return f"MTP x{self.num_speculative_tokens} ({state}, {self.draft_sample_method} drafts)"
 
 
+def speculative_method(raw: Mapping[str, Any] | SpeculativeConfig | None) -> str | None:
+    """"mtp", "dflash2" or None, read from a speculative_config without resolving it (None: MTP or off)."""
+    if isinstance(raw, SpeculativeConfig):
+        return raw.method
+    method = raw.get("method", "mtp") if isinstance(raw, Mapping) else None
+    return "dflash2" if method == "dflash" else method
+
+
 def _drafter_kv_dtype(resolved: str, dtype: str) -> str:
     """The DFlash2 drafter cache is 16-bit in revolta: a quantised format inherited from the target
     means the activation dtype (an explicit one is refused by spec/dflash2/checks.py)."""

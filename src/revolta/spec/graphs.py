@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..engine.cuda_graphs import capture_graph, pool_bytes
 from ..forward import PagedMeta
-from ..engine.runner import ModelRunner, StepInputs, StepSequence, _section_sizes, offsets
+from ..engine.runner import ModelRunner, StepInputs, StepSequence, section_sizes, offsets
 from .commit import check_replay_slots, commit_verified
 
 
@@ -102,9 +102,9 @@ class SpecGraphs:
         B, R, W = self.batch_sizes[-1], self.rows, self.width
         device = runner.model.device
         i32 = dict(dtype=torch.int32, device=device)
-        self.verify_in = torch.zeros(sum(_section_sizes(B, B * R, W)), dtype=torch.int64, device=device)
-        self.seed_in = torch.zeros(sum(_section_sizes(B, B * R, W)), dtype=torch.int64, device=device)
-        self.draft_in = torch.zeros(max(1, num_drafts - 1) * sum(_section_sizes(B, B, W)), dtype=torch.int64,
+        self.verify_in = torch.zeros(sum(section_sizes(B, B * R, W)), dtype=torch.int64, device=device)
+        self.seed_in = torch.zeros(sum(section_sizes(B, B * R, W)), dtype=torch.int64, device=device)
+        self.draft_in = torch.zeros(max(1, num_drafts - 1) * sum(section_sizes(B, B, W)), dtype=torch.int64,
                                     device=device)
         self.draft_table = torch.zeros(B, R, **i32)  # per-draft state slots (unused with replay)
         self.flat_index = torch.arange(B * R, device=device)  # every request has exactly R rows
@@ -157,7 +157,7 @@ class SpecGraphs:
                         self.verify_in[: B * self.rows], paged.slots, self.keep[:B], self.num_kept[:B])
 
     def _draft_inputs(self, B: int) -> list[StepInputs]:
-        n = sum(_section_sizes(B, B, self.width))
+        n = sum(section_sizes(B, B, self.width))
         return [StepInputs.unpack(self.draft_in[j * n:(j + 1) * n], B, B, self.width) for j in range(self.k - 1)]
 
     def _draft(self, B: int) -> None:

@@ -1,0 +1,374 @@
+"""The executor seam: the engine hands one packed step to an `Executor` and gets logits (and drafts) back.
+
+The engine (engine.py) schedules, samples and applies stop rules; everything that touches the model
+and the device cache sits behind this interface:
+
+    execute(step)  cache copies (swap-ins, prefix-hit restores, fresh-slot resets), the vision tower
+                   for the step's media, the drafter's proposals, the forward (eager, or a CUDA graph
+                   replay), -> StepResult: the logits rows of the requests whose next token is due,
+                   their drafts, and prompt-logprob rows.
+    finish(...)    after sampling: commit the verified recurrent state for the accepted drafts, keep
+                   the drafter's rows, take the snapshots, forget finished requests.
+    can_draft / drop   the drafter's per-request state (rank 0 answers from its own copy).
+
+`UniProcExecutor` is the single-process path: runner, cache storage, decode graphs, drafter and
+speculative graphs all live in it. A multi-process executor (tensor parallelism, one worker per rank)
+implements the same three calls: what crosses the process boundary per step is a `ModelStep` (per
+request a `StepSequence`, which `ModelRunner.pack_step` packs into one int64 buffer, plus its cache
+`Allocation` and a few ints), rank 0's worker lives in the engine's process and returns the logits
+there, and `finish` broadcasts the accepted counts. CUDA-graph replay and speculative rounds are
+worker-side, so nothing of them reaches the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from ..cache.capacity import CachePlan
+from ..cache.hybrid import Allocation, SwapOuts
+from ..cache.storage import CacheStorage, kv_scales_from_state_dict
+from ..forward import PagedMeta
+from ..model import FlashNextModel
+from ..multimodal.encoder_cache import EncoderCache
+from ..multimodal.processor import MediaItem, MultimodalPrompt
+from ..spec.commit import check_replay_slots, commit_verified
+from ..spec.config import SpeculativeConfig
+from ..spec.dflash2.checkpoint import load_draft_model
+from ..spec.dflash2.drafter import DFlash2Drafter
+from ..spec.graphs import SpecGraphs
+from ..spec.measured import slower_warning
+from ..spec.mtp import DraftItem, MTPDrafter
+from .cuda_graphs import DecodeGraphs, default_capture_sizes, graph_warning
+from .runner import ModelRunner, StepSequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepItem:
+    """One scheduled request's share of a step, as the executor sees it.
+
+    seq: its new tokens, pages and state slot (token_ids, num_computed, block_ids, slot; rope positions
+    and media rows are attached by the executor from `mm`). alloc: the cache copies its step needs.
+    sample: its next token is due (all known tokens computed after this step), so its logits row is
+    returned. prompt_logits: every row of its chunk is projected and returned (prompt logprobs).
+    verify: a decoding request verifying `num_drafts` drafts (speculation); all_token_ids and
+    num_preemptions are what the drafter reads.
+    """
+
+    request_id: str
+    seq: StepSequence
+    alloc: Allocation
+    mm: MultimodalPrompt | None = None
+    sample: bool = False
+    prompt_logits: bool = False
+    verify: bool = False
+    num_drafts: int = 0
+    all_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+
+@dataclass
+class ModelStep:
+    """One engine step for the executor: its requests, the swap-outs before them, the media to encode."""
+
+    items: list[StepItem]
+    swap_outs: SwapOuts | None = None
+    encode: list[MediaItem] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """logits: rows of the items with `sample`, in item order (one each; 1 + its drafts for a verify item).
+    drafts: per sampled item its drafts (empty without speculation). prompt_logits: item index -> every
+    row of its chunk [n, V] (row j predicts token num_computed + j + 1)."""
+
+    logits: Tensor
+    drafts: list[list[int]]
+    prompt_logits: dict[int, Tensor] = field(default_factory=dict)
+
+
+class Executor(ABC):
+    """Runs the model for the engine; see the module docstring."""
+
+    @abstractmethod
+    def execute(self, step: ModelStep) -> StepResult: ...
+
+    @abstractmethod
+    def finish(self, step: ModelStep, accepted: list[int], finished: list[bool]) -> None:
+        """After sampling: per item the drafts it kept (`accepted`) and whether its request finished."""
+
+    @abstractmethod
+    def can_draft(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:
+        """Whether the request has the drafter rows to draft from at num_computed."""
+
+    @abstractmethod
+    def drop(self, request_id: str) -> None:
+        """Forget a request (aborted or finished)."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise a FatalEngineError when a process the forward needs (a PLE worker, a rank) has died."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for logs and tests (graph replays, ...)."""
+        return {}
+
+
+class UniProcExecutor(Executor):
+    """The model, its cache tensors, CUDA graphs and drafter in this process."""
+
+    def __init__(self, model: FlashNextModel, plan: CachePlan, spec: SpeculativeConfig, config,
+                 encoder_cache: EncoderCache | None = None):
+        self.model, self.plan, self.spec, self.config = model, plan, spec, config
+        self.encoder_cache = encoder_cache
+        kv_scales = kv_scales_from_state_dict(model.kv_scales)
+        self.storage = CacheStorage(model.cfg, plan.layout, device=model.device, kv_scales=kv_scales)
+        cpu_layout = plan.cpu_layout()
+        self.cpu_storage = None if cpu_layout is None else CacheStorage(model.cfg, cpu_layout, "cpu", pin_memory=True)
+        self.runner = ModelRunner(model, self.storage, kernels=config.kernels,
+                                  max_num_tokens=config.max_num_batched_tokens
+                                  + config.max_num_seqs * (1 + spec.num_speculative_tokens))
+        self.drafter = self._make_drafter()
+        self.graphs: DecodeGraphs | None = None  # decode steps replay these when they fit
+        self.spec_graphs: SpecGraphs | None = None  # with speculation: steady-state rounds replay these
+        self._round: _Round | None = None  # the speculative step between execute and finish
+        if model.device.type == "cuda" and config.use_cuda_graphs:
+            if spec.enabled:  # every decoding step is a verify round
+                # the round graphs run the MTP drafter (spec/graphs.py); another drafter drafts eagerly
+                self.spec_graphs = self._capture_graphs(spec=True) if spec.method == "mtp" else None
+                # as long as a benchmark row (spec/measured_speedup.json) says speculation is slower
+                warning = slower_warning(spec.method)
+                if warning:
+                    logger.warning(warning)
+            else:
+                self.graphs = self._capture_graphs()
+
+    def _make_drafter(self) -> MTPDrafter | DFlash2Drafter | None:
+        """The configured drafter: the checkpoint's MTP head, or a DFlash2 drafter loaded from
+        speculative_config["model"] in the target's dtype on its device (its config was checked
+        against the target before anything was allocated)."""
+        if not self.spec.enabled:
+            return None
+        if not self.spec.is_dflash2:
+            return MTPDrafter(self.runner, self.spec.num_speculative_tokens)
+        draft = load_draft_model(self.spec.model, dtype=self.model.dtype, device=self.model.device)
+        return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
+                              sampled=self.spec.draft_sample_method == "probabilistic")
+
+    def _capture_graphs(self, spec: bool = False) -> DecodeGraphs | SpecGraphs:
+        cfg = self.config
+        sizes = list(cfg.cudagraph_capture_sizes or default_capture_sizes(cfg.max_num_seqs))
+        if max(sizes) > cfg.max_num_seqs:
+            raise ValueError(f"cudagraph_capture_sizes={sizes} has sizes above max_num_seqs={cfg.max_num_seqs}; "
+                             "drop them or raise max_num_seqs")
+        width = -(-(cfg.max_model_len + self.plan.cache.num_speculative_tokens) // self.plan.layout.block_size)
+        if spec:
+            graphs = SpecGraphs(self.runner, sizes, self.spec.num_speculative_tokens, self.spec.spec_state_replay,
+                                width)
+            what = f"speculative round (MTP draft steps, verify of 1 + {self.spec.num_speculative_tokens} rows, commit)"
+        else:
+            graphs, what = DecodeGraphs(self.runner, sizes, width), "decode"
+        graphs.capture()
+        logger.info("CUDA graphs: captured %s batch sizes %s in %.0f MiB", what, sizes, graphs.used_bytes / 2**20)
+        if cfg.kv_cache_gib is None:  # the reserve was part of the memory budget
+            warning = graph_warning(graphs.used_bytes, int(cfg.resolved_cudagraph_mem_mib() * 2**20))
+            if warning:
+                logger.warning(warning)
+        return graphs
+
+    # ---- requests --------------------------------------------------------------------------------
+    def can_draft(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:
+        return self.drafter is not None and self.drafter.has_pending(request_id, num_computed, num_preemptions)
+
+    def drop(self, request_id: str) -> None:
+        if self.drafter is not None:
+            self.drafter.drop(request_id)
+
+    def check_health(self) -> None:
+        self.runner.check_health()
+
+    def stats(self) -> dict[str, int]:
+        graphs = self.graphs or self.spec_graphs
+        return {"graph_replays": graphs.num_replays if graphs is not None else 0}
+
+    # ---- one step --------------------------------------------------------------------------------
+    def execute(self, step: ModelStep) -> StepResult:
+        self._encode(step.encode)
+        items = step.items
+        self.storage.pre_forward([it.alloc for it in items], step.swap_outs, self.cpu_storage)
+        seqs = [self._attach_media(it) for it in items]
+        if self.spec.enabled:
+            return self._execute_spec(step, seqs)
+        prompt_logits: dict[int, Tensor] = {}
+        if any(it.prompt_logits for it in items):
+            logits = self._execute_with_prompt_logits(items, seqs, prompt_logits)
+        elif self.graphs is not None and self.graphs.can_run(seqs):
+            logits = self.graphs.run(seqs)  # [B, V]
+        else:
+            logits = self.runner.execute(seqs)  # [B, V]
+        self.storage.post_forward([it.alloc for it in items])
+        ready = [i for i, it in enumerate(items) if it.sample]
+        if len(ready) < len(items):
+            logits = logits[torch.tensor(ready, dtype=torch.long, device=logits.device)]
+        return StepResult(logits, [[] for _ in ready], prompt_logits)
+
+    def finish(self, step: ModelStep, accepted: list[int], finished: list[bool]) -> None:
+        if not self.spec.enabled:
+            return
+        r, self._round = self._round, None
+        items = step.items
+        ver = [i for i, it in enumerate(items) if it.verify]
+        if ver:
+            vitems, vaccepted = [items[i] for i in ver], [accepted[i] for i in ver]
+            if r.graphed:
+                self.spec_graphs.commit([it.alloc.state_slot for it in vitems], self._keep_slots(vitems, vaccepted),
+                                        [a + 1 for a in vaccepted])
+            else:
+                input_ids = torch.tensor([t for i in ver for t in r.seqs[i].token_ids + r.drafts[i]],
+                                         device=r.paged.slots.device)
+                self._commit_verified(r.paged, input_ids, vitems, vaccepted)
+            self.storage.post_forward([it.alloc for it in vitems])
+        for i, it in enumerate(items):
+            if finished[i]:
+                self.drafter.drop(it.request_id)
+            else:
+                keep = len(it.seq.token_ids) + accepted[i]
+                self.drafter.keep(it.request_id, r.rows[i][1][:keep], it.seq.num_computed, it.num_preemptions)
+
+    def _execute_with_prompt_logits(self, items: list[StepItem], seqs: list[StepSequence],
+                                    prompt_logits: dict[int, Tensor],
+                                    return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """The forward projecting every row of the flagged chunks, not only the last rows -> [B, V]
+        (and the wide hidden states [T, h*d] with return_hidden); the flagged rows go to prompt_logits."""
+        rows, last = [], []
+        start = 0
+        for s, it in zip(seqs, items):
+            n = len(s.token_ids)
+            rows.extend(range(start, start + n) if it.prompt_logits else [start + n - 1])
+            last.append(len(rows) - 1)
+            start += n
+        out = self.runner.execute(seqs, logits_rows=rows, return_hidden=return_hidden)  # [len(rows), V]
+        logits, wide = out if return_hidden else (out, None)
+        offset = 0
+        for i, (s, it) in enumerate(zip(seqs, items)):
+            n = len(s.token_ids) if it.prompt_logits else 1
+            if it.prompt_logits:
+                prompt_logits[i] = logits[offset:offset + n]
+            offset += n
+        last_logits = logits[torch.tensor(last, device=logits.device)]
+        return (last_logits, wide) if return_hidden else last_logits
+
+    # ---- media -----------------------------------------------------------------------------------
+    def _encode(self, items: list[MediaItem]) -> None:
+        """Run the vision tower once over every item scheduled for encoding this step; store the outputs."""
+        if not items:
+            return
+        visual = self.model.model.visual
+        vcfg = self.model.cfg.vision
+        pixels = torch.cat([m.pixel_values(vcfg) for m in items]).to(self.model.device)  # [sum t*h*w, patch_dim]
+        embeds = visual(pixels.to(self.model.dtype), [m.grid for m in items])  # [sum tokens, d]
+        for m, e in zip(items, embeds.split([m.num_tokens for m in items])):
+            self.encoder_cache.put(m.content_hash, e)
+
+    def _attach_media(self, it: StepItem) -> StepSequence:
+        """mRoPE positions of the prompt, and the encoder rows (with their places) of the chunk's pad tokens."""
+        step, mm = it.seq, it.mm
+        if mm is None:
+            return step
+        step.positions, step.rope_delta = mm.positions, mm.rope_delta
+        start, end = step.num_computed, step.num_computed + len(step.token_ids)
+        rows, places = [], []
+        for item in mm.items_in(start, end):
+            embeds = self.encoder_cache.get(item.content_hash)
+            for row, offset, count in item.rows_in(start, end):
+                rows.append(embeds[row:row + count])
+                places.extend(range(offset - start, offset - start + count))
+        if rows:
+            step.mm_embeds = torch.cat(rows)
+            step.mm_index = places
+        return step
+
+    # ---- speculative decoding (spec/): drafts, one verify forward, commit after sampling ----------
+    def _execute_spec(self, step: ModelStep, steps: list[StepSequence]) -> StepResult:
+        """Drafter seeds and drafts; the prefill chunks run as usual and the decoding requests run one verify
+        forward over their definite token and drafts (a graph replay when the round fits one)."""
+        items = step.items
+        draft_items = [DraftItem(it.request_id, st, it.all_token_ids, it.num_preemptions,
+                                 it.num_drafts if it.verify else 0) for it, st in zip(items, steps)]
+        graphed = (self.spec_graphs is not None and all(it.verify for it in items)
+                   and self.spec_graphs.can_run(steps, [d.num_drafts for d in draft_items]))
+        drafts = self.drafter.propose(draft_items, self.spec_graphs) if graphed else self.drafter.propose(draft_items)
+        pre = [i for i, it in enumerate(items) if not it.verify]
+        ver = [i for i, it in enumerate(items) if it.verify]
+        rows: dict[int, tuple[Tensor, Tensor]] = {}  # item -> (logits rows, wide rows)
+        prompt_logits: dict[int, Tensor] = {}
+        if pre:
+            pre_items, pre_steps = [items[i] for i in pre], [steps[i] for i in pre]
+            if any(it.prompt_logits for it in pre_items):
+                flagged: dict[int, Tensor] = {}
+                logits, wide = self._execute_with_prompt_logits(pre_items, pre_steps, flagged, return_hidden=True)
+                prompt_logits = {pre[j]: x for j, x in flagged.items()}
+            else:
+                logits, wide = self.runner.execute(pre_steps, return_hidden=True)
+            self.storage.post_forward([it.alloc for it in pre_items])
+            offset = 0
+            for j, i in enumerate(pre):
+                n = len(steps[i].token_ids)
+                rows[i] = (logits[j:j + 1], wide[offset:offset + n])
+                offset += n
+        paged = None
+        if graphed:  # spec/graphs.py: replay the verify graph; the drafts reach the host here
+            num_drafts = [d.num_drafts for d in draft_items]
+            logits, wide, drafts = self.spec_graphs.verify(steps, drafts, num_drafts, self._slot_rows(items))
+            R = self.spec_graphs.rows
+            for i, n in enumerate(num_drafts):
+                rows[i] = (logits[i * R:i * R + n + 1], wide[i * R:i * R + n + 1])
+        elif ver:
+            vsteps = [replace(steps[i], token_ids=steps[i].token_ids + drafts[i]) for i in ver]
+            logits, wide, paged = self.runner.verify(vsteps, self._slot_rows([items[i] for i in ver]))
+            cu = paged.cu_seqlens.tolist()
+            for j, i in enumerate(ver):
+                rows[i] = (logits[cu[j]:cu[j + 1]], wide[cu[j]:cu[j + 1]])
+        self._round = _Round(graphed, steps, drafts, rows, paged)
+        # sample: the final prefill chunks' last rows, every verify row
+        ready = [i for i, it in enumerate(items) if it.sample]
+        logits = torch.cat([rows[i][0] for i in ready]) if ready else torch.empty(0)
+        return StepResult(logits, [drafts[i] for i in ready], prompt_logits)
+
+    def _commit_verified(self, paged: PagedMeta, input_ids: Tensor, items: list[StepItem],
+                         accepted: list[int]) -> None:
+        """Recurrent state of the verified requests: the state after the definite token and the
+        accepted drafts goes to the slot the allocator keeps as running (spec/commit.py)."""
+        device = paged.slots.device
+        keep = self._keep_slots(items, accepted)
+        check_replay_slots([it.alloc.state_slot for it in items], keep, paged.spec.draft_slots is None)
+        commit_verified(self.storage, self.runner.ops, paged.spec, paged.cu_seqlens, input_ids,
+                        paged.slots, torch.tensor(keep, dtype=torch.int32, device=device),
+                        torch.tensor([a + 1 for a in accepted], dtype=torch.int32, device=device))
+
+    def _slot_rows(self, items: list[StepItem]) -> list[list[int]] | None:
+        """Per verified request its running slot then its per-draft slots (None with replay)."""
+        return None if self.spec.spec_state_replay else [[it.alloc.state_slot, *it.alloc.draft_slots] for it in items]
+
+    @staticmethod
+    def _keep_slots(items: list[StepItem], accepted: list[int]) -> list[int]:
+        """The slot holding each request's committed state after `accepted` drafts."""
+        return [it.alloc.draft_slots[a - 1] if a and it.alloc.draft_slots else it.alloc.state_slot
+                for it, a in zip(items, accepted)]
+
+
+@dataclass
+class _Round:
+    """A speculative step between `execute` and `finish` (worker-side state)."""
+
+    graphed: bool
+    seqs: list[StepSequence]
+    drafts: list[list[int]]
+    rows: dict[int, tuple[Tensor, Tensor]]  # item -> (logits rows, wide rows)
+    paged: PagedMeta | None

@@ -1,0 +1,142 @@
+"""The sampling half of a step: logits in, tokens appended to their requests, stop rules applied.
+
+`StepSampler.sample` takes the rows of the requests whose next token is due: it masks the embedding
+rows that are not text, applies penalties and `min_tokens`, the grammar bitmasks of constrained
+requests (one copy to the device per batch), samples, records logprobs and appends each token
+(`Request.append` applies EOS, stop ids, stop strings, grammar termination and max_tokens).
+
+`StepSampler.verify` does the same for speculative rows: request i owns 1 + len(drafts[i]) rows; the
+drafts are accepted greedily or by rejection sampling (spec/verify.py) and the emitted tokens are
+appended one by one, so an EOS or a stop inside them ends the request where decoding without drafts
+would. It returns how many drafts each request kept, which the engine commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..spec.verify import greedy_accept, rejection_sample
+from ..tokenizer import Tokenizer
+from .request import Logprob, Request
+from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs
+from .structured import apply_row_constraints
+
+
+class StepSampler:
+    """Turns a step's logits into appended tokens for the engine's requests.
+
+    eos_token_ids: tokens that end a request (unless ignore_eos); num_text_ids: embedding rows past it are
+    padding with no text and are never sampled; tokenizer: decodes the tokens of logprob entries (None: no text).
+    """
+
+    def __init__(self, eos_token_ids: frozenset[int], num_text_ids: int, tokenizer: Tokenizer | None = None):
+        self.eos_token_ids, self.num_text_ids, self.tokenizer = eos_token_ids, num_text_ids, tokenizer
+        self.sampler = Sampler()
+
+    def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
+        """What `min_tokens` masks while too few tokens exist."""
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+
+    def _mask_padding(self, logits: Tensor) -> None:
+        if self.num_text_ids < logits.shape[-1]:
+            logits[:, self.num_text_ids:] = float("-inf")
+
+    def sample(self, requests: list[Request], logits: Tensor) -> None:
+        """logits [N, V]: row i is request i's next-token distribution; appends one token to each."""
+        self._mask_padding(logits)
+        params = [r.params for r in requests]
+        sample_logits = logits  # logprobs report the raw model distribution, as vLLM does
+        if any(p.has_penalties or p.min_tokens for p in params):
+            sample_logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
+                                            [r.token_ids for r in requests], [self._stop_ids(p) for p in params])
+        constrained = [b for b, r in enumerate(requests) if r.constraint is not None]
+        if constrained:  # one bitmask copy for the whole batch
+            sample_logits = sample_logits.clone() if sample_logits is logits else sample_logits
+            bitmasks, forced = [], []
+            for b in constrained:
+                rows, ends = requests[b].constraint.row_constraints()
+                bitmasks += [(b, bits) for _, bits in rows]
+                forced += [(b, token) for _, token in ends]
+            apply_row_constraints(sample_logits, bitmasks, forced)
+        token_ids = self.sampler(sample_logits, params, [r.generator for r in requests])
+        if any(p.logprobs is not None for p in params):
+            self._record_logprobs(requests, logits, token_ids)
+        for r, token_id in zip(requests, token_ids.tolist()):
+            r.append(token_id, self.eos_token_ids)
+
+    def verify(self, requests: list[Request], logits: Tensor, drafts: Sequence[Sequence[int]]) -> list[int]:
+        """Speculative rows: request i owns 1 + len(drafts[i]) consecutive rows of logits [N, V] (its definite
+        token's row, then one per draft). Appends the emitted tokens; returns the drafts each request kept."""
+        self._mask_padding(logits)
+        accepted, offset = [], 0
+        for r, d in zip(requests, drafts):
+            n = len(d) + 1
+            rows, offset = logits[offset:offset + n], offset + n  # [n, V]
+            p = r.params
+            sample_rows = rows
+            if p.has_penalties or p.min_tokens:  # row j sees the output extended by the drafts before it
+                sample_rows = apply_penalties(rows, [p] * n, [r.prompt_token_ids] * n,
+                                              [r.token_ids + list(d[:j]) for j in range(n)], [self._stop_ids(p)] * n)
+            if r.constraint is not None:  # row j as the grammar stands after drafts d[:j]
+                sample_rows = sample_rows.clone() if sample_rows is rows else sample_rows
+                r.constraint.mask_rows(sample_rows, d)
+            if p.greedy:
+                emitted = greedy_accept(sample_rows.argmax(-1).tolist(), d)
+            else:
+                q = getattr(d, "probs", None)  # [n - 1, V] when the drafter sampled (DFlash2 probabilistic)
+                emitted = rejection_sample(self.sampler.probs(sample_rows, [p] * n), d, q, r.generator)
+            appended = []
+            for j, token_id in enumerate(emitted):
+                if r.finished:
+                    break
+                if p.logprobs is not None:
+                    self._record_logprobs([r], rows[j:j + 1], torch.tensor([token_id], device=rows.device))
+                r.append(token_id, self.eos_token_ids)
+                appended.append(token_id)
+            # the drafts kept: those matched by the tokens appended before the last one (that one is always
+            # the target's own: a correction, or the token after the last accepted draft)
+            a = 0
+            while a < min(len(d), len(appended) - 1) and appended[a] == d[a]:
+                a += 1
+            accepted.append(a)
+        return accepted
+
+    # ---- logprobs -----------------------------------------------------------------------------------
+    def _logprob_entries(self, logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
+        """Per row: {chosen token: Logprob, + the top num_top[row] alternatives} (one host transfer)."""
+        chosen, rank, top_lp, top_ids = (x.tolist() for x in compute_logprobs(logits, token_ids, max(num_top)))
+        tok = self.tokenizer
+
+        def decode(i: int) -> str | None:
+            return tok.decode([i], skip_special_tokens=False) if tok is not None else None
+
+        entries = []
+        for b, token_id in enumerate(token_ids.tolist()):
+            entry = {token_id: Logprob(chosen[b], rank[b], decode(token_id))}
+            for k in range(num_top[b]):
+                entry.setdefault(top_ids[b][k], Logprob(top_lp[b][k], k + 1, decode(top_ids[b][k])))
+            entries.append(entry)
+        return entries
+
+    def _record_logprobs(self, requests: list[Request], logits: Tensor, token_ids: Tensor) -> None:
+        asking = [b for b, r in enumerate(requests) if r.params.logprobs is not None]
+        rows = torch.tensor(asking, device=logits.device)
+        entries = self._logprob_entries(logits[rows], token_ids[rows], [requests[b].params.logprobs for b in asking])
+        for b, entry in zip(asking, entries):
+            r = requests[b]
+            r.logprobs.append(entry)
+            r.cumulative_logprob += next(iter(entry.values())).logprob
+
+    def prompt_logprobs(self, request: Request, first: int, logits: Tensor) -> None:
+        """logits [n, V]: row j predicts prompt token first + j (a preempted request's recompute
+        writes the same positions again)."""
+        if self.num_text_ids < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, self.num_text_ids:] = float("-inf")
+        n = logits.shape[0]
+        targets = torch.tensor(request.prompt_token_ids[first:first + n], device=logits.device)
+        request.prompt_logprobs[first:first + n] = self._logprob_entries(logits, targets,
+                                                                         [request.params.prompt_logprobs] * n)

@@ -1,0 +1,170 @@
+"""What `LLM(...)` accepts besides the model, how it becomes an EngineConfig, and how it is reported.
+
+    check_engine_args   vLLM `LLM(...)` / `vllm serve` names revolta accepts (unknown names raise TypeError)
+    resolve_device / resolve_dtype   "auto" and names -> torch objects
+    engine_config       the engine arguments -> EngineConfig
+    effective_config    (name, value, source) of every setting in force, and the start-up log lines
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .engine import EngineConfig
+from .ple.load import ple_memory
+from .spec.config import DFLASH2_METHODS, SpeculativeConfig
+from .spec.dflash2.checks import check_pipeline_parallel
+
+logger = logging.getLogger("revolta.llm")  # the start-up log is the LLM's
+
+# vLLM `LLM(...)` / `vllm serve` names that revolta accepts. Those not in ENGINE_CONFIG_ARGS or MEDIA_ARGS are
+# recorded and do not change generation (the startup log says so).
+ENGINE_ARG_NAMES = frozenset({
+    "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "revision", "tokenizer_revision",
+    "download_dir", "load_format", "quantization", "tensor_parallel_size", "pipeline_parallel_size",
+    "gpu_memory_utilization", "swap_space", "cpu_offload_gb", "max_num_seqs", "max_num_batched_tokens",
+    "kv_cache_dtype", "block_size", "enable_prefix_caching", "enforce_eager", "speculative_config",
+    "limit_mm_per_prompt", "max_logprobs", "disable_log_stats", "generation_config", "compilation_config",
+    "mm_processor_kwargs", "allowed_local_media_path",
+    # revolta's own engine knobs (EngineConfig)
+    "kv_cache_gib", "kv_offload_gib", "cudagraph_mem_mib", "cudagraph_capture_sizes",
+    "max_num_encoder_input_tokens", "encoder_cache_size",
+    "ple_placement",  # where the PLE n-gram table lives: "device", "host" or "disk" (ple/placement.py)
+})
+LOAD_ARGS = ("ple_placement",)  # arguments that shape how the weights load
+# vLLM arguments the media path consumes (multimodal/processor.py)
+MEDIA_ARGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path")
+# arguments the engine consumes (the rest are accepted for compatibility and logged)
+ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
+                      "gpu_memory_utilization", "block_size", "enforce_eager", "kv_cache_gib", "kv_offload_gib",
+                      "cudagraph_mem_mib", "cudagraph_capture_sizes", "max_num_encoder_input_tokens",
+                      "encoder_cache_size", "speculative_config")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}  # fmt: skip
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None -> cuda when available, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" -> float32 on CPU, float16 on CUDA (the V100 path has no bf16); else a name or torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', 'float32', 'float16' or 'bfloat16'")
+    return _DTYPES[dtype]
+
+
+def check_engine_args(engine_args: Mapping[str, Any]) -> None:
+    for name in engine_args:
+        if name not in ENGINE_ARG_NAMES:
+            known = sorted(ENGINE_ARG_NAMES) + ["tokenizer", "dtype", "device", "seed", "max_model_len"]
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"LLM() got an unknown engine argument {name!r}{hint} "
+                            f"(accepted vLLM names: {', '.join(sorted(ENGINE_ARG_NAMES))})")
+    spec = engine_args.get("speculative_config")
+    if isinstance(spec, Mapping) and spec.get("method") in DFLASH2_METHODS:
+        check_pipeline_parallel(engine_args.get("pipeline_parallel_size", 1))  # a DFlash2 limit, not a "yet"
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if engine_args.get(name, 1) != 1:
+            raise ValueError(f"{name}={engine_args[name]}: only 1 is supported by this generation path yet")
+
+
+def engine_config(engine_args: Mapping[str, Any], device: torch.device, max_model_len: int,
+                  speculative_config: SpeculativeConfig) -> EngineConfig:
+    """The EngineConfig of `LLM(...)`'s engine arguments (speculative_config already resolved)."""
+    args = {name: engine_args[name] for name in ENGINE_CONFIG_ARGS if name in engine_args}
+    if "cudagraph_capture_sizes" in args:
+        args["cudagraph_capture_sizes"] = tuple(args["cudagraph_capture_sizes"])
+    args["speculative_config"] = speculative_config
+    if device.type == "cpu":
+        args.setdefault("max_num_seqs", 16)
+    # the torch references are the CPU path; on a GPU the Triton kernels run the cache
+    args["kernels"] = "triton" if device.type == "cuda" else "torch"
+    return EngineConfig(max_model_len=max_model_len, **args)
+
+
+def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
+    """(name, value, source) of every engine setting in force in `llm` (an LLM); source is "argument", "environment",
+    "checkpoint" or "default" (with how a default was resolved)."""
+    def arg(name: str) -> str:
+        return "argument" if llm._explicit.get(name) or name in llm.engine_args else "default"
+
+    engine = llm.engine
+    ec = engine.config
+    rows: list[tuple[str, Any, str]] = [
+        ("model", llm.model_path, "embedded default" if llm.is_default_model else "argument"),
+        ("dtype", str(llm.dtype).removeprefix("torch."), arg("dtype") if llm._explicit["dtype"]
+         else f"default (auto on {llm.device.type})"),
+        ("device", llm.device, arg("device") if llm._explicit["device"] else "default (cuda if available)"),
+        ("seed", llm._seed, arg("seed")),
+        ("max_model_len", llm.max_model_len, "argument" if llm._explicit["max_model_len"]
+         else "checkpoint (max_position_embeddings)"),
+    ]
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
+                 "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib", "block_size", "enforce_eager"):
+        rows.append((name, getattr(ec, name), arg(name)))
+    rows.append(("block_size (effective)", engine.plan.layout.block_size,
+                 arg("block_size") if ec.block_size else "default (chosen for the model)"))
+    rows.append(("kernels", ec.kernels, f"default for {llm.device.type}"))
+    graphs = engine.graphs or engine.spec_graphs
+    if graphs is not None:
+        rows.append(("cudagraph_capture_sizes", graphs.batch_sizes, arg("cudagraph_capture_sizes")))
+        what = "speculative rounds (MTP draft steps, verify, commit)" if engine.spec_graphs else "decode steps"
+        rows.append(("cuda graphs", f"{what}, {graphs.used_bytes / 2**20:,.0f} MiB", "captured at start-up"))
+    else:
+        why = "enforce_eager" if ec.enforce_eager else "no CUDA" if llm.device.type != "cuda" else "torch kernels"
+        rows.append(("cuda graphs", "off", why))
+    mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
+        "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else \
+        "default (1200 MiB with DFlash2, else 700 MiB)"
+    rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
+    rows.append(("ple_placement", ple_memory(llm.model).describe(), llm.ple_placement.source))
+    spec_source = arg("speculative_config") if "speculative_config" in llm.engine_args else \
+        f"default ({'MTP4: the checkpoint has an MTP layer' if llm.cfg.text.mtp is not None else 'no MTP layer'})"
+    rows.append(("speculative_config", llm.speculative_config.describe(), spec_source))
+    if engine.encoder_cache is not None:
+        rows.append(("limit_mm_per_prompt", llm.mm_limits, "argument" if "limit_mm_per_prompt" in llm.engine_args
+                     else "default (1 image, no video)"))
+        rows.append(("max_num_encoder_input_tokens", engine.encoder_budget, arg("max_num_encoder_input_tokens")))
+        rows.append(("encoder_cache_size", engine.encoder_cache.capacity, arg("encoder_cache_size")))
+    return rows
+
+
+def log_summary(llm: Any, seconds: float) -> None:
+    """The start-up log: what was loaded, then the effective configuration table."""
+    t, v = llm.cfg.text, llm.cfg.vision
+    num_params = sum(p.numel() for p in llm.model.parameters())
+    origin = "embedded default preset (random weights: output is not meaningful text)" \
+        if llm.is_default_model else "checkpoint"
+    parts = [f"{t.num_hidden_layers} layers ({t.num_gdn_layers} GDN + {t.num_qsa_layers} QSA)",
+             f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
+             f"MTP {t.num_mtp_layers}, speculative decoding {llm.speculative_config.describe()}"
+             if t.num_mtp_layers else "no MTP",
+             f"vision {v.depth} blocks" if v is not None else "no vision"]
+    logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | ready in %.1f s", origin, llm.model_path,
+                str(llm.dtype).removeprefix("torch."), llm.device, ", ".join(parts), num_params / 1e6, seconds)
+    rows = effective_config(llm)
+    width = max(len(name) for name, _, _ in rows)
+    logger.info("effective configuration (value [source]):\n%s", "\n".join(
+        f"  {name:<{width}} {value!s:<24} [{source}]" for name, value, source in rows))
+    unused = sorted(set(llm.engine_args) - {"skip_tokenizer_init"} - set(ENGINE_CONFIG_ARGS) - set(MEDIA_ARGS)
+                    - set(LOAD_ARGS))
+    if unused:
+        logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))
