@@ -29,6 +29,7 @@ from triton.testing import do_bench
 
 from revolta.kernels.qsa import (qsa_select_decode, qsa_select_decode_ref, qsa_sparse_decode, qsa_sparse_decode_ref,
                                  store_kv)
+from revolta.kernels.qsa.select import _score  # the scoring stage alone, for the stage split
 
 HQ, KVH, D, HI, DI, C, BUDGET, PAGE = 24, 2, 256, 4, 128, 4, 512, 64
 COPY_BW = 4.3e12
@@ -69,6 +70,13 @@ def make_world(B, ctx, kv_dtype, rows, dev, seed):
 
 def ours_select(w):
     return qsa_select_decode(w["iq"], w["icache"], w["table"], w["seq"], BUDGET)
+
+
+def scores_only(w):
+    """The index scoring alone (select = scoring + the radix top-k), in the [B, Q] form qsa_select_decode takes."""
+    q = w["iq"].shape[1] if w["iq"].dim() == 4 else 1
+    return _score(w["iq"].reshape(-1, HI, DI), w["icache"], w["table"], w["seq"], None, None, BUDGET, C, q, False,
+                  None)
 
 
 def ours_attend(w, sel):
@@ -203,20 +211,24 @@ def long_context_rows(dev, max_model_len, args):
                              gate=w["gate"][:, -1].contiguous())
                 v["sel"] = ours_select(v)
                 t_sel = bench(ours_select, [v])
+                t_score = bench(scores_only, [v])
                 t_att = bench(lambda x: ours_attend(x, x["sel"]), [v])
                 idx_bytes = B * (ctx // C) * DI * 2  # each request's compressed keys, read once for all its rows
-                row = dict(max_model_len=max_model_len, ctx=ctx, batch=B, q_rows=q, select_us=t_sel, attend_us=t_att,
-                           index_key_gbps=idx_bytes / (t_sel * 1e-6) / 1e9, verify_rows_bitwise_decode=same)
+                row = dict(max_model_len=max_model_len, ctx=ctx, batch=B, q_rows=q, select_us=t_sel, score_us=t_score,
+                           topk_us=t_sel - t_score, attend_us=t_att, index_key_gbps=idx_bytes / (t_score * 1e-6) / 1e9,
+                           verify_rows_bitwise_decode=same)
                 out.append(row)
                 print(json.dumps(row), flush=True)
             del w
             torch.cuda.empty_cache()
     print(f"\nQSA selection at max_model_len {max_model_len} (decode q=1, MTP4 verify q=5; µs per layer, CUDA-graph "
           "replay; key GB/s: each request's compressed keys once)")
-    print(f"{'ctx':>7} {'B':>3} {'q':>2} {'select':>8} {'attend':>8} {'key GB/s':>8} {'verify==decode':>14}")
+    print(f"{'ctx':>7} {'B':>3} {'q':>2} {'select':>8} {'(score':>8} {'+ topk)':>8} {'attend':>8} {'key GB/s':>8} "
+          f"{'verify==decode':>14}")
     for r in out:
-        print(f"{r['ctx']:>7} {r['batch']:>3} {r['q_rows']:>2} {r['select_us']:8.1f} {r['attend_us']:8.1f} "
-              f"{r['index_key_gbps']:8.0f} {str(r['verify_rows_bitwise_decode']):>14}")
+        print(f"{r['ctx']:>7} {r['batch']:>3} {r['q_rows']:>2} {r['select_us']:8.1f} {r['score_us']:8.1f} "
+              f"{r['topk_us']:8.1f} {r['attend_us']:8.1f} {r['index_key_gbps']:8.0f} "
+              f"{str(r['verify_rows_bitwise_decode']):>14}")
     return out
 
 

@@ -215,27 +215,36 @@ def score_splits(num_programs: int, num_tiles: int, device: torch.device) -> int
     return max(1, min(num_tiles, triton.cdiv(4 * sms, max(1, num_programs))))
 
 
-def _launch(iq, index_cache, block_table, seq_lens, row_req, row_pos, budget, ratio, Q, explicit, workspace):
+def _score(iq, index_cache, block_table, seq_lens, row_req, row_pos, budget, ratio, Q, explicit, workspace):
+    """Launch the score kernel: the rows' fp32 scores into `workspace` (allocated when None), returned."""
     R = iq.shape[0]
     max_groups = block_table.shape[1] * index_cache.shape[1]
     if workspace is None:
         workspace = torch.empty(R, max_groups, dtype=torch.float32, device=iq.device)
     check(workspace.dtype == torch.float32 and workspace.shape[0] >= R and workspace.shape[1] >= max_groups
           and workspace.stride(-1) == 1, f"workspace: expected fp32 [>= {R}, >= {max_groups}]")
-    out = torch.empty(R, budget, dtype=torch.int32, device=iq.device)
     if R == 0:
-        return out
-    bs = index_cache.shape[1] * ratio
-    BN = 32
+        return workspace
     QG = min(Q, ROWS_PER_PROGRAM)
-    programs = R // Q * triton.cdiv(Q, QG)
+    programs, BN = R // Q * triton.cdiv(Q, QG), 32
     dummy = seq_lens
     _index_score_kernel[(programs, score_splits(programs, triton.cdiv(max_groups, BN), iq.device))](
         iq, index_cache, block_table, seq_lens, row_req if explicit else dummy, row_pos if explicit else dummy,
         workspace, iq.stride(0), iq.stride(1), index_cache.stride(0), index_cache.stride(1), block_table.stride(0),
-        workspace.stride(0), math.sqrt(iq.shape[-1]), budget,
-        Q=Q, EXPLICIT=explicit, HI=iq.shape[1], DI=iq.shape[2], C=ratio, BLOCK_SIZE=bs, BN=BN, QG=QG, num_warps=4,
+        workspace.stride(0), math.sqrt(iq.shape[-1]), budget, Q=Q, EXPLICIT=explicit, HI=iq.shape[1],
+        DI=iq.shape[2], C=ratio, BLOCK_SIZE=index_cache.shape[1] * ratio, BN=BN, QG=QG, num_warps=4,
     )
+    return workspace
+
+
+def _launch(iq, index_cache, block_table, seq_lens, row_req, row_pos, budget, ratio, Q, explicit, workspace):
+    R = iq.shape[0]
+    workspace = _score(iq, index_cache, block_table, seq_lens, row_req, row_pos, budget, ratio, Q, explicit,
+                       workspace)
+    out = torch.empty(R, budget, dtype=torch.int32, device=iq.device)
+    if R == 0:
+        return out
+    dummy = seq_lens
     _topk_kernel[(R,)](
         workspace, out, seq_lens, row_req if explicit else dummy, row_pos if explicit else dummy,
         workspace.stride(0), out.stride(0), budget,
