@@ -9,7 +9,7 @@ Peers in the same run: torch gather + SDPA over the selected tokens, flex_attent
 Reports µs per layer, stage split (select vs attend), GB/s of selected KV + compressed keys.
 JSON to $OUT (default ./bench_out)/bench_qsa.json; the table prints last.
 
-Usage: python benchmarks/bench_qsa.py [--quick]
+Usage: python benchmarks/bench_qsa.py [--quick] [--long-max-model-len 262144]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from triton.testing import do_bench
 
 from revolta.kernels.qsa import (qsa_select_decode, qsa_select_decode_ref, qsa_sparse_decode, qsa_sparse_decode_ref,
                                  store_kv)
+from revolta.kernels.qsa.select import _score  # the scoring stage alone, for the stage split
 
 HQ, KVH, D, HI, DI, C, BUDGET, PAGE = 24, 2, 256, 4, 128, 4, 512, 64
 COPY_BW = 4.3e12
@@ -69,6 +70,13 @@ def make_world(B, ctx, kv_dtype, rows, dev, seed):
 
 def ours_select(w):
     return qsa_select_decode(w["iq"], w["icache"], w["table"], w["seq"], BUDGET)
+
+
+def scores_only(w):
+    """The index scoring alone (select = scoring + the radix top-k), in the [B, Q] form qsa_select_decode takes."""
+    q = w["iq"].shape[1] if w["iq"].dim() == 4 else 1
+    return _score(w["iq"].reshape(-1, HI, DI), w["icache"], w["table"], w["seq"], None, None, BUDGET, C, q, False,
+                  None)
 
 
 def ours_attend(w, sel):
@@ -163,13 +171,82 @@ def bench(fn, sets):
         return do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def widen(w, max_model_len):
+    """The world's block table widened to max_model_len (null page 0 past the context), as the engine's graphs
+    capture it: the selection grid is sized by the width, the work should follow the context."""
+    B, pages = w["table"].shape
+    extra = max(0, triton.cdiv(max_model_len, PAGE) - pages)
+    w["table"] = torch.cat([w["table"], w["table"].new_zeros(B, extra)], 1)
+    return w
+
+
+def long_context_rows(dev, max_model_len, args):
+    """Selection (index scoring + top-k) and attention of decode rows and MTP4 verify rows at a long
+    max_model_len and growing contexts. Checks on the GPU: every verify row's scores and selection are bitwise
+    its decode row's, and its attention output too at an equal split count (the engine's spec == no spec)."""
+    out = []
+    ctxs = (4096, 32768) if args.quick else (4096, 32768, 131072, max_model_len - 8)
+    for ctx in ctxs:
+        for B in (1, 8):
+            w = widen(make_world(B, ctx, "auto", 5, dev, 0), max_model_len)
+            groups = w["table"].shape[1] * (PAGE // C)
+            ws5 = torch.full((B * 5, groups), float("nan"), device=dev)
+            sel5 = qsa_select_decode(w["iq"], w["icache"], w["table"], w["seq"], BUDGET, workspace=ws5).view(B, 5, -1)
+            att5 = qsa_sparse_decode(w["q"], w["gate"], w["kc"], w["vc"], w["table"], w["seq"], sel5,
+                                     1 / math.sqrt(D), num_splits=8)
+            same = True
+            for i in range(5):  # row i of each request = a decode at seq_len - 4 + i
+                seq1 = w["seq"] - (4 - i)
+                ws1 = torch.full((B, groups), float("nan"), device=dev)
+                sel1 = qsa_select_decode(w["iq"][:, i].contiguous(), w["icache"], w["table"], seq1, BUDGET,
+                                         workspace=ws1)
+                att1 = qsa_sparse_decode(w["q"][:, i].contiguous(), w["gate"][:, i].contiguous(), w["kc"], w["vc"],
+                                         w["table"], seq1, sel1, 1 / math.sqrt(D), num_splits=8)
+                same &= bool(torch.equal(sel5[:, i], sel1)) and bool(torch.equal(att5[:, i], att1)) and bool(
+                    torch.equal(ws5.view(B, 5, -1)[:, i].nan_to_num(-1.0), ws1.nan_to_num(-1.0)))
+            for q in (1, 5):
+                v = dict(w)
+                if q == 1:
+                    v.update(iq=w["iq"][:, -1].contiguous(), q=w["q"][:, -1].contiguous(),
+                             gate=w["gate"][:, -1].contiguous())
+                v["sel"] = ours_select(v)
+                t_sel = bench(ours_select, [v])
+                t_score = bench(scores_only, [v])
+                t_att = bench(lambda x: ours_attend(x, x["sel"]), [v])
+                idx_bytes = B * (ctx // C) * DI * 2  # each request's compressed keys, read once for all its rows
+                row = dict(max_model_len=max_model_len, ctx=ctx, batch=B, q_rows=q, select_us=t_sel, score_us=t_score,
+                           topk_us=t_sel - t_score, attend_us=t_att, index_key_gbps=idx_bytes / (t_score * 1e-6) / 1e9,
+                           verify_rows_bitwise_decode=same)
+                out.append(row)
+                print(json.dumps(row), flush=True)
+            del w
+            torch.cuda.empty_cache()
+    print(f"\nQSA selection at max_model_len {max_model_len} (decode q=1, MTP4 verify q=5; µs per layer, CUDA-graph "
+          "replay; key GB/s: each request's compressed keys once)")
+    print(f"{'ctx':>7} {'B':>3} {'q':>2} {'select':>8} {'(score':>8} {'+ topk)':>8} {'attend':>8} {'key GB/s':>8} "
+          f"{'verify==decode':>14}")
+    for r in out:
+        print(f"{r['ctx']:>7} {r['batch']:>3} {r['q_rows']:>2} {r['select_us']:8.1f} {r['score_us']:8.1f} "
+              f"{r['topk_us']:8.1f} {r['attend_us']:8.1f} {r['index_key_gbps']:8.0f} "
+              f"{str(r['verify_rows_bitwise_decode']):>14}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--long-max-model-len", type=int, default=0,
+                    help="only the long-max_model_len table (e.g. 262144): selection and attention of decode and "
+                         "verify rows at growing contexts, verify rows checked bitwise against decode rows")
     args = ap.parse_args()
     dev = "cuda"
     outdir = os.environ.get("OUT", "./bench_out")
     os.makedirs(outdir, exist_ok=True)
+    if args.long_max_model_len:
+        rows = long_context_rows(dev, args.long_max_model_len, args)
+        with open(os.path.join(outdir, "bench_qsa_long.json"), "w") as f:
+            json.dump(dict(commit=_commit(), device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        return 0 if all(r["verify_rows_bitwise_decode"] for r in rows) else 1
     t_start = time.time()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),

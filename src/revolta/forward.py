@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import Tensor
 
 from .state import SequenceState
@@ -29,7 +30,8 @@ class PagedCache(Protocol):
 @dataclass
 class GDNRecord:
     """What one GDN layer's verify leaves for the commit. mixed: [T, conv_dim] pre-conv inputs;
-    q, k: [B, R, H, K], v: [B, R, HV, V], g, beta: [B, R, HV] fp32 (padded; only kept for replay)."""
+    replay_inputs (kept only for replay): q, k [B, R, H, K], v [B, R, HV, V], g, beta [B, R, HV] fp32,
+    padded to R rows per request (views of the step's tensors when every request has R rows)."""
 
     layer_idx: int
     mixed: Tensor
@@ -46,6 +48,9 @@ class PLERecord:
     history: Tensor
 
 
+RecordBuffers = Callable[[str, tuple[int, ...], torch.dtype], Tensor]
+
+
 @dataclass
 class VerifyMeta:
     """A speculative verify step: every sequence runs its definite token plus its drafts, and the
@@ -54,10 +59,16 @@ class VerifyMeta:
     B sequences padded to `num_rows` rows each (the longest; padding rows get zero inputs, which
     leave a GDN state unchanged).
     flat_index: [T] int64, the padded position (b * num_rows + j) of each token of the flat stream.
+    equal_rows: every sequence has exactly num_rows rows (T = B * num_rows, flat_index the identity;
+    always so in the round graphs): padding is a view, and the QSA layers take the decode kernels'
+    [B, num_rows] verify form.
     draft_slots: int32 [B, num_rows] state slots that receive the GDN state after each row
     (column 0 is the running slot, then the per-draft slots; padding rows point at the dummy
     slot 0), or None for replay (`spec_state_replay`: nothing is kept, the commit recomputes).
     record: filled by the layers with what the commit needs (spec/commit.py), keyed by layer.
+    buffers: where the layers put what they record (`record_buffer`): None allocates fresh tensors;
+    the round graphs (spec/graphs.py) pass storage that outlives the verify graph, so the commit graph
+    reads the records where the layers wrote them, with no copy.
     """
 
     num_seqs: int
@@ -65,16 +76,29 @@ class VerifyMeta:
     flat_index: Tensor
     draft_slots: Tensor | None
     record: dict[str, Any] = field(default_factory=dict)
+    equal_rows: bool = False
+    buffers: RecordBuffers | None = None
 
     def pad(self, x: Tensor) -> Tensor:
-        """[T, ...] flat rows -> [B, num_rows, ...] contiguous, zeros in the padding rows."""
+        """[T, ...] flat rows -> [B, num_rows, ...], zeros in the padding rows (a view of x with equal rows)."""
+        if self.equal_rows:
+            return x.unflatten(0, (self.num_seqs, self.num_rows))
         out = x.new_zeros(self.num_seqs * self.num_rows, *x.shape[1:])
         out[self.flat_index] = x
         return out.view(self.num_seqs, self.num_rows, *x.shape[1:])
 
     def unpad(self, x: Tensor) -> Tensor:
-        """[B, num_rows, ...] -> [T, ...] flat rows."""
+        """[B, num_rows, ...] -> [T, ...] flat rows (a view with equal rows, when x allows one)."""
+        if self.equal_rows:
+            return x.flatten(0, 1)
         return x.reshape(-1, *x.shape[2:])[self.flat_index]
+
+    def record_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Uninitialised storage for a record `name` (unique per layer and field) that the commit reads
+        after the forward: from `buffers` when set, else a fresh tensor."""
+        if self.buffers is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self.buffers(name, tuple(shape), dtype)
 
 
 @dataclass

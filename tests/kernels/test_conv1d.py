@@ -47,6 +47,11 @@ def test_varlen(dtype, dilation, lens):
     torch.testing.assert_close(pool2, _pool(S, C, dtype, 1), rtol=0, atol=0)
     y2_ref = causal_conv1d_varlen_ref(x, w, _pool(S, C, dtype, 1), slots, cu, has_init, None, dilation, False)
     torch.testing.assert_close(y2, y2_ref, **TOL[dtype])
+    # ... into given storage (strided rows, NaN-poisoned), keeping a copy of the inputs in the same launch
+    for fn, want in ((causal_conv1d_varlen, y2), (causal_conv1d_varlen_ref, y2_ref)):
+        out, kept = (torch.full((T, C + 3), float("nan"), dtype=dtype)[:, 1:1 + C] for _ in range(2))
+        got = fn(x, w, pool2, slots, cu, has_init, None, dilation, write_state=False, out=out, x_copy=kept)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, want) and torch.equal(kept, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -105,6 +110,9 @@ def test_wrapper_rejects_bad_inputs():
         causal_conv1d_update(x, w, pool, torch.zeros(4, dtype=torch.int64))
     with pytest.raises(AssertionError, match="conv_state must be"):
         causal_conv1d_update(x, w, torch.zeros(2, 9, 8), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(AssertionError, match="x_copy must be"):
+        causal_conv1d_varlen(x, w, pool, torch.zeros(1, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+                             torch.ones(1, dtype=torch.bool), x_copy=torch.empty(4, 8, dtype=torch.float16))
     with pytest.raises(AssertionError, match="cu_seqlens"):
         causal_conv1d_varlen(x, w, pool, torch.zeros(1, dtype=torch.int32), torch.tensor([0, 4]),
                              torch.ones(1, dtype=torch.bool))

@@ -53,10 +53,11 @@ def _recurrent(draft_mode, store_output, store_final, limit):
 
 def _builds(arch):
     cfg = chunk.chunk_config(K, V, arch)
-    yield "conv1d_varlen", (conv._causal_conv1d_varlen_fwd_kernel,
-                            "x weight conv_state slots cu_seqlens has_initial_state y T C NUM_SEQ stride_x stride_y "
-                            "stride_slot W DIL ACT LOG_NUM_SEQ BT BC", "aaaiibannnnnncccccc",
-                            dict(W=4, DIL=1, ACT=True, LOG_NUM_SEQ=3, BT=16, BC=128), 4)
+    for name, copy_x in (("conv1d_varlen", False), ("conv1d_verify_copy_x", True)):
+        yield name, (conv._causal_conv1d_varlen_fwd_kernel,
+                     "x weight conv_state slots cu_seqlens has_initial_state y x_copy T C NUM_SEQ stride_x stride_y "
+                     "stride_slot stride_xc W DIL ACT LOG_NUM_SEQ BT BC COPY_X", "aaaiibaannnnnnnccccccc",
+                     dict(W=4, DIL=1, ACT=True, LOG_NUM_SEQ=3, BT=16, BC=128, COPY_X=copy_x), 4)
     yield "conv1d_state", (conv._causal_conv1d_state_kernel,
                            "x conv_state slots cu_seqlens has_initial_state num_keep C stride_x stride_slot S BS BC "
                            "USE_INIT_FLAGS USE_NUM_KEEP", "aaiibinnnccccc",
@@ -103,8 +104,8 @@ def _builds(arch):
 
 BUILDS = {arch: dict(_builds(arch)) for arch in (70, 90)}
 NAMES = list(BUILDS[70])
-MEMORY_BOUND = {"conv1d_varlen", "conv1d_state", "conv1d_update_ple", "gdn_decode", "gdn_verify_keep", "gdn_replay",
-                "chunk_index",
+MEMORY_BOUND = {"conv1d_varlen", "conv1d_verify_copy_x", "conv1d_state", "conv1d_update_ple", "gdn_decode",
+                "gdn_verify_keep", "gdn_replay", "chunk_index",
                 "gdn_commit"}
 
 

@@ -51,11 +51,13 @@ def _cases():
     cases.append(("index_compress", "index_compress", _index_compress_kernel, _sig(names, types, consts), consts, 4))
     names = ["iq_ptr", "icache_ptr", "bt_ptr", "seq_lens_ptr", "row_req_ptr", "row_pos_ptr", "score_ptr", "stride_qr",
              "stride_qh", "stride_cb", "stride_cg", "stride_btb", "stride_sr", "sqrt_di", "budget", "Q", "EXPLICIT",
-             "HI", "DI", "C", "BLOCK_SIZE", "BN"]
-    consts = dict(Q=1, EXPLICIT=False, HI=4, DI=128, C=4, BLOCK_SIZE=64, BN=32)
+             "HI", "DI", "C", "BLOCK_SIZE", "BN", "QG"]
     types = dict(iq_ptr="*fp16", icache_ptr="*fp16", bt_ptr="*i32", seq_lens_ptr="*i32", row_req_ptr="*i32",
                  row_pos_ptr="*i32", score_ptr="*fp32", sqrt_di="fp32")
-    cases.append(("index_score", "index_score", _index_score_kernel, _sig(names, types, consts), consts, 4))
+    for label, q in (("", 1), ("-verify5", 5)):  # decode, and MTP4 verify rows sharing one key read
+        consts = dict(Q=q, EXPLICIT=False, HI=4, DI=128, C=4, BLOCK_SIZE=64, BN=32, QG=q)
+        cases.append((f"index_score{label}", "index_score", _index_score_kernel, _sig(names, types, consts), consts,
+                      4))
     names = ["score_ptr", "out_ptr", "seq_lens_ptr", "row_req_ptr", "row_pos_ptr", "stride_sr", "stride_or", "budget",
              "Q", "EXPLICIT", "C", "KPAD", "CHUNK"]
     consts = dict(Q=1, EXPLICIT=False, C=4, KPAD=512, CHUNK=2048)

@@ -93,3 +93,25 @@ def test_select_verify_rows_and_explicit_rows(nan_poison):
     rows = qsa_select_rows(iq.reshape(-1, HI, DI), cache, table, seq, row_req.int(), row_pos.int(), 2)
     assert torch.equal(rows, got.reshape(-1, 2))
     assert torch.equal(rows, qsa_select_rows_ref(iq.reshape(-1, HI, DI), cache, table, seq, row_req, row_pos, 2))
+
+
+def test_verify_rows_score_and_select_as_their_decode_rows(nan_poison):
+    """Q = 10 verify rows (programs of 8 rows and of 2) read each key tile once for their request; every row's
+    scores and selection are bitwise those of a decode at its own position, and nothing is written past a row's
+    complete groups although the block table (max_model_len) is far wider than the contexts."""
+    lengths, Q, budget = [11, 63, 130], 10, 2
+    cache, table, seq, iq = _world(16, 13, lengths, rows=Q)
+    table = torch.cat([table, torch.zeros(len(lengths), 40, dtype=torch.int32)], 1)
+    groups = table.shape[1] * cache.shape[1]
+    scores = torch.empty(len(lengths), Q, groups)
+    got = qsa_select_decode(iq, cache, table, seq, budget, workspace=scores.view(-1, groups))
+    for i in range(Q):
+        row_scores = torch.empty(len(lengths), groups)
+        one = qsa_select_decode(iq[:, i].contiguous(), cache, table, seq - (Q - 1 - i), budget, workspace=row_scores)
+        assert torch.equal(got[:, i], one), i
+        assert torch.equal(scores[:, i].nan_to_num(-1.0), row_scores.nan_to_num(-1.0)), i
+        n = (seq - (Q - 1 - i)) // C
+        for b in range(len(lengths)):
+            want = torch.zeros(groups, dtype=torch.bool)
+            want[:n[b]] = bool(n[b] > budget)  # rows that take every group are not scored
+            assert torch.equal(~scores[b, i].isnan(), want), (i, b)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from revolta.engine.runner import StepInputs, StepSequence
+from revolta.forward import GDNRecord
 from revolta.spec.commit import _advance_context, check_replay_slots
 from revolta.spec.graphs import SpecGraphs, pad_rows, pad_verify, padding_sequence
 from forced_drafts import force_drafts, wrong_at
@@ -108,6 +109,19 @@ def test_vectorised_slot_carry_equals_copying_the_moved_slots(model):  # noqa: F
         x.index_copy_(0, dst, x.index_select(0, src))
     for x, y in zip(a.storage.slot_tensors(), b.storage.slot_tensors()):
         assert torch.equal(x, y)
+
+
+def test_records_must_live_in_the_shared_buffers(model):  # noqa: F811
+    """The commit graph reads the verify's records after it: they must be views of the shared buffers."""
+    engine = make_engine(model, {"method": "mtp", "num_speculative_tokens": K})
+    g = SpecGraphs(engine.runner, [1, 2], K, True, max_blocks_per_seq=4)
+    kept = g._buffer(1, "gdn0.mixed", (K + 1, 8), torch.float32)
+    assert g.shared["gdn0.mixed"].shape == (2 * (K + 1), 8)  # sized for the largest batch
+    g._check_records({"gdn0": GDNRecord(0, kept, (kept[:, :2],) * 5, 1.0)})
+    with pytest.raises(RuntimeError, match=r"gdn0.replay_inputs is not in VerifyMeta.buffers"):
+        g._check_records({"gdn0": GDNRecord(0, kept, (kept.clone(),) * 5, 1.0)})
+    with pytest.raises(RuntimeError, match="must scale with the batch size"):
+        g._buffer(1, "gdn0.mixed", (K + 1, 9), torch.float32)
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["per-draft-slots", "replay"])

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..cache.storage import CacheStorage
-from ..forward import PagedMeta, VerifyMeta
+from ..forward import PagedMeta, RecordBuffers, VerifyMeta
 from ..kernels.batch_invariant import row_invariant
 from ..kernels.ops import kernel_ops
 from ..model import FlashNextModel
@@ -284,15 +284,19 @@ class ModelRunner:
         return self.verify_packed(inputs, cu, table, torch.tensor(flat, dtype=torch.long).to(device))
 
     def verify_packed(self, inputs: StepInputs, cu_seqlens: list[int], draft_table: Tensor | None,
-                      flat_index: Tensor) -> tuple[Tensor, Tensor, PagedMeta]:
+                      flat_index: Tensor, record_buffers: RecordBuffers | None = None
+                      ) -> tuple[Tensor, Tensor, PagedMeta]:
         """The verify forward on one step's device inputs (the speculative graphs capture this).
 
         draft_table: int32 [B, R] per-draft state slots (None: replay); flat_index: [T] int64 padded
-        position b * R + j of every flat row (R = the longest sequence). Returns as `verify`.
+        position b * R + j of every flat row (R = the longest sequence); record_buffers: storage for
+        the layers' records (forward.VerifyMeta.buffers; None: fresh tensors). Returns as `verify`.
         """
         paged = self.paged_meta(inputs, cu_seqlens)
-        paged.spec = VerifyMeta(num_seqs=inputs.slots.shape[0], num_rows=paged.max_new_tokens,
-                                draft_slots=draft_table, flat_index=flat_index)
+        R = paged.max_new_tokens
+        paged.spec = VerifyMeta(num_seqs=inputs.slots.shape[0], num_rows=R, draft_slots=draft_table,
+                                flat_index=flat_index, buffers=record_buffers,
+                                equal_rows=all(b - a == R for a, b in zip(cu_seqlens, cu_seqlens[1:])))
         states = [SequenceState() for _ in range(inputs.slots.shape[0])]
         taps = self._new_taps()
         with row_invariant(self.row_invariant):

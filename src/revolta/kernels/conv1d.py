@@ -59,9 +59,13 @@ def _seq_bounds(cu_seqlens: Tensor) -> list[tuple[int, int]]:
 
 def causal_conv1d_varlen_ref(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, cu_seqlens: Tensor,
                              has_initial_state: Tensor, activation: str | None = "silu", dilation: int = 1,
-                             write_state: bool = True) -> Tensor:
+                             write_state: bool = True, out: Tensor | None = None,
+                             x_copy: Tensor | None = None) -> Tensor:
     """Torch reference of `causal_conv1d_varlen` (same contract; loops over sequences)."""
-    y = torch.empty_like(x)
+    y = _conv_out(x, out)
+    if x_copy is not None:
+        _check_rows("x_copy", x_copy, x)
+        x_copy.copy_(x)
     for b, (bos, eos) in enumerate(_seq_bounds(cu_seqlens)):
         if eos == bos:
             continue
@@ -113,10 +117,11 @@ def _find_seq(cu_ptr, idx, NUM_SEQ, LOG_NUM_SEQ: tl.constexpr):
 
 
 @triton.jit
-def _causal_conv1d_varlen_fwd_kernel(x, weight, conv_state, slots, cu_seqlens, has_initial_state, y,
-                                     T, C, NUM_SEQ, stride_x, stride_y, stride_slot,
+def _causal_conv1d_varlen_fwd_kernel(x, weight, conv_state, slots, cu_seqlens, has_initial_state, y, x_copy,
+                                     T, C, NUM_SEQ, stride_x, stride_y, stride_slot, stride_xc,
                                      W: tl.constexpr, DIL: tl.constexpr, ACT: tl.constexpr,
-                                     LOG_NUM_SEQ: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                                     LOG_NUM_SEQ: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                                     COPY_X: tl.constexpr):
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     S: tl.constexpr = DIL * (W - 1)
     o_t = i_t * BT + tl.arange(0, BT)  # [BT] flat token index
@@ -132,7 +137,11 @@ def _causal_conv1d_varlen_fwd_kernel(x, weight, conv_state, slots, cu_seqlens, h
         src = o_t - DIL * (W - 1 - j)  # token this tap reads; before bos it comes from the slot's window
         in_seq = src >= bos
         b_x = tl.load(x + src.to(tl.int64)[:, None] * stride_x + o_c[None, :],
-                      mask=(m_t & in_seq)[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+                      mask=(m_t & in_seq)[:, None] & m_c[None, :], other=0.0)
+        if COPY_X and j == W - 1:  # the last tap reads the tile's own inputs: keep them for the commit
+            tl.store(x_copy + o_t.to(tl.int64)[:, None] * stride_xc + o_c[None, :], b_x,
+                     mask=m_t[:, None] & m_c[None, :])
+        b_x = b_x.to(tl.float32)
         row = S + src - bos  # in [0, S) when src < bos
         b_s = tl.load(conv_state + slot[:, None] * stride_slot + row.to(tl.int64)[:, None] * C + o_c[None, :],
                       mask=(m_t & (~in_seq) & init)[:, None] & m_c[None, :], other=0.0).to(tl.float32)
@@ -230,9 +239,23 @@ def _check_cu_seqlens(cu_seqlens: Tensor, num_seqs: int, device) -> None:
     assert cu_seqlens.device == device, "cu_seqlens must be on the tensors' device"
 
 
+def _check_rows(name: str, t: Tensor, x: Tensor) -> None:
+    assert t.shape == x.shape and t.dtype == x.dtype and t.stride(-1) == 1 and t.device == x.device, \
+        f"{name} must be [T, C] = {tuple(x.shape)} {x.dtype} with contiguous channels, got {tuple(t.shape)} " \
+        f"{t.dtype} strides {t.stride()}"
+
+
+def _conv_out(x: Tensor, out: Tensor | None) -> Tensor:
+    if out is None:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    _check_rows("out", out, x)
+    return out
+
+
 def causal_conv1d_varlen(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, cu_seqlens: Tensor,
                          has_initial_state: Tensor, activation: str | None = "silu", dilation: int = 1,
-                         write_state: bool = True) -> Tensor:
+                         write_state: bool = True, out: Tensor | None = None,
+                         x_copy: Tensor | None = None) -> Tensor:
     """Causal depthwise conv over a flat varlen batch, with per-slot carried windows.
 
     x: [T, C] (channels contiguous; a column slice of a wider buffer is fine); weight: [C, W]
@@ -242,6 +265,9 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, conv_state: Tensor, slots: T
     then the activation). With write_state, slot b's window becomes the last S inputs of
     sequence b (including the old window when the sequence is shorter than S); without it the
     pool is only read (speculative verify; see `causal_conv1d_commit`).
+    out: optional [T, C] storage for y (rows may be strided, channels contiguous); x_copy: optional
+    [T, C] that also receives x, in the same launch (a verify keeps its pre-conv inputs for the commit
+    in storage that outlives the step, spec/graphs.py).
     """
     C, W, S = _check_conv_args(x, weight, conv_state, slots, activation, dilation)
     B = slots.shape[0]
@@ -249,15 +275,17 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, conv_state: Tensor, slots: T
     assert has_initial_state.dtype == torch.bool and has_initial_state.shape == (B,), \
         f"has_initial_state must be bool [B={B}], got {has_initial_state.dtype} {tuple(has_initial_state.shape)}"
     T = x.shape[0]
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = _conv_out(x, out)
+    if x_copy is not None:
+        _check_rows("x_copy", x_copy, x)
     if T > 0 and B > 0:
         BT, BC = 16, min(128, triton.next_power_of_2(C))
         grid = (triton.cdiv(T, BT), triton.cdiv(C, BC))
         _causal_conv1d_varlen_fwd_kernel[grid](
-            x, weight, conv_state, slots, cu_seqlens, has_initial_state, y, T, C, B,
-            x.stride(0), y.stride(0), conv_state.stride(0),
+            x, weight, conv_state, slots, cu_seqlens, has_initial_state, y, x_copy if x_copy is not None else y,
+            T, C, B, x.stride(0), y.stride(0), conv_state.stride(0), (x_copy if x_copy is not None else y).stride(0),
             W=W, DIL=dilation, ACT=activation == "silu", LOG_NUM_SEQ=max(1, (B - 1).bit_length()),
-            BT=BT, BC=BC, num_warps=4)
+            BT=BT, BC=BC, COPY_X=x_copy is not None, num_warps=4)
         if write_state:
             _launch_state_update(x, conv_state, slots, cu_seqlens, has_initial_state, None, S)
     return y

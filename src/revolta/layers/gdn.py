@@ -96,22 +96,28 @@ class GatedDeltaNet(nn.Module):
     def _mix_verify(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:
         """Speculative verify on the paged cache: every row computed like a single-token decode
         (token-by-token recurrence from the committed state), nothing committed -> o [T, HV, V].
-        The commit (spec/commit.py) uses what this records."""
+        The commit (spec/commit.py) uses what this records, kept where the conv and stack write it
+        (VerifyMeta.record_buffer: no copies in the round graphs)."""
         pm, sv = meta.paged, meta.paged.spec
         cache = pm.storage.gdn[self.layer_idx]
         conv_w = self.conv1d.weight[:, 0, :]
+        T, HV, key, replay = mixed.shape[0], self.num_v_heads, self.state_key, sv.draft_slots is None
+        kept = sv.record_buffer(f"{key}.mixed", mixed.shape, mixed.dtype, mixed.device)
+        conv_out = sv.record_buffer(f"{key}.conv_out", mixed.shape, mixed.dtype, mixed.device) if replay else None
         conv_out = pm.ops.causal_conv1d_varlen(mixed, conv_w, cache.conv_state, pm.slots, pm.cu_seqlens,
-                                               pm.has_initial_state, activation="silu", write_state=False)
-        T = mixed.shape[0]
+                                               pm.has_initial_state, activation="silu", write_state=False,
+                                               out=conv_out, x_copy=kept)
+        if replay:  # g and beta side by side in one record: [T, 2, HV]
+            g, beta = torch.stack((g, beta), dim=1, out=sv.record_buffer(f"{key}.g_beta", (T, 2, HV), g.dtype,
+                                                                         g.device)).unbind(1)
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = sv.pad(q.reshape(T, self.num_k_heads, self.head_k_dim))  # [B, R, H, K]
-        k = sv.pad(k.reshape(T, self.num_k_heads, self.head_k_dim))
-        v = sv.pad(v.reshape(T, self.num_v_heads, self.head_v_dim))  # [B, R, HV, V]
+        q = sv.pad(q.unflatten(-1, (self.num_k_heads, self.head_k_dim)))  # [B, R, H, K]
+        k = sv.pad(k.unflatten(-1, (self.num_k_heads, self.head_k_dim)))
+        v = sv.pad(v.unflatten(-1, (HV, self.head_v_dim)))  # [B, R, HV, V]
         g, beta = sv.pad(g), sv.pad(beta)  # [B, R, HV] fp32
         scale = self.head_k_dim**-0.5
         o = pm.ops.gdn_verify(q, k, v, g, beta, cache.ssm_state, pm.slots, scale, draft_states=sv.draft_slots)
-        replay = (q, k, v, g, beta) if sv.draft_slots is None else None
-        sv.record[self.state_key] = GDNRecord(self.layer_idx, mixed, replay, scale)
+        sv.record[key] = GDNRecord(self.layer_idx, kept, (q, k, v, g, beta) if replay else None, scale)
         return sv.unpad(o)
 
     def _mix_states(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:

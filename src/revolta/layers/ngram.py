@@ -222,12 +222,17 @@ class PLELayer(nn.Module):
         conv_w = self.conv1d.weight[:, 0, :]
         pm = meta.paged
         if pm is not None:
-            # a verify step only reads the window; spec/commit.py advances it by the accepted rows
+            # a verify step only reads the window; spec/commit.py advances it by the accepted rows, from the
+            # inputs the conv keeps in the record's storage
+            kept = None if verify is None else \
+                verify.record_buffer(f"{self.state_key}.conv_in", conv_in.shape, conv_in.dtype, conv_in.device)
             conv_out = pm.ops.causal_conv1d_varlen(conv_in, conv_w, pm.storage.ple[self.layer_idx].conv, pm.slots,
                                                    pm.cu_seqlens, pm.has_initial_state, activation="silu",
-                                                   dilation=self.dilation, write_state=verify is None)
+                                                   dilation=self.dilation, write_state=verify is None, x_copy=kept)
             if verify is not None:
-                verify.record[self.state_key] = PLERecord(self.layer_idx, conv_in, history)
+                hist = verify.record_buffer(f"{self.state_key}.history", history.shape, history.dtype,
+                                            history.device)
+                verify.record[self.state_key] = PLERecord(self.layer_idx, kept, hist.copy_(history))
             return gated + conv_out
         conv_out = torch.empty_like(gated)
         for _, start, end, seq in meta.seq_slices():

@@ -126,12 +126,16 @@ class QSAttention(nn.Module):
                               pm.seq_lens, pending_slots=pm.slots, max_new_tokens=pm.max_new_tokens,
                               ratio=self.ratio)
         scale = self.head_dim**-0.5
-        if pm.is_decode:
-            selected = pm.ops.qsa_select_decode(iq.contiguous(), cache.index_cache, pm.block_table, pm.seq_lens,
+        if pm.is_decode or (pm.spec is not None and pm.spec.equal_rows):
+            # decode, or a verify whose requests all have R rows: the decode kernels' [B, R] row form (rows at
+            # seq_len - R .. seq_len - 1), each row computed as the decode of its token would be
+            lead = (pm.spec.num_seqs, pm.spec.num_rows) if pm.spec is not None else (q.shape[0],)
+            iq, q, gate = (x.contiguous().view(*lead, *x.shape[1:]) for x in (iq, q, gate))
+            selected = pm.ops.qsa_select_decode(iq, cache.index_cache, pm.block_table, pm.seq_lens,
                                                 self.block_budget, ratio=self.ratio)
-            return pm.ops.qsa_sparse_decode(q.contiguous(), gate.contiguous(), cache.k_cache, cache.v_cache,
-                                            pm.block_table, pm.seq_lens, selected, scale, kv_dtype,
-                                            cache.k_scale, cache.v_scale, ratio=self.ratio)
+            out = pm.ops.qsa_sparse_decode(q, gate, cache.k_cache, cache.v_cache, pm.block_table, pm.seq_lens,
+                                           selected, scale, kv_dtype, cache.k_scale, cache.v_scale, ratio=self.ratio)
+            return out.flatten(0, len(lead) - 1)
         return pm.ops.qsa_prefill(q.contiguous(), gate.contiguous(), cache.k_cache, cache.v_cache, pm.block_table,
                                   pm.cu_seqlens, pm.seq_lens, scale, self.block_budget, index_q=iq.contiguous(),
                                   index_cache=cache.index_cache, kv_dtype=kv_dtype, k_scale=cache.k_scale,

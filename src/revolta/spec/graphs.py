@@ -10,8 +10,9 @@ step plus k - 1 small MTP steps instead of k + 1 eager forwards.
   prefill (more pending rows) drafts eagerly and still replays the verify graph.
 - verify graph: the target forward over B requests x R = 1 + k rows (runner.verify_packed), with
   per-draft state slots or for replay (spec_state_replay). What the commit needs (the layers'
-  `VerifyMeta.record`), the logits and the wide hidden rows are copied into static buffers shared by
-  all batch sizes, so graph memory grows with the largest size only.
+  `VerifyMeta.record`) the layers write straight into static buffers shared by all batch sizes
+  (VerifyMeta.buffers), and the logits and the wide hidden rows are copied into two more, so graph
+  memory grows with the largest size only.
 - commit graph: spec/commit.commit_verified on those static records, given the kept slots and the
   kept row counts (known after sampling); with replay this is the replay kernels of every GDN layer
   in one launch instead of a few hundred.
@@ -114,7 +115,7 @@ class SpecGraphs:
                                        device=device)  # [B * R, h*d] pending target rows, R per request
         self.seed_last = torch.arange(B, device=device) * R  # [B] the last pending row of each request
         self.drafts = torch.zeros(B, num_drafts, dtype=torch.int64, device=device)
-        self.shared: dict[tuple[str, str], Tensor] = {}  # static copies of logits, wide rows and records
+        self.shared: dict[str, Tensor] = {}  # the layers' records, the logits and wide rows (by name)
         self.graphs: dict[int, _Round] = {}
         self._captured: list[torch.cuda.CUDAGraph] = []  # kept alive with their memory
         self._paged: dict[int, PagedMeta] = {}  # the verify's metadata per size (eager mode: the last one's)
@@ -122,35 +123,45 @@ class SpecGraphs:
         self.num_replays = 0  # rounds served by the graphs (the engine's stats and tests read it)
 
     # ---- capture -------------------------------------------------------------------------------
-    def _static(self, key: tuple[str, str], x: Tensor, B: int) -> Tensor:
-        """A view [x.shape[0], ...] of the buffer shared by all batch sizes for `key`, holding x.
+    def _buffer(self, B: int, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A view `shape` of the buffer shared by all batch sizes for `name` (uninitialised).
 
-        Every recorded tensor's first dim is B or B * R, so the largest size (captured first) sizes it."""
-        buf = self.shared.get(key)
+        Every such tensor's first dim is B or B * R, so the largest size (captured first) sizes it."""
+        buf = self.shared.get(name)
         if buf is None:
-            buf = self.shared[key] = x.new_empty(x.shape[0] // B * self.batch_sizes[-1], *x.shape[1:])
-        view = buf[: x.shape[0]]
-        view.copy_(x)
-        return view
+            buf = self.shared[name] = torch.empty(shape[0] // B * self.batch_sizes[-1], *shape[1:], dtype=dtype,
+                                                  device=self.runner.model.device)
+        if buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
+            raise RuntimeError(f"shared buffer {name!r} is {buf.dtype} {tuple(buf.shape)}, a batch of {B} asked "
+                               f"for {dtype} {shape}: its first dim must scale with the batch size")
+        return buf[: shape[0]]
+
+    def _static(self, name: str, x: Tensor, B: int) -> Tensor:
+        """x copied into the buffer shared by all batch sizes for `name`."""
+        return self._buffer(B, name, tuple(x.shape), x.dtype).copy_(x)
 
     def _verify(self, B: int):
-        """The verify forward of size B on the static inputs; outputs and records in shared buffers."""
+        """The verify forward of size B on the static inputs; the layers write their records straight
+        into shared buffers (VerifyMeta.buffers), the logits and wide rows are copied into others."""
         R, W = self.rows, self.width
         inputs = StepInputs.unpack(self.verify_in, B, B * R, W)
         table = None if self.replay else self.draft_table[:B]
-        logits, wide, paged = self.runner.verify_packed(inputs, offsets([R] * B), table, self.flat_index[: B * R])
-        record = {}
-        for name, rec in paged.spec.record.items():
-            kw = {}
+        logits, wide, paged = self.runner.verify_packed(inputs, offsets([R] * B), table, self.flat_index[: B * R],
+                                                        record_buffers=lambda *a: self._buffer(B, *a))
+        self._check_records(paged.spec.record)
+        return self._static("logits", logits, B), self._static("wide", wide, B), paged
+
+    def _check_records(self, record: dict) -> None:
+        """Every recorded tensor must live in a shared buffer: the commit graph reads it after the verify
+        graph, and other sizes' graphs reuse whatever else the verify allocated."""
+        owned = {buf.untyped_storage().data_ptr() for buf in self.shared.values()}
+        for name, rec in record.items():
             for f in fields(rec):
-                v = getattr(rec, f.name)
-                if isinstance(v, Tensor):
-                    kw[f.name] = self._static((name, f.name), v, B)
-                elif isinstance(v, tuple) and v and isinstance(v[0], Tensor):
-                    kw[f.name] = tuple(self._static((name, f"{f.name}{i}"), t, B) for i, t in enumerate(v))
-            record[name] = replace(rec, **kw)
-        paged.spec.record = record
-        return self._static(("", "logits"), logits, B), self._static(("", "wide"), wide, B), paged
+                value = getattr(rec, f.name)
+                for t in value if isinstance(value, tuple) else (value,):
+                    if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in owned:
+                        raise RuntimeError(f"the verify record {name}.{f.name} is not in VerifyMeta.buffers' storage: "
+                                           "allocate it with VerifyMeta.record_buffer")
 
     def _commit(self, B: int, paged: PagedMeta) -> None:
         commit_verified(self.runner.storage, self.runner.ops, paged.spec, paged.cu_seqlens,
@@ -285,7 +296,7 @@ class SpecGraphs:
             self.runner.stage_ple(StepInputs.unpack(self.verify_in, B, B * R, self.width))
         self.graphs[B].verify()
         self.num_replays += 1
-        logits, wide = self.shared[("", "logits")][: b * R].clone(), self.shared[("", "wide")][: b * R].clone()
+        logits, wide = self.shared["logits"][: b * R].clone(), self.shared["wide"][: b * R].clone()
         if on_device:
             host = [d[:n] for d, n in zip(drafts.tolist(), num_drafts)]
         return logits, wide, host

@@ -3,8 +3,9 @@
 s_j = Σ_h ReLU(q_h · K̄_j) / sqrt(Di) over complete groups j < n, n = floor((t + 1) / c) for a query at
 token t. If n <= budget every group is taken, else the top `budget` by (descending score, ascending j).
 
-Two kernels: `_index_score_kernel` (grid rows x group tiles, memory-bound on the compressed keys) writes
-fp32 scores to a workspace; `_topk_kernel` (one program per row) finds the exact budget-th largest score
+Two kernels: `_index_score_kernel` (memory-bound on the compressed keys; one program reads each key tile
+once for up to 8 verify rows of a request, and loops over tiles up to the rows' context) writes fp32 scores
+to a workspace; `_topk_kernel` (one program per row) finds the exact budget-th largest score
 with a 4-pass radix select on the score bits (scores are >= +0, so their int32 bit patterns order like
 the values), 8-bit digits through `tl.histogram`, then one pass that keeps every score above the threshold
 and the lowest-index ties at it. Output: selected group ids in ascending order, -1 padded: valid ids
@@ -27,25 +28,41 @@ from .common import check, row_meta, uniform_rows
 def _index_score_kernel(iq_ptr, icache_ptr, bt_ptr, seq_lens_ptr, row_req_ptr, row_pos_ptr, score_ptr,
                         stride_qr, stride_qh, stride_cb, stride_cg, stride_btb, stride_sr, sqrt_di, budget,
                         Q: tl.constexpr, EXPLICIT: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr,
-                        C: tl.constexpr, BLOCK_SIZE: tl.constexpr, BN: tl.constexpr):
-    r = tl.program_id(0)
-    jb = tl.program_id(1)
-    b, t = row_meta(r, seq_lens_ptr, row_req_ptr, row_pos_ptr, Q, EXPLICIT)
-    n = (t + 1) // C
-    j = jb * BN + tl.arange(0, BN)
-    # rows that take every group (n <= budget) need no scores
-    valid = (j < n) & ((tl.zeros([BN], tl.int32) + n) > budget)
+                        C: tl.constexpr, BLOCK_SIZE: tl.constexpr, BN: tl.constexpr, QG: tl.constexpr):
+    """Program (p, s) scores QG rows of one request (uniform rows: rows p // NCH * Q + p % NCH * QG + i,
+    NCH = cdiv(Q, QG); explicit rows: QG = Q = 1, row p) against group tiles s, s + S, s + 2S, ... below
+    the last row's complete groups: every key tile is read once for the QG rows, and the work follows
+    the rows' context, not the grid (sized by max_model_len, static for CUDA graphs). Each row's score
+    of a group is the same arithmetic whatever QG, so decode and verify rows select alike."""
+    p = tl.program_id(0)
+    s0 = tl.program_id(1)
+    num_s = tl.num_programs(1)
+    NCH: tl.constexpr = (Q + QG - 1) // QG
+    first = (p // NCH) * Q + (p % NCH) * QG  # the program's first row
+    last = tl.minimum(first + QG - 1, (p // NCH) * Q + Q - 1)
+    b, t_last = row_meta(last, seq_lens_ptr, row_req_ptr, row_pos_ptr, Q, EXPLICIT)
+    n_last = (t_last + 1) // C  # rows that take every group (n <= budget) need no scores
+    num_tiles = tl.where(n_last > budget, tl.cdiv(n_last, BN), 0)
     d = tl.arange(0, DI)
-    page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + (j * C) // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    grp = (j * C % BLOCK_SIZE) // C
-    k = tl.load(icache_ptr + page[:, None] * stride_cb + grp[:, None] * stride_cg + d[None, :],
-                mask=valid[:, None] & (d[None, :] < DI), other=0.0).to(tl.float32)  # [BN, DI]
-    s = tl.zeros([BN], tl.float32)
-    for h in tl.static_range(HI):
-        qh = tl.load(iq_ptr + r.to(tl.int64) * stride_qr + h * stride_qh + d).to(tl.float32)
-        s += tl.maximum(tl.sum(k * qh[None, :], axis=1), 0.0)
-    s = tl.math.div_rn(s, sqrt_di)
-    tl.store(score_ptr + r.to(tl.int64) * stride_sr + j, s, mask=valid)
+    for jb in range(s0, num_tiles, num_s):
+        j = jb * BN + tl.arange(0, BN)
+        need = j < n_last
+        page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + (j * C) // BLOCK_SIZE, mask=need, other=0).to(tl.int64)
+        grp = (j * C % BLOCK_SIZE) // C
+        k = tl.load(icache_ptr + page[:, None] * stride_cb + grp[:, None] * stride_cg + d[None, :],
+                    mask=need[:, None] & (d[None, :] < DI), other=0.0).to(tl.float32)  # [BN, DI]
+        for i in tl.static_range(QG):
+            r = first + i
+            n = (t_last - (last - r) + 1) // C
+            ok = (tl.zeros([BN], tl.int32) + r) <= last
+            s = tl.zeros([BN], tl.float32)
+            for h in tl.static_range(HI):
+                qh = tl.load(iq_ptr + r.to(tl.int64) * stride_qr + h * stride_qh + d,
+                             mask=(tl.zeros([DI], tl.int32) + r) <= last, other=0.0).to(tl.float32)
+                s += tl.maximum(tl.sum(k * qh[None, :], axis=1), 0.0)
+            s = tl.math.div_rn(s, sqrt_di)
+            tl.store(score_ptr + r.to(tl.int64) * stride_sr + j, s,
+                     mask=ok & (j < n) & ((tl.zeros([BN], tl.int32) + n) > budget))
 
 
 @triton.jit
@@ -188,25 +205,46 @@ def _check_select(index_q, index_cache, block_table, seq_lens, budget_blocks, ra
     check(ratio & (ratio - 1) == 0, "ratio must be a power of two")
 
 
-def _launch(iq, index_cache, block_table, seq_lens, row_req, row_pos, budget, ratio, Q, explicit, workspace):
+ROWS_PER_PROGRAM = 8  # verify rows of one request scored together (one key read); more rows: more programs
+
+
+def score_splits(num_programs: int, num_tiles: int, device: torch.device) -> int:
+    """Programs along the group axis of the score kernel: ~4 per SM in all, at most one per tile (each
+    loops over its tiles up to the row's context, so a long max_model_len costs no empty programs)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return max(1, min(num_tiles, triton.cdiv(4 * sms, max(1, num_programs))))
+
+
+def _score(iq, index_cache, block_table, seq_lens, row_req, row_pos, budget, ratio, Q, explicit, workspace):
+    """Launch the score kernel: the rows' fp32 scores into `workspace` (allocated when None), returned."""
     R = iq.shape[0]
     max_groups = block_table.shape[1] * index_cache.shape[1]
     if workspace is None:
         workspace = torch.empty(R, max_groups, dtype=torch.float32, device=iq.device)
     check(workspace.dtype == torch.float32 and workspace.shape[0] >= R and workspace.shape[1] >= max_groups
           and workspace.stride(-1) == 1, f"workspace: expected fp32 [>= {R}, >= {max_groups}]")
+    if R == 0:
+        return workspace
+    QG = min(Q, ROWS_PER_PROGRAM)
+    programs, BN = R // Q * triton.cdiv(Q, QG), 32
+    dummy = seq_lens
+    _index_score_kernel[(programs, score_splits(programs, triton.cdiv(max_groups, BN), iq.device))](
+        iq, index_cache, block_table, seq_lens, row_req if explicit else dummy, row_pos if explicit else dummy,
+        workspace, iq.stride(0), iq.stride(1), index_cache.stride(0), index_cache.stride(1), block_table.stride(0),
+        workspace.stride(0), math.sqrt(iq.shape[-1]), budget, Q=Q, EXPLICIT=explicit, HI=iq.shape[1],
+        DI=iq.shape[2], C=ratio, BLOCK_SIZE=index_cache.shape[1] * ratio, BN=BN, QG=QG, num_warps=4,
+    )
+    return workspace
+
+
+def _launch(iq, index_cache, block_table, seq_lens, row_req, row_pos, budget, ratio, Q, explicit, workspace):
+    R = iq.shape[0]
+    workspace = _score(iq, index_cache, block_table, seq_lens, row_req, row_pos, budget, ratio, Q, explicit,
+                       workspace)
     out = torch.empty(R, budget, dtype=torch.int32, device=iq.device)
     if R == 0:
         return out
-    bs = index_cache.shape[1] * ratio
-    BN = 32
     dummy = seq_lens
-    _index_score_kernel[(R, triton.cdiv(max_groups, BN))](
-        iq, index_cache, block_table, seq_lens, row_req if explicit else dummy, row_pos if explicit else dummy,
-        workspace, iq.stride(0), iq.stride(1), index_cache.stride(0), index_cache.stride(1), block_table.stride(0),
-        workspace.stride(0), math.sqrt(iq.shape[-1]), budget,
-        Q=Q, EXPLICIT=explicit, HI=iq.shape[1], DI=iq.shape[2], C=ratio, BLOCK_SIZE=bs, BN=BN, num_warps=4,
-    )
     _topk_kernel[(R,)](
         workspace, out, seq_lens, row_req if explicit else dummy, row_pos if explicit else dummy,
         workspace.stride(0), out.stride(0), budget,
