@@ -276,7 +276,11 @@ def test_prompt_logprobs_match_the_full_forward(tiny_dir):
         for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
             lp = entry[ids[i]]
             assert abs(lp.logprob - ref[i - 1, ids[i]].item()) < 1e-4
-            assert lp.rank == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
+            # the engine's logits differ from the full forward by ~1e-5 (chunked prefill), so a rank is exact
+            # only up to the tokens whose reference logprob lies within that tolerance of this one
+            target = ref[i - 1, ids[i]]
+            lo, hi = int((ref[i - 1] > target + 1e-4).sum()) + 1, int((ref[i - 1] > target - 1e-4).sum()) + 1
+            assert lo <= lp.rank <= hi
             assert {1, 2} <= {v.rank for v in entry.values()} and len(entry) in (2, 3)
     assert llm.engine.allocator.stats.hit_tokens == 0
     plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]

@@ -100,7 +100,7 @@ def messages_with(server, block: dict, path: str = "/v1/messages") -> httpx.Resp
 
 def pads(size: int, video: bool = False) -> int:
     """Pad tokens of one size x size image (or of one temporal group of a video) under the default processor."""
-    from revolta import multimodal as mm
+    from revolta.multimodal import media as mm
     from revolta.config import ModelConfig
     from revolta.presets.default import ensure_default_model
 
@@ -273,7 +273,7 @@ def test_pyav_fallback_decodes_like_decord(codec, monkeypatch):
     corrupt data is a MediaError either way; with neither installed the error says what to install."""
     import sys
 
-    from revolta import multimodal as mm
+    from revolta.multimodal import media as mm
 
     clip = mp4(codec, num_frames=10, fps=5)
     frames, stamps = mm.load_video(clip, fps=2.0)  # decord: 2 s at 2 fps -> 4 frames
