@@ -75,22 +75,33 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def truth_logits(truth_model, r):
+    """The fp32 model's logits for each token `r` emitted, on `r`'s own tokens: [n, V]."""
+    full = torch.tensor([r.prompt_token_ids + r.token_ids[:-1]], device="cuda")
+    return truth_model(full)[0, len(r.prompt_token_ids) - 1:].float().cpu()
+
+
 @torch.no_grad()
 def test_triton_path_same_greedy_tokens_as_torch_path(model):
     ref, got = generate(model, "torch"), generate(model, "triton")
-    truth_model = build(torch.float32) if model.dtype != torch.float32 else None
+    if model.dtype == torch.float32:
+        for r, g in zip(ref, got):
+            assert g.token_ids == r.token_ids, r.request_id
+            assert rel_err(torch.stack(g.logits), torch.stack(r.logits)) <= 2e-3, r.request_id
+        return
+    # fp16: both paths round at different points (H200: 4.2% apart on request 2), so each is compared
+    # with the fp32 model on its own tokens; the kernels must be no less accurate than the torch path,
+    # and the two may part only where the fp32 model itself sees a tie closer than those errors
+    truth_model = build(torch.float32)
     for r, g in zip(ref, got):
-        assert g.token_ids == r.token_ids, r.request_id
         a, b = torch.stack(g.logits), torch.stack(r.logits)
-        if truth_model is None:
-            assert rel_err(a, b) <= 2e-3, r.request_id
-            continue
-        # fp16: both paths round at different points (H200: 4.2% apart on request 2), so each is
-        # compared with the fp32 model on the same tokens; the kernels must be no less accurate
-        full = torch.tensor([r.prompt_token_ids + r.token_ids[:-1]], device="cuda")
-        truth = truth_model(full)[0, len(r.prompt_token_ids) - 1:].float().cpu()  # [n, V]
-        assert rel_err(a, truth) <= max(1.5 * rel_err(b, truth), 1e-2), (r.request_id, rel_err(a, truth),
-                                                                        rel_err(b, truth))
+        truth_a, truth_b = truth_logits(truth_model, g), truth_logits(truth_model, r)
+        err_a, err_b = rel_err(a, truth_a), rel_err(b, truth_b)
+        assert err_a <= max(1.5 * err_b, 1e-2), (r.request_id, err_a, err_b)
+        if g.token_ids != r.token_ids:
+            i = next(j for j, (x, y) in enumerate(zip(g.token_ids, r.token_ids)) if x != y)
+            gap = (truth_b[i, r.token_ids[i]] - truth_b[i, g.token_ids[i]]).abs().item()
+            assert gap <= 2 * (err_a + err_b) * truth_b[i].abs().max().item(), (r.request_id, i, gap)
 
 
 @torch.no_grad()

@@ -17,12 +17,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..layers.norm import zc_rms_norm as _zc_rms_norm_layer
+def zc_rms_norm_ref(x: Tensor, weight: Tensor, eps: float, group_size: int | None = None) -> Tensor:
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), per group of `group_size` features.
 
-
-def zc_rms_norm_ref(x: Tensor, w: Tensor, eps: float, group_size: int | None = None) -> Tensor:
-    """x: [..., N]; w: [N]; group_size divides N (None: one group). Returns x.dtype (ZCRMSNorm)."""
-    return _zc_rms_norm_layer(x, w, eps, group_size)
+    x: [..., N]; weight: [N]; group_size divides N (None = one group). Returns x.dtype.
+    """
+    shape = x.shape
+    xf = x.float()
+    if group_size is not None and group_size != shape[-1]:
+        xf = xf.unflatten(-1, (shape[-1] // group_size, group_size))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf.reshape(shape) * (1.0 + weight.float())).to(x.dtype)
 
 
 @triton.jit

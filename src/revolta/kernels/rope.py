@@ -15,12 +15,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..layers.rope import apply_rope as _apply_rope_layer
-
-
 def apply_rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, H, D]; cos/sin: [T, R] fp32, R <= D even. Returns a new tensor in x.dtype (layers.rope.apply_rope)."""
-    return _apply_rope_layer(x, cos, sin)
+    """Rotate-half (NeoX) RoPE on the first rotary_dim features of every head.
+
+    x: [T, H, D]; cos/sin: [T, R] fp32, R <= D. Computed in fp32, rounded once to x.dtype.
+    """
+    r = cos.shape[-1]
+    xf = x.float()
+    rot, rest = xf[..., :r], xf[..., r:]
+    x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = rot * c + torch.cat([-x2, x1], dim=-1) * s
+    return torch.cat([rotated, rest], dim=-1).to(x.dtype)
 
 
 @triton.jit

@@ -8,18 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-
-def zc_rms_norm(x: Tensor, weight: Tensor, eps: float, group_size: int | None = None) -> Tensor:
-    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), per group of `group_size` features.
-
-    x: [..., N]; weight: [N]; group_size divides N (None = one group). Returns x.dtype.
-    """
-    shape = x.shape
-    xf = x.float()
-    if group_size is not None and group_size != shape[-1]:
-        xf = xf.unflatten(-1, (shape[-1] // group_size, group_size))
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf.reshape(shape) * (1.0 + weight.float())).to(x.dtype)
+from ..kernels.norm import zc_rms_norm_ref as zc_rms_norm  # the torch reference lives beside its kernel
 
 
 class ZCRMSNorm(nn.Module):

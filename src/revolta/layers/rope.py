@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RopeConfig
+from ..kernels.rope import apply_rope_ref as apply_rope  # the torch reference lives beside its kernel
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> tuple[Tensor, float]:
@@ -75,17 +76,3 @@ class RotaryEmbedding(nn.Module):
         angles = picked.t() * self.inv_freq  # [T, F]
         angles = torch.cat([angles, angles], dim=-1)  # [T, rotary_dim]
         return angles.cos() * self.scale, angles.sin() * self.scale
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half (NeoX) RoPE on the first rotary_dim features of every head.
-
-    x: [T, H, D]; cos/sin: [T, R] fp32, R <= D. Computed in fp32, rounded once to x.dtype.
-    """
-    r = cos.shape[-1]
-    xf = x.float()
-    rot, rest = xf[..., :r], xf[..., r:]
-    x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
-    c, s = cos[:, None, :], sin[:, None, :]
-    rotated = rot * c + torch.cat([-x2, x1], dim=-1) * s
-    return torch.cat([rotated, rest], dim=-1).to(x.dtype)
