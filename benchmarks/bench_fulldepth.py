@@ -429,6 +429,9 @@ def parse_args(argv):
     ap.add_argument("--json", default=None, help="default: $OUT/bench_fulldepth.json")
     ap.add_argument("--strict", action="store_true", help="raise when a speculative stage fails (default: log it)")
     args = ap.parse_args(argv)
+    if args.layers < 4:
+        ap.error(f"--layers {args.layers}: the stand-in repeats GDN GDN GDN QSA, so it needs at least 4 layers "
+                 "to hold a full-attention layer")
     if args.quick:
         args.concurrency, args.steps = "1,8", min(args.steps, 12)
     args.cuda = args.device.startswith("cuda")

@@ -107,6 +107,11 @@ def test_rejections_say_what_to_change(real):
                    MemoryBudget(gpu_memory_bytes=1 << 30))
     with pytest.raises(CacheConfigError, match="gpu_memory_utilization"):
         dry_run_report(real, 32, 4, L512K, "fp8_e4m3", gpu_memory_utilization=1.5)
+    gdn_only = _no_mtp()
+    gdn_only["text_config"] = dict(gdn_only["text_config"],
+                                   layer_types=["linear_attention"] * len(gdn_only["text_config"]["layer_types"]))
+    with pytest.raises(CacheConfigError, match="no full-attention layer"):
+        plan_cache(tiny_config().__class__.from_dict(gdn_only), CacheConfig(64), MemoryBudget(gpu_memory_bytes=1 << 30))
 
 
 def _no_mtp():

@@ -377,6 +377,9 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
     bs = choose_block_size(cfg, cache)
     kvpt = kv_page_bytes_per_token(cfg, kv, draft, with_mtp, tp)
     page = bs * kvpt
+    if page == 0:  # the paged pool's unit is a KV block: a config without attention layers has none to size
+        raise CacheConfigError(f"the config has no full-attention layer (layer_types: {sorted(set(cfg.text.layer_types))}); "
+                               "the cache planner needs at least one: add a full_attention layer to layer_types")
     ring = default_pending_ring(cfg, cache.num_speculative_tokens) if cache.pending_ring is None else cache.pending_ring
     state = state_bytes_per_slot(cfg, tp, dtype, with_mtp, ring)
     state_pages = -(-state // page)
