@@ -144,6 +144,7 @@ class FlashNextModel(nn.Module):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
         self.mtp = MTPHead(t) if (with_mtp and t.mtp is not None) else None
         self.kv_scales: dict[str, Tensor] = {}  # `*.self_attn.{k,v}_scale` of the checkpoint (see load_model)
+        self.checkpoint_dir: Path | None = None  # where load_model read it (tokenizer, configs); None: built in code
 
     def init_buffers(self) -> "FlashNextModel":
         """Recompute derived buffers (RoPE tables, n-gram hash constants) after `to_empty`."""
@@ -337,6 +338,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
 
         check_loaded_shapes(model)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration, if the checkpoint ships it (cache metadata)
+    model.checkpoint_dir = Path(path)
     return model.eval()
 
 
