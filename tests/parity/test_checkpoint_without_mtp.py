@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_oracle import build_pair, deterministic_topk  # noqa: E402
+from hf_oracle import assert_matches_reference, build_pair, deterministic_topk  # noqa: E402
 
 import revolta  # noqa: E402
 from revolta import LLM, SamplingParams  # noqa: E402
@@ -42,12 +42,7 @@ def test_loads_with_default_arguments_and_matches_the_reference(no_mtp, caplog):
     path, hf = no_mtp
     model = revolta.load_model(path, progress=False)
     assert model.cfg.text.mtp is not None and model.mtp is None  # declared, not built
-    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(0))
-    with deterministic_topk():
-        ref = hf(input_ids=ids).logits
-    out = model(ids)
-    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-4
-    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    ids = assert_matches_reference(model, hf, 40)
 
     with caplog.at_level(logging.INFO, logger="revolta"):
         llm = LLM(model=path, max_model_len=4096)
