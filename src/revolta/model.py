@@ -307,7 +307,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
         checkpoint ships its `mtp.*` tensors (transformers' `save_pretrained` and NeMo fine-tunes write none, though
         their config may declare the layer); True: require them (a CheckpointError naming them otherwise); False: never.
     ple_placement: where the PLE n-gram table lives, "device", "host" or "disk" (ple/placement.py).
-    `revolta.load_model("default", ...)` (presets/default.py) also takes "default": the embedded default model.
+    `revolta.load_model` (presets/load.py) also takes "default": the embedded default model.
     """
     from .ple.load import PLELoader
     from .weights import load_weights, read_kv_scales
