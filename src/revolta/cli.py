@@ -293,7 +293,7 @@ def _sampling_params(args: argparse.Namespace, defaults=None):
 
 def _generate(args: argparse.Namespace) -> int:
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
-    if args.model not in (None, "default") and not os.path.isdir(args.model):
+    if args.model is not None and not os.path.isdir(args.model):
         raise UserError(f"--model {args.model}: not a directory; pass a checkpoint directory "
                         "(config.json + *.safetensors), or leave --model out for the embedded default")
     from .llm import LLM
@@ -321,7 +321,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.model not in (None, "default") and not os.path.isdir(args.model):
+    if args.model is not None and not os.path.isdir(args.model):
         raise UserError(f"{args.model}: not a directory; pass a checkpoint directory, or no MODEL for the "
                         "embedded default")
     from .server.app import run_server
@@ -332,8 +332,8 @@ def _serve(args: argparse.Namespace) -> int:
                                                           "speculative_config", "limit_mm_per_prompt",
                                                           "allowed_local_media_path", "ple_placement")
                    if getattr(args, name) is not None}
-    embedded = args.model in (None, "default")
-    name = args.served_model_name or ("revolta-default" if embedded else os.path.basename(os.path.normpath(args.model)))
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                      else "revolta-default")
     keep_alive = DEFAULT_KEEP_ALIVE_S if args.sse_keep_alive_interval is None else args.sse_keep_alive_interval
     compact_json = _structured_outputs_config(args.structured_outputs_config)
     ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive,

@@ -57,8 +57,10 @@ def test_loads_with_default_arguments_and_matches_the_reference(no_mtp, caplog):
 
 def test_without_max_model_len_the_length_fits_the_cache(no_mtp, caplog):
     path, hf = no_mtp
-    llm = LLM(model=path)  # the CPU default cache holds one 262,144-token sequence of this tiny model
-    assert llm.max_model_len == LONG
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(model=path)  # the CPU default cache holds one 262,144-token sequence of this tiny model
+    assert llm.max_model_len == LONG and "does not fit the KV cache" not in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         small = LLM(model=path, kv_cache_gib=0.02)  # ~0.5 MiB of K/V per 1k tokens: far from 262,144 tokens
     fitted = [r.getMessage() for r in caplog.records if "does not fit the KV cache" in r.getMessage()]
