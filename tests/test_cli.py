@@ -100,3 +100,22 @@ def test_info_dry_run_plans_a_deployment(capsys):
     assert main(["info", str(config), "--gpu-memory", "32", "--tp", "4", "--kv-cache-dtype", "fp9"]) == 2
     captured = capsys.readouterr()
     assert "fp9" in captured.err and captured.out == ""
+
+
+def test_serve_passes_kv_cache_gib_to_the_llm(tmp_path, monkeypatch):
+    """`--kv-cache-gib` (what the fitted-length warning names) reaches LLM(...); the server itself is not started."""
+    pytest.importorskip("fastapi")
+    import revolta.llm
+    import revolta.server.app
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            self.model_path, self.max_model_len = tmp_path, 4096
+
+    monkeypatch.setattr(revolta.llm, "LLM", FakeLLM)
+    monkeypatch.setattr(revolta.server.app, "run_server", lambda llm, config, *a, **k: 0)
+    assert main(["serve", str(tmp_path), "--kv-cache-gib", "2.5", "--max-num-seqs", "3"]) == 0
+    assert seen["kv_cache_gib"] == 2.5 and seen["max_num_seqs"] == 3 and seen["max_model_len"] is None

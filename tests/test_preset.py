@@ -126,6 +126,18 @@ def test_cache_root_from_environment(tmp_path, monkeypatch):
     assert preset.default_model_dir().name == f"default-{preset.preset_hash()}"
 
 
+def test_default_by_name(default_dir, monkeypatch, tmp_path):
+    """revolta.load_model("default") and LLM(model="default") name the embedded default; no other name does."""
+    monkeypatch.setenv("REVOLTA_CACHE", str(default_dir.parent))
+    model = load_model("default", progress=False)
+    assert model.checkpoint_dir == default_dir and model.mtp is not None  # it ships its MTP weights
+    llm = LLM(model="default", max_model_len=256, max_num_seqs=1, enforce_eager=True)
+    assert llm.model_path == default_dir and llm.is_default_model and llm.speculative_config.method == "mtp"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="'defaults' is not a directory.*'default' for the embedded default"):
+        load_model("defaults")
+
+
 def test_llm_without_model_uses_the_default(default_dir, monkeypatch):
     monkeypatch.setenv("REVOLTA_CACHE", str(default_dir.parent))
     llm = LLM()

@@ -5,8 +5,8 @@
     print(outputs[0].outputs[0].text)
 
 `revolta.load_model(path, dtype=..., device=...)` returns the model module itself (token ids [B, S] in,
-logits [B, S, V] out) for notebooks and parity checks. Names are imported on first use, so
-`import revolta` stays cheap and has no side effects.
+logits [B, S, V] out) for notebooks and parity checks; `revolta.load_model("default")` is the embedded default
+model. Names are imported on first use, so `import revolta` stays cheap and has no side effects.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "load_model", "__
 
 _EXPORTS = {"LLM": ".llm", "SamplingParams": ".engine.sampling",
             "StructuredOutputsParams": ".engine.structured",
-            "load_model": ".model"}
+            "load_model": ".presets.load"}
 
 if TYPE_CHECKING:
     from .llm import LLM
-    from .model import load_model
+    from .presets.load import load_model
     from .engine.sampling import SamplingParams
     from .engine.structured import StructuredOutputsParams
 

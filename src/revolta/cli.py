@@ -112,6 +112,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--max-num-seqs", type=int, metavar="N")
     serve.add_argument("--max-num-batched-tokens", type=int, metavar="N")
     serve.add_argument("--kv-cache-dtype", metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
+    serve.add_argument("--kv-cache-gib", type=float, metavar="GiB",
+                       help="KV cache size (default: on CUDA what gpu_memory_utilization leaves, on CPU 0.5)")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON")
     serve.add_argument("--limit-mm-per-prompt", type=_json_flag("--limit-mm-per-prompt"), metavar="JSON",
@@ -217,7 +219,7 @@ def _info(args: argparse.Namespace) -> int:
                               ple_source=ple.source, weights_measured=args.weights_gib is not None, **options)
         if spec is not None and spec.is_dflash2:
             plan += _dflash2_notes(spec, args.tp, options["drafter_weights_bytes"], estimated=weights is None)
-    print(format_summary(cfg, args.path, tp=args.tp))
+    print(format_summary(cfg, args.path, tp=args.tp, mtp_weights=_mtp_weights(args.path, cfg)))
     if cfg.quantization is not None and cfg.quantization.packed:
         from .quantized import format_quantization
 
@@ -227,6 +229,19 @@ def _info(args: argparse.Namespace) -> int:
     elif cfg.text.ple_layer_ids:
         print(f"PLE table placement: {ple.value} [{ple.source}] (--gpu-memory plans the GPU budget with it)")
     return 0
+
+
+def _mtp_weights(path: str, cfg) -> bool | None:
+    """Whether the checkpoint ships its MTP layer's weights; None when there are no weight files to read."""
+    from .model import has_mtp_weights
+    from .weights import CheckpointError
+
+    if cfg.text.mtp is None or not os.path.isdir(path):
+        return None
+    try:
+        return has_mtp_weights(path, cfg)
+    except CheckpointError:  # a config without weights (no safetensors index or file)
+        return None
 
 
 def _dflash2_notes(spec, tp: int, books: int, estimated: bool) -> str:
@@ -313,7 +328,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.config import DEFAULT_KEEP_ALIVE_S, ServerConfig
 
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens",
-                                                          "kv_cache_dtype", "enable_prefix_caching",
+                                                          "kv_cache_dtype", "kv_cache_gib", "enable_prefix_caching",
                                                           "speculative_config", "limit_mm_per_prompt",
                                                           "allowed_local_media_path", "ple_placement")
                    if getattr(args, name) is not None}

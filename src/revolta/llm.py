@@ -1,6 +1,6 @@
 """LLM: the offline entry point, with vLLM's call shapes.
 
-    llm = LLM()                                   # the embedded default model, offline
+    llm = LLM()                                   # the embedded default model, offline (also LLM("default"))
     llm = LLM(model="/path/to/checkpoint")
     outs = llm.generate(["Hello", {"prompt_token_ids": [9707]}], SamplingParams(temperature=0, max_tokens=8))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason
@@ -33,12 +33,12 @@ from .engine.request import Request, RequestMetrics, RequestOutput
 from .engine.sampling import SamplingParams, make_generator
 from .engine.structured import RequestConstraint, StructuredDecoding, prompt_opens_reasoning, reasoning_ids
 from .llm_config import check_engine_args, engine_config, effective_config, log_summary, resolve_device, resolve_dtype
-from .model import FlashNextModel, load_model
+from .llm_load import requested_max_model_len, resolve_llm_speculation
+from .model import FlashNextModel, has_mtp_weights, load_model
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .multimodal.sources import media_from_messages
 from .ple.placement import resolve_ple_placement
-from .spec.config import DFLASH2_METHODS
-from .spec.resolve import resolve_speculative
+from .presets.load import resolve_model
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,13 +65,14 @@ class LLM:
     """Load a checkpoint (or the embedded default) and generate from prompts, vLLM-style.
 
     Args:
-        model: checkpoint directory (config.json, *.safetensors, tokenizer.json, ...); None = the embedded
-            default preset, built offline into the cache on first use.
+        model: checkpoint directory (config.json, *.safetensors, tokenizer.json, ...); None or "default" = the
+            embedded default preset, built offline into the cache on first use.
         tokenizer: directory with tokenizer.json when the checkpoint has none.
         dtype: "auto" (float32 on CPU, float16 on CUDA), "float32", "float16", "bfloat16" or a torch dtype.
         device: None = cuda when available, else cpu.
         seed: seeds the per-request generators of requests that have no `SamplingParams.seed`.
-        max_model_len: longest prompt + output in tokens; default the model's max_position_embeddings.
+        max_model_len: longest prompt + output in tokens; default the model's max_position_embeddings, lowered (with
+            a warning) to what the KV cache holds for one sequence when that is less.
         **engine_args: other vLLM `LLM` arguments (see llm_config.ENGINE_ARG_NAMES); unknown names raise TypeError.
     """
 
@@ -80,30 +81,15 @@ class LLM:
                  max_model_len: int | None = None, **engine_args: Any):
         check_engine_args(engine_args)
         start = time.perf_counter()
-        self.is_default_model = model is None
-        if model is None:
-            from .presets.default import ensure_default_model
-
-            model = ensure_default_model()
-        self.model_path = Path(model).expanduser()
-        if not self.model_path.is_dir():
-            raise FileNotFoundError(f"model={str(model)!r} is not a directory; pass a local checkpoint directory "
-                                    "(config.json + *.safetensors), or no model for the embedded default")
+        self.model_path, self.is_default_model = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         target = ModelConfig.from_pretrained(self.model_path)
-        spec_arg = engine_args.get("speculative_config")
-        if self.is_default_model and isinstance(spec_arg, Mapping) and spec_arg.get("method") in DFLASH2_METHODS \
-                and spec_arg.get("model") is None:  # the embedded default has an embedded drafter
-            from .presets import ensure_default_drafter
-
-            spec_arg = {**spec_arg, "model": str(ensure_default_drafter())}
-        # parsed and checked before any weight loads; MTP4 when the checkpoint has an MTP layer and no method is given
-        self.speculative_config, warnings = resolve_speculative(
-            spec_arg, target, has_mtp=target.text.mtp is not None, dtype=str(self.dtype).removeprefix("torch."),
+        self.mtp_weights = has_mtp_weights(self.model_path, target)  # MTP4 is the default only with them
+        self.speculative_config = resolve_llm_speculation(
+            engine_args.get("speculative_config"), target, self.model_path, is_default=self.is_default_model,
+            mtp_weights=self.mtp_weights, dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"))
-        for warning in warnings:
-            logger.warning(warning)
         self.ple_placement = resolve_ple_placement(engine_args.get("ple_placement"))
         if self.ple_placement.source != "default":
             logger.info("PLE table placement %r from the %s", self.ple_placement.value, self.ple_placement.source)
@@ -113,7 +99,7 @@ class LLM:
                                                 ple_placement=self.ple_placement.value)
         self.cfg: ModelConfig = self.model.cfg
         self.tokenizer = self._load_tokenizer(tokenizer, engine_args.get("skip_tokenizer_init", False))
-        self.max_model_len = self._resolve_max_model_len(max_model_len)
+        planned_len, fit_len = requested_max_model_len(max_model_len, self.cfg)
         eos = {self.cfg.text.eos_token_id}
         if self.tokenizer is not None:
             eos.update(self.tokenizer.stop_token_ids)
@@ -126,9 +112,10 @@ class LLM:
                           "max_model_len": max_model_len is not None}
         # embedding rows past the tokenizer's ids are padding with no text; the engine never samples them
         num_text_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.cfg.text.vocab_size
-        self.engine = Engine(self.model, engine_config(engine_args, self.device, self.max_model_len,
-                                                       self.speculative_config),
+        self.engine = Engine(self.model, engine_config(engine_args, self.device, planned_len, self.speculative_config,
+                                                       fit_max_model_len=fit_len),
                              tokenizer=self.tokenizer, eos_token_ids=frozenset(eos), num_text_ids=num_text_ids)
+        self.max_model_len = self.engine.config.max_model_len  # the checkpoint's may be lowered to fit the cache
         self._structured: StructuredDecoding | None = None  # built by the first structured request
         self._seed, self._seed_rng = seed, random.Random(seed)
         self._next_request_id = 0
@@ -156,16 +143,6 @@ class LLM:
                            "have no text (pass tokenizer=DIR to fix)", self.model_path)
             return None
         return Tokenizer.from_pretrained(path)
-
-    def _resolve_max_model_len(self, max_model_len: int | None) -> int:
-        limit = self.cfg.text.max_position_embeddings
-        if max_model_len is None:
-            return limit
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len={max_model_len} must be >= 2")
-        if max_model_len > limit:
-            logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d", max_model_len, limit)
-        return int(max_model_len)
 
     def _read_json(self, name: str) -> dict[str, Any]:
         path = self.model_path / name

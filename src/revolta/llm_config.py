@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .engine import EngineConfig
+from .llm_load import speculation_source
 from .ple.load import ple_memory
 from .spec.config import DFLASH2_METHODS, SpeculativeConfig
 from .spec.dflash2.checks import check_pipeline_parallel
@@ -87,8 +88,9 @@ def check_engine_args(engine_args: Mapping[str, Any]) -> None:
 
 
 def engine_config(engine_args: Mapping[str, Any], device: torch.device, max_model_len: int,
-                  speculative_config: SpeculativeConfig) -> EngineConfig:
-    """The EngineConfig of `LLM(...)`'s engine arguments (speculative_config already resolved)."""
+                  speculative_config: SpeculativeConfig, fit_max_model_len: bool = False) -> EngineConfig:
+    """The EngineConfig of `LLM(...)`'s engine arguments (speculative_config already resolved; fit_max_model_len:
+    max_model_len is the checkpoint's, lowered to what the cache holds)."""
     args = {name: engine_args[name] for name in ENGINE_CONFIG_ARGS if name in engine_args}
     if "cudagraph_capture_sizes" in args:
         args["cudagraph_capture_sizes"] = tuple(args["cudagraph_capture_sizes"])
@@ -97,7 +99,7 @@ def engine_config(engine_args: Mapping[str, Any], device: torch.device, max_mode
         args.setdefault("max_num_seqs", 16)
     # the torch references are the CPU path; on a GPU the Triton kernels run the cache
     args["kernels"] = "triton" if device.type == "cuda" else "torch"
-    return EngineConfig(max_model_len=max_model_len, **args)
+    return EngineConfig(max_model_len=max_model_len, fit_max_model_len=fit_max_model_len, **args)
 
 
 def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
@@ -115,7 +117,8 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
         ("device", llm.device, arg("device") if llm._explicit["device"] else "default (cuda if available)"),
         ("seed", llm._seed, arg("seed")),
         ("max_model_len", llm.max_model_len, "argument" if llm._explicit["max_model_len"]
-         else "checkpoint (max_position_embeddings)"),
+         else f"fitted to the KV cache (the checkpoint's {llm.cfg.text.max_position_embeddings:,} does not fit)"
+         if engine.max_model_len_fitted else "checkpoint (max_position_embeddings)"),
     ]
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
                  "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib", "block_size", "enforce_eager"):
@@ -137,7 +140,7 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
     rows.append(("ple_placement", ple_memory(llm.model).describe(), llm.ple_placement.source))
     spec_source = arg("speculative_config") if "speculative_config" in llm.engine_args else \
-        f"default ({'MTP4: the checkpoint has an MTP layer' if llm.cfg.text.mtp is not None else 'no MTP layer'})"
+        speculation_source(llm.cfg, llm.mtp_weights)
     rows.append(("speculative_config", llm.speculative_config.describe(), spec_source))
     if engine.encoder_cache is not None:
         rows.append(("limit_mm_per_prompt", llm.mm_limits, "argument" if "limit_mm_per_prompt" in llm.engine_args
@@ -155,8 +158,8 @@ def log_summary(llm: Any, seconds: float) -> None:
         if llm.is_default_model else "checkpoint"
     parts = [f"{t.num_hidden_layers} layers ({t.num_gdn_layers} GDN + {t.num_qsa_layers} QSA)",
              f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
-             f"MTP {t.num_mtp_layers}, speculative decoding {llm.speculative_config.describe()}"
-             if t.num_mtp_layers else "no MTP",
+             f"MTP {t.num_mtp_layers}{'' if llm.mtp_weights else ' (no weights in the checkpoint)'}, speculative "
+             f"decoding {llm.speculative_config.describe()}" if t.num_mtp_layers else "no MTP",
              f"vision {v.depth} blocks" if v is not None else "no vision"]
     logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | ready in %.1f s", origin, llm.model_path,
                 str(llm.dtype).removeprefix("torch."), llm.device, ", ".join(parts), num_params / 1e6, seconds)

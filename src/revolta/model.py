@@ -144,6 +144,7 @@ class FlashNextModel(nn.Module):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
         self.mtp = MTPHead(t) if (with_mtp and t.mtp is not None) else None
         self.kv_scales: dict[str, Tensor] = {}  # `*.self_attn.{k,v}_scale` of the checkpoint (see load_model)
+        self.checkpoint_dir: Path | None = None  # where load_model read it (tokenizer, configs); None: built in code
 
     def init_buffers(self) -> "FlashNextModel":
         """Recompute derived buffers (RoPE tables, n-gram hash constants) after `to_empty`."""
@@ -253,7 +254,8 @@ class FlashNextModel(nn.Module):
         Returns (logits [T or N, V] fp32, wide output M [T, h*d] for the next step).
         """
         if self.mtp is None:
-            raise ValueError("this model has no MTP head (config has no mtp_num_hidden_layers or with_mtp=False)")
+            raise ValueError("this model has no MTP head (its config has no MTP layer, its checkpoint no mtp.* "
+                             "weights, or it was loaded with with_mtp=False)")
         meta = self.make_meta(token_ids, cu_seqlens, states, positions)
         meta.paged = paged
         y, m = self.mtp(hidden, self.model.language_model.embed_tokens(token_ids), meta, step)
@@ -296,12 +298,16 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02, devi
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-               with_mtp: bool = True, with_vision: bool = True, progress: bool = True,
+               with_mtp: bool | None = None, with_vision: bool = True, progress: bool = True,
                ple_placement: str = "device") -> FlashNextModel:
     """Build the model for the checkpoint at `path` and load its weights (memory-mapped, no 2x RAM).
 
     Returns an eval-mode FlashNextModel in `dtype` on `device`; call it on token ids [B, S] for logits.
+    with_mtp: build and load the MTP head (speculative decoding's drafter). None (default): exactly when the
+        checkpoint ships its `mtp.*` tensors (transformers' `save_pretrained` and NeMo fine-tunes write none, though
+        their config may declare the layer); True: require them (a CheckpointError naming them otherwise); False: never.
     ple_placement: where the PLE n-gram table lives, "device", "host" or "disk" (ple/placement.py).
+    `revolta.load_model` (presets/load.py) also takes "default": the embedded default model.
     """
     from .ple.load import PLELoader
     from .weights import load_weights, read_kv_scales
@@ -312,7 +318,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
         dtype = getattr(torch, dtype)
     cfg = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = FlashNextModel(cfg, with_mtp=with_mtp, with_vision=with_vision)
+        model = FlashNextModel(cfg, with_mtp=has_mtp_weights(path, cfg) if with_mtp is None else with_mtp,
+                               with_vision=with_vision)
+    if with_mtp:
+        _require_mtp_weights(model, path)
     if cfg.quantization is not None:  # packed layers in the checkpoint's format, checked before any load
         from .layers.quantize import quantize_modules
 
@@ -329,4 +338,29 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
 
         check_loaded_shapes(model)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration, if the checkpoint ships it (cache metadata)
+    model.checkpoint_dir = Path(path)
     return model.eval()
+
+
+def has_mtp_weights(path: str | Path, cfg: ModelConfig | None = None) -> bool:
+    """Whether the checkpoint at `path` declares an MTP layer and ships its `mtp.*` tensors (reads names only)."""
+    from .weights import checkpoint_has
+
+    cfg = ModelConfig.from_pretrained(path) if cfg is None else cfg
+    return cfg.text.mtp is not None and checkpoint_has(path, "mtp.")
+
+
+def _require_mtp_weights(model: FlashNextModel, path: str | Path) -> None:
+    """with_mtp=True: one error naming what is missing, instead of a list of every absent mtp.* tensor."""
+    from .weights import CheckpointError, checkpoint_has
+
+    if model.mtp is None:
+        raise CheckpointError(f"with_mtp=True, but the config of {path} declares no MTP layer (mtp_num_hidden_layers "
+                              "= 0); load it with with_mtp=None (the default) or with_mtp=False")
+    if not checkpoint_has(path, "mtp."):
+        names = [f"mtp.{name}" for name in model.mtp.state_dict()]
+        raise CheckpointError(
+            f"with_mtp=True, but {path} ships no MTP weights: its config declares an MTP layer, and all {len(names)} "
+            f"of its tensors ({', '.join(names[:3])}, ...) are missing (transformers' save_pretrained and NeMo "
+            "fine-tunes do not write them); load it with with_mtp=None (the default: the MTP head is built when its "
+            "weights are present) or with_mtp=False, and decode without MTP speculation")

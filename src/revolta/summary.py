@@ -209,12 +209,23 @@ _ORDER = ("embed_tokens", "lm_head", "hyper_connections", "final_mixer", "gdn_mi
 CAPACITY_CONTEXTS = (32_768, 131_072, 262_144, 1_048_576)
 
 
-def format_summary(cfg: ModelConfig, path: str | Path | None = None, *, tp: int = 1) -> str:
+def _mtp_weights_note(num_mtp_layers: int, mtp_weights: bool | None) -> str:
+    if not num_mtp_layers or mtp_weights is None:
+        return ""
+    if mtp_weights:
+        return "; weights in the checkpoint (MTP4 speculative decoding by default)"
+    return ("; NO mtp.* weights in the checkpoint (e.g. a transformers save_pretrained or NeMo fine-tune): the MTP "
+            "head is not built and decoding runs without speculation")
+
+
+def format_summary(cfg: ModelConfig, path: str | Path | None = None, *, tp: int = 1,
+                   mtp_weights: bool | None = None) -> str:
     """The report `revolta info DIR` prints: architecture, layer pattern, key dims, parameter table,
     active parameters, KV bytes per token, fixed state per sequence and capacity examples.
 
     cfg: `ModelConfig.from_pretrained(DIR)`; path: shown in the header when given; tp: tensor-parallel
-    size for the per-GPU cache/state figures (TP = 1 is always shown too). Needs no weights.
+    size for the per-GPU cache/state figures (TP = 1 is always shown too); mtp_weights: whether the checkpoint
+    ships the MTP layer's `mtp.*` tensors (None: not checked, e.g. a config.json alone). Needs no weights.
     """
     t, v = cfg.text, cfg.vision
     c = parameter_counts(cfg)
@@ -232,7 +243,8 @@ def format_summary(cfg: ModelConfig, path: str | Path | None = None, *, tp: int 
         f"(pattern {_layer_pattern(t.layer_types)}; QSA at {', '.join(map(str, t.qsa_layer_ids))})",
         f"  MoE layers: {t.num_hidden_layers} (all)",
         f"  PLE layers: {len(t.ple_layer_ids)} (zero-based decoder index {ple})",
-        f"  MTP layers: {t.num_mtp_layers}" + (f" ({', '.join('QSA' for _ in t.mtp.layer_types)})" if t.mtp else ""),
+        f"  MTP layers: {t.num_mtp_layers}" + (f" ({', '.join('QSA' for _ in t.mtp.layer_types)})" if t.mtp else "")
+        + _mtp_weights_note(t.num_mtp_layers, mtp_weights),
         "",
         "dimensions:",
         f"  hidden {t.hidden_size}, HC streams {t.hc_count} (wide {t.wide_size}), HC low rank {t.hc_lowrank}, "

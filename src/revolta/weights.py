@@ -114,6 +114,11 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
         return {name: path for name in f.keys()}
 
 
+def checkpoint_has(path: str | Path, prefix: str) -> bool:
+    """Whether the checkpoint at `path` holds any tensor whose name starts with `prefix` (reads names only)."""
+    return any(name.startswith(prefix) for name in checkpoint_files(path))
+
+
 def _read_headers(files: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in files.items():

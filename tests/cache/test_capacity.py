@@ -14,6 +14,7 @@ from revolta.cache.capacity import (
     CacheConfig,
     CacheConfigError,
     MemoryBudget,
+    fit_max_model_len,
     plan_cache,
     resolve_kv_dtype,
 )
@@ -136,3 +137,21 @@ def test_tiny_plan_feeds_the_allocator():
     a = HybridAllocator(plan.allocator_config())
     assert a.blocks.num_ids == plan.num_blocks and a.cpu_slots.num_ids == plan.num_cpu_slots
     assert replace(plan.layout, num_blocks=plan.num_cpu_blocks, num_slots=plan.num_cpu_slots) == plan.cpu_layout()
+
+
+@pytest.mark.parametrize("spec", [0, 4])
+def test_fit_max_model_len_is_the_longest_whole_block_length_that_plans(real, spec):
+    """The checkpoint's 262,144 tokens on one 32 GiB GPU: the fit plans, one more block does not."""
+    cache = CacheConfig(max_model_len=262_144, num_speculative_tokens=spec, max_num_seqs=8)
+    budget = MemoryBudget(gpu_memory_bytes=32 * GiB, weights_bytes=20 * GiB)
+    with pytest.raises(CacheConfigError, match="lower --max-model-len"):
+        plan_cache(real, cache, budget)
+    fit = fit_max_model_len(real, cache, budget)
+    assert 0 < fit < 262_144 and fit % 256 == 0
+    _check_consistency(plan_cache(real, replace(cache, max_model_len=fit), budget))
+    with pytest.raises(CacheConfigError, match="lower --max-model-len"):
+        plan_cache(real, replace(cache, max_model_len=fit + 256), budget)
+    roomy = MemoryBudget(gpu_memory_bytes=80 * GiB, weights_bytes=20 * GiB)
+    assert fit_max_model_len(real, cache, roomy) == 262_144  # it fits whole: unchanged
+    no_blocks = MemoryBudget(gpu_memory_bytes=32 * GiB, weights_bytes=26 * GiB)  # room for the state slots only
+    assert fit_max_model_len(real, cache, no_blocks) == 0

@@ -71,3 +71,16 @@ def deterministic_topk():
         yield
     finally:
         torch.Tensor.topk = original
+
+
+@torch.no_grad()
+def assert_matches_reference(model, hf, seq_len: int, rtol: float = 1e-4) -> torch.Tensor:
+    """revolta's full-forward logits on 2 random sequences of `seq_len` ids within rtol (relative to the largest) of
+    the oracle's, with the same argmax everywhere; returns the ids."""
+    ids = torch.randint(0, 500, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    with deterministic_topk():
+        ref = hf(input_ids=ids).logits
+    out = model(ids)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= rtol
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    return ids

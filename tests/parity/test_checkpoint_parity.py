@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_oracle import build_pair, deterministic_topk  # noqa: E402
+from hf_oracle import assert_matches_reference, build_pair  # noqa: E402
 
 import revolta  # noqa: E402
 
@@ -16,12 +16,7 @@ def test_reference_checkpoint_loads_and_matches(tmp_path):
     hf.save_pretrained(tmp_path, max_shard_size="300KB")  # sharded, PLE table split in 3 parts
     assert (tmp_path / "model.safetensors.index.json").exists()
     model = revolta.load_model(tmp_path, dtype=torch.float32, device="cpu", progress=False)
-    ids = torch.randint(0, 500, (2, 50), generator=torch.Generator().manual_seed(0))
-    with deterministic_topk():
-        ref = hf(input_ids=ids).logits
-    out = model(ids)
-    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-4
-    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert_matches_reference(model, hf, 50)
 
 
 def test_load_model_keeps_decay_params_fp32_in_bf16(tmp_path):

@@ -436,6 +436,26 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
                      num_cpu_slots=cpu_slots, scalar_bytes=scalars, draft_kv_bytes_per_request=draft_per_request)
 
 
+def fit_max_model_len(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: int = 1,
+                      dtype: str = "float16") -> int:
+    """The largest max_model_len, up to `cache.max_model_len` and a whole number of the blocks planned for it, whose
+    plan fits `budget`; 0 when not even one block does. For a length the user did not choose (the checkpoint's)."""
+    bs = choose_block_size(cfg, cache)
+
+    def fits(blocks: int) -> bool:
+        try:
+            plan_cache(cfg, replace(cache, max_model_len=blocks * bs, block_size=bs), budget, tp, dtype)
+            return True
+        except CacheConfigError:
+            return False
+
+    lo, hi = 0, cache.max_model_len // bs  # fits(lo) (0 blocks: trivially), the answer is in [lo, hi]
+    while lo < hi:  # the cache a length needs grows with it: bisect on the block count
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * bs
+
+
 def estimate_activation_bytes(cfg: ModelConfig, tp: int, max_num_batched_tokens: int, max_num_seqs: int,
                               num_speculative_tokens: int = 0, dtype: str = "float16") -> int:
     """Peak transient memory of one forward of `max_num_batched_tokens` tokens on one GPU: the

@@ -18,16 +18,17 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..cache.capacity import CacheConfig, MemoryBudget, default_cudagraph_reserve_mib, estimate_activation_bytes
-from ..cache.capacity import plan_cache, resolve_kv_dtype
+from ..cache.capacity import CacheConfigError, CachePlan, fit_max_model_len, plan_cache, resolve_kv_dtype
 from ..cache.hybrid import HybridAllocator
 from ..cache.storage import MTP, kv_scales_from_state_dict
 from ..model import FlashNextModel
+from ..units import human_bytes
 from ..multimodal.encoder_cache import EncoderCache, check_item_fits
 from ..multimodal.media import MediaError
 from ..multimodal.processor import MultimodalPrompt
@@ -63,6 +64,9 @@ class EngineConfig:
     """
 
     max_model_len: int
+    # max_model_len is the checkpoint's, not the user's: when the cache cannot hold one sequence of it, lower it to
+    # the longest that fits (one warning) instead of failing; an explicit length that does not fit stays an error
+    fit_max_model_len: bool = False
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 8192
     kv_cache_dtype: str = "auto"
@@ -157,7 +161,14 @@ class Engine:
                             enable_prefix_caching=config.enable_prefix_caching,
                             kv_offload_gib=config.kv_offload_gib,
                             **self.spec.cache_fields(config.kv_cache_dtype, dtype))
-        self.plan = plan_cache(cfg, cache, self._budget(), tp=1, dtype=dtype)
+        self.max_model_len_fitted = False  # True: max_model_len was lowered to fit the cache (fit_max_model_len)
+        try:
+            self.plan = plan_cache(cfg, cache, self._budget(), tp=1, dtype=dtype)
+        except CacheConfigError:
+            if not config.fit_max_model_len:
+                raise
+            self.plan = self._fit_max_model_len(cache, dtype)
+            config = self.config
         logger.info("speculative decoding: %s", self.spec.describe())
         for line in self.plan.capacity_lines():
             logger.info(line)
@@ -199,6 +210,30 @@ class Engine:
     @property
     def spec_graphs(self):
         return self.executor.spec_graphs
+
+    def _fit_max_model_len(self, cache: CacheConfig, dtype: str) -> CachePlan:
+        """The plan for the longest max_model_len the cache holds one sequence of; lowers `config.max_model_len`
+        and says so once. Raises the planner's error when not even one block fits."""
+        cfg, budget, full = self.model.cfg, self._budget(), cache.max_model_len
+        fit = fit_max_model_len(cfg, cache, budget, tp=1, dtype=dtype)
+        if fit == 0:
+            return plan_cache(cfg, cache, budget, tp=1, dtype=dtype)  # raises, naming what the length needs
+        plan = plan_cache(cfg, replace(cache, max_model_len=fit), budget, tp=1, dtype=dtype)
+        self.config, self.max_model_len_fitted = replace(self.config, max_model_len=fit), True
+        more = (-(-(full + cache.num_speculative_tokens) // plan.block_size) - plan.num_blocks + 1) * plan.page_bytes
+        if self.model.device.type == "cuda" and self.config.kv_cache_gib is None:
+            cache_is = f"gpu_memory_utilization={self.config.gpu_memory_utilization:g} of the GPU after the weights"
+            how = ("raise gpu_memory_utilization, set kv_cache_gib=G (serve: --kv-cache-gib G), use "
+                   "kv_cache_dtype='fp8_e4m3' or lower max_num_seqs")
+        else:
+            gib = self.config.kv_cache_gib
+            cache_is = f"kv_cache_gib={gib:g}" if gib is not None else "kv_cache_gib=0.5, the CPU default"
+            how = "raise kv_cache_gib (serve: --kv-cache-gib G) or lower max_num_seqs"
+        logger.warning("max_model_len not given: the checkpoint's max_position_embeddings=%s does not fit the KV "
+                       "cache (%s), so max_model_len=%s, the longest one sequence it holds (the full length needs %s "
+                       "more). To raise it, %s; an explicit max_model_len (serve: --max-model-len) is kept as given, "
+                       "or is an error when it does not fit", f"{full:,}", cache_is, f"{fit:,}", human_bytes(more), how)
+        return plan
 
     def _budget(self) -> MemoryBudget:
         # an FP8 PLE table on the device is not a parameter; one off the device frees its bytes for the KV pool

@@ -1,0 +1,73 @@
+"""The checkpoint side of `LLM(...)`: the speculative default from the weights it ships, and the length it asks for.
+
+    resolve_llm_speculation   speculative_config: MTP4 by default only when the checkpoint ships its mtp.* weights
+    requested_max_model_len   max_model_len: the argument, else the checkpoint's (the engine fits that to its cache)
+    speculation_source        where the speculative default came from, for the start-up summary
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .config import ModelConfig
+from .spec.config import DFLASH2_METHODS, SpeculativeConfig
+from .spec.resolve import resolve_speculative
+
+logger = logging.getLogger("revolta.llm")  # these lines are part of the LLM's start-up log
+
+# a config that declares the MTP layer, but a checkpoint without its weights (why MTP4 is not the default then)
+NO_MTP_WEIGHTS = ("its config declares an MTP layer but the checkpoint ships no mtp.* weights (transformers' "
+                  "save_pretrained and NeMo fine-tunes write none)")
+
+
+def resolve_llm_speculation(raw: Mapping[str, Any] | SpeculativeConfig | None, cfg: ModelConfig, path: Path, *,
+                            is_default: bool, mtp_weights: bool, dtype: str,
+                            kv_cache_dtype: str) -> SpeculativeConfig:
+    """`LLM(speculative_config=raw)` parsed and checked before any weight loads; logs its warnings.
+
+    None: MTP4 when the checkpoint ships its MTP weights, else off (an info line says why when the config declares
+    the layer). An MTP request without those weights raises ValueError with the fix. DFlash2 on the embedded default
+    without a drafter `model` uses the embedded default drafter."""
+    if is_default and isinstance(raw, Mapping) and raw.get("method") in DFLASH2_METHODS and raw.get("model") is None:
+        from .presets import ensure_default_drafter
+
+        raw = {**raw, "model": str(ensure_default_drafter())}
+    declared = cfg.text.mtp is not None
+    if raw is None and declared and not mtp_weights:
+        logger.info("speculative decoding off: %s; MTP4 is the default only for checkpoints that ship them",
+                    NO_MTP_WEIGHTS)
+        raw = {"method": None}
+    spec, warnings = resolve_speculative(raw, cfg, has_mtp=declared, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    if spec.method == "mtp" and not mtp_weights:
+        raise ValueError(f"speculative_config method='mtp' needs the MTP head's weights, but {path}: {NO_MTP_WEIGHTS}; "
+                         "leave speculative_config unset or pass {'method': None} to decode without speculation")
+    for warning in warnings:
+        logger.warning(warning)
+    return spec
+
+
+def speculation_source(cfg: ModelConfig, mtp_weights: bool) -> str:
+    """How the speculative default was chosen (the start-up summary's source column)."""
+    if mtp_weights:
+        return "default (MTP4: the checkpoint ships its MTP layer)"
+    if cfg.text.mtp is not None:
+        return "default (off: the config declares an MTP layer, the checkpoint ships no mtp.* weights)"
+    return "default (no MTP layer)"
+
+
+def requested_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> tuple[int, bool]:
+    """(max_model_len to plan for, whether the engine may lower it to fit its cache).
+
+    None asks for the checkpoint's max_position_embeddings, which the engine lowers (with a warning) when the cache
+    cannot hold one sequence of it; an explicit value is kept, and one that does not fit is an error."""
+    limit = cfg.text.max_position_embeddings
+    if max_model_len is None:
+        return limit, True
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len={max_model_len} must be >= 2")
+    if max_model_len > limit:
+        logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d", max_model_len, limit)
+    return int(max_model_len), False
