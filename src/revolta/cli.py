@@ -320,7 +320,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_server_extra() -> None:
+    """One line naming the fix when the server extra is missing, before anything loads (uvicorn is imported by
+    run_server only after the model is up)."""
+    try:
+        import uvicorn  # noqa: F401
+
+        from .server import app  # noqa: F401  (fastapi, pydantic, starlette)
+    except ImportError as e:
+        missing = (e.name or "").split(".")[0]
+        if missing == "revolta":  # a bug in revolta, not a missing package: keep the traceback
+            raise
+        raise UserError(f"revolta serve needs the server extra ({missing or e} is not installed): "
+                        "pip install 'revolta[server]' (from a checkout: pip install -e '.[server]')") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _require_server_extra()
     if args.model is not None and not os.path.isdir(args.model):
         raise UserError(f"{args.model}: not a directory; pass a checkpoint directory, or no MODEL for the "
                         "embedded default")

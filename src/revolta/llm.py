@@ -25,18 +25,18 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
-from tqdm.auto import tqdm
-
 from .config import ModelConfig
 from .engine import Engine, EngineStatus
 from .engine.request import Request, RequestMetrics, RequestOutput
 from .engine.sampling import SamplingParams, make_generator
 from .engine.structured import RequestConstraint, StructuredDecoding, prompt_opens_reasoning, reasoning_ids
-from .llm_config import check_engine_args, engine_config, effective_config, log_summary, resolve_device, resolve_dtype
+from .llm_config import (check_engine_args, engine_config, effective_config, load_tokenizer, log_summary,
+                         resolve_device, resolve_dtype)
 from .llm_load import requested_max_model_len, resolve_llm_speculation
 from .model import FlashNextModel, has_mtp_weights, load_model
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .multimodal.sources import media_from_messages
+from .progress import GenerationBar
 from .ple.placement import resolve_ple_placement
 from .presets.load import resolve_model
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -81,8 +81,8 @@ class LLM:
                  max_model_len: int | None = None, **engine_args: Any):
         check_engine_args(engine_args)
         start = time.perf_counter()
+        self.device = resolve_device(device)  # before the default is built: a missing device fails at once
         self.model_path, self.is_default_model = resolve_model(model)
-        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         target = ModelConfig.from_pretrained(self.model_path)
         self.mtp_weights = has_mtp_weights(self.model_path, target)  # MTP4 is the default only with them
@@ -98,7 +98,7 @@ class LLM:
                                                 progress=not self.is_default_model,
                                                 ple_placement=self.ple_placement.value)
         self.cfg: ModelConfig = self.model.cfg
-        self.tokenizer = self._load_tokenizer(tokenizer, engine_args.get("skip_tokenizer_init", False))
+        self.tokenizer = load_tokenizer(self.model_path, tokenizer, engine_args.get("skip_tokenizer_init", False))
         planned_len, fit_len = requested_max_model_len(max_model_len, self.cfg)
         eos = {self.cfg.text.eos_token_id}
         if self.tokenizer is not None:
@@ -132,17 +132,6 @@ class LLM:
         self.engine.sampler.eos_token_ids = frozenset(ids)
 
     # ---- setup -------------------------------------------------------------------------------
-    def _load_tokenizer(self, tokenizer: str | Path | None, skip: bool) -> Tokenizer | None:
-        if skip:
-            return None
-        path = Path(tokenizer).expanduser() if tokenizer is not None else self.model_path
-        if not (path / "tokenizer.json").is_file():
-            if tokenizer is not None:
-                raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} has no tokenizer.json")
-            logger.warning("%s has no tokenizer.json: only {'prompt_token_ids': [...]} prompts work and outputs "
-                           "have no text (pass tokenizer=DIR to fix)", self.model_path)
-            return None
-        return Tokenizer.from_pretrained(path)
 
     def _read_json(self, name: str) -> dict[str, Any]:
         path = self.model_path / name
@@ -180,9 +169,9 @@ class LLM:
         sampling_params: one for all prompts, one per prompt, or None (the checkpoint's generation_config).
         """
         requests = self._make_requests(prompts, sampling_params)
-        with tqdm(total=len(requests), desc="Generating", unit="seq", disable=not use_tqdm) as bar:
+        with GenerationBar(requests, self.max_model_len, enabled=use_tqdm) as bar:  # moves every step
             for changed in self._run(requests):
-                bar.update(sum(r.finished for r in changed))
+                bar.update(changed)
         outputs: list[RequestOutput] = []
         for r in requests:  # the n completions of a prompt are consecutive
             if r.index == 0:

@@ -2,6 +2,7 @@
 
     check_engine_args   vLLM `LLM(...)` / `vllm serve` names revolta accepts (unknown names raise TypeError)
     resolve_device / resolve_dtype   "auto" and names -> torch objects
+    load_tokenizer      the checkpoint's tokenizer (or the directory named), None when skipped or absent
     engine_config       the engine arguments -> EngineConfig
     effective_config    (name, value, source) of every setting in force, and the start-up log lines
 """
@@ -12,15 +13,18 @@ import difflib
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .device import resolve_device  # noqa: F401  (LLM picks its device through here)
 from .engine import EngineConfig
 from .llm_load import speculation_source
 from .ple.load import ple_memory
 from .spec.config import DFLASH2_METHODS, SpeculativeConfig
 from .spec.dflash2.checks import check_pipeline_parallel
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger("revolta.llm")  # the start-up log is the LLM's
 
@@ -53,11 +57,17 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """None -> cuda when available, else cpu."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+def load_tokenizer(model_path: Path, tokenizer: str | Path | None, skip: bool) -> Tokenizer | None:
+    if skip:
+        return None
+    path = Path(tokenizer).expanduser() if tokenizer is not None else model_path
+    if not (path / "tokenizer.json").is_file():
+        if tokenizer is not None:
+            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} has no tokenizer.json")
+        logger.warning("%s has no tokenizer.json: only {'prompt_token_ids': [...]} prompts work and outputs "
+                       "have no text (pass tokenizer=DIR to fix)", model_path)
+        return None
+    return Tokenizer.from_pretrained(path)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
