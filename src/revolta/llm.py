@@ -20,7 +20,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
 
@@ -29,7 +29,8 @@ from .config import ModelConfig
 from .engine import Engine, EngineStatus
 from .engine.request import Request, RequestMetrics, RequestOutput
 from .engine.sampling import SamplingParams, make_generator
-from .engine.structured import RequestConstraint, StructuredDecoding, prompt_opens_reasoning, reasoning_ids
+from .engine.structured import (RequestConstraint, StructuredDecoding, compact_json_default, prompt_opens_reasoning,
+                                 reasoning_ids)
 from .llm_config import (check_engine_args, engine_config, effective_config, load_tokenizer, log_summary,
                          resolve_device, resolve_dtype)
 from .llm_load import requested_max_model_len, resolve_llm_speculation
@@ -80,6 +81,7 @@ class LLM:
                  dtype: str | torch.dtype = "auto", device: str | torch.device | None = None, seed: int = 0,
                  max_model_len: int | None = None, **engine_args: Any):
         check_engine_args(engine_args)
+        self.compact_json = compact_json_default(engine_args.get("structured_outputs_config"))  # checked before loading
         start = time.perf_counter()
         self.device = resolve_device(device)  # before the default is built: a missing device fails at once
         self.model_path, self.is_default_model = resolve_model(model)
@@ -310,6 +312,8 @@ class LLM:
         spec = params.structured_outputs
         if spec is not None:
             self._require_tokenizer("structured_outputs")
+            if self.compact_json and not spec.disable_any_whitespace:  # LLM(structured_outputs_config=...)
+                spec = replace(spec, disable_any_whitespace=True)
         think_start, think_end = reasoning_ids(self.tokenizer)
         if params.thinking_token_budget is not None and think_end is None:
             raise ValueError("thinking_token_budget needs a tokenizer with a </think> token; drop it for this model")

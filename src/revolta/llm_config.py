@@ -37,6 +37,7 @@ ENGINE_ARG_NAMES = frozenset({
     "kv_cache_dtype", "block_size", "enable_prefix_caching", "enforce_eager", "speculative_config",
     "limit_mm_per_prompt", "max_logprobs", "disable_log_stats", "generation_config", "compilation_config",
     "mm_processor_kwargs", "allowed_local_media_path",
+    "structured_outputs_config",  # {"disable_any_whitespace": true}: compact JSON for every structured request
     # revolta's own engine knobs (EngineConfig)
     "kv_cache_gib", "kv_offload_gib", "cudagraph_mem_mib", "cudagraph_capture_sizes",
     "max_num_encoder_input_tokens", "encoder_cache_size",
@@ -152,6 +153,8 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     spec_source = arg("speculative_config") if "speculative_config" in llm.engine_args else \
         speculation_source(llm.cfg, llm.mtp_weights)
     rows.append(("speculative_config", llm.speculative_config.describe(), spec_source))
+    rows.append(("disable_any_whitespace", llm.compact_json, "argument (structured_outputs_config)"
+                 if "structured_outputs_config" in llm.engine_args else "default (per request)"))
     if engine.encoder_cache is not None:
         rows.append(("limit_mm_per_prompt", llm.mm_limits, "argument" if "limit_mm_per_prompt" in llm.engine_args
                      else "default (1 image, no video)"))
@@ -177,7 +180,7 @@ def log_summary(llm: Any, seconds: float) -> None:
     width = max(len(name) for name, _, _ in rows)
     logger.info("effective configuration (value [source]):\n%s", "\n".join(
         f"  {name:<{width}} {value!s:<24} [{source}]" for name, value, source in rows))
-    unused = sorted(set(llm.engine_args) - {"skip_tokenizer_init"} - set(ENGINE_CONFIG_ARGS) - set(MEDIA_ARGS)
-                    - set(LOAD_ARGS))
+    unused = sorted(set(llm.engine_args) - {"skip_tokenizer_init", "structured_outputs_config"}
+                    - set(ENGINE_CONFIG_ARGS) - set(MEDIA_ARGS) - set(LOAD_ARGS))
     if unused:
         logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))
