@@ -15,7 +15,6 @@ batch (greedy rows are argmax, sampled rows use their own generator).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
+
 from .config import ModelConfig
 from .engine import Engine, EngineStatus
 from .engine.request import Request, RequestMetrics, RequestOutput
@@ -32,14 +32,14 @@ from .engine.sampling import SamplingParams, make_generator
 from .engine.structured import (RequestConstraint, StructuredDecoding, compact_json_default, prompt_opens_reasoning,
                                  reasoning_ids)
 from .llm_config import (check_engine_args, engine_config, effective_config, load_tokenizer, log_summary,
-                         resolve_device, resolve_dtype)
+                         read_checkpoint_json, resolve_device, resolve_dtype)
 from .llm_load import requested_max_model_len, resolve_llm_speculation
 from .model import FlashNextModel, has_mtp_weights, load_model
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .multimodal.sources import media_from_messages
-from .progress import GenerationBar
 from .ple.placement import resolve_ple_placement
 from .presets.load import resolve_model
+from .progress import GenerationBar
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class LLM:
         eos = {self.cfg.text.eos_token_id}
         if self.tokenizer is not None:
             eos.update(self.tokenizer.stop_token_ids)
-        self.generation_config = self._read_json("generation_config.json")
+        self.generation_config = read_checkpoint_json(self.model_path, "generation_config.json")
         self.engine_args = dict(engine_args)
         self.mm_limits = parse_limits(engine_args.get("limit_mm_per_prompt"))
         self.media_config = MediaConfig().updated(engine_args.get("mm_processor_kwargs"))
@@ -134,11 +134,6 @@ class LLM:
         self.engine.sampler.eos_token_ids = frozenset(ids)
 
     # ---- setup -------------------------------------------------------------------------------
-
-    def _read_json(self, name: str) -> dict[str, Any]:
-        path = self.model_path / name
-        return json.loads(path.read_text()) if path.is_file() else {}
-
     def effective_config(self) -> list[tuple[str, Any, str]]:
         """(name, value, source) of every engine setting in force; source is "argument",
         "environment", "checkpoint" or "default" (with how a default was resolved)."""

@@ -3,6 +3,7 @@
     check_engine_args   vLLM `LLM(...)` / `vllm serve` names revolta accepts (unknown names raise TypeError)
     resolve_device / resolve_dtype   "auto" and names -> torch objects
     load_tokenizer      the checkpoint's tokenizer (or the directory named), None when skipped or absent
+    read_checkpoint_json   one of the checkpoint's JSON files ({} when it has none), e.g. generation_config.json
     engine_config       the engine arguments -> EngineConfig
     effective_config    (name, value, source) of every setting in force, and the start-up log lines
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -69,6 +71,11 @@ def load_tokenizer(model_path: Path, tokenizer: str | Path | None, skip: bool) -
                        "have no text (pass tokenizer=DIR to fix)", model_path)
         return None
     return Tokenizer.from_pretrained(path)
+
+
+def read_checkpoint_json(model_path: Path, name: str) -> dict[str, Any]:
+    path = model_path / name
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
