@@ -114,7 +114,7 @@ def test_a_volta_device_under_an_old_triton_is_refused_at_start_up(fake_volta, t
     fake_volta("3.3.1")
     for start in (lambda: resolve_device(None), lambda: resolve_device("cuda:0"),
                   lambda: LLM(model=tmp_path / "none", device="cuda"),  # before the checkpoint is even looked at
-                  lambda: load_model(tmp_path / "none", device="cuda")):
+                  lambda: load_model(tmp_path, device="cuda")):  # before its (absent) config.json is read
         with pytest.raises(DeviceError, match="triton 3.3.1 computes fp16 tl.dot wrong"):
             start()
     fake_volta("3.4.0")
