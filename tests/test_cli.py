@@ -33,6 +33,8 @@ def test_generate_subprocess(cache_env):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "embedded default preset" in proc.stderr  # the startup summary
+    # a CPU run's cache is no GPU's (the dry run for a GPU keeps vLLM's "GPU KV cache size")
+    assert "KV cache size:" in proc.stderr and "GPU KV cache size" not in proc.stderr
 
 
 def test_generate_in_process(cache_env, capsys):

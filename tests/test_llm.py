@@ -13,6 +13,7 @@ from revolta import LLM, SamplingParams, load_model
 from revolta.config import ModelConfig
 from revolta.model import FlashNextModel, init_random_weights
 from revolta.presets.default import DEFAULT_CONFIG
+from revolta.progress import GenerationBar
 from revolta.engine.sampling import Sampler, make_generator
 from revolta.tokenizer import write_qwen_tokenizer_dir
 from revolta.weights import save_checkpoint
@@ -183,6 +184,26 @@ def test_max_tokens_and_length(llm):
     short = LLM(model=str(llm.model_path), max_model_len=len(llm.tokenizer.encode(PROMPTS[0])) + 3)
     out = short.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def test_generate_bar_moves_every_step(llm, monkeypatch, capsys):
+    ref = _greedy(llm, PROMPTS[0]).token_ids
+    seen, update = [], GenerationBar.update
+
+    def spy(bar, changed):
+        update(bar, changed)
+        seen.append((bar.n, bar.total, bar.generated))
+
+    monkeypatch.setattr(GenerationBar, "update", spy)
+    params = [SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[ref[4]]), GREEDY]
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=True)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert generated < 32 and len(seen) >= 16  # one update per step; the first prompt stops early
+    assert seen[0][0] > 0  # moved at the first step (a bar over sequences read 0/2 until one finished)
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    assert seen[-1] == (32, 32, generated)  # the early stop handed its unused budget back: the bar ends full
+    err = capsys.readouterr().err
+    assert f"{generated} tokens" in err and "tok/s" in err and "2/2 done" in err
 
 
 def test_stop_token_ids(llm):

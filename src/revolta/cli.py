@@ -12,12 +12,10 @@ stderr and exit with status 2; set REVOLTA_DEBUG=1 for the traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from .ple.placement import PLACEMENTS as PLE_PLACEMENTS  # torch-free
 
@@ -138,20 +136,6 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
-
-
-def _structured_outputs_config(value: Any) -> bool:
-    """--structured-outputs-config JSON -> disable_any_whitespace (the one setting it has; backend may say xgrammar)."""
-    if value is None:
-        return False
-    if not isinstance(value, dict) or set(value) - {"disable_any_whitespace", "backend"}:
-        raise UserError(f"--structured-outputs-config {json.dumps(value)}: give an object with "
-                        "disable_any_whitespace (true/false) and optionally backend \"xgrammar\"")
-    if value.get("backend", "xgrammar") not in ("xgrammar", "auto"):
-        raise UserError(f"--structured-outputs-config backend {value['backend']!r}: only xgrammar is available")
-    if not isinstance(value.get("disable_any_whitespace", False), bool):
-        raise UserError("--structured-outputs-config disable_any_whitespace must be true or false")
-    return value.get("disable_any_whitespace", False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -320,7 +304,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_server_extra() -> None:
+    """One line naming the fix when the server extra is missing, before anything loads (uvicorn is imported by
+    run_server only after the model is up)."""
+    try:
+        import uvicorn  # noqa: F401
+
+        from .server import app  # noqa: F401  (fastapi, pydantic, starlette)
+    except ImportError as e:
+        missing = (e.name or "").split(".")[0]
+        if missing == "revolta":  # a bug in revolta, not a missing package: keep the traceback
+            raise
+        raise UserError(f"revolta serve needs the server extra ({missing or e} is not installed): "
+                        "pip install 'revolta[server]' (from a checkout: pip install -e '.[server]')") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _require_server_extra()
     if args.model is not None and not os.path.isdir(args.model):
         raise UserError(f"{args.model}: not a directory; pass a checkpoint directory, or no MODEL for the "
                         "embedded default")
@@ -335,7 +335,9 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")
     keep_alive = DEFAULT_KEEP_ALIVE_S if args.sse_keep_alive_interval is None else args.sse_keep_alive_interval
-    compact_json = _structured_outputs_config(args.structured_outputs_config)
+    from .engine.structured import compact_json_default
+
+    compact_json = compact_json_default(args.structured_outputs_config, "--structured-outputs-config")
     ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive,
                  max_pending_requests=args.max_pending_requests)  # check the flags before loading
     from .multimodal.processor import parse_limits

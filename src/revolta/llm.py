@@ -15,30 +15,31 @@ batch (greedy rows are argmax, sampled rows use their own generator).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
 
 import torch
-from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .engine import Engine, EngineStatus
 from .engine.request import Request, RequestMetrics, RequestOutput
 from .engine.sampling import SamplingParams, make_generator
-from .engine.structured import RequestConstraint, StructuredDecoding, prompt_opens_reasoning, reasoning_ids
-from .llm_config import check_engine_args, engine_config, effective_config, log_summary, resolve_device, resolve_dtype
+from .engine.structured import (RequestConstraint, StructuredDecoding, compact_json_default, prompt_opens_reasoning,
+                                 reasoning_ids)
+from .llm_config import (check_engine_args, engine_config, effective_config, load_tokenizer, log_summary,
+                         read_checkpoint_json, resolve_device, resolve_dtype)
 from .llm_load import requested_max_model_len, resolve_llm_speculation
 from .model import FlashNextModel, has_mtp_weights, load_model
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .multimodal.sources import media_from_messages
 from .ple.placement import resolve_ple_placement
 from .presets.load import resolve_model
+from .progress import GenerationBar
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,10 @@ class LLM:
                  dtype: str | torch.dtype = "auto", device: str | torch.device | None = None, seed: int = 0,
                  max_model_len: int | None = None, **engine_args: Any):
         check_engine_args(engine_args)
+        self.compact_json = compact_json_default(engine_args.get("structured_outputs_config"))  # checked before loading
         start = time.perf_counter()
+        self.device = resolve_device(device)  # before the default is built: a missing device fails at once
         self.model_path, self.is_default_model = resolve_model(model)
-        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         target = ModelConfig.from_pretrained(self.model_path)
         self.mtp_weights = has_mtp_weights(self.model_path, target)  # MTP4 is the default only with them
@@ -98,12 +100,12 @@ class LLM:
                                                 progress=not self.is_default_model,
                                                 ple_placement=self.ple_placement.value)
         self.cfg: ModelConfig = self.model.cfg
-        self.tokenizer = self._load_tokenizer(tokenizer, engine_args.get("skip_tokenizer_init", False))
+        self.tokenizer = load_tokenizer(self.model_path, tokenizer, engine_args.get("skip_tokenizer_init", False))
         planned_len, fit_len = requested_max_model_len(max_model_len, self.cfg)
         eos = {self.cfg.text.eos_token_id}
         if self.tokenizer is not None:
             eos.update(self.tokenizer.stop_token_ids)
-        self.generation_config = self._read_json("generation_config.json")
+        self.generation_config = read_checkpoint_json(self.model_path, "generation_config.json")
         self.engine_args = dict(engine_args)
         self.mm_limits = parse_limits(engine_args.get("limit_mm_per_prompt"))
         self.media_config = MediaConfig().updated(engine_args.get("mm_processor_kwargs"))
@@ -132,22 +134,6 @@ class LLM:
         self.engine.sampler.eos_token_ids = frozenset(ids)
 
     # ---- setup -------------------------------------------------------------------------------
-    def _load_tokenizer(self, tokenizer: str | Path | None, skip: bool) -> Tokenizer | None:
-        if skip:
-            return None
-        path = Path(tokenizer).expanduser() if tokenizer is not None else self.model_path
-        if not (path / "tokenizer.json").is_file():
-            if tokenizer is not None:
-                raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} has no tokenizer.json")
-            logger.warning("%s has no tokenizer.json: only {'prompt_token_ids': [...]} prompts work and outputs "
-                           "have no text (pass tokenizer=DIR to fix)", self.model_path)
-            return None
-        return Tokenizer.from_pretrained(path)
-
-    def _read_json(self, name: str) -> dict[str, Any]:
-        path = self.model_path / name
-        return json.loads(path.read_text()) if path.is_file() else {}
-
     def effective_config(self) -> list[tuple[str, Any, str]]:
         """(name, value, source) of every engine setting in force; source is "argument",
         "environment", "checkpoint" or "default" (with how a default was resolved)."""
@@ -180,9 +166,9 @@ class LLM:
         sampling_params: one for all prompts, one per prompt, or None (the checkpoint's generation_config).
         """
         requests = self._make_requests(prompts, sampling_params)
-        with tqdm(total=len(requests), desc="Generating", unit="seq", disable=not use_tqdm) as bar:
+        with GenerationBar(requests, self.max_model_len, enabled=use_tqdm) as bar:  # moves every step
             for changed in self._run(requests):
-                bar.update(sum(r.finished for r in changed))
+                bar.update(changed)
         outputs: list[RequestOutput] = []
         for r in requests:  # the n completions of a prompt are consecutive
             if r.index == 0:
@@ -321,6 +307,8 @@ class LLM:
         spec = params.structured_outputs
         if spec is not None:
             self._require_tokenizer("structured_outputs")
+            if self.compact_json and not spec.disable_any_whitespace:  # LLM(structured_outputs_config=...)
+                spec = replace(spec, disable_any_whitespace=True)
         think_start, think_end = reasoning_ids(self.tokenizer)
         if params.thinking_token_budget is not None and think_end is None:
             raise ValueError("thinking_token_budget needs a tokenizer with a </think> token; drop it for this model")

@@ -2,6 +2,8 @@
 
     check_engine_args   vLLM `LLM(...)` / `vllm serve` names revolta accepts (unknown names raise TypeError)
     resolve_device / resolve_dtype   "auto" and names -> torch objects
+    load_tokenizer      the checkpoint's tokenizer (or the directory named), None when skipped or absent
+    read_checkpoint_json   one of the checkpoint's JSON files ({} when it has none), e.g. generation_config.json
     engine_config       the engine arguments -> EngineConfig
     effective_config    (name, value, source) of every setting in force, and the start-up log lines
 """
@@ -9,18 +11,22 @@
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .device import resolve_device  # noqa: F401  (LLM picks its device through here)
 from .engine import EngineConfig
 from .llm_load import speculation_source
 from .ple.load import ple_memory
 from .spec.config import DFLASH2_METHODS, SpeculativeConfig
 from .spec.dflash2.checks import check_pipeline_parallel
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger("revolta.llm")  # the start-up log is the LLM's
 
@@ -33,6 +39,7 @@ ENGINE_ARG_NAMES = frozenset({
     "kv_cache_dtype", "block_size", "enable_prefix_caching", "enforce_eager", "speculative_config",
     "limit_mm_per_prompt", "max_logprobs", "disable_log_stats", "generation_config", "compilation_config",
     "mm_processor_kwargs", "allowed_local_media_path",
+    "structured_outputs_config",  # {"disable_any_whitespace": true}: compact JSON for every structured request
     # revolta's own engine knobs (EngineConfig)
     "kv_cache_gib", "kv_offload_gib", "cudagraph_mem_mib", "cudagraph_capture_sizes",
     "max_num_encoder_input_tokens", "encoder_cache_size",
@@ -53,11 +60,22 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """None -> cuda when available, else cpu."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+def load_tokenizer(model_path: Path, tokenizer: str | Path | None, skip: bool) -> Tokenizer | None:
+    if skip:
+        return None
+    path = Path(tokenizer).expanduser() if tokenizer is not None else model_path
+    if not (path / "tokenizer.json").is_file():
+        if tokenizer is not None:
+            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} has no tokenizer.json")
+        logger.warning("%s has no tokenizer.json: only {'prompt_token_ids': [...]} prompts work and outputs "
+                       "have no text (pass tokenizer=DIR to fix)", model_path)
+        return None
+    return Tokenizer.from_pretrained(path)
+
+
+def read_checkpoint_json(model_path: Path, name: str) -> dict[str, Any]:
+    path = model_path / name
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -142,6 +160,8 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     spec_source = arg("speculative_config") if "speculative_config" in llm.engine_args else \
         speculation_source(llm.cfg, llm.mtp_weights)
     rows.append(("speculative_config", llm.speculative_config.describe(), spec_source))
+    rows.append(("disable_any_whitespace", llm.compact_json, "argument (structured_outputs_config)"
+                 if "structured_outputs_config" in llm.engine_args else "default (per request)"))
     if engine.encoder_cache is not None:
         rows.append(("limit_mm_per_prompt", llm.mm_limits, "argument" if "limit_mm_per_prompt" in llm.engine_args
                      else "default (1 image, no video)"))
@@ -167,7 +187,7 @@ def log_summary(llm: Any, seconds: float) -> None:
     width = max(len(name) for name, _, _ in rows)
     logger.info("effective configuration (value [source]):\n%s", "\n".join(
         f"  {name:<{width}} {value!s:<24} [{source}]" for name, value, source in rows))
-    unused = sorted(set(llm.engine_args) - {"skip_tokenizer_init"} - set(ENGINE_CONFIG_ARGS) - set(MEDIA_ARGS)
-                    - set(LOAD_ARGS))
+    unused = sorted(set(llm.engine_args) - {"skip_tokenizer_init", "structured_outputs_config"}
+                    - set(ENGINE_CONFIG_ARGS) - set(MEDIA_ARGS) - set(LOAD_ARGS))
     if unused:
         logger.info("engine arguments recorded but not used by this generation path yet: %s", ", ".join(unused))

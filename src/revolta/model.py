@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GDN, ModelConfig, TextConfig
+from .device import resolve_device
 from .forward import ForwardMeta, PagedMeta
 from .layers.gdn import GatedDeltaNet
 from .layers.hyperconnection import HyperConnection
@@ -312,6 +313,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     from .ple.load import PLELoader
     from .weights import load_weights, read_kv_scales
 
+    device = resolve_device(device)  # a device this machine lacks, or Volta under Triton < 3.4, stops here
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype={dtype!r} is not a torch dtype; use 'float32', 'float16' or 'bfloat16'")

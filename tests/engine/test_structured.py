@@ -16,7 +16,7 @@ import xgrammar  # noqa: E402,F401  (a test dependency: fail, do not skip, when 
 
 from revolta import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from revolta.engine.structured import (RequestConstraint, StructuredDecoding, StructuredOutputError,  # noqa: E402
-                                prompt_opens_reasoning, unpack_bitmask)
+                                       compact_json_default, prompt_opens_reasoning, unpack_bitmask)
 from revolta.tokenizer import bytes_to_symbols  # noqa: E402
 
 OFF = {"method": None}
@@ -311,6 +311,25 @@ def test_thinking_budget_then_the_grammar(spec, plain):
     out = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=6, thinking_token_budget=2),
                          use_tqdm=False)[0].outputs[0]
     assert out.token_ids[2] == end
+
+
+def test_structured_outputs_config_makes_every_request_compact(plain, default_dir, monkeypatch):
+    """LLM(structured_outputs_config={"disable_any_whitespace": True}) is the library's form of the server flag."""
+    assert compact_json_default(None) is False and compact_json_default({"disable_any_whitespace": True}) is True
+    for bad, says in (({"disable_any_whitespace": "yes"}, "must be true or false"), ({"backend": "outlines"},
+                      "only xgrammar"), ({"whitespace": False}, "give an object with disable_any_whitespace")):
+        with pytest.raises(StructuredOutputError, match=says):  # checked before any weight loads
+            LLM(model=str(default_dir), structured_outputs_config=bad)
+    loose = SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=SMALL_SCHEMA))
+    free = plain.generate("Reply in JSON.", loose, use_tqdm=False)[0].outputs[0]
+    # the random model writes whitespace wherever JSON allows it, until max_tokens
+    assert free.finish_reason == "length" or free.text != json.dumps(json.loads(free.text)), free.text
+    monkeypatch.setattr(plain, "compact_json", True)
+    compact = plain.generate("Reply in JSON.", loose, use_tqdm=False)[0].outputs[0]
+    assert compact.finish_reason == "stop", compact.text
+    value = json.loads(compact.text)  # xgrammar's one form without free whitespace: ", " and ": " separators
+    assert compact.text == json.dumps(value), compact.text
+    check_schema(value, SMALL_SCHEMA)
 
 
 def test_an_aborted_request_frees_its_matcher(plain):

@@ -258,9 +258,9 @@ class CachePlan:
                                per_draft_state=not c.spec_state_replay, snapshot_interval=c.snapshot_interval,
                                num_cpu_blocks=self.num_cpu_blocks, num_cpu_slots=self.num_cpu_slots)
 
-    def capacity_lines(self) -> list[str]:
-        """The two startup log lines (spec §8.27)."""
-        return [f"GPU KV cache size: {self.kv_cache_tokens:,} tokens",
+    def capacity_lines(self, on_gpu: bool = True) -> list[str]:
+        """The two startup log lines (spec §8.27); a CPU run's cache is no GPU's, so it says "KV cache size"."""
+        return [f"{'GPU ' if on_gpu else ''}KV cache size: {self.kv_cache_tokens:,} tokens",
                 f"Maximum concurrency for {self.cache.max_model_len:,} tokens per request: "
                 f"{self.max_concurrency:.2f}x"]
 

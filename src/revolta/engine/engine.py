@@ -170,7 +170,7 @@ class Engine:
             self.plan = self._fit_max_model_len(cache, dtype)
             config = self.config
         logger.info("speculative decoding: %s", self.spec.describe())
-        for line in self.plan.capacity_lines():
+        for line in self.plan.capacity_lines(on_gpu=model.device.type == "cuda"):
             logger.info(line)
         logger.info("PLE table: %s", ple_memory(model).describe())
         self.allocator = HybridAllocator(self.plan.allocator_config())

@@ -131,6 +131,21 @@ class StructuredOutputsParams:
                                         f"structured_outputs.{kind}") from None
 
 
+def compact_json_default(value: Mapping[str, Any] | None, where: str = "structured_outputs_config") -> bool:
+    """vLLM's structured_outputs_config ({"disable_any_whitespace": bool, "backend"?: "xgrammar"}, from `LLM(...)` or
+    `--structured-outputs-config`) -> whether every structured request gets compact JSON."""
+    if value is None:
+        return False
+    if not isinstance(value, Mapping) or set(value) - {"disable_any_whitespace", "backend"}:
+        raise StructuredOutputError(f"{where} {json.dumps(value, default=str)}: give an object with "
+                                    "disable_any_whitespace (true/false) and optionally backend \"xgrammar\"", where)
+    if value.get("backend", "xgrammar") not in ("xgrammar", "auto"):
+        raise StructuredOutputError(f"{where} backend {value['backend']!r}: only xgrammar is available", where)
+    if not isinstance(value.get("disable_any_whitespace", False), bool):
+        raise StructuredOutputError(f"{where} disable_any_whitespace must be true or false", where)
+    return value.get("disable_any_whitespace", False)
+
+
 def import_xgrammar() -> Any:
     """The xgrammar module, imported on first use; a clear error when it is not installed."""
     try:
