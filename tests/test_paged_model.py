@@ -64,7 +64,7 @@ def ids(n, seed):
 @torch.no_grad()
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_paged_equals_per_sequence_state(model, kernels):
-    seqs = [ids(37, 1), ids(13, 2), ids(26, 3)]
+    seqs = [ids(33, 1), ids(13, 2), ids(23, 3)]  # 3 decode-only steps after the chunked prefills
     seqs[0][9] = 511  # an EOS inside: n-gram context reset carried through the slot
     ref = reference_logits(model, seqs)
     drv = Driver(ModelRunner(model, storage_for(model), kernels=kernels), 3)
