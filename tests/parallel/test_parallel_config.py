@@ -19,13 +19,13 @@ def real():
     return ModelConfig.from_pretrained(REAL)
 
 
-@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 1), (4, 1), (4, 2), (8, 4), (2, 1)])
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 1), (4, 1), (4, 2), (8, 4)])
 def test_legal_layouts_of_the_real_model(real, tp, dcp):
     validate_parallel(ParallelConfig(tp, dcp), real)
 
 
 @pytest.mark.parametrize("tp,dcp,needle", [
-    (3, 1, "does not divide text_config.num_attention_heads=24"),  # 24 % 3 == 0 but 16 GDN key heads % 3 != 0
+    (3, 1, "does not divide text_config.linear_num_key_heads=16"),  # 24 query heads split 3 ways, 16 GDN key heads not
     (16, 1, "does not divide text_config.num_attention_heads=24"),
     (4, 4, "decode_context_parallel_size=4 exceeds tensor_parallel_size / num_key_value_heads = 4 / 2"),
     (2, 2, "use at most 1"),
@@ -33,8 +33,6 @@ def test_legal_layouts_of_the_real_model(real, tp, dcp):
 def test_illegal_layouts_name_the_fix(real, tp, dcp, needle):
     with pytest.raises(ParallelConfigError) as e:
         validate_parallel(ParallelConfig(tp, dcp), real)
-    if tp == 3:
-        needle = "does not divide text_config.linear_num_key_heads=16"
     assert needle in str(e.value)
 
 
@@ -61,7 +59,8 @@ def test_quantized_split_keeps_whole_groups(real):
     from revolta.quant.config import QuantConfig, WeightScheme
 
     def with_group(g):
-        return replace(real, quantization=QuantConfig(method="awq", rules=((("*",), WeightScheme("awq", 4, g, False)),)))
+        rules = ((("*",), WeightScheme("awq", 4, g, False)),)
+        return replace(real, quantization=QuantConfig(method="awq", rules=rules))
 
     validate_parallel(ParallelConfig(4), with_group(32))  # 640 / 4 = 160 = 5 groups of 32
     validate_parallel(ParallelConfig(4), with_group(-1))  # per-channel: no group to break
