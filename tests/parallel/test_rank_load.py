@@ -10,7 +10,7 @@ from revolta.parallel import ParallelConfig, ParallelContext
 from revolta.parallel.load import load_rank_checkpoint
 from revolta.parallel.shard import build_rank_model, shard_state_dict, tensor_slices
 from revolta.weights import save_checkpoint
-from test_tp_forward import full_model, tiny
+from tp_tiny import full_model, tiny
 
 NO_GROUP = object()  # loading runs no collective
 

@@ -4,6 +4,7 @@ config.py   ParallelConfig(tp, dcp) and its validation against a ModelConfig (be
 context.py  ParallelContext: this rank's place in the group and the bounded-wait collectives
 layers.py   row-parallel linear, vocab-parallel embedding / LM head, the reducing MoE
 shard.py    which slice of each checkpoint tensor a rank holds; building a rank's model
+load.py     filling a rank's model from the checkpoint, reading its slices only
 docs/parallel.md says how each layer is split.
 """
 

@@ -7,7 +7,7 @@ expert widths divided by tp), with the layers that communicate swapped for their
 `tensor_slices(name, ...)` says which pieces of the full tensor `name` make this rank's tensor: a dim and
 a list of [start, end) ranges along it, concatenated in order (a fused q ‖ k ‖ v projection takes one
 range from each part). None: the tensor is replicated. The same answer drives slicing an in-memory state
-dict (`shard_state_dict`) and, later, reading only those ranges of a memory-mapped safetensors file.
+dict (`shard_state_dict`) and reading only those ranges of a memory-mapped checkpoint (parallel/load.py).
 """
 
 from __future__ import annotations
@@ -166,21 +166,3 @@ def shard_state_dict(full: Mapping[str, Tensor], cfg: ModelConfig, rank: int, tp
         sl = tensor_slices(name, cfg.text, rank, tp)
         out[name] = x if sl is None else sl.take(x)
     return out
-
-
-def load_rank_weights(model: FlashNextModel, full: Mapping[str, Tensor], rank: int, tp: int) -> FlashNextModel:
-    """Materialise a `build_rank_model` model on CPU and copy its slices of `full` in; every name and shape
-    must match (a wrong rule shows up here, not as wrong logits)."""
-    model.to_empty(device="cpu")
-    local = shard_state_dict(full, model.cfg, rank, tp)
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(local)), sorted(set(local) - set(own))
-    bad = [f"{n}: rank tensor {tuple(own[n].shape)} vs slice {tuple(local[n].shape)}"
-           for n in sorted(set(own) & set(local)) if own[n].shape != local[n].shape]
-    if missing or unexpected or bad:
-        raise ValueError(f"rank {rank}/{tp} state dict does not match its model: missing {missing}, "
-                         f"unexpected {unexpected}, shapes {bad}")
-    with torch.no_grad():
-        for name, x in local.items():
-            own[name].copy_(x)
-    return model.init_buffers().eval()
