@@ -4,8 +4,9 @@ Passed explicitly to every layer that communicates (no module-level state): a te
 one process, and a layer built without one is the single-process layer. Every wait is bounded: a rank
 that died or hangs turns into a `ParallelTimeout` on the others instead of a hang.
 
-gloo (CPU) has no bf16 reduction (pytorch issue 111131): reductions run in fp32 there and come back in
-the caller's dtype. NCCL reduces in the tensor's own dtype.
+On gloo (CPU) 16-bit tensors travel and reduce as fp32 and come back in the caller's dtype: older gloo
+builds have no bf16 reduction (pytorch issue 111131; the torch 2.x installed here has one), and the fp32
+sum is the more exact one. NCCL reduces in the tensor's own dtype.
 """
 
 from __future__ import annotations
