@@ -1,13 +1,17 @@
 """TP on real processes (gloo, fp32): every rank of a TP2 / TP4 split of the tiny model, loaded from a
 checkpoint through the sliced loader, gives the TP1 logits: a full-sequence forward, an incremental prefill +
-decode with per-sequence state, and an MTP draft step."""
+decode with per-sequence state, an MTP draft step, and prefill + decode on the paged cache (ModelRunner,
+torch kernels) with each rank's cache sized for its part (CacheLayout.tp)."""
 
 from __future__ import annotations
 
 
 import torch
 
+from revolta.cache.capacity import CacheLayout
+from revolta.cache.storage import CacheStorage
 from revolta.config import ModelConfig
+from revolta.engine.runner import ModelRunner, StepSequence
 from revolta.model import FlashNextModel
 from revolta.parallel import ParallelConfig, ParallelContext
 from revolta.parallel.load import load_rank_checkpoint
@@ -21,10 +25,10 @@ B, S, PREFILL = 2, 16, 14  # S, PREFILL > the tiny config's QSA sparse onset (11
 
 
 @torch.no_grad()
-def logits_of(model: FlashNextModel, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+def logits_of(model: FlashNextModel, ids: torch.Tensor, tp: int) -> dict[str, torch.Tensor]:
     """Full-sequence logits [B, S, V], and the flat incremental path: a prefill of PREFILL tokens per sequence,
     then one token at a time, with states -> [B, S - PREFILL + 1, V] (the prefill's last row, then each step);
-    the MTP step's logits [B * S, V]."""
+    the MTP step's logits [B * S, V]; and the same prefill + decode on the paged cache of one rank [B, S, V]."""
     full, wide = model(ids, return_hidden=True)
     # MTP: the draft step from every position's wide state and the token after it
     nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).reshape(-1)
@@ -37,14 +41,28 @@ def logits_of(model: FlashNextModel, ids: torch.Tensor) -> dict[str, torch.Tenso
     rows = [model(flat, cu_seqlens=cu, states=states, logits_indices=torch.tensor(cu[1:]) - 1)]
     for p in range(PREFILL, S):
         rows.append(model(ids[:, p], cu_seqlens=list(range(B + 1)), states=states))
-    return {"full": full, "incremental": torch.stack(rows, dim=1), "mtp": mtp}
+    return {"full": full, "incremental": torch.stack(rows, dim=1), "mtp": mtp, "paged": paged_logits(model, ids, tp)}
+
+
+def paged_logits(model: FlashNextModel, ids: torch.Tensor, tp: int) -> torch.Tensor:
+    """Prefill then decode through ModelRunner on a CacheStorage sized for one of `tp` ranks -> [B, S, V]."""
+    layout = CacheLayout(num_blocks=16, block_size=8, num_slots=B + 1, kv_cache_dtype="fp32",
+                         draft_kv_cache_dtype="fp32", dtype="float32", tp=tp)
+    runner = ModelRunner(model, CacheStorage(model.cfg, layout), kernels="torch")
+    blocks = [list(range(1 + 4 * b, 5 + 4 * b)) for b in range(B)]  # 4 pages of 8 tokens each
+    step = [StepSequence(ids[b, :PREFILL].tolist(), 0, blocks[b], slot=b + 1) for b in range(B)]
+    rows = [runner.execute(step, all_logits=True).view(B, PREFILL, -1)]
+    for p in range(PREFILL, S):
+        step = [StepSequence([int(ids[b, p])], p, blocks[b], slot=b + 1) for b in range(B)]
+        rows.append(runner.execute(step)[:, None])
+    return torch.cat(rows, dim=1)
 
 
 def _rank(rank: int, tp: int, group, cfg: ModelConfig, ckpt: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     ctx = ParallelContext.from_group(group, timeout=COLLECTIVE_TIMEOUT)
     model = build_rank_model(cfg, ParallelConfig(tp), ctx, with_vision=False)
     load_rank_checkpoint(model, ckpt, rank, tp)
-    return logits_of(model, ids)
+    return logits_of(model, ids, tp)
 
 
 def _check(cfg: ModelConfig, tp: int, tmp_path) -> None:
@@ -54,7 +72,7 @@ def _check(cfg: ModelConfig, tp: int, tmp_path) -> None:
     torch.set_num_threads(1)  # on loaded shared cores a tiny forward takes ~1 s with 2 threads, ~15 ms with one
     try:
         model = full_model(cfg)
-        ref = logits_of(model, ids)
+        ref = logits_of(model, ids, 1)
         save_checkpoint(model, tmp_path / "ckpt", progress=False)
     finally:
         torch.set_num_threads(threads)
