@@ -107,8 +107,12 @@ class MultiProcExecutor(Executor):
                  for r in range(1, tp)]
         for p in procs:
             p.start()
-        _init_group(0, rs)
-        return cls(_rank_executor(0, rs), inboxes, procs)
+        try:
+            _init_group(0, rs)  # waits for every worker at most timeout_s
+            return cls(_rank_executor(0, rs), inboxes, procs)
+        except BaseException:
+            cls(None, inboxes, procs).close(timeout_s=5)  # no worker outlives a failed start
+            raise
 
     def _send(self, op: str, *args) -> None:
         self.check_health()
