@@ -1,0 +1,79 @@
+"""ParallelContext: which rank this process is, its process group, and the collectives the split model uses.
+
+Passed explicitly to every layer that communicates (no module-level state): a test can run two groups in
+one process, and a layer built without one is the single-process layer. Every wait is bounded: a rank
+that died or hangs turns into a `ParallelTimeout` on the others instead of a hang.
+
+On gloo (CPU) 16-bit tensors travel and reduce as fp32 and come back in the caller's dtype: older gloo
+builds have no bf16 reduction (pytorch issue 111131; the torch 2.x installed here has one), and the fp32
+sum is the more exact one. NCCL reduces in the tensor's own dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+class ParallelTimeout(RuntimeError):
+    """A collective did not finish in time: another rank died, hangs, or called a different collective."""
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in a tensor-parallel group of `size` ranks. group: a torch.distributed ProcessGroup
+    (None only when size == 1, where every collective is the identity)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    timeout: timedelta = DEFAULT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank={self.rank} is outside the group of size={self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a group of size={self.size} needs its torch.distributed process group; pass group=")
+
+    @classmethod
+    def from_group(cls, group: Any, timeout: timedelta = DEFAULT_TIMEOUT) -> "ParallelContext":
+        return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group, timeout=timeout)
+
+    def _wire_dtype(self, x: Tensor) -> torch.dtype:
+        if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(self.group) == "gloo":
+            return torch.float32
+        return x.dtype
+
+    def _wait(self, work, what: str, shape) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as e:  # gloo raises on timeout or a peer's closed connection
+            raise ParallelTimeout(f"rank {self.rank}/{self.size}: {what} of {tuple(shape)} failed within "
+                                  f"{self.timeout.total_seconds():.0f} s ({e}); another rank died or diverged") from e
+        if ok is False:
+            raise ParallelTimeout(f"rank {self.rank}/{self.size}: {what} of {tuple(shape)} did not finish within "
+                                  f"{self.timeout.total_seconds():.0f} s; another rank died or diverged")
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum of `x` over the group (a new tensor in x.dtype; x itself may be overwritten)."""
+        if self.size == 1:
+            return x
+        y = x.to(self._wire_dtype(x)).contiguous()
+        self._wait(dist.all_reduce(y, group=self.group, async_op=True), "all_reduce", y.shape)
+        return y.to(x.dtype)
+
+    def all_gather(self, x: Tensor, dim: int = -1) -> Tensor:
+        """Every rank's `x` (equal shapes) concatenated along `dim` in rank order."""
+        if self.size == 1:
+            return x
+        y = x.to(self._wire_dtype(x)).contiguous()
+        out = [torch.empty_like(y) for _ in range(self.size)]
+        self._wait(dist.all_gather(out, y, group=self.group, async_op=True), "all_gather", y.shape)
+        return torch.cat(out, dim=dim).to(x.dtype)

@@ -1,0 +1,119 @@
+"""Load a rank's model from a safetensors checkpoint, reading only that rank's slices of each tensor.
+
+The checkpoint is planned against the *full* model's shapes by the single-process loader's rules
+(weights._plan: renames, per-expert keys packed into the grouped experts, PLE shards, the lm_head alias),
+so every check and error message is the same as a TP1 load. Each planned piece is then intersected with
+the rank's `Slices` of its target (parallel/shard.py) and only the overlap is read, through
+`safe_open(...).get_slice` on the memory-mapped file: a rank reads each byte of its part once and nothing
+of the other ranks' parts (replicated tensors are read whole).
+
+Not yet: block-FP8 checkpoints (dequantised per 128x128 block, so slices would have to follow blocks) and
+packed int4/fp4 checkpoints (validate_parallel refuses them at tp > 1).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from ..model import FlashNextModel
+from ..weights import (_OPTIONAL_ON_DISK, CheckpointError, _coverage_errors, _Piece, _plan, _read_headers, _targets,
+                       checkpoint_files)
+from .shard import Slices, tensor_slices
+
+
+@dataclass
+class ReadStats:
+    """What a rank read: bytes of tensor data, and the number of slice reads."""
+
+    bytes_read: int = 0
+    reads: int = 0
+
+
+def _region(p: _Piece, full_shape: tuple[int, ...]) -> list[tuple[int, int, int | None]]:
+    """Per target dim: (start, stop, src dim or None when the piece's index fixes that dim to one value)."""
+    out, src_dim = [], 0
+    for d, n in enumerate(full_shape):
+        ix = p.index[d] if d < len(p.index) else slice(None)
+        if isinstance(ix, int):
+            out.append((ix, ix + 1, None))
+            continue
+        start, stop, _ = ix.indices(n)
+        out.append((start, stop, src_dim))
+        src_dim += 1
+    return out
+
+
+def _copy_sliced(f, p: _Piece, region, sl: Slices, dst: Tensor, stats: ReadStats) -> None:
+    """Copy the overlap of piece `p` with the rank's ranges of `sl` into the rank tensor `dst`."""
+    a, b, src_d = region[sl.dim]
+    offset = 0
+    for s, e in sl.ranges:
+        lo, hi = max(s, a), min(e, b)
+        if lo < hi:
+            src_ix = [slice(None)] * len(p.src_shape)
+            dst_ix: list = []
+            for d, (start, stop, sd) in enumerate(region):
+                if d == sl.dim:
+                    dst_ix.append(slice(offset + lo - s, offset + hi - s))
+                    if sd is not None:
+                        src_ix[sd] = slice(lo - a, hi - a)
+                else:
+                    dst_ix.append(start if sd is None else slice(start, stop))
+            part = f.get_slice(p.src)[tuple(src_ix)]
+            dst[tuple(dst_ix)].copy_(part)
+            stats.bytes_read += part.numel() * part.element_size()
+            stats.reads += 1
+        offset += e - s
+
+
+def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp: int,
+                         skip_prefixes: tuple[str, ...] = ()) -> ReadStats:
+    """Materialise the `build_rank_model` model `model` on CPU and fill it from the checkpoint at `path`,
+    reading rank `rank`'s slices only. Returns what was read."""
+    cfg = model.cfg
+    with torch.device("meta"):  # the full shapes the checkpoint is planned against
+        full = FlashNextModel(cfg, with_mtp=model.mtp is not None, with_vision=model.model.visual is not None)
+    shapes = {n: tuple(t.shape) for n, t in _targets(full).items()}
+    dtypes = {n: t.dtype for n, t in _targets(full).items()}
+    files = checkpoint_files(path)
+    headers = _read_headers(files)
+    pieces, errors = _plan(files, headers, shapes, dtypes, skip_prefixes, {})
+    first: dict[int, str] = {}
+    aliases = {n: first.setdefault(id(t), n) for n, t in _targets(full).items()}
+    optional = {n for n in shapes if any(r.search(n) for r in _OPTIONAL_ON_DISK)}  # init_buffers derives them
+    errors += _coverage_errors(pieces, shapes, aliases, skip_prefixes, optional)
+    errors += [f"{p.src}: block-FP8 checkpoints are not split yet; load with tensor_parallel_size=1"
+               for p in pieces if p.dequant]
+    if errors:
+        raise CheckpointError(f"checkpoint {path} does not match the model:\n" + "\n".join(errors))
+
+    model.to_empty(device="cpu")
+    own = _targets(model)
+    stats = ReadStats()
+    by_file: dict[Path, list[_Piece]] = defaultdict(list)
+    for p in pieces:
+        by_file[p.file].append(p)
+    with torch.no_grad():
+        for file in sorted(by_file):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for p in by_file[file]:
+                    dst = own[p.target]
+                    sl = tensor_slices(p.target, cfg.text, rank, tp)
+                    if sl is None:
+                        part = f.get_slice(p.src)[:] if p.src_shape else f.get_tensor(p.src)
+                        (dst[p.index] if p.index else dst).copy_(part)
+                        stats.bytes_read += part.numel() * part.element_size()
+                        stats.reads += 1
+                    else:
+                        if sl.size > sum(e - s for s, e in sl.ranges):  # vocabulary padding rows stay zero
+                            dst.narrow(sl.dim, sum(e - s for s, e in sl.ranges),
+                                       sl.size - sum(e - s for s, e in sl.ranges)).zero_()
+                        _copy_sliced(f, p, _region(p, shapes[p.target]), sl, dst, stats)
+    model.init_buffers().eval()
+    return stats

@@ -1,0 +1,54 @@
+"""Run a function on `tp` real processes (spawn, gloo over a FileStore) with a bounded wait: a rank that
+raises or hangs fails the test with its traceback instead of hanging it. Imported by name by the spawned
+children (tests/parallel is on sys.path in the parent, and spawn hands sys.path to the children)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+
+
+def _entry(rank: int, tp: int, tmp: str, fn, args) -> None:
+    torch.set_num_threads(1)  # 2 shared cores: ranks must not oversubscribe them
+    try:
+        store = dist.FileStore(os.path.join(tmp, "store"), tp)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=tp, timeout=COLLECTIVE_TIMEOUT)
+        try:
+            result = fn(rank, tp, dist.group.WORLD, *args)
+            torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        Path(tmp, f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(fn, tp: int, tmp: Path, *args, timeout_s: float = 120.0) -> list:
+    """fn(rank, tp, group, *args) on tp processes -> the list of their return values, rank order."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, tp, str(tmp), fn, args), daemon=True) for r in range(tp)]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join(5)
+    errors = {r: Path(tmp, f"error{r}.txt").read_text() for r in range(tp) if Path(tmp, f"error{r}.txt").exists()}
+    if hung or errors or any(p.exitcode != 0 for p in procs):
+        raise AssertionError(f"ranks still running after {timeout_s} s: {hung}; exit codes "
+                             f"{[p.exitcode for p in procs]}; errors:\n" + "\n".join(f"rank {r}:\n{e}"
+                                                                                    for r, e in errors.items()))
+    return [torch.load(Path(tmp, f"result{r}.pt")) for r in range(tp)]
