@@ -66,6 +66,18 @@ def test_drafting_resumes_when_acceptance_rises_and_pauses_again_when_it_falls(c
     assert policy.paused
 
 
+def test_a_slow_first_round_pauses_only_until_the_first_probe():
+    """One-time costs (and other processes) only slow steps down: the least cost of the window counts."""
+    clock = FakeClock()
+    policy = SpecPolicy(SpecPolicyConfig(first_probe=4), clock)
+    run(policy, clock, 1, 1, round_s=20.0, plain_s=1.0, accept=3.0)  # the first round: 20x a plain step
+    run(policy, clock, 2, 1, round_s=2.0, plain_s=1.0, accept=3.0)
+    assert policy.paused and policy.estimated_speedup() == pytest.approx(3 / 20)
+    modes = run(policy, clock, 10, 1, round_s=2.0, plain_s=1.0, accept=3.0)
+    assert modes[:5] == [False, False, False, True, True] and not policy.paused  # the probe after 4 steps resumes
+    assert policy.estimated_speedup() == pytest.approx(1.5)
+
+
 def test_buckets_decide_apart():
     clock = FakeClock()
     policy = SpecPolicy(SpecPolicyConfig(first_probe=4), clock)

@@ -5,9 +5,11 @@ The policy ("draft_policy": "adaptive", the default of speculative_config):
 - Steps are grouped by bucket: the power of two >= the number of decoding requests (1, 2, 4, 8, ...).
   Only pure decode steps are measured (a step with a prefill chunk costs more for reasons that have
   nothing to do with drafting).
-- Per bucket, the last `window` plain steps give P, the median wall seconds per request of a plain
-  decode step (1 token per request), and the last `window` speculative rounds give S, the median wall
-  seconds per request of a round, and A, the tokens a round emits per request (accepted drafts + 1).
+- Per bucket, the last `window` plain steps give P, the least wall seconds per request of a plain
+  decode step (1 token per request), and the last `window` speculative rounds give S, the least wall
+  seconds per request of a round, and A, the mean tokens a round emits per request (accepted drafts
+  + 1). The least, not the mean: on a shared machine a step is only ever slowed down by others, and
+  the first step of each kind pays one-time costs (allocations, the first seeding of the drafter).
 - Drafting pays while A / S >= 1 / P, i.e. while the estimated speedup A * P / S is at least 1.
 - A bucket starts drafting (the configured default, MTP4): after `warmup` rounds it runs `probe_steps`
   plain steps, then decides. From then on the mode in use is measured on every step and the other
@@ -76,7 +78,7 @@ class _Bucket:
         if not self.plain or not self.spec:
             return None
         accept = statistics.fmean(t for _, t in self.spec)
-        return accept * statistics.median(self.plain) / statistics.median(s for s, _ in self.spec)
+        return accept * min(self.plain) / min(s for s, _ in self.spec)
 
 
 def bucket_of(num_seqs: int) -> int:
@@ -161,7 +163,7 @@ class SpecPolicy:
         if st is None or st.speedup() is None:
             return "not measured yet"
         accept = statistics.fmean(t for _, t in st.spec)
-        round_s, plain_s = statistics.median(s for s, _ in st.spec), statistics.median(st.plain)
+        round_s, plain_s = min(s for s, _ in st.spec), min(st.plain)
         return (f"a round emits {accept:.2f} tokens per request in {round_s * 1e3:.1f} ms per request against "
                 f"{plain_s * 1e3:.1f} ms per request for a plain step: estimated {st.speedup():.2f}x")
 
