@@ -240,3 +240,36 @@ def test_adaptive_policy_switching_mid_generation_keeps_greedy_tokens_and_state(
     for computed, state in trace.items() if drafter == "forced" else ():
         assert all(torch.equal(x, y) for x, y in zip(state, base_trace[computed])), f"state differs at {computed}"
     assert_clean(engine)
+
+
+@torch.no_grad()
+def test_deferred_mtp_seeding_while_paused_gives_the_drafts_of_seeding_every_step(model, monkeypatch):
+    """While drafting is paused, plain steps leave their rows unseeded (up to MAX_DEFERRED_ROWS) and the
+    next round seeds them together: its MTP K/V, hence its drafts, are those of seeding at every step."""
+    from revolta.engine.spec_policy import SpecPolicy, SpecPolicyConfig
+    import revolta.spec.mtp as mtp
+
+    def drafts_of(max_rows):
+        monkeypatch.setattr(mtp, "MAX_DEFERRED_ROWS", max_rows)
+        engine = make_engine(model, {"method": "mtp", "draft_policy": "adaptive"})
+        now = [0.0]
+        policy = engine.policy = SpecPolicy(SpecPolicyConfig(first_probe=5, max_interval=5), lambda: now[0])
+        record, propose, out = policy.record, engine.drafter.propose, []
+
+        def timed_record(num_seqs, drafted, tokens):
+            now[0] += 10.0 if drafted else 1.0  # rounds never pay: a probe round every 5 plain steps
+            record(num_seqs, drafted, tokens)
+
+        def spy(items, *graphs):
+            drafts = propose(items, *graphs)
+            out.append([list(d) for d in drafts])
+            return drafts
+
+        policy.record, engine.drafter.propose = timed_record, spy
+        run(engine, [Req(f"r{i}", ids(11 + 7 * i, seed=20 + i), max_tokens=30) for i in range(2)])
+        assert engine.num_paused_steps > 20
+        return [d for d in out if any(d)]
+
+    seeded_every_step = drafts_of(1)
+    deferred = drafts_of(16)
+    assert len(deferred) >= 4 and deferred == seeded_every_step

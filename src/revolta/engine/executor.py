@@ -301,8 +301,11 @@ class UniProcExecutor(Executor):
         """Drafter seeds and drafts; the prefill chunks run as usual and the decoding requests run one verify
         forward over their definite token and drafts (a graph replay when the round fits one)."""
         items = step.items
+        paused = not any(it.verify for it in items)  # the adaptive policy paused drafting (or a prefill-only step)
         draft_items = [DraftItem(it.request_id, st, it.all_token_ids, it.num_preemptions,
-                                 it.num_drafts if it.verify else 0) for it, st in zip(items, steps)]
+                                 it.num_drafts if it.verify else 0,
+                                 defer_seed=paused and it.sample and len(st.token_ids) == 1 and st.num_computed > 0)
+                       for it, st in zip(items, steps)]
         graphed = (self.spec_graphs is not None and all(it.verify for it in items)
                    and self.spec_graphs.can_run(steps, [d.num_drafts for d in draft_items]))
         drafts = self.drafter.propose(draft_items, self.spec_graphs) if graphed else self.drafter.propose(draft_items)
