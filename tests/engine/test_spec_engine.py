@@ -215,7 +215,8 @@ def test_adaptive_policy_switching_mid_generation_keeps_greedy_tokens_and_state(
     if drafter == "forced":
         force_drafts(engine, {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in plain}, corrupt=1)
     now = [0.0]
-    policy = engine.policy = SpecPolicy(SpecPolicyConfig(first_probe=2, max_interval=4, window=1), lambda: now[0])
+    policy = engine.policy = SpecPolicy(SpecPolicyConfig(first_probe=2, max_interval=4, window=1, cost_window=1),
+                                         lambda: now[0])
     record, steps = policy.record, []  # per recorded step: (drafted, drafts proposed in it)
 
     def timed_record(num_seqs, drafted, tokens):

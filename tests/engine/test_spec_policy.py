@@ -90,3 +90,14 @@ def test_buckets_decide_apart():
 def test_config_checks():
     with pytest.raises(ValueError, match="first_probe=0"):
         SpecPolicyConfig(first_probe=0)
+
+
+def test_a_busy_stretch_does_not_resume_losing_rounds():
+    """Other processes slow every plain step of a stretch 10x and spare one probe round: the least plain
+    cost of the long cost window still remembers the quiet steps."""
+    clock = FakeClock()
+    policy = SpecPolicy(SpecPolicyConfig(first_probe=4, max_interval=4), clock)
+    run(policy, clock, 10, 1, round_s=4.0, plain_s=1.0, accept=1.0)
+    assert policy.paused
+    modes = run(policy, clock, 20, 1, round_s=4.0, plain_s=10.0, accept=1.0)  # rounds look cheap next to these
+    assert policy.paused and modes.count(True) == 4  # one probe per 4 plain steps, none resumed

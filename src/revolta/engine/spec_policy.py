@@ -5,11 +5,12 @@ The policy ("draft_policy": "adaptive", the default of speculative_config):
 - Steps are grouped by bucket: the power of two >= the number of decoding requests (1, 2, 4, 8, ...).
   Only pure decode steps are measured (a step with a prefill chunk costs more for reasons that have
   nothing to do with drafting).
-- Per bucket, the last `window` plain steps give P, the least wall seconds per request of a plain
-  decode step (1 token per request), and the last `window` speculative rounds give S, the least wall
-  seconds per request of a round, and A, the mean tokens a round emits per request (accepted drafts
-  + 1). The least, not the mean: on a shared machine a step is only ever slowed down by others, and
-  the first step of each kind pays one-time costs (allocations, the first seeding of the drafter).
+- Per bucket, the last `cost_window` plain steps give P, the least wall seconds per request of a plain
+  decode step (1 token per request), the last `cost_window` speculative rounds give S, the least wall
+  seconds per request of a round, and the last `window` rounds give A, the mean tokens a round emits
+  per request (accepted drafts + 1). The least, not the mean: on a shared machine a step is only ever
+  slowed down by others (a long window remembers a quiet moment through a busy stretch), and the first
+  step of each kind pays one-time costs (allocations, the first seeding of the drafter).
 - Drafting pays while A / S >= 1 / P, i.e. while the estimated speedup A * P / S is at least 1.
 - A bucket starts drafting (the configured default, MTP4): after `warmup` rounds it runs `probe_steps`
   plain steps, then decides. From then on the mode in use is measured on every step and the other
@@ -42,16 +43,18 @@ class Clock(Protocol):
 @dataclass(frozen=True)
 class SpecPolicyConfig:
     """warmup: rounds before the first plain probe; probe_steps: steps of the other mode per probe;
-    first_probe / max_interval: steps in one mode before a probe, doubling; window: samples kept per mode."""
+    first_probe / max_interval: steps in one mode before a probe, doubling; window: rounds whose acceptance
+    counts; cost_window: steps of each mode whose least cost counts."""
 
     warmup: int = 1
     probe_steps: int = 1
     first_probe: int = 32
     max_interval: int = 1024
     window: int = 8
+    cost_window: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("warmup", "probe_steps", "first_probe", "max_interval", "window"):
+        for name in ("warmup", "probe_steps", "first_probe", "max_interval", "window", "cost_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SpecPolicyConfig {name}={getattr(self, name)} must be >= 1")
 
@@ -61,7 +64,8 @@ class _Bucket:
     """One batch-size bucket's samples and where it stands."""
 
     size: int  # the bucket: batches of size // 2 + 1 .. size requests
-    window: int
+    window: int  # rounds whose acceptance counts
+    cost_window: int  # steps of each mode whose least cost counts
     interval: int
     plain: deque = field(init=False)  # seconds per request of plain steps
     spec: deque = field(init=False)  # (seconds per request, tokens per request) of rounds
@@ -71,14 +75,17 @@ class _Bucket:
     probe_left: int = 0  # steps of the other mode still to run in the current probe
 
     def __post_init__(self) -> None:
-        self.plain, self.spec = deque(maxlen=self.window), deque(maxlen=self.window)
+        self.plain, self.spec = deque(maxlen=self.cost_window), deque(maxlen=self.cost_window)
+
+    def acceptance(self) -> float:
+        """A: mean tokens per request of the last `window` rounds."""
+        return statistics.fmean(t for _, t in list(self.spec)[-self.window:])
 
     def speedup(self) -> float | None:
         """A * P / S, or None until both modes were measured."""
         if not self.plain or not self.spec:
             return None
-        accept = statistics.fmean(t for _, t in self.spec)
-        return accept * min(self.plain) / min(s for s, _ in self.spec)
+        return self.acceptance() * min(self.plain) / min(s for s, _ in self.spec)
 
 
 def bucket_of(num_seqs: int) -> int:
@@ -99,7 +106,7 @@ class SpecPolicy:
     def _bucket(self, num_seqs: int) -> _Bucket:
         b = bucket_of(num_seqs)
         if b not in self.buckets:
-            self.buckets[b] = _Bucket(b, self.config.window, interval=self.config.warmup)
+            self.buckets[b] = _Bucket(b, self.config.window, self.config.cost_window, interval=self.config.warmup)
         return self.buckets[b]
 
     def should_draft(self, num_seqs: int) -> bool:
@@ -162,7 +169,7 @@ class SpecPolicy:
         st = st or (self.buckets.get(self.last_bucket) if self.last_bucket is not None else None)
         if st is None or st.speedup() is None:
             return "not measured yet"
-        accept = statistics.fmean(t for _, t in st.spec)
+        accept = st.acceptance()
         round_s, plain_s = min(s for s, _ in st.spec), min(st.plain)
         return (f"a round emits {accept:.2f} tokens per request in {round_s * 1e3:.1f} ms per request against "
                 f"{plain_s * 1e3:.1f} ms per request for a plain step: estimated {st.speedup():.2f}x")
