@@ -8,6 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's default-change warning
+# speculative tests count rounds and acceptance: draft every decode step unless a test asks for the adaptive
+# policy (engine/spec_policy.py), whose choices follow wall time
+os.environ.setdefault("REVOLTA_SPEC_DRAFT_POLICY", "always")
 
 import pytest  # noqa: E402
 

@@ -43,6 +43,8 @@ def test_generate_in_process(cache_env, capsys):
     first = capsys.readouterr().out
     assert main([*args, "--no-stream"]) == 0
     assert capsys.readouterr().out == first and first.strip()
+    assert main([*args, "--speculative-config", '{"method": null}']) == 0  # greedy: the same text without drafts
+    assert capsys.readouterr().out == first
     assert main(["generate", "--max-tokens", "4", "--seed", "3", "--chat", "a", "b"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- [") == 2 and "length, 4 tokens" in out
@@ -67,6 +69,7 @@ def test_info(default_dir, capsys):
     (["generate", "--model", "{tmp}", "x"], "no config.json"),
     (["generate", "--top-p", "1.5", "x"], "--top-p=1.5"),
     (["generate", "--max-tokens", "0", "x"], "--max-tokens=0"),
+    (["generate", "--speculative-config", '{"draft_policy": "never"}', "x"], "draft_policy='never'"),
 ])  # fmt: skip
 def test_user_errors_are_one_line(argv, needle, tmp_path, default_dir, monkeypatch, capsys):
     monkeypatch.setenv("REVOLTA_CACHE", str(default_dir.parent))

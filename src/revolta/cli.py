@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, fp16 on CUDA), float32, float16, bfloat16")
     gen.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     gen.add_argument("--no-stream", action="store_true", help="print the text only when it is complete")
+    gen.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON",
+                     help="as serve takes it: '{\"method\": null}' decodes without drafts; default MTP4 when the "
+                          "checkpoint has an MTP layer, drafting only while it pays")
 
     info = sub.add_parser("info", help="summarise a checkpoint's config",
                           description="Config summary, parameter counts by component, KV bytes per token and "
@@ -283,7 +286,8 @@ def _generate(args: argparse.Namespace) -> int:
     from .llm import LLM
 
     _sampling_params(args)  # reject bad flags before loading anything
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    spec = {} if args.speculative_config is None else {"speculative_config": args.speculative_config}
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **spec)
     params = _sampling_params(args, llm.get_default_sampling_params())
     if args.chat:
         prompts = [llm.render_chat([{"role": "user", "content": p}], enable_thinking=not args.no_thinking)

@@ -195,3 +195,82 @@ def test_fewer_drafts_near_max_model_len_and_max_tokens(model):
         assert generated + drafts + 1 <= (10 if rid == "a" else 6)
     assert any(d < 4 for _, _, _, d in seen), "no request drafted fewer near its limits"
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "forced"])
+@torch.no_grad()
+def test_adaptive_policy_switching_mid_generation_keeps_greedy_tokens_and_state(model, drafter):
+    """The adaptive policy on a fake clock: rounds pay, then cost 100x a plain step (paused), then pay
+    again (resumed at a probe). Tokens equal the run without speculation, rounds after a pause draft
+    again (the plain steps kept the drafter's rows), and with one request (forced drafts: accepted ones)
+    the committed recurrent state is bitwise that run's at every length (batched prefill chunks may
+    differ in the last bits with speculation, policy or not)."""
+    from revolta.engine.spec_policy import SpecPolicy, SpecPolicyConfig
+
+    prompts = [ids(21, seed=5), ids(9, seed=6), ids(14, seed=7)][:3 if drafter == "mtp" else 1]
+    plain = [Req(f"r{i}", p, max_tokens=(24 if drafter == "mtp" else 40) + 4 * i) for i, p in enumerate(prompts)]
+    base, base_trace = make_engine(model, {"method": None}), {}
+    run(base, plain, state_trace(base, "r0", base_trace))
+    engine = make_engine(model, {"method": "mtp", "draft_policy": "adaptive"})
+    if drafter == "forced":
+        force_drafts(engine, {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in plain}, corrupt=1)
+    now = [0.0]
+    policy = engine.policy = SpecPolicy(SpecPolicyConfig(first_probe=2, max_interval=4, window=1, cost_window=1),
+                                         lambda: now[0])
+    record, steps = policy.record, []  # per recorded step: (drafted, drafts proposed in it)
+
+    def timed_record(num_seqs, drafted, tokens):
+        expensive = 8 <= len(steps) < 24  # rounds cost 100x a plain step in this stretch
+        now[0] += (100.0 if expensive else 1.0) if drafted else 1.0
+        drafts = engine.spec_stats.num_draft_tokens - sum(d for _, d in steps)
+        steps.append((drafted, drafts))
+        record(num_seqs, drafted, tokens)
+
+    policy.record = timed_record
+    reqs, trace = [Req(r.request_id, r.prompt_token_ids, r.max_tokens) for r in plain], {}
+    run(engine, reqs, state_trace(engine, "r0", trace))
+    assert_same_tokens(reqs, plain)
+    modes = [d for d, _ in steps]
+    paused_at = next(i for i in range(8, len(modes)) if not modes[i] and not modes[i - 1])
+    assert any(modes[paused_at:]), "drafting never resumed"
+    resumed = [i for i in range(paused_at, len(steps)) if steps[i][0] and not steps[i - 1][0]]
+    assert all(steps[i][1] > 0 for i in resumed), f"a round after plain steps proposed no drafts: {steps}"
+    assert engine.num_paused_steps > 0 and engine.stats().spec_paused_steps == engine.num_paused_steps
+    assert len(trace) >= 10 and set(trace) <= set(base_trace)
+    assert engine.spec_stats.num_accepted_tokens > 0 or drafter == "mtp"
+    for computed, state in trace.items() if drafter == "forced" else ():
+        assert all(torch.equal(x, y) for x, y in zip(state, base_trace[computed])), f"state differs at {computed}"
+    assert_clean(engine)
+
+
+@torch.no_grad()
+def test_deferred_mtp_seeding_while_paused_gives_the_drafts_of_seeding_every_step(model, monkeypatch):
+    """While drafting is paused, plain steps leave their rows unseeded (up to MAX_DEFERRED_ROWS) and the
+    next round seeds them together: its MTP K/V, hence its drafts, are those of seeding at every step."""
+    from revolta.engine.spec_policy import SpecPolicy, SpecPolicyConfig
+    import revolta.spec.mtp as mtp
+
+    def drafts_of(max_rows):
+        monkeypatch.setattr(mtp, "MAX_DEFERRED_ROWS", max_rows)
+        engine = make_engine(model, {"method": "mtp", "draft_policy": "adaptive"})
+        now = [0.0]
+        policy = engine.policy = SpecPolicy(SpecPolicyConfig(first_probe=5, max_interval=5), lambda: now[0])
+        record, propose, out = policy.record, engine.drafter.propose, []
+
+        def timed_record(num_seqs, drafted, tokens):
+            now[0] += 10.0 if drafted else 1.0  # rounds never pay: a probe round every 5 plain steps
+            record(num_seqs, drafted, tokens)
+
+        def spy(items, *graphs):
+            drafts = propose(items, *graphs)
+            out.append([list(d) for d in drafts])
+            return drafts
+
+        policy.record, engine.drafter.propose = timed_record, spy
+        run(engine, [Req(f"r{i}", ids(11 + 7 * i, seed=20 + i), max_tokens=30) for i in range(2)])
+        assert engine.num_paused_steps > 20
+        return [d for d in out if any(d)]
+
+    seeded_every_step = drafts_of(1)
+    deferred = drafts_of(16)
+    assert len(deferred) >= 4 and deferred == seeded_every_step

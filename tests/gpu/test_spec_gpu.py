@@ -81,3 +81,26 @@ def test_spec_greedy_equals_no_spec_on_triton(model, replay, forced, eager):
             j = next(i for i, (x, y) in enumerate(zip(b.token_ids, s.token_ids)) if x != y)
             print(f"{b.request_id}: first difference at token {j}, top-1/top-2 gap {b.gaps[j]:.3g}")
             assert b.gaps[j] < NEAR_TIE, f"{b.request_id} differs at token {j} with a clear gap {b.gaps[j]:.3g}"
+
+
+def test_paused_drafting_replays_the_decode_graphs(model):
+    """The adaptive policy with drafting paused (engine/spec_policy.py): decode steps replay the plain
+    decode graphs (captured with hidden rows beside the round graphs) and give the tokens of the run
+    without speculation, whose decode steps replay the same graphs."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (9, 40, 23)]
+    plain, _ = run(model, {"method": None}, prompts, 12, cudagraph_capture_sizes=(4,))
+    cfg = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, kv_cache_gib=0.5, kernels="triton",
+               cudagraph_capture_sizes=(4,), speculative_config={"method": "mtp", "draft_policy": "adaptive"})
+    engine = Engine(model, EngineConfig(**cfg))
+    assert engine.graphs is not None and engine.graphs.return_hidden and engine.spec_graphs is not None
+    engine.policy.should_draft = lambda num_seqs: False
+    reqs = [Req(f"r{i}", p, 12) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    with torch.no_grad():
+        while engine.has_unfinished():
+            engine.step()
+    assert [r.token_ids for r in reqs] == [r.token_ids for r in plain]
+    assert engine.graphs.num_replays >= 10 and engine.spec_stats.num_rounds == 0
+    assert engine.num_paused_steps == engine.graphs.num_replays

@@ -158,3 +158,19 @@ def test_sampling_fields_are_typed_whatever_the_route_declares():
     for bad in (-1, True, "4"):
         with pytest.raises(APIError, match="thinking_token_budget"):
             build_sampling_params({"thinking_token_budget": bad}, defaults=defaults, config=config, max_tokens=2)
+
+
+def test_metrics_say_when_drafting_is_paused_and_why():
+    from revolta.server.engine_loop import EngineStats
+    from revolta.server.metrics import Metrics
+
+    def value(text, name):
+        return next(x for x in text.splitlines() if x.startswith(name + "{")).rsplit(" ", 1)[1]
+
+    text = Metrics("m").render(EngineStats(speculative=True, spec_paused=True, spec_paused_steps=7, spec_speedup=0.25))
+    assert value(text, "revolta:spec_decode_paused") == "1"
+    assert value(text, "revolta:spec_decode_paused_steps_total") == "7"
+    assert value(text, "revolta:spec_decode_estimated_speedup") == "0.2500"
+    text = Metrics("m").render(EngineStats(speculative=True))
+    assert value(text, "revolta:spec_decode_paused") == "0" and "estimated_speedup" not in text
+    assert "revolta:spec_decode_paused" not in Metrics("m").render(EngineStats())

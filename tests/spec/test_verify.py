@@ -97,7 +97,11 @@ def test_stats():
 
 
 def test_config_resolution():
-    assert SpeculativeConfig.resolve(None, has_mtp=True) == SpeculativeConfig("mtp", 4)  # MTP4 by default
+    assert SpeculativeConfig.resolve(None, has_mtp=True, env={}) == SpeculativeConfig("mtp", 4)  # MTP4 by default
+    assert SpeculativeConfig.resolve(None, has_mtp=True, env={}).draft_policy == "adaptive"
+    assert SpeculativeConfig.resolve({"draft_policy": "always"}, has_mtp=True).draft_policy == "always"
+    with pytest.raises(ValueError, match="draft_policy='sometimes'"):
+        SpeculativeConfig.resolve({"draft_policy": "sometimes"}, has_mtp=True)
     assert not SpeculativeConfig.resolve(None, has_mtp=False).enabled
     assert not SpeculativeConfig.resolve({"method": None}, has_mtp=True).enabled
     c = SpeculativeConfig.resolve({"method": "mtp", "num_speculative_tokens": 2, "spec_state_replay": True}, True)

@@ -10,6 +10,9 @@ nothing a request reads), and the first b rows of the static logits are returned
 
 The block table is captured at its full width, cdiv(max_model_len + lookahead, block_size), so any
 request up to max_model_len fits every graph.
+
+With `return_hidden` (speculation whose adaptive policy paused drafting, engine/spec_policy.py) the
+graphs also return the rows' hidden states [b, h*d], which the drafter keeps to resume drafting.
 """
 
 from __future__ import annotations
@@ -72,15 +75,17 @@ def pool_bytes(pool) -> int:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: Tensor  # [B, V] fp32, written by every replay
+    hidden: Tensor | None = None  # [B, h*d] with return_hidden
 
 
 class DecodeGraphs:
     """Captured decode forwards of `runner` for `batch_sizes`; see the module docstring."""
 
-    def __init__(self, runner: ModelRunner, batch_sizes: list[int], max_blocks_per_seq: int):
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int], max_blocks_per_seq: int,
+                 return_hidden: bool = False):
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"cudagraph batch sizes must be >= 1, got {batch_sizes}")
-        self.runner = runner
+        self.runner, self.return_hidden = runner, return_hidden
         self.batch_sizes = sorted(set(batch_sizes))
         self.width = max_blocks_per_seq
         B = self.batch_sizes[-1]
@@ -101,9 +106,10 @@ class DecodeGraphs:
         for B in reversed(self.batch_sizes):
             self._fill_padding(B)
             cu = list(range(B + 1))
-            graph, logits = capture_graph(
-                lambda: self.runner.forward_packed(StepInputs.unpack(self.static, B, B, self.width), cu), pool, device)
-            self.graphs[B] = _Graph(graph, logits)
+            graph, out = capture_graph(
+                lambda: self.runner.forward_packed(StepInputs.unpack(self.static, B, B, self.width), cu,
+                                                   return_hidden=self.return_hidden), pool, device)
+            self.graphs[B] = _Graph(graph, *out) if self.return_hidden else _Graph(graph, out)
         torch.cuda.synchronize(device)
         # the graphs' own pool (what a replay keeps alive); the drop in free memory also counts
         # workspaces and Triton modules first created during capture
@@ -122,8 +128,9 @@ class DecodeGraphs:
                         for s in seqs))
 
     @torch.no_grad()
-    def run(self, seqs: list[StepSequence]) -> Tensor:
-        """Replay the graph for len(seqs) decode rows -> logits [b, V] fp32 (a copy)."""
+    def run(self, seqs: list[StepSequence]) -> Tensor | tuple[Tensor, Tensor]:
+        """Replay the graph for len(seqs) decode rows -> logits [b, V] fp32 (a copy); with return_hidden
+        (logits, hidden rows [b, h*d])."""
         b = len(seqs)
         B = next(size for size in self.batch_sizes if size >= b)
         flat = self.runner.pack_step(seqs, num_rows=B, width=self.width)
@@ -133,4 +140,6 @@ class DecodeGraphs:
         g = self.graphs[B]
         g.graph.replay()
         self.num_replays += 1
+        if self.return_hidden:
+            return g.logits[:b].clone(), g.hidden[:b].clone()
         return g.logits[:b].clone()

@@ -42,6 +42,7 @@ from .request import Request
 from .runner import StepSequence
 from .sample_step import StepSampler
 from .scheduler import ScheduledSeq, Scheduler, SeqState
+from .spec_policy import SpecPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,9 @@ class EngineStatus:
     block_size: int
     prefix_caching: bool
     spec: SpecStats | None  # summed over every verify round; None without speculation
+    spec_paused: bool = False  # the adaptive policy decodes plainly (drafting does not pay at this batch size)
+    spec_paused_steps: int = 0  # decode steps run without drafting by the policy's choice
+    spec_speedup: float | None = None  # the policy's estimate: tokens/s drafting over plain (None: not measured)
 
 
 class Engine:
@@ -181,6 +185,10 @@ class Engine:
         eos = frozenset({cfg.text.eos_token_id}) if eos_token_ids is None else eos_token_ids
         self.sampler = StepSampler(eos, num_text_ids or cfg.text.vocab_size, tokenizer)
         self.spec_stats = SpecStats()  # summed over every verify round of this engine
+        # "adaptive" drafting: rounds only while they pay (spec_policy.py); tests may swap in a fake-clock policy
+        self.policy = SpecPolicy() if self.spec.enabled and self.spec.draft_policy == "adaptive" else None
+        self._drafting = self.spec.enabled  # this step's decoding requests verify drafts
+        self.num_paused_steps = 0
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.encoder_cache, self.encoder_budget,
                                    lookahead_fn=self._num_drafts if self.spec.enabled else None)
@@ -301,13 +309,18 @@ class Engine:
         return EngineStatus(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            kv_cache_usage=a.usage, num_free_blocks=a.num_free_blocks, block_size=a.block_size,
                            prefix_caching=a.config.enable_prefix_caching,
-                           spec=self.spec_stats if self.spec.enabled else None)
+                           spec=self.spec_stats if self.spec.enabled else None,
+                           spec_paused=self.policy is not None and self.policy.paused,
+                           spec_paused_steps=self.num_paused_steps,
+                           spec_speedup=self.policy.estimated_speedup() if self.policy is not None else None)
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.no_grad()  # LLM.step adds inference mode; tests and benchmarks touch the graphs' buffers outside it
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests that gained a token (finished ones included:
         `request.output()` is its vLLM-shaped RequestOutput)."""
+        if self.policy is not None:
+            self._drafting = self.policy.should_draft(max(1, len(self.scheduler.running)))
         items = self.scheduler.schedule()
         if not items:
             if self.scheduler.has_unfinished():
@@ -319,6 +332,8 @@ class Engine:
             if it.seq.request.metrics.first_scheduled_time is None:
                 it.seq.request.metrics.first_scheduled_time = now
         step = self._model_step(items)
+        decode_only = all(s.verify or (s.sample and len(s.seq.token_ids) == 1 and s.seq.num_computed > 0
+                                       and not s.prompt_logits) for s in step.items)
         result = self.executor.execute(step)
         for i, logits in result.prompt_logits.items():  # row j predicts token num_computed + j + 1
             it = items[i]
@@ -345,10 +360,18 @@ class Engine:
         for it in items:
             if it.seq.request.finished:
                 self._seqs.pop(it.seq.request_id, None)
+        if self.policy is not None:
+            self._record_policy(step, decode_only, sum(accepted) + len(sampled))
         num_verified = sum(s.verify for s in step.items)
         if num_verified and self.spec_stats.num_rounds and self.spec_stats.num_rounds % SPEC_LOG_INTERVAL < num_verified:
             logger.info("speculative decoding: %s", self.spec_stats.summary())
         return sampled
+
+    def _record_policy(self, step: ModelStep, decode_only: bool, tokens: int) -> None:
+        """Tell the adaptive policy what a pure decode step cost; count the steps it ran without drafts."""
+        if decode_only:
+            self.num_paused_steps += not self._drafting
+            self.policy.record(len(step.items), self._drafting, tokens)
 
     def _model_step(self, items: list[ScheduledSeq]) -> ModelStep:
         """What the executor runs: per item its tokens, pages, slot, media and what to return."""
@@ -357,7 +380,7 @@ class Engine:
             a, seq = it.alloc, it.seq
             start = a.num_computed_tokens
             all_ids = seq.all_token_ids
-            verify = (self.spec.enabled and it.num_new_tokens == 1 and start + 1 == len(all_ids) and start > 0)
+            verify = (self._drafting and it.num_new_tokens == 1 and start + 1 == len(all_ids) and start > 0)
             out.append(StepItem(
                 request_id=seq.request_id,
                 seq=StepSequence(token_ids=all_ids[start:start + a.num_new_tokens], num_computed=start,
@@ -372,8 +395,9 @@ class Engine:
     # ---- speculative decoding (spec/) ------------------------------------------------------------
     def _num_drafts(self, seq: SeqState) -> int:
         """Drafts a decoding request verifies this step: k, fewer near max_model_len or its
-        max_tokens (no draft could be kept), none without pending drafter rows (just preempted)."""
-        if not self.executor.can_draft(seq.request_id, seq.num_computed_tokens, seq.num_preemptions):
+        max_tokens (no draft could be kept), none without pending drafter rows (just preempted) or
+        while the adaptive policy decodes plainly."""
+        if not self._drafting or not self.executor.can_draft(seq.request_id, seq.num_computed_tokens, seq.num_preemptions):
             return 0
         r = seq.request
         # a round emits up to drafts + 1 tokens, within max_model_len and the request's max_tokens

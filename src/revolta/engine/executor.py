@@ -139,9 +139,11 @@ class UniProcExecutor(Executor):
         self.spec_graphs: SpecGraphs | None = None  # with speculation: steady-state rounds replay these
         self._round: _Round | None = None  # the speculative step between execute and finish
         if model.device.type == "cuda" and config.use_cuda_graphs:
-            if spec.enabled:  # every decoding step is a verify round
+            if spec.enabled:  # every decoding step is a verify round, unless the adaptive policy paused drafting
                 # the round graphs run the MTP drafter (spec/graphs.py); another drafter drafts eagerly
                 self.spec_graphs = self._capture_graphs(spec=True) if spec.method == "mtp" else None
+                if spec.method == "mtp" and spec.draft_policy == "adaptive":  # paused steps replay decode graphs
+                    self.graphs = self._capture_graphs(hidden=True)
                 # as long as a benchmark row (spec/measured_speedup.json) says speculation is slower
                 warning = slower_warning(spec.method)
                 if warning:
@@ -161,7 +163,7 @@ class UniProcExecutor(Executor):
         return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
                               sampled=self.spec.draft_sample_method == "probabilistic")
 
-    def _capture_graphs(self, spec: bool = False) -> DecodeGraphs | SpecGraphs:
+    def _capture_graphs(self, spec: bool = False, hidden: bool = False) -> DecodeGraphs | SpecGraphs:
         cfg = self.config
         sizes = list(cfg.cudagraph_capture_sizes or default_capture_sizes(cfg.max_num_seqs))
         if max(sizes) > cfg.max_num_seqs:
@@ -173,7 +175,8 @@ class UniProcExecutor(Executor):
                                 width)
             what = f"speculative round (MTP draft steps, verify of 1 + {self.spec.num_speculative_tokens} rows, commit)"
         else:
-            graphs, what = DecodeGraphs(self.runner, sizes, width), "decode"
+            graphs = DecodeGraphs(self.runner, sizes, width, return_hidden=hidden)
+            what = "decode (with hidden rows, for steps while drafting is paused)" if hidden else "decode"
         graphs.capture()
         logger.info("CUDA graphs: captured %s batch sizes %s in %.0f MiB", what, sizes, graphs.used_bytes / 2**20)
         if cfg.kv_cache_gib is None:  # the reserve was part of the memory budget
@@ -194,8 +197,7 @@ class UniProcExecutor(Executor):
         self.runner.check_health()
 
     def stats(self) -> dict[str, int]:
-        graphs = self.graphs or self.spec_graphs
-        return {"graph_replays": graphs.num_replays if graphs is not None else 0}
+        return {"graph_replays": sum(g.num_replays for g in (self.graphs, self.spec_graphs) if g is not None)}
 
     # ---- one step --------------------------------------------------------------------------------
     def execute(self, step: ModelStep) -> StepResult:
@@ -299,8 +301,11 @@ class UniProcExecutor(Executor):
         """Drafter seeds and drafts; the prefill chunks run as usual and the decoding requests run one verify
         forward over their definite token and drafts (a graph replay when the round fits one)."""
         items = step.items
+        paused = not any(it.verify for it in items)  # the adaptive policy paused drafting (or a prefill-only step)
         draft_items = [DraftItem(it.request_id, st, it.all_token_ids, it.num_preemptions,
-                                 it.num_drafts if it.verify else 0) for it, st in zip(items, steps)]
+                                 it.num_drafts if it.verify else 0,
+                                 defer_seed=paused and it.sample and len(st.token_ids) == 1 and st.num_computed > 0)
+                       for it, st in zip(items, steps)]
         graphed = (self.spec_graphs is not None and all(it.verify for it in items)
                    and self.spec_graphs.can_run(steps, [d.num_drafts for d in draft_items]))
         drafts = self.drafter.propose(draft_items, self.spec_graphs) if graphed else self.drafter.propose(draft_items)
@@ -314,6 +319,8 @@ class UniProcExecutor(Executor):
                 flagged: dict[int, Tensor] = {}
                 logits, wide = self._execute_with_prompt_logits(pre_items, pre_steps, flagged, return_hidden=True)
                 prompt_logits = {pre[j]: x for j, x in flagged.items()}
+            elif not ver and self.graphs is not None and self.graphs.can_run(pre_steps):  # drafting paused
+                logits, wide = self.graphs.run(pre_steps)  # [b, V], [b, h*d]
             else:
                 logits, wide = self.runner.execute(pre_steps, return_hidden=True)
             self.storage.post_forward([it.alloc for it in pre_items])

@@ -58,6 +58,9 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()
+    spec_paused: bool = False  # the adaptive policy decodes plainly: drafting does not pay at this batch size
+    spec_paused_steps: int = 0  # decode steps run without drafting by the policy's choice
+    spec_speedup: float | None = None  # its estimate of tokens/s drafting over plain (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -320,7 +323,10 @@ class EngineLoop:
                                  num_spec_rounds=spec.num_rounds if spec else 0,
                                  num_draft_tokens=spec.num_draft_tokens if spec else 0,
                                  num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-                                 accepted_per_position=tuple(spec.accepted_per_position) if spec else ())
+                                 accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
+                                 spec_paused=st.spec_paused,
+                                 spec_paused_steps=st.spec_paused_steps,
+                                 spec_speedup=st.spec_speedup)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

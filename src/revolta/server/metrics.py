@@ -127,9 +127,27 @@ class Metrics:
                 lines += [f"# HELP {name} Rounds whose draft at this position was accepted.",
                           f"# TYPE {name} counter"]
                 lines += [f'{name}{{{m},position="{j}"}} {n}' for j, n in enumerate(stats.accepted_per_position)]
+                lines += _paused_lines(stats, m)
             for name, hist, text in (
                     ("vllm:time_to_first_token_seconds", self.ttft, "Time to first token."),
                     ("vllm:inter_token_latency_seconds", self.itl, "Time between consecutive output steps."),
                     ("vllm:e2e_request_latency_seconds", self.e2e, "Arrival to finish of completed requests.")):
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram", *hist.lines(name, m)]
         return "\n".join(lines) + "\n"
+
+
+def _paused_lines(stats: EngineStats, m: str) -> list[str]:
+    """The adaptive drafting policy (engine/spec_policy.py): whether drafting is paused, for how many steps,
+    and why (its estimated speedup of drafting over plain decoding; below 1 it pauses)."""
+    lines = ["# HELP revolta:spec_decode_paused 1 while speculative drafting is paused because it does not pay at "
+             "the current batch size (estimated speedup below 1), else 0.",
+             "# TYPE revolta:spec_decode_paused gauge", f"revolta:spec_decode_paused{{{m}}} {int(stats.spec_paused)}",
+             "# HELP revolta:spec_decode_paused_steps_total Decode steps run without drafting by the policy's choice.",
+             "# TYPE revolta:spec_decode_paused_steps_total counter",
+             f"revolta:spec_decode_paused_steps_total{{{m}}} {stats.spec_paused_steps}"]
+    if stats.spec_speedup is not None:
+        lines += ["# HELP revolta:spec_decode_estimated_speedup Measured tokens/s with drafting over plain decoding "
+                  "at the current batch size (drafting pauses below 1).",
+                  "# TYPE revolta:spec_decode_estimated_speedup gauge",
+                  f"revolta:spec_decode_estimated_speedup{{{m}}} {stats.spec_speedup:.4f}"]
+    return lines

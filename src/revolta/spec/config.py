@@ -3,7 +3,7 @@
     None                         -> MTP4 when the checkpoint has an MTP layer, else off
     {"method": None}             -> off
     {"method": "mtp", "num_speculative_tokens": 4, "spec_state_replay": False,
-     "kv_cache_dtype": None, "draft_sample_method": "greedy"}
+     "kv_cache_dtype": None, "draft_sample_method": "greedy", "draft_policy": "adaptive"}
 
     {"method": "dflash2", "model": DRAFTER_DIR, "num_speculative_tokens": 7,
      "draft_sample_method": "greedy", "dflash_concurrency_drafts": {"4": 3, "5": 4},
@@ -12,7 +12,10 @@
 `spec_state_replay` keeps the release note's name: True recomputes the accepted tokens' GDN state
 from the committed one after verification instead of keeping one state slot per draft
 (spec/engine.md §3.3); both give bitwise identical states. `kv_cache_dtype` is the draft KV format
-(the MTP layer's, or the DFlash2 drafter's; None inherits the target's).
+(the MTP layer's, or the DFlash2 drafter's; None inherits the target's). `draft_policy` (both
+methods): "adaptive" (default; env REVOLTA_SPEC_DRAFT_POLICY overrides the default) drafts only while
+the measured rounds pay and decodes plainly otherwise (engine/spec_policy.py); "always" drafts every
+decode step (benchmarks and tests of the rounds themselves).
 
 DFlash2 (spec/engine.md §2.2, §2.5-2.7; "dflash" is the release note's name for the same method
 with a DFlash2 drafter): `model` is the drafter checkpoint (its config.json is read here, its
@@ -25,6 +28,7 @@ the target and the engine arguments are in spec/dflash2/checks.py.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +44,13 @@ DFLASH2_METHODS = ("dflash2", "dflash")
 QUANTIZED_KV = ("fp8_e4m3", "int8")  # 1-byte KV formats; revolta's DFlash2 drafter cache stays 16-bit
 DRAFT_SAMPLE_METHODS = ("greedy",)
 DFLASH2_DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # probabilistic: allowed with a warning (checks.py)
-_KEYS = ("method", "num_speculative_tokens", "spec_state_replay", "kv_cache_dtype", "draft_sample_method")
+DRAFT_POLICIES = ("adaptive", "always")
+_KEYS = ("method", "num_speculative_tokens", "spec_state_replay", "kv_cache_dtype", "draft_sample_method",
+         "draft_policy")
 # sm70_dflash2 options that may also be given at the top level of speculative_config
 _TOP_LEVEL_OPTIONS = ("spec_state_replay", "sharded_selector_codebook", "fused_gdn_verify")
 _DFLASH2_KEYS = ("method", "model", "num_speculative_tokens", "draft_sample_method", "dflash_concurrency_drafts",
-                 "sm70_dflash2", "kv_cache_dtype", "sample_from_anchor", *_TOP_LEVEL_OPTIONS)
+                 "sm70_dflash2", "kv_cache_dtype", "sample_from_anchor", "draft_policy", *_TOP_LEVEL_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class SpeculativeConfig:
     spec_state_replay: bool = False
     kv_cache_dtype: str | None = None  # draft (MTP layer) KV format; None: the target's
     draft_sample_method: str = "greedy"  # the drafter takes the argmax; q is one-hot in rejection sampling
+    draft_policy: str = "adaptive"  # "adaptive": draft while it pays (engine/spec_policy.py); "always"
     # DFlash2 only
     model: str | None = None  # the drafter checkpoint directory
     drafter: DrafterFacts | None = None  # what the checks and the cache plan read from its config.json
@@ -134,7 +141,7 @@ class SpeculativeConfig:
         if kv is not None and not isinstance(kv, str):
             raise ValueError(f"speculative_config kv_cache_dtype={kv!r} must be a KV format name or None")
         return cls(method=method, num_speculative_tokens=k, spec_state_replay=replay, kv_cache_dtype=kv,
-                   draft_sample_method=sample)
+                   draft_sample_method=sample, draft_policy=_draft_policy(raw, env))
 
     @classmethod
     def _resolve_dflash2(cls, raw: Mapping[str, Any], tp: int, env: Mapping[str, str] | None) -> "SpeculativeConfig":
@@ -174,7 +181,8 @@ class SpeculativeConfig:
                 options[name] = raw[name]
         opts = SM70DFlash2Options.resolve(options, tensor_parallel_size=tp, env=env)
         return cls(method="dflash2", num_speculative_tokens=k, spec_state_replay=bool(opts.spec_state_replay),
-                   kv_cache_dtype=kv, draft_sample_method=sample, model=facts.path, drafter=facts,
+                   kv_cache_dtype=kv, draft_sample_method=sample, draft_policy=_draft_policy(raw, env),
+                   model=facts.path, drafter=facts,
                    dflash_concurrency_drafts=parse_ladder(raw.get("dflash_concurrency_drafts"), k), sm70_dflash2=opts)
 
     def describe(self) -> str:
@@ -185,7 +193,8 @@ class SpeculativeConfig:
             ladder = ", ".join(f"{c}+: {n}" for c, n in self.dflash_concurrency_drafts)
             return (f"DFlash2 x{self.num_speculative_tokens} from {self.model} ({state}, {self.draft_sample_method} "
                     f"drafts{', ladder ' + ladder if ladder else ''})")
-        return f"MTP x{self.num_speculative_tokens} ({state}, {self.draft_sample_method} drafts)"
+        return (f"MTP x{self.num_speculative_tokens} ({state}, {self.draft_sample_method} drafts, "
+                f"{self.draft_policy} drafting)")
 
 
 def speculative_method(raw: Mapping[str, Any] | SpeculativeConfig | None) -> str | None:
@@ -194,6 +203,16 @@ def speculative_method(raw: Mapping[str, Any] | SpeculativeConfig | None) -> str
         return raw.method
     method = raw.get("method", "mtp") if isinstance(raw, Mapping) else None
     return "dflash2" if method == "dflash" else method
+
+
+def _draft_policy(raw: Mapping[str, Any], env: Mapping[str, str] | None) -> str:
+    """raw["draft_policy"], else env REVOLTA_SPEC_DRAFT_POLICY, else "adaptive"."""
+    env = os.environ if env is None else env
+    policy = raw.get("draft_policy") or env.get("REVOLTA_SPEC_DRAFT_POLICY") or "adaptive"
+    if policy not in DRAFT_POLICIES:
+        raise ValueError(f"speculative_config draft_policy={policy!r} is not supported; use 'adaptive' (draft while it "
+                         "pays) or 'always' (draft every decode step)")
+    return policy
 
 
 def _drafter_kv_dtype(resolved: str, dtype: str) -> str:

@@ -13,6 +13,11 @@ known, so the MTP K/V always covers what the target has computed:
 - draft j >= 2: one MTP step at the next position from the previous step's wide output M and
   d_{j-1}. These rows' K/V are overwritten when the positions are seeded from target rows.
 
+While the adaptive policy has drafting paused (engine/spec_policy.py), a plain decode step's item comes
+with `defer_seed`: its pending rows are not run through MTP at once but grow by the step's row (up to
+MAX_DEFERRED_ROWS), so the paused steps pay one MTP forward per MAX_DEFERRED_ROWS steps instead of one
+each; the next round (or a full buffer) seeds them together.
+
 Drafts are the argmax ("greedy" draft_sample_method: q is one-hot in rejection sampling). A
 request that was preempted (its pages are gone) or hit the prefix cache restarts without pending
 rows; the MTP K/V it finds in hit pages came from the request that computed them.
@@ -30,6 +35,8 @@ from ..engine.runner import ModelRunner, StepSequence
 
 if TYPE_CHECKING:
     from .graphs import SpecGraphs
+
+MAX_DEFERRED_ROWS = 16  # pending rows a paused request keeps before they are seeded anyway
 
 
 @dataclass
@@ -56,6 +63,7 @@ class DraftItem:
     all_token_ids: list[int]
     num_preemptions: int
     num_drafts: int
+    defer_seed: bool = False  # a plain decode step while drafting is paused: its pending rows may wait
 
 
 class PendingRowsDrafter:
@@ -65,6 +73,7 @@ class PendingRowsDrafter:
 
     def __init__(self):
         self.pending: dict[str, PendingRows] = {}
+        self.deferred: set[str] = set()  # requests whose pending rows this step left unseeded (`keep` extends them)
 
     def has_pending(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:
         """Whether the request can draft: its pending rows end where its computed tokens end."""
@@ -72,11 +81,26 @@ class PendingRowsDrafter:
         return p is not None and p.end == num_computed and p.num_preemptions == num_preemptions
 
     def keep(self, request_id: str, hidden: Tensor, start: int, num_preemptions: int) -> None:
-        """Rows [m, ...] of committed target positions start .. start + m - 1."""
+        """Rows [m, ...] of committed target positions start .. start + m - 1 (after the request's deferred
+        pending rows, when this step left them unseeded)."""
+        p = self.pending.get(request_id)
+        if request_id in self.deferred and p is not None and p.end == start and p.num_preemptions == num_preemptions:
+            hidden, start = torch.cat([p.hidden, hidden]), p.start
+        self.deferred.discard(request_id)
         self.pending[request_id] = PendingRows(hidden, start, num_preemptions)
 
     def drop(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+        self.deferred.discard(request_id)
+
+    def defer(self, item: DraftItem) -> bool:
+        """Leave a `defer_seed` item's pending rows unseeded this step (its step's row joins them in `keep`)."""
+        p = self.pending.get(item.request_id)
+        if not (item.defer_seed and self.has_pending(item.request_id, item.step.num_computed, item.num_preemptions)
+                and p.hidden.shape[0] + len(item.step.token_ids) <= MAX_DEFERRED_ROWS):
+            return False
+        self.deferred.add(item.request_id)
+        return True
 
     def take(self, item: DraftItem) -> PendingRows | None:
         """Pop the item's pending rows; None (the request dropped) when they do not end at its step.
@@ -114,6 +138,8 @@ class MTPDrafter(PendingRowsDrafter):
         seed_seqs, seed_hidden, seed_items = [], [], []
         for i, it in enumerate(items):
             c = it.step.num_computed
+            if self.defer(it):
+                continue
             p = self.take(it)
             if p is None:
                 continue
