@@ -295,7 +295,9 @@ class Engine:
     def check_media(self, mm: MultimodalPrompt) -> None:
         """Raise MediaError when a prompt's media can never be encoded here (no tower, item over the budgets)."""
         if self.encoder_cache is None:
-            raise MediaError("this model has no vision tower; send text only")
+            raise MediaError("this model has no vision tower; send text only" if self.tp == 1 else
+                             f"media at tensor_parallel_size={self.tp} are not supported yet (the vision tower is "
+                             "not split across ranks); send text only or use tensor_parallel_size=1")
         check_item_fits(mm, self.encoder_budget, self.encoder_cache.capacity)
 
     def abort(self, request_id: str) -> None:

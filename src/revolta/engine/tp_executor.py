@@ -26,6 +26,7 @@ import os
 import queue as queue_mod
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -73,10 +74,11 @@ def _rank_executor(model: FlashNextModel, plan: CachePlan, spec: SpeculativeConf
     return UniProcExecutor(model, plan, spec, config, None)
 
 
-def _worker(rank: int, rs: RankSpec, inbox) -> None:
+def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     """Rank `rank` > 0: load the shard, build the executor from rank 0's plan, then run each call rank 0 sends
     until "stop" or rank 0's process is gone."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // rs.tp))  # the ranks share the host's cores
+    ready.put(rank)  # about to join the group: rank 0 waits for this before its (blocking) rendezvous
     ctx = _init_group(rank, rs)
     parent = mp.parent_process()
     executor = None
@@ -114,14 +116,15 @@ class TPGroup:
         workdir = tempfile.mkdtemp(prefix="revolta-tp-")
         rs = RankSpec(cfg, str(checkpoint), tp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s)
         ctx = mp.get_context("spawn")
-        inboxes = [ctx.Queue() for _ in range(1, tp)]
-        procs = [ctx.Process(target=_worker, args=(r, rs, inboxes[r - 1]), name=f"revolta-tp-rank{r}", daemon=True)
-                 for r in range(1, tp)]
+        inboxes, ready = [ctx.Queue() for _ in range(1, tp)], ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, rs, inboxes[r - 1], ready), name=f"revolta-tp-rank{r}",
+                             daemon=True) for r in range(1, tp)]
         group = cls(None, tp, inboxes, procs, workdir)
         try:
             for p in procs:
                 p.start()
             logger.info("tensor parallel: %d ranks (gloo); worker pids %s", tp, [p.pid for p in procs])
+            group._wait_ready(ready, timeout_s)
             pc = _init_group(0, rs)  # waits for every worker at most timeout_s
             group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype)
             group.check_health()
@@ -130,6 +133,21 @@ class TPGroup:
             group.close(timeout_s=5)  # no worker outlives a failed start
             raise
 
+    def _wait_ready(self, ready, timeout_s: float) -> None:
+        """Until every worker is about to join the group; a worker that dies first (e.g. a script without the
+        `if __name__ == "__main__":` guard that spawned processes need) fails the start at once, not after
+        the rendezvous timeout."""
+        deadline, waiting = time.monotonic() + timeout_s, len(self.procs)
+        while waiting:
+            try:
+                ready.get(timeout=0.2)
+                waiting -= 1
+            except queue_mod.Empty:
+                self.check_health(hint=" while starting; a script that starts tensor-parallel ranks must guard its "
+                                       "entry point with `if __name__ == \"__main__\":` (spawned processes import it)")
+                if time.monotonic() > deadline:
+                    raise FatalEngineError(f"{waiting} tensor-parallel worker(s) did not start within {timeout_s:.0f} s")
+
     def executor(self, plan: CachePlan, spec: SpeculativeConfig, config) -> "MultiProcExecutor":
         """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp)."""
         self.check_health()
@@ -137,11 +155,11 @@ class TPGroup:
             inbox.put(("build", (plan, spec, config)))
         return MultiProcExecutor(_rank_executor(self.model, plan, spec, config, self.tp), self)
 
-    def check_health(self) -> None:
+    def check_health(self, hint: str = "; the engine stops") -> None:
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
             raise FatalEngineError(f"tensor-parallel worker(s) {[p.name for p in dead]} exited (exit codes "
-                                   f"{[p.exitcode for p in dead]}); the engine stops")
+                                   f"{[p.exitcode for p in dead]}){hint}")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the workers (bounded), kill what does not exit, leave the process group. Idempotent."""
