@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON",
                      help="as serve takes it: '{\"method\": null}' decodes without drafts; default MTP4 when the "
                           "checkpoint has an MTP layer, drafting only while it pays")
+    _add_parallel_flags(gen)
 
     info = sub.add_parser("info", help="summarise a checkpoint's config",
                           description="Config summary, parameter counts by component, KV bytes per token and "
@@ -100,6 +101,16 @@ def _json_flag(name: str):
     return parse
 
 
+def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
+                        help="split the text model across N ranks (CPU/gloo prototype; docs/parallel.md)")
+    parser.add_argument("-dcp", "--decode-context-parallel-size", type=int, metavar="N",
+                        help="decode context parallelism (not implemented yet: only 1)")
+
+
+PARALLEL_ARGS = ("tensor_parallel_size", "decode_context_parallel_size")
+
+
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI/Anthropic-compatible HTTP server",
                            description="Serve MODEL (default: the embedded default preset) over HTTP: "
@@ -135,6 +146,7 @@ def _add_serve_parser(sub) -> None:
                             "through a mapped view) or disk (the checkpoint files, read by a PLE worker process); "
                             "also REVOLTA_PLE_PLACEMENT or VLLM_PLE_CPU_OFFLOAD / VLLM_PLE_DISK_OFFLOAD. If the disk "
                             "worker dies or stalls, requests fail and revolta serve exits with status 3")
+    _add_parallel_flags(serve)
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)
@@ -287,7 +299,15 @@ def _generate(args: argparse.Namespace) -> int:
 
     _sampling_params(args)  # reject bad flags before loading anything
     spec = {} if args.speculative_config is None else {"speculative_config": args.speculative_config}
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **spec)
+    parallel = {name: getattr(args, name) for name in PARALLEL_ARGS if getattr(args, name) is not None}
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **spec, **parallel)
+    try:
+        return _print_generated(llm, prompts, args)
+    finally:
+        llm.close()  # stops the tensor-parallel ranks
+
+
+def _print_generated(llm, prompts: list[str], args: argparse.Namespace) -> int:
     params = _sampling_params(args, llm.get_default_sampling_params())
     if args.chat:
         prompts = [llm.render_chat([{"role": "user", "content": p}], enable_thinking=not args.no_thinking)
@@ -334,7 +354,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens",
                                                           "kv_cache_dtype", "kv_cache_gib", "enable_prefix_caching",
                                                           "speculative_config", "limit_mm_per_prompt",
-                                                          "allowed_local_media_path", "ple_placement")
+                                                          "allowed_local_media_path", "ple_placement",
+                                                          *PARALLEL_ARGS)
                    if getattr(args, name) is not None}
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")

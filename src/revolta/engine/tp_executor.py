@@ -155,6 +155,13 @@ class TPGroup:
             inbox.put(("build", (plan, spec, config)))
         return MultiProcExecutor(_rank_executor(self.model, plan, spec, config, self.tp), self)
 
+    def dead_workers(self, wait_s: float = 0.0) -> list[str]:
+        """Names and exit codes of the workers that have exited, waiting up to `wait_s` for one that is dying."""
+        deadline = time.monotonic() + wait_s
+        while all(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
+
     def check_health(self, hint: str = "; the engine stops") -> None:
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
@@ -203,8 +210,10 @@ class MultiProcExecutor(Executor):
             self._fail(e)
             raise
         except Exception as e:  # a collective that timed out or failed, or a bug on rank 0: out of step for good
-            error = FatalEngineError(f"tensor-parallel {op} failed on rank 0 ({type(e).__name__}: {e}); the ranks "
-                                     "are out of step, the engine stops")
+            dead = self.group.dead_workers(wait_s=1.0)  # a killed peer is what usually breaks a collective
+            cause = f"worker(s) {dead} exited, so " if dead else ""
+            error = FatalEngineError(f"tensor-parallel {cause}{op} failed on rank 0 ({type(e).__name__}: {e}); the "
+                                     "ranks are out of step, the engine stops")
             self._fail(error)
             raise error from e
 
