@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "fixed state bytes per sequence (spec/model.md §10). Reads no weights.")
     info.add_argument("path", metavar="DIR", help="checkpoint directory, or a config.json file")
     info.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size for per-GPU figures")
+    info.add_argument("--dcp", type=int, default=1, metavar="N",
+                      help="decode-context-parallel size (not implemented yet: only 1 is planned)")
     plan = info.add_argument_group("deployment dry run (with --gpu-memory): cache capacity without a GPU")
     plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU, e.g. 32 for a V100 32 GB")
     plan.add_argument("--max-model-len", type=int, default=None, metavar="L", help="tokens per request (default: "
@@ -188,6 +190,7 @@ def _info(args: argparse.Namespace) -> int:
     if not os.path.exists(args.path):
         raise UserError(f"{args.path}: no such file or directory; pass a checkpoint directory or its config.json")
     cfg = ModelConfig.from_pretrained(args.path)
+    _check_parallel(cfg, args.tp, args.dcp)
     # the dry run's default is the release note's reference deployment: the table in pinned host memory
     ple = resolve_ple_placement(args.ple_placement, default="host")
     if ple.source == "default":
@@ -228,6 +231,16 @@ def _info(args: argparse.Namespace) -> int:
     elif cfg.text.ple_layer_ids:
         print(f"PLE table placement: {ple.value} [{ple.source}] (--gpu-memory plans the GPU budget with it)")
     return 0
+
+
+def _check_parallel(cfg, tp: int, dcp: int) -> None:
+    """The layout is the engine's to refuse (parallel/config.py), with its fix, before anything is planned."""
+    from .parallel import ParallelConfig, validate_parallel
+
+    validate_parallel(ParallelConfig(tp, dcp), cfg)
+    if dcp > 1:
+        raise UserError(f"--dcp {dcp}: decode context parallelism is not implemented yet, so it is not planned either "
+                        f"(each rank that shares a KV head holds its own copy); drop --dcp to plan TP {tp} alone")
 
 
 def _mtp_weights(path: str, cfg) -> bool | None:
