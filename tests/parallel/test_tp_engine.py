@@ -5,6 +5,8 @@ A worker killed mid-request turns the next step into a FatalEngineError at once,
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -97,4 +99,31 @@ def test_a_killed_rank_is_a_fatal_engine_error(tmp_path):
             group.close(timeout_s=5)
     finally:
         torch.set_num_threads(threads)
+    assert not worker.is_alive()
+
+
+def test_a_stalled_rank_is_a_parallel_timeout_then_a_fatal_engine_error(tmp_path):
+    """A worker that stops answering (SIGSTOP) mid-request: rank 0's collective gives up after timeout_s, the
+    step raises FatalEngineError naming the ParallelTimeout, and the stalled worker is killed (no orphan)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = tiny()
+        save_checkpoint(full_model(cfg), tmp_path / "ckpt", progress=False)
+        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=3)
+        worker = group.procs[0]
+        try:
+            engine = _engine(group.model, None, group)
+            engine.add_request(greedy_request("r", PROMPTS[2], max_tokens=5))
+            engine.step()
+            os.kill(worker.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(FatalEngineError, match="ParallelTimeout"):
+                engine.step()
+            took = time.monotonic() - t0
+        finally:
+            group.close(timeout_s=5)
+    finally:
+        torch.set_num_threads(threads)
+    assert 2.5 < took < 10, took  # the 3 s collective timeout, plus stopping the group
     assert not worker.is_alive()
