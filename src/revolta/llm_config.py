@@ -181,7 +181,8 @@ def log_summary(llm: Any, seconds: float) -> None:
              f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
              f"MTP {t.num_mtp_layers}{'' if llm.mtp_weights else ' (no weights in the checkpoint)'}, speculative "
              f"decoding {llm.speculative_config.describe()}" if t.num_mtp_layers else "no MTP",
-             f"vision {v.depth} blocks" if v is not None else "no vision"]
+             "no vision" if v is None else f"vision {v.depth} blocks" if llm.model.model.visual is not None
+             else "vision tower not loaded (tensor parallel: text only)"]
     tp = llm.engine.config.tensor_parallel_size  # at tp > 1 llm.model is rank 0's shard
     on = f"{llm.device} x {tp} ranks (tensor parallel)" if tp > 1 else str(llm.device)
     logger.info("revolta: %s %s | %s on %s | %s | %.1fM params%s | ready in %.1f s", origin, llm.model_path,
