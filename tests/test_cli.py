@@ -65,6 +65,9 @@ def test_info(default_dir, capsys):
     (["info", "{tmp}"], "no config.json"),
     (["info", "{tmp}/config.json"], "not valid JSON"),
     (["info", "{default}", "--tp", "0"], "--tp=0"),
+    (["info", "{default}", "--tp", "3"], "use a tensor_parallel_size among 1, 2, 4"),
+    (["info", "{real}", "--tp", "4", "--dcp", "2"], "--dcp 2: decode context parallelism is not implemented"),
+    (["generate", "-tp", "3", "x"], "tensor_parallel_size=3 does not divide"),
     (["generate", "--model", "/no/such/dir", "x"], "not a directory"),
     (["generate", "--model", "{tmp}", "x"], "no config.json"),
     (["generate", "--top-p", "1.5", "x"], "--top-p=1.5"),
@@ -75,7 +78,8 @@ def test_user_errors_are_one_line(argv, needle, tmp_path, default_dir, monkeypat
     monkeypatch.setenv("REVOLTA_CACHE", str(default_dir.parent))
     if "{tmp}/config.json" in argv:
         (tmp_path / "config.json").write_text("{not json")
-    argv = [a.replace("{tmp}", str(tmp_path)).replace("{default}", str(default_dir)) for a in argv]
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{default}", str(default_dir))
+            .replace("{real}", str(DATA / "qwen3_8_flash_next_config.json")) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len([line for line in err if line.startswith("revolta: error:")]) == 1

@@ -357,8 +357,8 @@ def test_default_sampling_params_from_generation_config(llm, tiny_dir):
 def test_errors(llm, tiny_dir):
     with pytest.raises(TypeError, match="max_num_seq.*did you mean 'max_num_seqs'"):
         LLM(model=str(tiny_dir), max_num_seq=4)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        LLM(model=str(tiny_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: only 1 is supported"):
+        LLM(model=str(tiny_dir), pipeline_parallel_size=2)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         LLM(model=str(tiny_dir / "nope"))
     with pytest.raises(ValueError, match="dtype"):

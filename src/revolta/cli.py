@@ -56,12 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON",
                      help="as serve takes it: '{\"method\": null}' decodes without drafts; default MTP4 when the "
                           "checkpoint has an MTP layer, drafting only while it pays")
+    _add_parallel_flags(gen)
 
     info = sub.add_parser("info", help="summarise a checkpoint's config",
                           description="Config summary, parameter counts by component, KV bytes per token and "
                                       "fixed state bytes per sequence (spec/model.md §10). Reads no weights.")
     info.add_argument("path", metavar="DIR", help="checkpoint directory, or a config.json file")
     info.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size for per-GPU figures")
+    info.add_argument("--dcp", type=int, default=1, metavar="N",
+                      help="decode-context-parallel size (not implemented yet: only 1 is planned)")
     plan = info.add_argument_group("deployment dry run (with --gpu-memory): cache capacity without a GPU")
     plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU, e.g. 32 for a V100 32 GB")
     plan.add_argument("--max-model-len", type=int, default=None, metavar="L", help="tokens per request (default: "
@@ -100,6 +103,16 @@ def _json_flag(name: str):
     return parse
 
 
+def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
+                        help="split the text model across N ranks (CPU/gloo prototype; docs/parallel.md)")
+    parser.add_argument("-dcp", "--decode-context-parallel-size", type=int, metavar="N",
+                        help="decode context parallelism (not implemented yet: only 1)")
+
+
+PARALLEL_ARGS = ("tensor_parallel_size", "decode_context_parallel_size")
+
+
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI/Anthropic-compatible HTTP server",
                            description="Serve MODEL (default: the embedded default preset) over HTTP: "
@@ -135,6 +148,7 @@ def _add_serve_parser(sub) -> None:
                             "through a mapped view) or disk (the checkpoint files, read by a PLE worker process); "
                             "also REVOLTA_PLE_PLACEMENT or VLLM_PLE_CPU_OFFLOAD / VLLM_PLE_DISK_OFFLOAD. If the disk "
                             "worker dies or stalls, requests fail and revolta serve exits with status 3")
+    _add_parallel_flags(serve)
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)
@@ -176,6 +190,7 @@ def _info(args: argparse.Namespace) -> int:
     if not os.path.exists(args.path):
         raise UserError(f"{args.path}: no such file or directory; pass a checkpoint directory or its config.json")
     cfg = ModelConfig.from_pretrained(args.path)
+    _check_parallel(cfg, args.tp, args.dcp)
     # the dry run's default is the release note's reference deployment: the table in pinned host memory
     ple = resolve_ple_placement(args.ple_placement, default="host")
     if ple.source == "default":
@@ -216,6 +231,16 @@ def _info(args: argparse.Namespace) -> int:
     elif cfg.text.ple_layer_ids:
         print(f"PLE table placement: {ple.value} [{ple.source}] (--gpu-memory plans the GPU budget with it)")
     return 0
+
+
+def _check_parallel(cfg, tp: int, dcp: int) -> None:
+    """The layout is the engine's to refuse (parallel/config.py), with its fix, before anything is planned."""
+    from .parallel import ParallelConfig, validate_parallel
+
+    validate_parallel(ParallelConfig(tp, dcp), cfg)
+    if dcp > 1:
+        raise UserError(f"--dcp {dcp}: decode context parallelism is not implemented yet, so it is not planned either "
+                        f"(each rank that shares a KV head holds its own copy); drop --dcp to plan TP {tp} alone")
 
 
 def _mtp_weights(path: str, cfg) -> bool | None:
@@ -287,7 +312,15 @@ def _generate(args: argparse.Namespace) -> int:
 
     _sampling_params(args)  # reject bad flags before loading anything
     spec = {} if args.speculative_config is None else {"speculative_config": args.speculative_config}
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **spec)
+    parallel = {name: getattr(args, name) for name in PARALLEL_ARGS if getattr(args, name) is not None}
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **spec, **parallel)
+    try:
+        return _print_generated(llm, prompts, args)
+    finally:
+        llm.close()  # stops the tensor-parallel ranks
+
+
+def _print_generated(llm, prompts: list[str], args: argparse.Namespace) -> int:
     params = _sampling_params(args, llm.get_default_sampling_params())
     if args.chat:
         prompts = [llm.render_chat([{"role": "user", "content": p}], enable_thinking=not args.no_thinking)
@@ -334,7 +367,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens",
                                                           "kv_cache_dtype", "kv_cache_gib", "enable_prefix_caching",
                                                           "speculative_config", "limit_mm_per_prompt",
-                                                          "allowed_local_media_path", "ple_placement")
+                                                          "allowed_local_media_path", "ple_placement",
+                                                          *PARALLEL_ARGS)
                    if getattr(args, name) is not None}
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")

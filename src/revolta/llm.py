@@ -26,14 +26,14 @@ from typing import Any, Union
 import torch
 
 from .config import ModelConfig
-from .engine import Engine, EngineStatus
+from .engine import EngineStatus
 from .engine.request import Request, RequestMetrics, RequestOutput
 from .engine.sampling import SamplingParams, make_generator
 from .engine.structured import (RequestConstraint, StructuredDecoding, compact_json_default, prompt_opens_reasoning,
                                  reasoning_ids)
 from .llm_config import (check_engine_args, engine_config, effective_config, load_tokenizer, log_summary,
                          read_checkpoint_json, resolve_device, resolve_dtype)
-from .llm_load import requested_max_model_len, resolve_llm_speculation
+from .llm_load import build_engine, requested_max_model_len, resolve_llm_speculation, resolve_parallel
 from .model import FlashNextModel, has_mtp_weights, load_model
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .multimodal.sources import media_from_messages
@@ -95,11 +95,14 @@ class LLM:
         self.ple_placement = resolve_ple_placement(engine_args.get("ple_placement"))
         if self.ple_placement.source != "default":
             logger.info("PLE table placement %r from the %s", self.ple_placement.value, self.ple_placement.source)
-        self.model: FlashNextModel = load_model(self.model_path, dtype=self.dtype, device=self.device,
-                                                with_mtp=self.speculative_config.method == "mtp",
-                                                progress=not self.is_default_model,
-                                                ple_placement=self.ple_placement.value)
-        self.cfg: ModelConfig = self.model.cfg
+        self.parallel = resolve_parallel(engine_args, target, self.device, self.ple_placement.value,
+                                         self.speculative_config)  # before any weight is read
+        with_mtp = self.speculative_config.method == "mtp"
+        # at tp > 1 build_engine loads rank 0's shard (its slices only) instead of the full model
+        model = None if self.parallel.tp > 1 else load_model(self.model_path, dtype=self.dtype, device=self.device,
+                                                              with_mtp=with_mtp, progress=not self.is_default_model,
+                                                              ple_placement=self.ple_placement.value)
+        self.cfg: ModelConfig = target
         self.tokenizer = load_tokenizer(self.model_path, tokenizer, engine_args.get("skip_tokenizer_init", False))
         planned_len, fit_len = requested_max_model_len(max_model_len, self.cfg)
         eos = {self.cfg.text.eos_token_id}
@@ -114,9 +117,11 @@ class LLM:
                           "max_model_len": max_model_len is not None}
         # embedding rows past the tokenizer's ids are padding with no text; the engine never samples them
         num_text_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.cfg.text.vocab_size
-        self.engine = Engine(self.model, engine_config(engine_args, self.device, planned_len, self.speculative_config,
-                                                       fit_max_model_len=fit_len),
-                             tokenizer=self.tokenizer, eos_token_ids=frozenset(eos), num_text_ids=num_text_ids)
+        self.engine = build_engine(model, engine_config(engine_args, self.device, planned_len, self.speculative_config,
+                                                        fit_max_model_len=fit_len), self.model_path, target,
+                                   self.dtype, with_mtp, tokenizer=self.tokenizer, eos_token_ids=frozenset(eos),
+                                   num_text_ids=num_text_ids)
+        self.model: FlashNextModel = self.engine.model  # at tp > 1: rank 0's shard
         self.max_model_len = self.engine.config.max_model_len  # the checkpoint's may be lowered to fit the cache
         self._structured: StructuredDecoding | None = None  # built by the first structured request
         self._seed, self._seed_rng = seed, random.Random(seed)
@@ -376,6 +381,10 @@ class LLM:
     def check_health(self) -> None:
         """Raise a FatalEngineError when the engine cannot run again (e.g. its PLE worker process died)."""
         self.engine.check_health()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (the tensor-parallel ranks), bounded; generate no more after it."""
+        self.engine.close()
 
     def engine_stats(self) -> EngineStatus:
         """Queue lengths, KV-cache usage and speculation counters of the engine (the server's /metrics)."""

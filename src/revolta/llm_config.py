@@ -34,7 +34,8 @@ logger = logging.getLogger("revolta.llm")  # the start-up log is the LLM's
 # recorded and do not change generation (the startup log says so).
 ENGINE_ARG_NAMES = frozenset({
     "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "revision", "tokenizer_revision",
-    "download_dir", "load_format", "quantization", "tensor_parallel_size", "pipeline_parallel_size",
+    "download_dir", "load_format", "quantization", "tensor_parallel_size", "decode_context_parallel_size",
+    "pipeline_parallel_size",
     "gpu_memory_utilization", "swap_space", "cpu_offload_gb", "max_num_seqs", "max_num_batched_tokens",
     "kv_cache_dtype", "block_size", "enable_prefix_caching", "enforce_eager", "speculative_config",
     "limit_mm_per_prompt", "max_logprobs", "disable_log_stats", "generation_config", "compilation_config",
@@ -45,14 +46,14 @@ ENGINE_ARG_NAMES = frozenset({
     "max_num_encoder_input_tokens", "encoder_cache_size",
     "ple_placement",  # where the PLE n-gram table lives: "device", "host" or "disk" (ple/placement.py)
 })
-LOAD_ARGS = ("ple_placement",)  # arguments that shape how the weights load
+LOAD_ARGS = ("ple_placement", "decode_context_parallel_size")  # arguments that shape how the weights load
 # vLLM arguments the media path consumes (multimodal/processor.py)
 MEDIA_ARGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path")
 # arguments the engine consumes (the rest are accepted for compatibility and logged)
 ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
                       "gpu_memory_utilization", "block_size", "enforce_eager", "kv_cache_gib", "kv_offload_gib",
                       "cudagraph_mem_mib", "cudagraph_capture_sizes", "max_num_encoder_input_tokens",
-                      "encoder_cache_size", "speculative_config")
+                      "encoder_cache_size", "speculative_config", "tensor_parallel_size")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -100,9 +101,9 @@ def check_engine_args(engine_args: Mapping[str, Any]) -> None:
     spec = engine_args.get("speculative_config")
     if isinstance(spec, Mapping) and spec.get("method") in DFLASH2_METHODS:
         check_pipeline_parallel(engine_args.get("pipeline_parallel_size", 1))  # a DFlash2 limit, not a "yet"
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if engine_args.get(name, 1) != 1:
-            raise ValueError(f"{name}={engine_args[name]}: only 1 is supported by this generation path yet")
+    if engine_args.get("pipeline_parallel_size", 1) != 1:
+        raise ValueError(f"pipeline_parallel_size={engine_args['pipeline_parallel_size']}: only 1 is supported "
+                         "(tensor_parallel_size splits the model across devices)")
 
 
 def engine_config(engine_args: Mapping[str, Any], device: torch.device, max_model_len: int,
@@ -138,7 +139,7 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
          else f"fitted to the KV cache (the checkpoint's {llm.cfg.text.max_position_embeddings:,} does not fit)"
          if engine.max_model_len_fitted else "checkpoint (max_position_embeddings)"),
     ]
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
+    for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
                  "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib", "block_size", "enforce_eager"):
         rows.append((name, getattr(ec, name), arg(name)))
     rows.append(("block_size (effective)", engine.plan.layout.block_size,
@@ -180,9 +181,13 @@ def log_summary(llm: Any, seconds: float) -> None:
              f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
              f"MTP {t.num_mtp_layers}{'' if llm.mtp_weights else ' (no weights in the checkpoint)'}, speculative "
              f"decoding {llm.speculative_config.describe()}" if t.num_mtp_layers else "no MTP",
-             f"vision {v.depth} blocks" if v is not None else "no vision"]
-    logger.info("revolta: %s %s | %s on %s | %s | %.1fM params | ready in %.1f s", origin, llm.model_path,
-                str(llm.dtype).removeprefix("torch."), llm.device, ", ".join(parts), num_params / 1e6, seconds)
+             "no vision" if v is None else f"vision {v.depth} blocks" if llm.model.model.visual is not None
+             else "vision tower not loaded (tensor parallel: text only)"]
+    tp = llm.engine.config.tensor_parallel_size  # at tp > 1 llm.model is rank 0's shard
+    on = f"{llm.device} x {tp} ranks (tensor parallel)" if tp > 1 else str(llm.device)
+    logger.info("revolta: %s %s | %s on %s | %s | %.1fM params%s | ready in %.1f s", origin, llm.model_path,
+                str(llm.dtype).removeprefix("torch."), on, ", ".join(parts), num_params / 1e6,
+                " on rank 0" if tp > 1 else "", seconds)
     rows = effective_config(llm)
     width = max(len(name) for name, _, _ in rows)
     logger.info("effective configuration (value [source]):\n%s", "\n".join(

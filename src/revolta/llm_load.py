@@ -3,6 +3,8 @@
     resolve_llm_speculation   speculative_config: MTP4 by default only when the checkpoint ships its mtp.* weights
     requested_max_model_len   max_model_len: the argument, else the checkpoint's (the engine fits that to its cache)
     speculation_source        where the speculative default came from, for the start-up summary
+    resolve_parallel          tensor_parallel_size / decode_context_parallel_size, checked before any weight loads
+    build_engine              the engine: over the loaded model at tp=1, else over rank 0's shard of a started TPGroup
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .config import ModelConfig
+from .engine import Engine, EngineConfig
+from .engine.tp_executor import TPGroup
+from .model import FlashNextModel
+from .parallel import ParallelConfig, ParallelConfigError, validate_parallel
 from .spec.config import DFLASH2_METHODS, SpeculativeConfig
 from .spec.resolve import resolve_speculative
 
@@ -71,3 +79,39 @@ def requested_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> tupl
     if max_model_len > limit:
         logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d", max_model_len, limit)
     return int(max_model_len), False
+
+
+def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: torch.device, ple_placement: str,
+                     spec: SpeculativeConfig) -> ParallelConfig:
+    """The parallel layout `LLM(...)` asks for, refused (ParallelConfigError naming the fix) before any weight is
+    read when the model cannot be split so or this generation path cannot run it yet."""
+    pc = ParallelConfig(engine_args.get("tensor_parallel_size", 1), engine_args.get("decode_context_parallel_size", 1))
+    validate_parallel(pc, cfg)
+    if pc.dcp > 1:
+        raise ParallelConfigError(f"decode_context_parallel_size={pc.dcp}: decode context parallelism is not "
+                                  "implemented yet; use 1 (tensor_parallel_size alone splits the model)")
+    if pc.tp == 1:
+        return pc
+    why = (f"device={device.type!r}: the ranks run on CPU (gloo) only yet, NCCL with one GPU per rank is not wired; "
+           "pass device='cpu' (serve: --device cpu)" if device.type != "cpu" else
+           f"ple_placement={ple_placement!r}: the ranks hold the PLE table on their device only yet; use 'device'"
+           if ple_placement != "device" else
+           "DFlash2 speculation is not split across ranks yet; use MTP or speculative_config={'method': None}"
+           if spec.is_dflash2 else None)
+    if why is not None:
+        raise ParallelConfigError(f"tensor_parallel_size={pc.tp} with {why}, or tensor_parallel_size=1")
+    return pc
+
+
+def build_engine(model: FlashNextModel | None, config: EngineConfig, path: Path, cfg: ModelConfig,
+                 dtype: torch.dtype, with_mtp: bool, **kwargs: Any) -> Engine:
+    """Engine(model, config) at tp=1. At tp > 1 (`model` is None): start the TP group (rank 0's shard is loaded
+    here, each worker loads its own) and run the engine over rank 0's shard; a failed start leaves no worker."""
+    if config.tensor_parallel_size == 1:
+        return Engine(model, config, **kwargs)
+    group = TPGroup.start(cfg, path, config.tensor_parallel_size, with_mtp=with_mtp, dtype=dtype)
+    try:
+        return Engine(group.model, config, tp_group=group, **kwargs)
+    except BaseException:
+        group.close(timeout_s=5)
+        raise

@@ -1,10 +1,12 @@
-"""The engine with a 2-rank MultiProcExecutor (gloo, fp32, a spawned worker) gives the greedy tokens of the
-single-process engine: concurrent requests, chunked prefill and prefix hits, with and without MTP speculation;
+"""The engine at tensor_parallel_size=2 (rank 0's shard and a TPGroup: a 2-rank MultiProcExecutor, gloo, fp32, a
+spawned worker) gives the greedy tokens of the single-process engine: concurrent requests, chunked prefill and prefix hits, with and without MTP speculation;
 the worker exits on close.
-A worker killed mid-request turns the next step into a FatalEngineError at once."""
+A worker killed mid-request turns the next step into a FatalEngineError at once, and the engine stays failed."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 from engine_spies import greedy_request  # tests/, on sys.path
 from revolta.engine import Engine, EngineConfig
-from revolta.engine.tp_executor import MultiProcExecutor
+from revolta.engine.tp_executor import TPGroup
 from revolta.errors import FatalEngineError
 from revolta.weights import save_checkpoint
 from tp_tiny import full_model, tiny
@@ -21,10 +23,12 @@ PROMPTS = [[(7 * i + 3 * n) % 500 for i in range(n)] for n in (21, 9, 50)]
 PROMPTS.append(PROMPTS[2][:48] + [1, 2, 3])  # the third prompt's 3 full pages (its snapshot at 48): a prefix hit
 
 
-def _engine(model, spec=None) -> Engine:
+def _engine(model, spec=None, group: TPGroup | None = None) -> Engine:
+    tp = 1 if group is None else group.tp
     return Engine(model, EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, block_size=16,
                                       kv_cache_gib=0.004, enable_prefix_caching=True,
-                                      speculative_config=spec or {"method": None}))
+                                      speculative_config=spec or {"method": None}, tensor_parallel_size=tp),
+                  tp_group=group)
 
 
 def _generate(engine: Engine) -> tuple[list[list[int]], int | None]:
@@ -50,15 +54,16 @@ def test_tp2_engine_equals_tp1(tmp_path, spec):
         model = full_model(cfg)
         save_checkpoint(model, tmp_path / "ckpt", progress=False)
         want = _generate(_engine(model, spec))
-        engine = _engine(model, spec)
-        engine.executor = MultiProcExecutor.start(cfg, tmp_path / "ckpt", engine.plan, engine.spec, engine.config,
-                                                  tp=2, workdir=tmp_path, timeout_s=30)
-        procs = engine.executor.procs
-        assert engine.executor.local.model.lm_head.weight.shape[0] == cfg.text.vocab_size // 2  # rank 0's half
+        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=spec is not None, timeout_s=30)
+        procs = group.procs
         try:
+            engine = _engine(group.model, spec, group)
+            assert engine.executor.local.model.lm_head.weight.shape[0] == cfg.text.vocab_size // 2  # rank 0's half
+            assert engine.plan.layout.tp == 2
+            assert engine.plan.budget.weights_bytes == 0  # kv_cache_gib: a fixed allowance (see test_tp_llm)
             got = _generate(engine)
         finally:
-            engine.executor.close()
+            group.close()
     finally:
         torch.set_num_threads(threads)
     assert got == want
@@ -75,11 +80,10 @@ def test_a_killed_rank_is_a_fatal_engine_error(tmp_path):
         cfg = tiny()
         model = full_model(cfg)
         save_checkpoint(model, tmp_path / "ckpt", progress=False)
-        engine = _engine(model)
-        engine.executor = MultiProcExecutor.start(cfg, tmp_path / "ckpt", engine.plan, engine.spec, engine.config,
-                                                  tp=2, workdir=tmp_path, timeout_s=30)
-        worker = engine.executor.procs[0]
+        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
+        worker = group.procs[0]
         try:
+            engine = _engine(group.model, None, group)
             engine.add_request(greedy_request("r", PROMPTS[2], max_tokens=5))
             engine.step()  # mid-request: the prompt is half prefilled
             worker.kill()
@@ -88,8 +92,38 @@ def test_a_killed_rank_is_a_fatal_engine_error(tmp_path):
             with pytest.raises(FatalEngineError, match=r"worker\(s\) \['revolta-tp-rank1'\] exited"):
                 engine.step()
             assert time.monotonic() - t0 < 5
+            with pytest.raises(FatalEngineError):  # out of step for good: the health check stays failed
+                engine.check_health()
+            engine.abort("r")  # what a server does with the running requests: frees them, raises nothing
         finally:
-            engine.executor.close(timeout_s=5)
+            group.close(timeout_s=5)
     finally:
         torch.set_num_threads(threads)
+    assert not worker.is_alive()
+
+
+def test_a_stalled_rank_is_a_parallel_timeout_then_a_fatal_engine_error(tmp_path):
+    """A worker that stops answering (SIGSTOP) mid-request: rank 0's collective gives up after timeout_s, the
+    step raises FatalEngineError naming the ParallelTimeout, and the stalled worker is killed (no orphan)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = tiny()
+        save_checkpoint(full_model(cfg), tmp_path / "ckpt", progress=False)
+        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=3)
+        worker = group.procs[0]
+        try:
+            engine = _engine(group.model, None, group)
+            engine.add_request(greedy_request("r", PROMPTS[2], max_tokens=5))
+            engine.step()
+            os.kill(worker.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(FatalEngineError, match="ParallelTimeout"):
+                engine.step()
+            took = time.monotonic() - t0
+        finally:
+            group.close(timeout_s=5)
+    finally:
+        torch.set_num_threads(threads)
+    assert 2.5 < took < 10, took  # the 3 s collective timeout, plus stopping the group
     assert not worker.is_alive()

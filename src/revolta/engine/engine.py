@@ -38,6 +38,7 @@ from ..spec.resolve import resolve_speculative
 from ..spec.stats import SpecStats
 from ..tokenizer import Tokenizer
 from .executor import Executor, ModelStep, StepItem, UniProcExecutor
+from .tp_executor import TPGroup
 from .request import Request
 from .runner import StepSequence
 from .sample_step import StepSampler
@@ -88,6 +89,9 @@ class EngineConfig:
     enforce_eager: bool = False
     cudagraph_mem_mib: float | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
+    # ranks the text model is split across (vLLM's name; parallel/, engine/tp_executor.py): the engine then runs
+    # rank 0's shard, given as `model` with its `tp_group`, and sizes the cache per rank
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
@@ -146,8 +150,12 @@ class Engine:
     """
 
     def __init__(self, model: FlashNextModel, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
-                 eos_token_ids: frozenset[int] | None = None, num_text_ids: int | None = None):
-        self.model, self.config = model, config
+                 eos_token_ids: frozenset[int] | None = None, num_text_ids: int | None = None,
+                 tp_group: TPGroup | None = None):
+        self.model, self.config, self.tp = model, config, config.tensor_parallel_size
+        if (tp_group.tp if tp_group is not None else 1) != self.tp or (tp_group and tp_group.model is not model):
+            raise ValueError(f"tensor_parallel_size={self.tp} needs the TPGroup of that size whose rank-0 shard is "
+                             "`model` (TPGroup.start; LLM(tensor_parallel_size=N) builds both)")
         cfg = model.cfg
         dtype = str(model.dtype).removeprefix("torch.")
         if isinstance(config.speculative_config, SpeculativeConfig):  # resolved and checked by the caller
@@ -167,7 +175,7 @@ class Engine:
                             **self.spec.cache_fields(config.kv_cache_dtype, dtype))
         self.max_model_len_fitted = False  # True: max_model_len was lowered to fit the cache (fit_max_model_len)
         try:
-            self.plan = plan_cache(cfg, cache, self._budget(), tp=1, dtype=dtype)
+            self.plan = plan_cache(cfg, cache, self._budget(), tp=self.tp, dtype=dtype)
         except CacheConfigError:
             if not config.fit_max_model_len:
                 raise
@@ -181,7 +189,8 @@ class Engine:
         default = max(config.max_num_batched_tokens, MIN_ENCODER_TOKENS)
         self.encoder_budget = config.max_num_encoder_input_tokens or default
         self.encoder_cache = None if model.model.visual is None else EncoderCache(config.encoder_cache_size or default)
-        self.executor: Executor = UniProcExecutor(model, self.plan, self.spec, config, self.encoder_cache)
+        self.executor: Executor = (UniProcExecutor(model, self.plan, self.spec, config, self.encoder_cache)
+                                   if tp_group is None else tp_group.executor(self.plan, self.spec, config))
         eos = frozenset({cfg.text.eos_token_id}) if eos_token_ids is None else eos_token_ids
         self.sampler = StepSampler(eos, num_text_ids or cfg.text.vocab_size, tokenizer)
         self.spec_stats = SpecStats()  # summed over every verify round of this engine
@@ -223,10 +232,10 @@ class Engine:
         """The plan for the longest max_model_len the cache holds one sequence of; lowers `config.max_model_len`
         and says so once. Raises the planner's error when not even one block fits."""
         cfg, budget, full = self.model.cfg, self._budget(), cache.max_model_len
-        fit = fit_max_model_len(cfg, cache, budget, tp=1, dtype=dtype)
+        fit = fit_max_model_len(cfg, cache, budget, tp=self.tp, dtype=dtype)
         if fit == 0:
-            return plan_cache(cfg, cache, budget, tp=1, dtype=dtype)  # raises, naming what the length needs
-        plan = plan_cache(cfg, replace(cache, max_model_len=fit), budget, tp=1, dtype=dtype)
+            return plan_cache(cfg, cache, budget, tp=self.tp, dtype=dtype)  # raises, naming what the length needs
+        plan = plan_cache(cfg, replace(cache, max_model_len=fit), budget, tp=self.tp, dtype=dtype)
         self.config, self.max_model_len_fitted = replace(self.config, max_model_len=fit), True
         more = (-(-(full + cache.num_speculative_tokens) // plan.block_size) - plan.num_blocks + 1) * plan.page_bytes
         if self.model.device.type == "cuda" and self.config.kv_cache_gib is None:
@@ -244,14 +253,15 @@ class Engine:
         return plan
 
     def _budget(self) -> MemoryBudget:
-        # an FP8 PLE table on the device is not a parameter; one off the device frees its bytes for the KV pool
+        # an FP8 PLE table on the device is not a parameter; one off the device frees its bytes for the KV pool.
+        # At tp > 1 `model` is rank 0's shard: these are the rank's own weights, and the budget is per rank
         weights = (sum(p.numel() * p.element_size() for p in self.model.parameters())
                    + ple_memory(self.model).unlisted_device_bytes)
         cfg = self.config
         if self.model.device.type == "cuda" and cfg.kv_cache_gib is None:
             total = torch.cuda.get_device_properties(self.model.device).total_memory
             dtype = str(self.model.dtype).removeprefix("torch.")
-            activations = estimate_activation_bytes(self.model.cfg, 1, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+            activations = estimate_activation_bytes(self.model.cfg, self.tp, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                     self.spec.num_speculative_tokens, dtype=dtype)
             graphs = int(cfg.resolved_cudagraph_mem_mib() * 2**20) if cfg.use_cuda_graphs else 0
             return MemoryBudget(gpu_memory_bytes=total, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -285,7 +295,9 @@ class Engine:
     def check_media(self, mm: MultimodalPrompt) -> None:
         """Raise MediaError when a prompt's media can never be encoded here (no tower, item over the budgets)."""
         if self.encoder_cache is None:
-            raise MediaError("this model has no vision tower; send text only")
+            raise MediaError("this model has no vision tower; send text only" if self.tp == 1 else
+                             f"media at tensor_parallel_size={self.tp} are not supported yet (the vision tower is "
+                             "not split across ranks); send text only or use tensor_parallel_size=1")
         check_item_fits(mm, self.encoder_budget, self.encoder_cache.capacity)
 
     def abort(self, request_id: str) -> None:
@@ -298,6 +310,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Stop the processes the executor started (the TP ranks), bounded; the engine does not run again."""
+        self.executor.close()
 
     def check_health(self) -> None:
         """Raise a FatalEngineError when a process the forward needs (the PLE worker) has died."""

@@ -119,6 +119,9 @@ class Executor(ABC):
         """Counters for logs and tests (graph replays, ...)."""
         return {}
 
+    def close(self) -> None:
+        """Stop the processes this executor started (bounded); the in-process executor has none."""
+
 
 class UniProcExecutor(Executor):
     """The model, its cache tensors, CUDA graphs and drafter in this process."""

@@ -1,18 +1,22 @@
 """MultiProcExecutor: tensor parallelism behind the executor seam (issue 23). A CPU/gloo prototype.
 
-Rank 0's executor lives in the engine's process; ranks 1.. are spawned worker processes. Each rank holds
-an ordinary `UniProcExecutor` over its shard of the model (parallel/shard.py, loaded by reading only its
-slices: parallel/load.py) and a cache sized for its part (`CacheLayout.tp`). Every call that changes
-rank state (execute, finish, drop) is put on each worker's queue first and then run locally, so all ranks
-run the same step; the forward's collectives keep them in lock step, and rank 0's logits (gathered over
-the vocabulary) go back to the engine, which samples. can_draft is answered from rank 0's copy.
+Rank 0 lives in the engine's process; ranks 1.. are spawned worker processes. Start-up is two phases, because
+the engine sizes its cache from rank 0's shard: `TPGroup.start` spawns the workers, joins the gloo group as
+rank 0 and loads rank 0's shard (parallel/load.py `load_rank_model`: only its slices are read) while every
+worker loads its own; the engine then plans its cache (per rank: `plan_cache(..., tp=tp)`, the budget counts
+the rank's own weights) and `TPGroup.executor(plan, ...)` hands the plan to every rank, each of which builds an
+ordinary `UniProcExecutor` over its shard. Every call that changes rank state (execute, finish, drop) is put on
+each worker's queue first and then run locally, so all ranks run the same step; the forward's collectives keep
+them in lock step, and rank 0's logits (gathered over the vocabulary) go back to the engine, which samples.
+can_draft is answered from rank 0's copy.
 
-Nothing hangs: the collectives wait at most `timeout_s` (a ParallelTimeout names the stalled collective),
-`check_health` turns a dead worker into a FatalEngineError, workers exit when rank 0's process is gone,
-and `close` joins them with a bound and kills what is left.
+Nothing hangs: the collectives wait at most `timeout_s` (a ParallelTimeout names the stalled collective);
+a dead worker or any error on rank 0 mid-step (the ranks are then out of step) is a FatalEngineError, after
+which the workers are stopped and the executor refuses further steps; workers exit when rank 0's process is
+gone (and are daemons, so an interpreter exit without `close` ends them too); `close` joins them with a bound
+and kills what is left.
 
-Not yet: the engine builds a UniProcExecutor itself (engine.py), so a caller swaps this one in; NCCL/CUDA
-devices; one broadcast per step instead of a queue per worker.
+Not yet: NCCL/CUDA devices; one broadcast per step instead of a queue per worker.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import queue as queue_mod
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,49 +38,52 @@ import torch.multiprocessing as mp
 from ..cache.capacity import CachePlan
 from ..config import ModelConfig
 from ..errors import FatalEngineError
-from ..parallel import ParallelConfig, ParallelContext
-from ..parallel.load import load_rank_checkpoint
-from ..parallel.shard import build_rank_model
+from ..model import FlashNextModel
+from ..parallel import ParallelContext
+from ..parallel.load import load_rank_model
 from ..spec.config import SpeculativeConfig
 from .executor import Executor, ModelStep, StepResult, UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_TIMEOUT_S = 60.0  # a collective (or the start-up rendezvous) waits at most this long
+
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What every rank needs to build its executor (pickled to the workers)."""
+    """What every rank needs to build its shard (pickled to the workers)."""
 
     cfg: ModelConfig
     checkpoint: str
-    plan: CachePlan  # the engine's plan; each rank sizes its cache with layout.tp = tp
-    spec: SpeculativeConfig
-    config: object  # the EngineConfig
     tp: int
+    with_mtp: bool
+    dtype: torch.dtype
     store: str  # a FileStore path for the gloo rendezvous (fresh per group)
     timeout_s: float
 
 
-def _rank_executor(rank: int, rs: RankSpec) -> UniProcExecutor:
-    ctx = ParallelContext.from_group(dist.group.WORLD, timeout=timedelta(seconds=rs.timeout_s))
-    model = build_rank_model(rs.cfg, ParallelConfig(rs.tp), ctx, with_vision=False)
-    load_rank_checkpoint(model, rs.checkpoint, rank, rs.tp)
-    plan = replace(rs.plan, layout=replace(rs.plan.layout, tp=rs.tp))
-    return UniProcExecutor(model, plan, rs.spec, rs.config, None)
-
-
-def _init_group(rank: int, rs: RankSpec) -> None:
+def _init_group(rank: int, rs: RankSpec) -> ParallelContext:
     dist.init_process_group("gloo", store=dist.FileStore(rs.store, rs.tp), rank=rank, world_size=rs.tp,
                             timeout=timedelta(seconds=rs.timeout_s))
+    return ParallelContext.from_group(dist.group.WORLD, timeout=timedelta(seconds=rs.timeout_s))
 
 
-def _worker(rank: int, rs: RankSpec, inbox) -> None:
-    """Rank `rank` > 0: build the shard, then run each call rank 0 sends until "stop" or rank 0 is gone."""
-    torch.set_num_threads(1)
-    _init_group(rank, rs)
+def _rank_executor(model: FlashNextModel, plan: CachePlan, spec: SpeculativeConfig, config,
+                   tp: int) -> UniProcExecutor:
+    plan = replace(plan, layout=replace(plan.layout, tp=tp))  # each rank's cache holds its part of the heads
+    return UniProcExecutor(model, plan, spec, config, None)
+
+
+def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
+    """Rank `rank` > 0: load the shard, build the executor from rank 0's plan, then run each call rank 0 sends
+    until "stop" or rank 0's process is gone."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // rs.tp))  # the ranks share the host's cores
+    ready.put(rank)  # about to join the group: rank 0 waits for this before its (blocking) rendezvous
+    ctx = _init_group(rank, rs)
     parent = mp.parent_process()
+    executor = None
     try:
-        executor = _rank_executor(rank, rs)
+        model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype)
         with torch.no_grad():
             while True:
                 try:
@@ -84,72 +94,88 @@ def _worker(rank: int, rs: RankSpec, inbox) -> None:
                     continue
                 if op == "stop":
                     return
-                getattr(executor, op)(*args)
+                if op == "build":
+                    executor = _rank_executor(model, *args, rs.tp)
+                else:
+                    getattr(executor, op)(*args)
     finally:
         dist.destroy_process_group()
 
 
-class MultiProcExecutor(Executor):
-    """Rank 0 of a TP group in this process plus tp - 1 worker processes (module docstring)."""
+class TPGroup:
+    """The ranks of a TP group before the engine has planned its cache: rank 0's shard (`model`) here, the
+    workers loading theirs. `executor(...)` finishes the start; `close()` stops the workers (bounded)."""
 
-    def __init__(self, local: UniProcExecutor, inboxes: list, procs: list):
-        self.local, self.inboxes, self.procs = local, inboxes, procs
+    def __init__(self, model: FlashNextModel | None, tp: int, inboxes: list, procs: list, workdir: str):
+        self.model, self.tp, self.inboxes, self.procs, self.workdir = model, tp, inboxes, procs, workdir
 
     @classmethod
-    def start(cls, cfg: ModelConfig, checkpoint: str | Path, plan: CachePlan, spec: SpeculativeConfig, config,
-              tp: int, workdir: str | Path, timeout_s: float = 60.0) -> "MultiProcExecutor":
-        """Spawn ranks 1..tp-1, join the gloo group as rank 0 and build rank 0's shard here."""
-        store = os.path.join(str(workdir), "tp_store")
-        rs = RankSpec(cfg, str(checkpoint), plan, spec, config, tp, store, timeout_s)
+    def start(cls, cfg: ModelConfig, checkpoint: str | Path, tp: int, *, with_mtp: bool,
+              dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TPGroup":
+        """Spawn ranks 1..tp-1, join the gloo group as rank 0 and load rank 0's shard here."""
+        workdir = tempfile.mkdtemp(prefix="revolta-tp-")
+        rs = RankSpec(cfg, str(checkpoint), tp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s)
         ctx = mp.get_context("spawn")
-        inboxes = [ctx.Queue() for _ in range(1, tp)]
-        procs = [ctx.Process(target=_worker, args=(r, rs, inboxes[r - 1]), name=f"revolta-tp-rank{r}")
-                 for r in range(1, tp)]
-        for p in procs:
-            p.start()
+        inboxes, ready = [ctx.Queue() for _ in range(1, tp)], ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, rs, inboxes[r - 1], ready), name=f"revolta-tp-rank{r}",
+                             daemon=True) for r in range(1, tp)]
+        group = cls(None, tp, inboxes, procs, workdir)
         try:
-            _init_group(0, rs)  # waits for every worker at most timeout_s
-            return cls(_rank_executor(0, rs), inboxes, procs)
+            for p in procs:
+                p.start()
+            logger.info("tensor parallel: %d ranks (gloo); worker pids %s", tp, [p.pid for p in procs])
+            group._wait_ready(ready, timeout_s)
+            pc = _init_group(0, rs)  # waits for every worker at most timeout_s
+            group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype)
+            group.check_health()
+            return group
         except BaseException:
-            cls(None, inboxes, procs).close(timeout_s=5)  # no worker outlives a failed start
+            group.close(timeout_s=5)  # no worker outlives a failed start
             raise
 
-    def _send(self, op: str, *args) -> None:
+    def _wait_ready(self, ready, timeout_s: float) -> None:
+        """Until every worker is about to join the group; a worker that dies first (e.g. a script without the
+        `if __name__ == "__main__":` guard that spawned processes need) fails the start at once, not after
+        the rendezvous timeout."""
+        deadline, waiting = time.monotonic() + timeout_s, len(self.procs)
+        while waiting:
+            try:
+                ready.get(timeout=0.2)
+                waiting -= 1
+            except queue_mod.Empty:
+                self.check_health(hint=" while starting; a script that starts tensor-parallel ranks must guard its "
+                                       "entry point with `if __name__ == \"__main__\":` (spawned processes import it)")
+                if time.monotonic() > deadline:
+                    raise FatalEngineError(f"{waiting} tensor-parallel worker(s) did not start within {timeout_s:.0f} s")
+
+    def executor(self, plan: CachePlan, spec: SpeculativeConfig, config) -> "MultiProcExecutor":
+        """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp)."""
         self.check_health()
         for inbox in self.inboxes:
-            inbox.put((op, args))
+            inbox.put(("build", (plan, spec, config)))
+        return MultiProcExecutor(_rank_executor(self.model, plan, spec, config, self.tp), self)
 
-    def execute(self, step: ModelStep) -> StepResult:
-        self._send("execute", step)
-        return self.local.execute(step)
+    def dead_workers(self, wait_s: float = 0.0) -> list[str]:
+        """Names and exit codes of the workers that have exited, waiting up to `wait_s` for one that is dying."""
+        deadline = time.monotonic() + wait_s
+        while all(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
 
-    def finish(self, step: ModelStep, accepted: list[int], finished: list[bool]) -> None:
-        self._send("finish", step, accepted, finished)
-        self.local.finish(step, accepted, finished)
-
-    def can_draft(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:
-        return self.local.can_draft(request_id, num_computed, num_preemptions)
-
-    def drop(self, request_id: str) -> None:
-        self._send("drop", request_id)
-        self.local.drop(request_id)
-
-    def check_health(self) -> None:
-        dead = [p.name for p in self.procs if not p.is_alive()]
+    def check_health(self, hint: str = "; the engine stops") -> None:
+        dead = [p for p in self.procs if not p.is_alive()]
         if dead:
-            raise FatalEngineError(f"tensor-parallel worker(s) {dead} exited (exit codes "
-                                   f"{[p.exitcode for p in self.procs if not p.is_alive()]}); the engine stops")
-        self.local.check_health()
-
-    def stats(self) -> dict[str, int]:
-        return self.local.stats()
+            raise FatalEngineError(f"tensor-parallel worker(s) {[p.name for p in dead]} exited (exit codes "
+                                   f"{[p.exitcode for p in dead]}){hint}")
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the workers (bounded), kill what does not exit, leave the process group."""
+        """Stop the workers (bounded), kill what does not exit, leave the process group. Idempotent."""
         for p, inbox in zip(self.procs, self.inboxes):
             if p.is_alive():
                 inbox.put(("stop", ()))
         for p in self.procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout_s)
             if p.is_alive():
                 logger.warning("tensor-parallel %s did not stop within %.0f s; killing it", p.name, timeout_s)
@@ -157,6 +183,72 @@ class MultiProcExecutor(Executor):
                 p.join(timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class MultiProcExecutor(Executor):
+    """Rank 0 of a TP group in this process plus tp - 1 worker processes (module docstring)."""
+
+    def __init__(self, local: UniProcExecutor, group: TPGroup):
+        self.local, self.group = local, group
+        self.failed: FatalEngineError | None = None  # set once: the ranks are out of step, no step runs again
+
+    @property
+    def procs(self) -> list:
+        return self.group.procs
+
+    def _run(self, op: str, *args):
+        """Send `op` to every worker, then run it here; any failure stops the group (FatalEngineError)."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self.group.check_health()
+            for inbox in self.group.inboxes:
+                inbox.put((op, args))
+            return getattr(self.local, op)(*args)
+        except FatalEngineError as e:
+            self._fail(e)
+            raise
+        except Exception as e:  # a collective that timed out or failed, or a bug on rank 0: out of step for good
+            dead = self.group.dead_workers(wait_s=1.0)  # a killed peer is what usually breaks a collective
+            cause = f"worker(s) {dead} exited, so " if dead else ""
+            error = FatalEngineError(f"tensor-parallel {cause}{op} failed on rank 0 ({type(e).__name__}: {e}); the "
+                                     "ranks are out of step, the engine stops")
+            self._fail(error)
+            raise error from e
+
+    def _fail(self, error: FatalEngineError) -> None:
+        self.failed = error
+        self.group.close(timeout_s=2)
+
+    def execute(self, step: ModelStep) -> StepResult:
+        return self._run("execute", step)
+
+    def finish(self, step: ModelStep, accepted: list[int], finished: list[bool]) -> None:
+        self._run("finish", step, accepted, finished)
+
+    def can_draft(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:
+        return self.local.can_draft(request_id, num_computed, num_preemptions)
+
+    def drop(self, request_id: str) -> None:
+        if self.failed is None:  # after a failure the engine aborts its requests: nothing to tell the ranks
+            self._run("drop", request_id)
+
+    def check_health(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self.group.check_health()
+        except FatalEngineError as e:
+            self._fail(e)
+            raise
+        self.local.check_health()
+
+    def stats(self) -> dict[str, int]:
+        return self.local.stats()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.group.close(timeout_s)
 
     # rank 0's pieces, as UniProcExecutor exposes them (the engine's properties reach them)
     @property

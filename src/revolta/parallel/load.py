@@ -21,10 +21,13 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from ..config import ModelConfig
 from ..model import FlashNextModel
 from ..weights import (_OPTIONAL_ON_DISK, CheckpointError, _coverage_errors, _Piece, _plan, _read_headers, _targets,
-                       checkpoint_files)
-from .shard import Slices, tensor_slices
+                       checkpoint_files, read_kv_scales)
+from .config import ParallelConfig
+from .context import ParallelContext
+from .shard import Slices, build_rank_model, tensor_slices
 
 
 @dataclass
@@ -117,3 +120,17 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
                         _copy_sliced(f, p, _region(p, shapes[p.target]), sl, dst, stats)
     model.init_buffers().eval()
     return stats
+
+
+def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *, with_mtp: bool,
+                    dtype: torch.dtype = torch.float32) -> FlashNextModel:
+    """This rank's text model (no vision tower) built and filled from the checkpoint, in `dtype`: what each rank
+    of an engine at tp > 1 runs. The MTP layer is loaded only `with_mtp`."""
+    tp = ctx.size
+    model = build_rank_model(cfg, ParallelConfig(tp), ctx, with_mtp=with_mtp, with_vision=False)
+    skip = ("model.visual.",) + (() if model.mtp is not None else ("mtp.",))
+    load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip)
+    model.to_dtype(dtype)  # as load_model casts (GDN decay parameters stay fp32)
+    model.kv_scales = read_kv_scales(path)  # fp8 KV calibration (cache metadata), as load_model sets it
+    model.checkpoint_dir = Path(path)
+    return model.eval()

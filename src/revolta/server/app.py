@@ -74,7 +74,12 @@ def run_server(llm: Any, config: ServerConfig, host: str, port: int, fault_injec
     app = build_app(llm, config, fault_injection, on_fatal=on_fatal)
     # http="h11"/"httptools" both advertise ASGI 2.3, so Starlette watches for disconnects while streaming
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
-    server.run()
+    try:
+        server.run()
+    finally:
+        close = getattr(llm, "close", None)
+        if close is not None:
+            close()  # the engine thread has stopped: end its worker processes (tensor-parallel ranks), bounded
     if fatal:
         logger.error("revolta serve exits: the engine stopped (%s)", fatal[0])
         return EXIT_ENGINE_FAILED

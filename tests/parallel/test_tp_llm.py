@@ -1,0 +1,98 @@
+"""`LLM(model=DIR, tensor_parallel_size=2)` (CPU, gloo, a spawned worker): the greedy tokens of the TP1 LLM through
+the whole front (validation before loading, rank 0's shard loaded by slices, the cache planned per rank), with
+chunked prefill and a prefix hit, without and with MTP speculation; the memory budget counts the rank's own weights;
+close() leaves no worker; layouts the path cannot run are refused before any process starts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from revolta import LLM
+from revolta.engine.sampling import SamplingParams
+from revolta.model import FlashNextModel
+from revolta.multimodal.media import MediaError
+from revolta.parallel import ParallelConfigError
+from revolta.weights import save_checkpoint
+from tp_tiny import full_model, tiny
+
+PROMPTS = [[(7 * i + 3 * n) % 500 for i in range(n)] for n in (21, 9, 50)]
+LATER = PROMPTS[2][:48] + [1, 2, 3]  # after the first batch: the third prompt's 3 full pages are a prefix hit
+ARGS = dict(device="cpu", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, block_size=16,
+            kv_cache_gib=0.004, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cfg = tiny()
+    path = tmp_path_factory.mktemp("tp_llm") / "ckpt"
+    save_checkpoint(full_model(cfg), path, progress=False)
+    cfg.save(path)
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: the ranks must not oversubscribe them
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(llm: LLM) -> tuple[list[list[int]], int]:
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    later = llm.generate([{"prompt_token_ids": LATER}], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in first + later], llm.engine.allocator.stats.hit_tokens
+
+
+def _budget_weights(llm: LLM, monkeypatch) -> int:
+    """The weights the CUDA memory budget subtracts (read on CPU by making the model look like it is on a GPU)."""
+    with monkeypatch.context() as m:
+        m.setattr(FlashNextModel, "device", property(lambda self: torch.device("cuda")))
+        m.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=32 << 30))
+        m.setattr(llm.engine, "config", replace(llm.engine.config, kv_cache_gib=None))
+        return llm.engine._budget().weights_bytes
+
+
+@pytest.mark.parametrize("spec", [{"method": None}, {"method": "mtp", "num_speculative_tokens": 2}],
+                         ids=["plain", "mtp"])
+def test_llm_tp2_gives_the_tp1_tokens(ckpt, spec, one_thread, monkeypatch):
+    llm1 = LLM(model=ckpt, speculative_config=spec, **ARGS)
+    want = _run(llm1)
+    full_weights = _budget_weights(llm1, monkeypatch)
+    llm2 = LLM(model=ckpt, speculative_config=spec, tensor_parallel_size=2, **ARGS)
+    procs = llm2.engine.executor.procs
+    try:
+        assert llm2.engine.plan.layout.tp == 2 and llm2.model.lm_head.weight.shape[0] == llm2.cfg.text.vocab_size // 2
+        assert ("tensor_parallel_size", 2, "argument") in llm2.effective_config()
+        got = _run(llm2)
+        with pytest.raises(MediaError, match="media at tensor_parallel_size=2 are not supported yet"):
+            llm2.engine.check_media(None)  # the ranks have no vision tower: refused before anything is queued
+        rank_weights = _budget_weights(llm2, monkeypatch)
+        stats = llm2.engine.spec_stats
+    finally:
+        llm2.close()
+    assert got == want
+    assert got[1] == 48 and all(len(t) == 6 for t in got[0])  # the later prompt's 3 pages came from the cache
+    assert 0.4 * full_weights < rank_weights < 0.7 * full_weights, (rank_weights, full_weights)
+    if spec["method"] == "mtp":  # drafts were proposed on the shards and verified
+        assert stats.num_rounds > 0 and stats.num_draft_tokens > 0, stats
+    for p in procs:
+        p.join(5)
+    assert not any(p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
+
+
+@pytest.mark.parametrize("args, match", [
+    (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide text_config\.num_attention_heads"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2), r"decode_context_parallel_size=2"),
+    (dict(tensor_parallel_size=2, ple_placement="host"), r"ple_placement='host'.*use 'device'"),
+])
+def test_layouts_it_cannot_run_are_refused_before_loading(ckpt, args, match, monkeypatch):
+    monkeypatch.setattr("revolta.engine.tp_executor.TPGroup.start", lambda *a, **k: pytest.fail("started ranks"))
+    monkeypatch.setattr("revolta.llm.load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    with pytest.raises(ParallelConfigError, match=match):
+        LLM(model=ckpt, **{**ARGS, **args})
