@@ -159,7 +159,10 @@ def test_info_prints_format_and_weight_bytes_per_gpu(original, tmp_path, capsys)
     from revolta.quantized import meta_model
 
     write_quantized(original, tmp_path, "awq")
-    assert main(["info", str(tmp_path), "--tp", "2", "--gpu-memory", "4", "--max-model-len", "256"]) == 0
+    # the tiny experts (width 32, one group of 32) cannot split at TP2: info says so in one line
+    assert main(["info", str(tmp_path), "--tp", "2", "--gpu-memory", "4", "--max-model-len", "256"]) == 2
+    assert "not a multiple of the checkpoint's quantization group 32" in capsys.readouterr().err
+    assert main(["info", str(tmp_path), "--gpu-memory", "4", "--max-model-len", "256"]) == 0
     out = capsys.readouterr().out
     assert "quantization: awq: awq int4, group size 32, zero points" in out
     cfg = ModelConfig.from_pretrained(tmp_path)
@@ -171,7 +174,7 @@ def test_info_prints_format_and_weight_bytes_per_gpu(original, tmp_path, capsys)
     assert sizes[1]["packed"] == packed and sizes[4]["packed"] == packed // 4
     assert sizes[2]["dense_replicated"] == sizes[1]["dense_replicated"] > 0  # HC and PLE modules on every rank
     from revolta.summary import human_bytes
-    assert f"- weights {human_bytes(sizes[2]['total'])} -" in out  # the dry run plans with the packed bytes
+    assert f"- weights {human_bytes(sizes[1]['total'])} -" in out  # the dry run plans with the packed bytes
 
 
 def test_random_quantized_model_for_benchmarks():
