@@ -108,6 +108,27 @@ def sse_lines(response: httpx.Response) -> list[str]:
     return [line for line in response.iter_lines() if line]
 
 
+def kill_mid_stream(server: Server, pid: int) -> tuple[dict | None, float]:
+    """Start a long streamed chat, SIGKILL process `pid` once tokens flow, read on to the stream's error event.
+
+    Returns (the error object or None if the stream ended without one, seconds from the kill to that error)."""
+    import json
+    import signal
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line)
+        assert next(lines).startswith("data:")  # generating
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for line in lines:
+            payload = line.removeprefix("data: ")
+            if payload != "[DONE]" and "error" in json.loads(payload):
+                return json.loads(payload)["error"], time.monotonic() - killed
+        return None, time.monotonic() - killed
+
+
 @contextlib.contextmanager
 def run_scripted(**config: object) -> Iterator[tuple[object, str]]:
     """The real server app, in-process under uvicorn, on a ScriptedLLM (see scripted_llm.py)."""

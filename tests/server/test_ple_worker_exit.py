@@ -5,17 +5,14 @@ the worker, is not what revolta does: a worker that dies once usually dies again
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
 import time
 
 import httpx
 
 from revolta.server.app import EXIT_ENGINE_FAILED
 
-from .conftest import MODEL, run_server
+from .conftest import MODEL, kill_mid_stream, run_server
 
 BOUND_S = 10.0
 
@@ -31,20 +28,7 @@ def _worker_pid(server) -> int:
 def test_a_dead_ple_worker_fails_the_stream_turns_health_503_and_exits_3():
     with run_server("--ple-placement", "disk", "--sse-keep-alive-interval", "0") as s:
         pid = _worker_pid(s)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
-            lines = (line for line in r.iter_lines() if line)
-            assert next(lines).startswith("data:")  # generating
-            os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
-            error = None
-            for line in lines:
-                payload = line.removeprefix("data: ")
-                if payload != "[DONE]" and "error" in json.loads(payload):
-                    error = json.loads(payload)["error"]
-                    break
-            failed_after = time.monotonic() - killed
+        error, failed_after = kill_mid_stream(s, pid)
         assert error is not None and "PLE worker process" in error["message"] and "SIGKILL" in error["message"]
         assert failed_after < BOUND_S, failed_after
         assert httpx.get(s.url + "/health").status_code == 503  # answered for FATAL_EXIT_DELAY_S before exiting

@@ -4,10 +4,8 @@ and the server exits with status 3, leaving no rank behind."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
 import time
 
 import httpx
@@ -15,7 +13,7 @@ import openai
 
 from revolta.server.app import EXIT_ENGINE_FAILED
 
-from .conftest import MODEL, run_server
+from .conftest import MODEL, kill_mid_stream, run_server
 
 BOUND_S = 10.0
 TP2 = ("-tp", "2", "--device", "cpu", "--sse-keep-alive-interval", "0")
@@ -61,20 +59,7 @@ def test_serve_tp2_answers_the_openai_sdk():
 def test_a_killed_rank_fails_the_stream_and_the_server_exits():
     with run_server(*TP2) as s:
         pid = _worker_pid(s)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
-            lines = (line for line in r.iter_lines() if line)
-            assert next(lines).startswith("data:")  # generating
-            os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
-            error = None
-            for line in lines:
-                payload = line.removeprefix("data: ")
-                if payload != "[DONE]" and "error" in json.loads(payload):
-                    error = json.loads(payload)["error"]
-                    break
-            failed_after = time.monotonic() - killed
+        error, failed_after = kill_mid_stream(s, pid)
         assert error is not None and "revolta-tp-rank1 (exit code -9)" in error["message"], error
         assert failed_after < BOUND_S, failed_after
         assert httpx.get(s.url + "/health").status_code == 503
