@@ -37,7 +37,7 @@ from ..spec.config import SpeculativeConfig, speculative_method
 from ..spec.resolve import resolve_speculative
 from ..spec.stats import SpecStats
 from ..tokenizer import Tokenizer
-from .executor import Executor, ModelStep, StepItem, UniProcExecutor
+from .executor import Executor, ModelStep, StepItem, UniProcExecutor, forwarded
 from .tp_executor import TPGroup
 from .request import Request
 from .runner import StepSequence
@@ -204,29 +204,12 @@ class Engine:
         self._seqs: dict[str, SeqState] = {}
 
     # the in-process executor's pieces (tests and benchmarks reach them through the engine)
-    @property
-    def runner(self):
-        return self.executor.runner
-
-    @property
-    def storage(self):
-        return self.executor.storage
-
-    @property
-    def cpu_storage(self):
-        return self.executor.cpu_storage
-
-    @property
-    def drafter(self):
-        return self.executor.drafter
-
-    @property
-    def graphs(self):
-        return self.executor.graphs
-
-    @property
-    def spec_graphs(self):
-        return self.executor.spec_graphs
+    runner = forwarded("executor", "runner")
+    storage = forwarded("executor", "storage")
+    cpu_storage = forwarded("executor", "cpu_storage")
+    drafter = forwarded("executor", "drafter")
+    graphs = forwarded("executor", "graphs")
+    spec_graphs = forwarded("executor", "spec_graphs")
 
     def _fit_max_model_len(self, cache: CacheConfig, dtype: str) -> CachePlan:
         """The plan for the longest max_model_len the cache holds one sequence of; lowers `config.max_model_len`

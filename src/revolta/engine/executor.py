@@ -93,6 +93,12 @@ class StepResult:
     prompt_logits: dict[int, Tensor] = field(default_factory=dict)
 
 
+def forwarded(holder: str, name: str) -> property:
+    """A read-only property returning `self.<holder>.<name>`: how the engine exposes its executor's pieces and
+    the multi-process executor its rank-0 executor's (runner, storage, drafter, graphs, ...)."""
+    return property(lambda self: getattr(getattr(self, holder), name), doc=f"self.{holder}.{name}")
+
+
 class Executor(ABC):
     """Runs the model for the engine; see the module docstring."""
 

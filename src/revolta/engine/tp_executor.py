@@ -42,7 +42,7 @@ from ..model import FlashNextModel
 from ..parallel import ParallelContext
 from ..parallel.load import load_rank_model
 from ..spec.config import SpeculativeConfig
-from .executor import Executor, ModelStep, StepResult, UniProcExecutor
+from .executor import Executor, ModelStep, StepResult, UniProcExecutor, forwarded
 
 logger = logging.getLogger(__name__)
 
@@ -251,26 +251,9 @@ class MultiProcExecutor(Executor):
         self.group.close(timeout_s)
 
     # rank 0's pieces, as UniProcExecutor exposes them (the engine's properties reach them)
-    @property
-    def runner(self):
-        return self.local.runner
-
-    @property
-    def storage(self):
-        return self.local.storage
-
-    @property
-    def cpu_storage(self):
-        return self.local.cpu_storage
-
-    @property
-    def drafter(self):
-        return self.local.drafter
-
-    @property
-    def graphs(self):
-        return self.local.graphs
-
-    @property
-    def spec_graphs(self):
-        return self.local.spec_graphs
+    runner = forwarded("local", "runner")
+    storage = forwarded("local", "storage")
+    cpu_storage = forwarded("local", "cpu_storage")
+    drafter = forwarded("local", "drafter")
+    graphs = forwarded("local", "graphs")
+    spec_graphs = forwarded("local", "spec_graphs")
