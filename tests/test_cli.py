@@ -66,7 +66,8 @@ def test_info(default_dir, capsys):
     (["info", "{tmp}/config.json"], "not valid JSON"),
     (["info", "{default}", "--tp", "0"], "--tp=0"),
     (["info", "{default}", "--tp", "3"], "use a tensor_parallel_size among 1, 2, 4"),
-    (["info", "{real}", "--tp", "4", "--dcp", "2"], "--dcp 2: decode context parallelism is not implemented"),
+    (["info", "{real}", "--tp", "2", "--dcp", "2"], "decode_context_parallel_size=2 exceeds tensor_parallel_size / "
+                                                    "num_key_value_heads = 2 / 2"),
     (["generate", "-tp", "3", "x"], "tensor_parallel_size=3 does not divide"),
     (["generate", "--model", "/no/such/dir", "x"], "not a directory"),
     (["generate", "--model", "{tmp}", "x"], "no config.json"),
@@ -106,6 +107,9 @@ def test_info_dry_run_plans_a_deployment(capsys):
                  "--kv-cache-dtype", "fp8_e4m3"]) == 0
     out = capsys.readouterr().out
     assert "GPU KV cache size:" in out and "Maximum concurrency for 524,288 tokens per request:" in out
+    assert main(["info", str(config), "--gpu-memory", "32", "--tp", "4", "--dcp", "2", "--max-model-len", "524288",
+                 "--kv-cache-dtype", "fp8_e4m3"]) == 0  # DCP is planned: each rank holds half its KV head's tokens
+    assert "cache plan per GPU (TP 4, DCP 2," in capsys.readouterr().out
     assert main(["info", str(config), "--gpu-memory", "32", "--tp", "4", "--kv-cache-dtype", "fp9"]) == 2
     captured = capsys.readouterr()
     assert "fp9" in captured.err and captured.out == ""

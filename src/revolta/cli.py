@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path", metavar="DIR", help="checkpoint directory, or a config.json file")
     info.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size for per-GPU figures")
     info.add_argument("--dcp", type=int, default=1, metavar="N",
-                      help="decode-context-parallel size (not implemented yet: only 1 is planned)")
+                      help="decode-context-parallel size: the ranks sharing a KV head each hold 1/N of its K/V")
     plan = info.add_argument_group("deployment dry run (with --gpu-memory): cache capacity without a GPU")
     plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU, e.g. 32 for a V100 32 GB")
     plan.add_argument("--max-model-len", type=int, default=None, metavar="L", help="tokens per request (default: "
@@ -107,7 +107,8 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
                         help="split the text model across N ranks (CPU/gloo prototype; docs/parallel.md)")
     parser.add_argument("-dcp", "--decode-context-parallel-size", type=int, metavar="N",
-                        help="decode context parallelism (not implemented yet: only 1)")
+                        help="stripe the full-attention K/V over N ranks that share a KV head (divides tp / "
+                             "kv_heads; docs/parallel.md)")
 
 
 PARALLEL_ARGS = ("tensor_parallel_size", "decode_context_parallel_size")
@@ -218,7 +219,8 @@ def _info(args: argparse.Namespace) -> int:
             weights = by_part["total"] + (by_part["ple_table_host"] // args.tp if ple.value == "device" else 0)
         plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
                               args.kv_cache_dtype, args.gpu_memory_utilization, weights, ple_placement=ple.value,
-                              ple_source=ple.source, weights_measured=args.weights_gib is not None, **options)
+                              ple_source=ple.source, weights_measured=args.weights_gib is not None, dcp=args.dcp,
+                              **options)
         if spec is not None and spec.is_dflash2:
             plan += _dflash2_notes(spec, args.tp, options["drafter_weights_bytes"], estimated=weights is None)
     print(format_summary(cfg, args.path, tp=args.tp, mtp_weights=_mtp_weights(args.path, cfg)))
@@ -238,9 +240,6 @@ def _check_parallel(cfg, tp: int, dcp: int) -> None:
     from .parallel import ParallelConfig, validate_parallel
 
     validate_parallel(ParallelConfig(tp, dcp), cfg)
-    if dcp > 1:
-        raise UserError(f"--dcp {dcp}: decode context parallelism is not implemented yet, so it is not planned either "
-                        f"(each rank that shares a KV head holds its own copy); drop --dcp to plan TP {tp} alone")
 
 
 def _mtp_weights(path: str, cfg) -> bool | None:

@@ -46,14 +46,15 @@ ENGINE_ARG_NAMES = frozenset({
     "max_num_encoder_input_tokens", "encoder_cache_size",
     "ple_placement",  # where the PLE n-gram table lives: "device", "host" or "disk" (ple/placement.py)
 })
-LOAD_ARGS = ("ple_placement", "decode_context_parallel_size")  # arguments that shape how the weights load
+LOAD_ARGS = ("ple_placement",)  # arguments that shape how the weights load
 # vLLM arguments the media path consumes (multimodal/processor.py)
 MEDIA_ARGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path")
 # arguments the engine consumes (the rest are accepted for compatibility and logged)
 ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
                       "gpu_memory_utilization", "block_size", "enforce_eager", "kv_cache_gib", "kv_offload_gib",
                       "cudagraph_mem_mib", "cudagraph_capture_sizes", "max_num_encoder_input_tokens",
-                      "encoder_cache_size", "speculative_config", "tensor_parallel_size")
+                      "encoder_cache_size", "speculative_config", "tensor_parallel_size",
+                      "decode_context_parallel_size")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -139,8 +140,8 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
          else f"fitted to the KV cache (the checkpoint's {llm.cfg.text.max_position_embeddings:,} does not fit)"
          if engine.max_model_len_fitted else "checkpoint (max_position_embeddings)"),
     ]
-    for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching",
-                 "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib", "block_size", "enforce_eager"):
+    for name in ("tensor_parallel_size", "decode_context_parallel_size", "max_num_seqs", "max_num_batched_tokens",
+                 "kv_cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib", "block_size", "enforce_eager"):
         rows.append((name, getattr(ec, name), arg(name)))
     rows.append(("block_size (effective)", engine.plan.layout.block_size,
                  arg("block_size") if ec.block_size else "default (chosen for the model)"))
@@ -184,7 +185,8 @@ def log_summary(llm: Any, seconds: float) -> None:
              "no vision" if v is None else f"vision {v.depth} blocks" if llm.model.model.visual is not None
              else "vision tower not loaded (tensor parallel: text only)"]
     tp = llm.engine.config.tensor_parallel_size  # at tp > 1 llm.model is rank 0's shard
-    on = f"{llm.device} x {tp} ranks (tensor parallel)" if tp > 1 else str(llm.device)
+    dcp = llm.engine.config.decode_context_parallel_size
+    on = f"{llm.device} x {tp} ranks (tensor parallel{f', DCP {dcp}' if dcp > 1 else ''})" if tp > 1 else str(llm.device)
     logger.info("revolta: %s %s | %s on %s | %s | %.1fM params%s | ready in %.1f s", origin, llm.model_path,
                 str(llm.dtype).removeprefix("torch."), on, ", ".join(parts), num_params / 1e6,
                 " on rank 0" if tp > 1 else "", seconds)

@@ -87,9 +87,6 @@ def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: t
     read when the model cannot be split so or this generation path cannot run it yet."""
     pc = ParallelConfig(engine_args.get("tensor_parallel_size", 1), engine_args.get("decode_context_parallel_size", 1))
     validate_parallel(pc, cfg)
-    if pc.dcp > 1:
-        raise ParallelConfigError(f"decode_context_parallel_size={pc.dcp}: decode context parallelism is not "
-                                  "implemented yet; use 1 (tensor_parallel_size alone splits the model)")
     if pc.tp == 1:
         return pc
     why = (f"device={device.type!r}: the ranks run on CPU (gloo) only yet, NCCL with one GPU per rank is not wired; "
@@ -109,7 +106,8 @@ def build_engine(model: FlashNextModel | None, config: EngineConfig, path: Path,
     here, each worker loads its own) and run the engine over rank 0's shard; a failed start leaves no worker."""
     if config.tensor_parallel_size == 1:
         return Engine(model, config, **kwargs)
-    group = TPGroup.start(cfg, path, config.tensor_parallel_size, with_mtp=with_mtp, dtype=dtype)
+    group = TPGroup.start(cfg, path, config.tensor_parallel_size, with_mtp=with_mtp, dtype=dtype,
+                          dcp=config.decode_context_parallel_size)
     try:
         return Engine(group.model, config, tp_group=group, **kwargs)
     except BaseException:

@@ -50,7 +50,7 @@ def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_l
                    activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
                    other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
                    ple_placement: str = "host", ple_source: str = "argument", weights_measured: bool | None = None,
-                   **cache_options) -> str:
+                   dcp: int = 1, **cache_options) -> str:
     """What `revolta info DIR --gpu-memory GiB --tp N --max-model-len L --kv-cache-dtype D` prints:
     the budget, the pool layout and the two capacity lines, computed without weights or a GPU.
 
@@ -59,14 +59,16 @@ def dry_run_report(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_l
     estimated weights (not to measured ones). ple_placement: where the PLE table lives ("device"
     counts it in the estimated weights; "host" and "disk" leave it out of the GPU budget), ple_source
     where that setting came from; weights_measured: weights_bytes is a measurement, which may or may not
-    hold the table (default: whenever weights_bytes is given). cache_options: further `CacheConfig` fields (max_num_seqs,
+    hold the table (default: whenever weights_bytes is given). dcp: decode-context-parallel size (each rank holds
+    1/dcp of its KV head's trunk K/V; the weights are TP's). cache_options: further `CacheConfig` fields (max_num_seqs,
     num_speculative_tokens, enable_prefix_caching, kv_offload_gib, ...).
     Raises CacheConfigError for configurations that cannot work.
     """
     plan = dry_run_plan(cfg, gpu_memory_gib, tp, max_model_len, kv_cache_dtype, gpu_memory_utilization,
                         weights_bytes, weight_format=weight_format, dtype=dtype, activation_bytes=activation_bytes,
                         cudagraph_reserve_mib=cudagraph_reserve_mib, other_reserve_mib=other_reserve_mib,
-                        drafter_weights_bytes=drafter_weights_bytes, ple_placement=ple_placement, **cache_options)
+                        drafter_weights_bytes=drafter_weights_bytes, ple_placement=ple_placement, dcp=dcp,
+                        **cache_options)
     measured = weights_bytes is not None if weights_measured is None else weights_measured
     return format_plan(plan, cfg) + ple_plan_line(cfg, tp, ple_placement, ple_source, not measured)
 
@@ -93,12 +95,12 @@ def dry_run_plan(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len
                  weights_bytes: int | None = None, *, weight_format: str = "awq", dtype: str = "float16",
                  activation_bytes: int | None = None, cudagraph_reserve_mib: float | None = None,
                  other_reserve_mib: float = DEFAULT_OTHER_RESERVE_MIB, drafter_weights_bytes: int = 0,
-                 ple_placement: str = "host", **cache_options) -> CachePlan:
+                 ple_placement: str = "host", dcp: int = 1, **cache_options) -> CachePlan:
     """The `CachePlan` behind `dry_run_report` (same arguments)."""
     if gpu_memory_gib <= 0:
         raise CacheConfigError(f"--gpu-memory={gpu_memory_gib} GiB must be > 0")
     cache = CacheConfig(max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, **cache_options)
-    validate_cache_config(cfg, cache, tp)
+    validate_cache_config(cfg, cache, tp, dcp)
     if weights_bytes is None:
         weights_bytes = (estimate_weight_bytes(cfg, tp, weight_format, ple_on_gpu=ple_placement == "device")["total"]
                          + drafter_weights_bytes)
@@ -112,7 +114,7 @@ def dry_run_plan(cfg: ModelConfig, gpu_memory_gib: float, tp: int, max_model_len
     budget = MemoryBudget(gpu_memory_bytes=int(gpu_memory_gib * GiB), gpu_memory_utilization=gpu_memory_utilization,
                           weights_bytes=int(weights_bytes), activation_bytes=int(activation_bytes),
                           cudagraph_reserve_bytes=int(graphs * MiB), other_bytes=int(other_reserve_mib * MiB))
-    return plan_cache(cfg, cache, budget, tp, dtype)
+    return plan_cache(cfg, cache, budget, tp, dtype, dcp)
 
 
 def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
@@ -128,7 +130,7 @@ def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
     kv_tokens = usable_blocks * plan.block_size
     full_len = kv_tokens // c.max_model_len if c.max_model_len else 0
     lines = [
-        f"cache plan per GPU (TP {lay.tp}, KV {kv_dt}, activations {lay.dtype}, speculative decoding {spec}, "
+        f"cache plan per GPU (TP {lay.tp}{f', DCP {lay.dcp}' if lay.dcp > 1 else ''}, KV {kv_dt}, activations {lay.dtype}, speculative decoding {spec}, "
         f"prefix caching {'on' if c.enable_prefix_caching else 'off'}):",
         f"  memory: {human_bytes(b.gpu_memory_bytes)} x {b.gpu_memory_utilization:g} = {human_bytes(b.usable_bytes)}",
         f"    - weights {human_bytes(b.weights_bytes)} - activation peak {human_bytes(b.activation_bytes)}"
@@ -141,7 +143,8 @@ def format_plan(plan: CachePlan, cfg: ModelConfig | None = None) -> str:
            f"{human_bytes(plan.draft_kv_bytes)} taken from the budget"] if g is not None else []),
         f"  block: {plan.block_size} tokens x {plan.kv_bytes_per_token:,} B/token = {plan.page_bytes:,} B page "
         f"(every QSA layer{' + MTP layer' if lay.with_mtp else ''}: K, V, compressed index keys"
-        f"{', int8 scales' if lay.kv_cache_dtype == 'int8' else ''})",
+        f"{', int8 scales' if lay.kv_cache_dtype == 'int8' else ''}"
+        f"{f'; this rank holds 1/{lay.dcp} of the trunk K/V' if lay.dcp > 1 else ''})",
         f"  state slot: {plan.state_bytes:,} B ({human_bytes(plan.state_bytes)}: GDN + PLE + QSA pending keys)"
         f" = {plan.state_pages} pages",
         f"  pool: {plan.pool_pages:,} pages = {plan.num_blocks:,} KV blocks (block 0 null) + {plan.num_slots} state "

@@ -20,7 +20,7 @@ from revolta.cache.capacity import (
 )
 from revolta.plan import dry_run_plan, dry_run_report
 from revolta.config import ModelConfig
-from revolta.summary import fixed_state_breakdown, fixed_state_bytes_per_sequence, kv_bytes_per_token
+from revolta.summary import fixed_state_breakdown, fixed_state_bytes_per_sequence, kv_bytes_breakdown, kv_bytes_per_token
 
 REAL_CONFIG = Path(__file__).parents[1] / "data" / "qwen3_8_flash_next_config.json"
 L512K = 524_288
@@ -71,6 +71,26 @@ def test_real_config_4x32gb_tp4_512k_fp8(real, spec):
     assert plan.capacity_lines()[0] in report and plan.capacity_lines()[1] in report
     # plausibility against the release note (1,153,143 tokens / 2.20x at 512K with MTP4): same order
     assert 1.3 < plan.max_concurrency < 2.6 and 1.5 < plan.unified_concurrency < 2.6
+
+
+def test_real_config_tp4_dcp2_halves_the_trunk_kv_per_rank(real):
+    """TP4 + DCP2 (the release note's deployment): the two ranks sharing a KV head each hold half its tokens, so a
+    rank's page shrinks by half the trunk K/V (index keys and the MTP layer's K/V stay replicated) and more blocks
+    fit the same budget; the plan stays self-consistent."""
+    tp4 = dry_run_plan(real, 32, 4, L512K, "fp8_e4m3", num_speculative_tokens=4, max_num_seqs=8)
+    dcp2 = dry_run_plan(real, 32, 4, L512K, "fp8_e4m3", num_speculative_tokens=4, max_num_seqs=8, dcp=2)
+    _check_consistency(dcp2)
+    b = kv_bytes_breakdown(real, "fp8_e4m3", "compressed", include_mtp=True, tp=4)
+    assert b["main_kv"] == 12 * 2 * 256  # 12 QSA layers, K and V of one 256-wide head, 1 byte each
+    assert dcp2.kv_bytes_per_token == tp4.kv_bytes_per_token - b["main_kv"] // 2 == 4000
+    assert dcp2.layout.dcp == 2 and dcp2.budget == tp4.budget  # the weights are TP's: DCP changes only the cache
+    assert 1.7 * tp4.kv_cache_tokens < dcp2.kv_cache_tokens < 1.8 * tp4.kv_cache_tokens
+    report = dry_run_report(real, 32, 4, L512K, "fp8_e4m3", num_speculative_tokens=4, max_num_seqs=8, dcp=2)
+    print(f"\n--- revolta info --gpu-memory 32 --tp 4 --dcp 2 --max-model-len 524288 --kv-cache-dtype fp8_e4m3 "
+          f"--max-num-seqs 8 --num-speculative-tokens 4\n{report}")
+    assert "TP 4, DCP 2" in report and dcp2.capacity_lines()[0] in report
+    with pytest.raises(CacheConfigError, match="decode_context_parallel_size=3 must be >= 1 and divide"):
+        dry_run_plan(real, 32, 4, L512K, "fp8_e4m3", dcp=3)
 
 
 def test_more_memory_more_capacity_and_fp16_halves_it(real):

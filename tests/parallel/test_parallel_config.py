@@ -43,6 +43,16 @@ def test_kv_heads_and_tp_must_divide_one_another(real):
     validate_parallel(ParallelConfig(1), cfg)  # tp=1 splits nothing
 
 
+def test_a_dcp_group_shares_one_kv_head(real):
+    # 4 KV heads at TP12: 3 ranks per head; DCP2 would pair a rank of head 0 with one of head 1
+    cfg = replace(real, text=replace(real.text, num_key_value_heads=4, linear_num_key_heads=12,
+                                     linear_num_value_heads=48, moe_intermediate_size=648,
+                                     shared_expert_intermediate_size=648))
+    validate_parallel(ParallelConfig(12, 3), cfg)
+    with pytest.raises(ParallelConfigError, match="does not divide tensor_parallel_size / num_key_value_heads = 3"):
+        validate_parallel(ParallelConfig(12, 2), cfg)
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0 must be an integer >= 1"),
     (dict(decode_context_parallel_size=0), "decode_context_parallel_size=0 must be an integer >= 1"),

@@ -1,7 +1,9 @@
 """The engine at tensor_parallel_size=2 (rank 0's shard and a TPGroup: a 2-rank MultiProcExecutor, gloo, fp32, a
-spawned worker) gives the greedy tokens of the single-process engine: concurrent requests, chunked prefill and prefix hits, with and without MTP speculation;
-the worker exits on close.
-A worker killed mid-request turns the next step into a FatalEngineError at once, and the engine stays failed."""
+spawned worker) gives the greedy tokens of the single-process engine: concurrent requests, chunked prefill and prefix
+hits, with and without MTP speculation; so do TP2 + DCP2 (with MTP) and TP4 + DCP2, the trunk K/V striped over the
+ranks that share a KV head; the worker exits on close.
+A worker killed mid-request (TP2, and TP2 + DCP2) turns the next step into a FatalEngineError at once, and the engine
+stays failed."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from engine_spies import greedy_request  # tests/, on sys.path
+from revolta.cache.capacity import plan_cache
 from revolta.engine import Engine, EngineConfig
 from revolta.engine.tp_executor import TPGroup
 from revolta.errors import FatalEngineError
@@ -24,10 +27,11 @@ PROMPTS.append(PROMPTS[2][:48] + [1, 2, 3])  # the third prompt's 3 full pages (
 
 
 def _engine(model, spec=None, group: TPGroup | None = None) -> Engine:
-    tp = 1 if group is None else group.tp
+    tp, dcp = (1, 1) if group is None else (group.tp, group.dcp)
     return Engine(model, EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, block_size=16,
                                       kv_cache_gib=0.004, enable_prefix_caching=True,
-                                      speculative_config=spec or {"method": None}, tensor_parallel_size=tp),
+                                      speculative_config=spec or {"method": None}, tensor_parallel_size=tp,
+                                      decode_context_parallel_size=dcp),
                   tp_group=group)
 
 
@@ -73,14 +77,51 @@ def test_tp2_engine_equals_tp1(tmp_path, spec):
         assert engine.spec_stats.num_rounds > 0 and engine.spec_stats.num_draft_tokens > 0, engine.spec_stats
 
 
-def test_a_killed_rank_is_a_fatal_engine_error(tmp_path):
+@pytest.mark.parametrize("tp,dcp,text,spec", [
+    (2, 2, dict(num_key_value_heads=1), {"method": "mtp", "num_speculative_tokens": 2}),
+    (4, 2, dict(linear_num_key_heads=4), None),
+], ids=["tp2-dcp2-mtp", "tp4-dcp2"])
+def test_dcp_engine_equals_tp1(tmp_path, tp, dcp, text, spec):
+    """DCP through the engine: chunked prefill, a prefix hit (its pages' stripes on every rank), decode and (TP2)
+    MTP verify rows all attend the striped K/V; the greedy tokens are TP1's, and a DCP2 rank's cache plan holds
+    more blocks than TP alone in the same allowance (each page is half the trunk K/V)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = tiny()
+        cfg = tiny(**text)
         model = full_model(cfg)
         save_checkpoint(model, tmp_path / "ckpt", progress=False)
-        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
+        want = _generate(_engine(model, spec))
+        group = TPGroup.start(cfg, tmp_path / "ckpt", tp, with_mtp=spec is not None, timeout_s=30, dcp=dcp)
+        procs = group.procs
+        try:
+            engine = _engine(group.model, spec, group)
+            layout = engine.plan.layout
+            assert (layout.tp, layout.dcp) == (tp, dcp)
+            assert engine.storage.qsa[3].k_cache.shape[1] == 16 // dcp  # rank 0's stripe of each block
+            tp_alone = plan_cache(cfg, engine.plan.cache, engine.plan.budget, tp=tp, dtype="float32")
+            assert engine.plan.num_blocks > tp_alone.num_blocks, (engine.plan.num_blocks, tp_alone.num_blocks)
+            got = _generate(engine)
+        finally:
+            group.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert got == want
+    assert got[1] == 48, got[1]
+    assert not any(p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
+    if spec is not None:
+        assert engine.spec_stats.num_rounds > 0 and engine.spec_stats.num_draft_tokens > 0, engine.spec_stats
+
+
+@pytest.mark.parametrize("dcp", [1, 2], ids=["tp2", "tp2-dcp2"])
+def test_a_killed_rank_is_a_fatal_engine_error(tmp_path, dcp):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = tiny(num_key_value_heads=1) if dcp > 1 else tiny()
+        model = full_model(cfg)
+        save_checkpoint(model, tmp_path / "ckpt", progress=False)
+        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30, dcp=dcp)
         worker = group.procs[0]
         try:
             engine = _engine(group.model, None, group)

@@ -1,7 +1,8 @@
 """`LLM(model=DIR, tensor_parallel_size=2)` (CPU, gloo, a spawned worker): the greedy tokens of the TP1 LLM through
 the whole front (validation before loading, rank 0's shard loaded by slices, the cache planned per rank), with
 chunked prefill and a prefix hit, without and with MTP speculation; the memory budget counts the rank's own weights;
-close() leaves no worker; layouts the path cannot run are refused before any process starts."""
+close() leaves no worker; TP2 + DCP2 gives the same tokens; layouts the path cannot run are refused before any
+process starts."""
 
 from __future__ import annotations
 
@@ -86,9 +87,28 @@ def test_llm_tp2_gives_the_tp1_tokens(ckpt, spec, one_thread, monkeypatch):
     assert not any(p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
 
 
+def test_llm_tp2_dcp2_gives_the_tp1_tokens(tmp_path, one_thread):
+    """LLM(decode_context_parallel_size=2) reaches the ranks and the cache plan: one KV head shared by both ranks,
+    each holding half of its tokens."""
+    path = tmp_path / "ckpt"
+    cfg = tiny(num_key_value_heads=1)
+    save_checkpoint(full_model(cfg), path, progress=False)
+    cfg.save(path)
+    want = _run(LLM(model=path, **ARGS))
+    llm = LLM(model=path, tensor_parallel_size=2, decode_context_parallel_size=2, **ARGS)
+    try:
+        assert (llm.engine.plan.layout.tp, llm.engine.plan.layout.dcp) == (2, 2)
+        assert ("decode_context_parallel_size", 2, "argument") in llm.effective_config()
+        got = _run(llm)
+    finally:
+        llm.close()
+    assert got == want and got[1] == 48
+
+
 @pytest.mark.parametrize("args, match", [
     (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide text_config\.num_attention_heads"),
-    (dict(tensor_parallel_size=2, decode_context_parallel_size=2), r"decode_context_parallel_size=2"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2),  # 2 KV heads at TP2: no copies to remove
+     r"decode_context_parallel_size=2 exceeds tensor_parallel_size / num_key_value_heads = 2 / 2.*use at most 1"),
     (dict(tensor_parallel_size=2, ple_placement="host"), r"ple_placement='host'.*use 'device'"),
 ])
 def test_layouts_it_cannot_run_are_refused_before_loading(ckpt, args, match, monkeypatch):

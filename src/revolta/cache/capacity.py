@@ -188,6 +188,7 @@ class CacheLayout:
     tp: int = 1
     with_mtp: bool = False
     pending_ring: int | None = None  # None: default_pending_ring (2 x compress ratio)
+    dcp: int = 1  # decode context parallel: the trunk QSA K/V pages hold block_size / dcp tokens (a stripe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,13 +281,15 @@ def choose_block_size(cfg: ModelConfig, cache: CacheConfig) -> int:
     return min(auto, -(-cache.max_model_len // align) * align)
 
 
-def kv_page_bytes_per_token(cfg: ModelConfig, kv_dtype: str, draft_dtype: str, with_mtp: bool, tp: int) -> int:
-    """Bytes one token occupies across all pages of a block (trunk QSA layers + MTP layer)."""
+def kv_page_bytes_per_token(cfg: ModelConfig, kv_dtype: str, draft_dtype: str, with_mtp: bool, tp: int,
+                            dcp: int = 1) -> int:
+    """Bytes one token occupies across all pages of a block (trunk QSA layers + MTP layer), on one rank: at dcp > 1
+    the trunk K/V pages hold block_size / dcp tokens."""
 
     def breakdown(dt: str, include_mtp: bool) -> dict[str, int]:
         if dt == "fp32":  # fp32 models (CPU parity runs) keep fp32 pages: twice the 16-bit bytes
-            return {k: 2 * v for k, v in kv_bytes_breakdown(cfg, "bf16", "compressed", include_mtp, tp).items()}
-        return kv_bytes_breakdown(cfg, dt, "compressed", include_mtp=include_mtp, tp=tp)
+            return {k: 2 * v for k, v in kv_bytes_breakdown(cfg, "bf16", "compressed", include_mtp, tp, dcp).items()}
+        return kv_bytes_breakdown(cfg, dt, "compressed", include_mtp=include_mtp, tp=tp, dcp=dcp)
 
     trunk = breakdown(kv_dtype, False)["total"]
     if not with_mtp:
@@ -320,7 +323,7 @@ def _scalar_bytes(cfg: ModelConfig, kv_dtype: str, draft_dtype: str, with_mtp: b
     return n * 2 * 4  # fp32 k_scale and v_scale per layer
 
 
-def validate_cache_config(cfg: ModelConfig, cache: CacheConfig, tp: int = 1) -> None:
+def validate_cache_config(cfg: ModelConfig, cache: CacheConfig, tp: int = 1, dcp: int = 1) -> None:
     """Reject what cannot work, before anything is loaded; messages name the knob to change."""
     def fail(msg: str) -> None:
         raise CacheConfigError(msg)
@@ -330,6 +333,8 @@ def validate_cache_config(cfg: ModelConfig, cache: CacheConfig, tp: int = 1) -> 
             fail(f"{name}={getattr(cache, name)} must be >= 1")
     if tp < 1:
         fail(f"tensor_parallel_size={tp} must be >= 1")
+    if dcp < 1 or tp % dcp:
+        fail(f"decode_context_parallel_size={dcp} must be >= 1 and divide tensor_parallel_size={tp}")
     resolve_kv_dtype(cache.kv_cache_dtype)
     if cache.draft_kv_cache_dtype is not None:
         resolve_kv_dtype(cache.draft_kv_cache_dtype)
@@ -351,6 +356,9 @@ def validate_cache_config(cfg: ModelConfig, cache: CacheConfig, tp: int = 1) -> 
         fail(f"pending_ring={cache.pending_ring} must hold at least indexer_compress_ratio - 1 = "
              f"{cfg.text.indexer_compress_ratio - 1} keys")
     bs = choose_block_size(cfg, cache)
+    if bs % dcp:
+        fail(f"block_size={bs} must be a multiple of decode_context_parallel_size={dcp} (each rank holds a stripe of "
+             "every block)")
     if cache.snapshot_interval < 0 or cache.snapshot_interval % bs:
         fail(f"snapshot_interval={cache.snapshot_interval} must be a non-negative multiple of block_size={bs}")
     try:
@@ -361,10 +369,11 @@ def validate_cache_config(cfg: ModelConfig, cache: CacheConfig, tp: int = 1) -> 
 
 
 def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: int = 1,
-               dtype: str = "float16") -> CachePlan:
+               dtype: str = "float16", dcp: int = 1) -> CachePlan:
     """Size the pools for `budget` (per GPU) and compute the capacity figures; raises
-    CacheConfigError when the configuration cannot serve one request of max_model_len."""
-    validate_cache_config(cfg, cache, tp)
+    CacheConfigError when the configuration cannot serve one request of max_model_len. At dcp > 1 a block's trunk
+    K/V is split over the dcp ranks sharing a KV head: each rank's page holds 1/dcp of it, so more blocks fit."""
+    validate_cache_config(cfg, cache, tp, dcp)
     if not 0 < budget.gpu_memory_utilization <= 1:
         raise CacheConfigError(f"gpu_memory_utilization={budget.gpu_memory_utilization} must be in (0, 1]")
     if budget.cudagraph_reserve_bytes < 0:
@@ -375,7 +384,7 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
     group = cache.draft_kv_group if cache.num_speculative_tokens and not with_mtp else None
     draft_per_request = 0 if group is None else group.bytes_per_request(cache.max_model_len, tp)
     bs = choose_block_size(cfg, cache)
-    kvpt = kv_page_bytes_per_token(cfg, kv, draft, with_mtp, tp)
+    kvpt = kv_page_bytes_per_token(cfg, kv, draft, with_mtp, tp, dcp)
     page = bs * kvpt
     if page == 0:  # the paged pool's unit is a KV block: a config without attention layers has none to size
         raise CacheConfigError(f"the config has no full-attention layer (layer_types: {sorted(set(cfg.text.layer_types))}); "
@@ -428,7 +437,7 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
                                    f"({human_bytes(state)} per rank) and one block; raise it or set 0")
     layout = CacheLayout(num_blocks=num_blocks, block_size=bs, num_slots=num_slots, kv_cache_dtype=kv,
                          draft_kv_cache_dtype=draft, dtype=_TORCH_NAMES[_act(dtype)], tp=tp, with_mtp=with_mtp,
-                         pending_ring=ring)
+                         pending_ring=ring, dcp=dcp)
     return CachePlan(cache=cache, budget=budget, layout=layout, kv_bytes_per_token=kvpt, page_bytes=page,
                      state_bytes=state, state_pages=state_pages, pool_pages=pool_pages, num_running_slots=running,
                      num_snapshot_slots=snapshots, pages_per_request=per_request, max_concurrency=conc,
@@ -437,14 +446,14 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
 
 
 def fit_max_model_len(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: int = 1,
-                      dtype: str = "float16") -> int:
+                      dtype: str = "float16", dcp: int = 1) -> int:
     """The largest max_model_len, up to `cache.max_model_len` and a whole number of the blocks planned for it, whose
     plan fits `budget`; 0 when not even one block does. For a length the user did not choose (the checkpoint's)."""
     bs = choose_block_size(cfg, cache)
 
     def fits(blocks: int) -> bool:
         try:
-            plan_cache(cfg, replace(cache, max_model_len=blocks * bs, block_size=bs), budget, tp, dtype)
+            plan_cache(cfg, replace(cache, max_model_len=blocks * bs, block_size=bs), budget, tp, dtype, dcp)
             return True
         except CacheConfigError:
             return False

@@ -34,7 +34,7 @@ def kv_heads_per_rank(h: int, tp: int) -> int:
 
 
 def kv_bytes_breakdown(cfg: ModelConfig, kv_dtype: str = "bf16", index_keys: str = "compressed",
-                       include_mtp: bool = False, tp: int = 1) -> dict[str, int]:
+                       include_mtp: bool = False, tp: int = 1, dcp: int = 1) -> dict[str, int]:
     """Growing cache bytes per token of context for one sequence, per GPU (spec §10.2, §4.6).
 
     kv_dtype: "bf16" | "fp16" | "fp8_e4m3" | "int8" for main K/V and compressed index keys.
@@ -44,6 +44,8 @@ def kv_bytes_breakdown(cfg: ModelConfig, kv_dtype: str = "bf16", index_keys: str
     include_mtp: add the MTP layer's own K/V and index keys (`mtp_*` entries).
     tp: tensor-parallel size. KV heads are split (or replicated when num_key_value_heads < tp);
     the single index-key head is replicated on every rank.
+    dcp: decode-context-parallel size: each rank holds 1/dcp of the trunk layers' main K/V (and int8 scales) of its
+    KV head (parallel/dcp.py); index keys and the MTP layer's K/V stay replicated.
 
     Returns bytes per token for `main_kv`, `kv_scales`, `index_keys` (trunk QSA layers), the
     same three with an `mtp_` prefix, and `total`.
@@ -64,16 +66,16 @@ def kv_bytes_breakdown(cfg: ModelConfig, kv_dtype: str = "bf16", index_keys: str
     else:
         idx = 0
     n, m = t.num_qsa_layers, (t.num_mtp_layers if include_mtp else 0)
-    out = {"main_kv": n * main, "kv_scales": n * scales, "index_keys": n * idx,
+    out = {"main_kv": n * main // dcp, "kv_scales": n * scales // dcp, "index_keys": n * idx,
            "mtp_main_kv": m * main, "mtp_kv_scales": m * scales, "mtp_index_keys": m * idx}
     out["total"] = sum(out.values())
     return out
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16", index_keys: str = "compressed",
-                       include_mtp: bool = False, tp: int = 1) -> int:
+                       include_mtp: bool = False, tp: int = 1, dcp: int = 1) -> int:
     """Total of `kv_bytes_breakdown` (same arguments): cache bytes per token of context, per GPU."""
-    return kv_bytes_breakdown(cfg, kv_dtype, index_keys, include_mtp, tp)["total"]
+    return kv_bytes_breakdown(cfg, kv_dtype, index_keys, include_mtp, tp, dcp)["total"]
 
 
 def fixed_state_breakdown(cfg: ModelConfig, include_mtp: bool = False, tp: int = 1) -> dict[str, int]:

@@ -4,7 +4,8 @@ Layout, per GPU (one TP rank), sized by `capacity.CachePlan.layout`; kernels are
 against it, keep it exact. Block 0 and slot 0 are the reserved null block / dummy slot.
 
     per QSA layer i (storage.qsa[i]) and the MTP layer (storage.mtp, when speculating):
-      k_cache, v_cache  [num_blocks, block_size, KVH, D]   fp16/bf16 | uint8 (fp8 e4m3 bits) | int8
+      k_cache, v_cache  [num_blocks, block_size, KVH, D]   fp16/bf16 | uint8 (fp8 e4m3 bits) | int8; at DCP the
+                        trunk layers' pages hold block_size / dcp tokens (this rank's stripe, parallel/dcp.py)
       k_scale, v_scale  fp8: [] fp32, one per layer (checkpoint `*.self_attn.{k,v}_scale`, else 1.0)
                         int8: [num_blocks, block_size, KVH] fp32, per token and head
                         fp16/bf16: None
@@ -105,12 +106,16 @@ class CacheStorage:
         scales = dict(kv_scales or {})
         missing: list[str] = []
 
+        if bs % L.dcp:
+            raise ValueError(f"block_size={bs} is not a multiple of decode_context_parallel_size={L.dcp}")
+
         def qsa(key: int | str, kv_dtype: str) -> QSACache:
             kd = _KV_TORCH[kv_dtype]
-            cache = QSACache(new((nb, bs, kvh, t.head_dim), kd), new((nb, bs, kvh, t.head_dim), kd),
+            rows = bs if key == MTP else bs // L.dcp  # DCP: a trunk page holds this rank's stripe of the block
+            cache = QSACache(new((nb, rows, kvh, t.head_dim), kd), new((nb, rows, kvh, t.head_dim), kd),
                              new((nb, bs // c, t.indexer_head_dim), _INDEX_TORCH[kv_dtype]))
             if kv_dtype == "int8":
-                cache.k_scale, cache.v_scale = new((nb, bs, kvh), torch.float32), new((nb, bs, kvh), torch.float32)
+                cache.k_scale, cache.v_scale = new((nb, rows, kvh), torch.float32), new((nb, rows, kvh), torch.float32)
             elif kv_dtype == "fp8_e4m3":
                 if key not in scales:
                     missing.append(str(key))

@@ -92,6 +92,8 @@ class EngineConfig:
     # ranks the text model is split across (vLLM's name; parallel/, engine/tp_executor.py): the engine then runs
     # rank 0's shard, given as `model` with its `tp_group`, and sizes the cache per rank
     tensor_parallel_size: int = 1
+    # the trunk QSA K/V striped over this many ranks of a KV head's group (parallel/dcp.py); the cache plan counts it
+    decode_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
@@ -153,9 +155,12 @@ class Engine:
                  eos_token_ids: frozenset[int] | None = None, num_text_ids: int | None = None,
                  tp_group: TPGroup | None = None):
         self.model, self.config, self.tp = model, config, config.tensor_parallel_size
-        if (tp_group.tp if tp_group is not None else 1) != self.tp or (tp_group and tp_group.model is not model):
-            raise ValueError(f"tensor_parallel_size={self.tp} needs the TPGroup of that size whose rank-0 shard is "
-                             "`model` (TPGroup.start; LLM(tensor_parallel_size=N) builds both)")
+        self.dcp = config.decode_context_parallel_size
+        group_size = (tp_group.tp, tp_group.dcp) if tp_group is not None else (1, 1)
+        if group_size != (self.tp, self.dcp) or (tp_group and tp_group.model is not model):
+            raise ValueError(f"tensor_parallel_size={self.tp}, decode_context_parallel_size={self.dcp} need the TPGroup "
+                             "of those sizes whose rank-0 shard is `model` (TPGroup.start; LLM(tensor_parallel_size=N) "
+                             "builds both)")
         cfg = model.cfg
         dtype = str(model.dtype).removeprefix("torch.")
         if isinstance(config.speculative_config, SpeculativeConfig):  # resolved and checked by the caller
@@ -175,7 +180,7 @@ class Engine:
                             **self.spec.cache_fields(config.kv_cache_dtype, dtype))
         self.max_model_len_fitted = False  # True: max_model_len was lowered to fit the cache (fit_max_model_len)
         try:
-            self.plan = plan_cache(cfg, cache, self._budget(), tp=self.tp, dtype=dtype)
+            self.plan = plan_cache(cfg, cache, self._budget(), tp=self.tp, dtype=dtype, dcp=self.dcp)
         except CacheConfigError:
             if not config.fit_max_model_len:
                 raise
@@ -215,10 +220,10 @@ class Engine:
         """The plan for the longest max_model_len the cache holds one sequence of; lowers `config.max_model_len`
         and says so once. Raises the planner's error when not even one block fits."""
         cfg, budget, full = self.model.cfg, self._budget(), cache.max_model_len
-        fit = fit_max_model_len(cfg, cache, budget, tp=self.tp, dtype=dtype)
-        if fit == 0:
-            return plan_cache(cfg, cache, budget, tp=self.tp, dtype=dtype)  # raises, naming what the length needs
-        plan = plan_cache(cfg, replace(cache, max_model_len=fit), budget, tp=self.tp, dtype=dtype)
+        fit = fit_max_model_len(cfg, cache, budget, tp=self.tp, dtype=dtype, dcp=self.dcp)
+        if fit == 0:  # raises, naming what the length needs
+            return plan_cache(cfg, cache, budget, tp=self.tp, dtype=dtype, dcp=self.dcp)
+        plan = plan_cache(cfg, replace(cache, max_model_len=fit), budget, tp=self.tp, dtype=dtype, dcp=self.dcp)
         self.config, self.max_model_len_fitted = replace(self.config, max_model_len=fit), True
         more = (-(-(full + cache.num_speculative_tokens) // plan.block_size) - plan.num_blocks + 1) * plan.page_bytes
         if self.model.device.type == "cuda" and self.config.kv_cache_gib is None:

@@ -56,6 +56,7 @@ class RankSpec:
     cfg: ModelConfig
     checkpoint: str
     tp: int
+    dcp: int
     with_mtp: bool
     dtype: torch.dtype
     store: str  # a FileStore path for the gloo rendezvous (fresh per group)
@@ -83,7 +84,7 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     parent = mp.parent_process()
     executor = None
     try:
-        model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype)
+        model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype, dcp=rs.dcp)
         with torch.no_grad():
             while True:
                 try:
@@ -106,27 +107,29 @@ class TPGroup:
     """The ranks of a TP group before the engine has planned its cache: rank 0's shard (`model`) here, the
     workers loading theirs. `executor(...)` finishes the start; `close()` stops the workers (bounded)."""
 
-    def __init__(self, model: FlashNextModel | None, tp: int, inboxes: list, procs: list, workdir: str):
+    def __init__(self, model: FlashNextModel | None, tp: int, inboxes: list, procs: list, workdir: str, dcp: int = 1):
         self.model, self.tp, self.inboxes, self.procs, self.workdir = model, tp, inboxes, procs, workdir
+        self.dcp = dcp
 
     @classmethod
     def start(cls, cfg: ModelConfig, checkpoint: str | Path, tp: int, *, with_mtp: bool,
-              dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TPGroup":
-        """Spawn ranks 1..tp-1, join the gloo group as rank 0 and load rank 0's shard here."""
+              dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S, dcp: int = 1) -> "TPGroup":
+        """Spawn ranks 1..tp-1, join the gloo group as rank 0 and load rank 0's shard here (at dcp > 1 the ranks
+        also form their DCP groups while building their shards)."""
         workdir = tempfile.mkdtemp(prefix="revolta-tp-")
-        rs = RankSpec(cfg, str(checkpoint), tp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s)
+        rs = RankSpec(cfg, str(checkpoint), tp, dcp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s)
         ctx = mp.get_context("spawn")
         inboxes, ready = [ctx.Queue() for _ in range(1, tp)], ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, rs, inboxes[r - 1], ready), name=f"revolta-tp-rank{r}",
                              daemon=True) for r in range(1, tp)]
-        group = cls(None, tp, inboxes, procs, workdir)
+        group = cls(None, tp, inboxes, procs, workdir, dcp)
         try:
             for p in procs:
                 p.start()
             logger.info("tensor parallel: %d ranks (gloo); worker pids %s", tp, [p.pid for p in procs])
             group._wait_ready(ready, timeout_s)
             pc = _init_group(0, rs)  # waits for every worker at most timeout_s
-            group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype)
+            group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype, dcp=dcp)
             group.check_health()
             return group
         except BaseException:

@@ -116,7 +116,7 @@ class QSAttention(nn.Module):
         cache = pm.storage.mtp if self.cache_key == "mtp" else pm.storage.qsa[self.cache_key]
         kv_dtype = pm.storage.layout.draft_kv_cache_dtype if self.cache_key == "mtp" \
             else pm.storage.layout.kv_cache_dtype
-        pm.ops.store_kv(k.contiguous(), v.contiguous(), cache.k_cache, cache.v_cache, pm.slot_mapping, kv_dtype,
+        pm.ops.store_kv(k.contiguous(), v.contiguous(), cache.k_cache, cache.v_cache, self._kv_slots(pm), kv_dtype,
                         cache.k_scale, cache.v_scale)
         # every group this step completes is compressed before selection: a query's own complete
         # group is a candidate like any other (spec §4.4)
@@ -125,6 +125,14 @@ class QSAttention(nn.Module):
                               self.indexer.k_layernorm.eps, cache.index_cache, pm.block_table, pm.cu_seqlens,
                               pm.seq_lens, pending_slots=pm.slots, max_new_tokens=pm.max_new_tokens,
                               ratio=self.ratio)
+        return self._paged_attention(q, gate, iq, cache, kv_dtype, pm)
+
+    def _kv_slots(self, pm) -> Tensor:
+        """Where this rank stores the step's K/V (parallel/dcp.py stores a stripe)."""
+        return pm.slot_mapping
+
+    def _paged_attention(self, q: Tensor, gate: Tensor, iq: Tensor, cache, kv_dtype: str, pm) -> Tensor:
+        """Gated sparse attention of the step's rows over the paged cache (which holds them) -> [T, H, D]."""
         scale = self.head_dim**-0.5
         if pm.is_decode or (pm.spec is not None and pm.spec.equal_rows):
             # decode, or a verify whose requests all have R rows: the decode kernels' [B, R] row form (rows at

@@ -5,7 +5,8 @@ Every rule is checked before a byte of weights is read, and each error names the
 - tp divides the query heads, the GDN key and value heads, the routed and shared expert widths;
 - tp and the KV head count divide one another (tp > kv_heads: each rank holds one KV head, replicated
   across the tp / kv_heads ranks that share it);
-- tp % dcp == 0 and dcp <= max(1, tp / kv_heads) (DCP removes the K/V duplication, no more);
+- tp % dcp == 0 and dcp <= max(1, tp / kv_heads) (DCP removes the K/V duplication, no more), dcp dividing
+  tp / kv_heads (a DCP group is consecutive ranks that share one KV head);
 - packed (int4 / fp4) weights split along their input only at whole quantization groups.
 """
 
@@ -79,6 +80,10 @@ def validate_parallel(pc: ParallelConfig, cfg: ModelConfig) -> None:
         raise ParallelConfigError(
             f"decode_context_parallel_size={dcp} exceeds tensor_parallel_size / num_key_value_heads = {tp} / {kv}: "
             f"DCP only removes the K/V copies that ranks sharing a KV head would hold; use at most {max_dcp}")
+    if dcp > 1 and (tp // kv) % dcp:
+        raise ParallelConfigError(
+            f"decode_context_parallel_size={dcp} does not divide tensor_parallel_size / num_key_value_heads = "
+            f"{tp // kv}: a DCP group must be ranks that share one KV head; use a divisor of {tp // kv}")
     _check_groups(cfg, tp)
 
 

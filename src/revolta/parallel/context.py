@@ -77,3 +77,21 @@ class ParallelContext:
         out = [torch.empty_like(y) for _ in range(self.size)]
         self._wait(dist.all_gather(out, y, group=self.group, async_op=True), "all_gather", y.shape)
         return torch.cat(out, dim=dim).to(x.dtype)
+
+
+def subgroup_context(ctx: ParallelContext, size: int) -> ParallelContext:
+    """This rank's group of `size` consecutive ranks of `ctx`'s group (ranks g*size .. g*size + size - 1), as a
+    context whose rank is the place in that group. Every rank of `ctx` must call it at the same point: torch's
+    new_group is collective over the whole world, and each rank creates every group in the same order."""
+    if size == 1:
+        return ParallelContext(timeout=ctx.timeout)
+    if ctx.size % size:
+        raise ValueError(f"a group of {ctx.size} ranks does not split into groups of {size}")
+    ranks = dist.get_process_group_ranks(ctx.group)
+    backend = dist.get_backend(ctx.group)
+    mine = None
+    for g in range(ctx.size // size):
+        pg = dist.new_group(ranks[g * size:(g + 1) * size], timeout=ctx.timeout, backend=backend)
+        if ctx.rank // size == g:
+            mine = pg
+    return ParallelContext(rank=ctx.rank % size, size=size, group=mine, timeout=ctx.timeout)

@@ -123,11 +123,12 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
 
 
 def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *, with_mtp: bool,
-                    dtype: torch.dtype = torch.float32) -> FlashNextModel:
+                    dtype: torch.dtype = torch.float32, dcp: int = 1) -> FlashNextModel:
     """This rank's text model (no vision tower) built and filled from the checkpoint, in `dtype`: what each rank
-    of an engine at tp > 1 runs. The MTP layer is loaded only `with_mtp`."""
+    of an engine at tp > 1 runs. The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
+    same point (its DCP group is created collectively)."""
     tp = ctx.size
-    model = build_rank_model(cfg, ParallelConfig(tp), ctx, with_mtp=with_mtp, with_vision=False)
+    model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=False)
     skip = ("model.visual.",) + (() if model.mtp is not None else ("mtp.",))
     load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip)
     model.to_dtype(dtype)  # as load_model casts (GDN decay parameters stay fp32)

@@ -22,7 +22,8 @@ from torch import Tensor
 from ..config import ModelConfig, TextConfig
 from ..model import DecoderLayer, FlashNextModel
 from .config import ParallelConfig, ParallelConfigError, validate_parallel
-from .context import ParallelContext
+from .context import ParallelContext, subgroup_context
+from .dcp import DCPAttention
 from .layers import ParallelMoE, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead, vocab_range
 
 
@@ -126,21 +127,23 @@ def _parallel_layers(layer: DecoderLayer, t: TextConfig, ctx: ParallelContext) -
 
 
 def build_rank_model(cfg: ModelConfig, pc: ParallelConfig, ctx: ParallelContext, with_mtp: bool = True,
-                     with_vision: bool = True) -> FlashNextModel:
+                     with_vision: bool = True, dcp_ctx: ParallelContext | None = None) -> FlashNextModel:
     """This rank's FlashNextModel on the meta device (materialise with `to_empty`, then load its slices).
 
-    The vision tower is replicated. Packed (quantized) checkpoints are not split yet.
+    At dcp > 1 the trunk QSA layers are DCPAttention over this rank's DCP group (`dcp_ctx`; None: created here from
+    `ctx`, which every rank must then do at the same point). The vision tower is replicated. Packed (quantized)
+    checkpoints are not split yet.
     """
     validate_parallel(pc, cfg)
     if ctx.size != pc.tp:
         raise ParallelConfigError(f"the process group has {ctx.size} ranks but tensor_parallel_size={pc.tp}; start "
                                   f"one process per rank")
-    if pc.dcp > 1:
-        raise ParallelConfigError(f"decode_context_parallel_size={pc.dcp}: DCP is not implemented yet; use 1")
     if pc.tp > 1 and cfg.quantization is not None and cfg.quantization.packed:
         raise ParallelConfigError(f"tensor_parallel_size={pc.tp} with a packed {cfg.quantization.method} "
                                   f"checkpoint is not supported yet; use tensor_parallel_size=1")
     t = local_text_config(cfg.text, pc.tp)
+    if pc.dcp > 1 and dcp_ctx is None:
+        dcp_ctx = subgroup_context(ctx, pc.dcp)  # outside the meta-device block: the group's rendezvous is real
     with torch.device("meta"):
         model = FlashNextModel(replace(cfg, text=t), with_mtp=with_mtp, with_vision=with_vision)
         if pc.tp == 1:
@@ -151,6 +154,8 @@ def build_rank_model(cfg: ModelConfig, pc: ParallelConfig, ctx: ParallelContext,
         if t.tie_word_embeddings:
             model.lm_head.weight = lm.embed_tokens.weight  # the same vocabulary rows on both
         for layer in lm.layers:
+            if pc.dcp > 1 and not layer.is_gdn:  # the MTP layer's K/V stays replicated
+                layer.self_attn = DCPAttention(t, layer.self_attn.state_key, layer.self_attn.cache_key, dcp_ctx)
             _parallel_layers(layer, t, ctx)
         if model.mtp is not None:  # the MTP layer is split like a decoder layer
             for layer in model.mtp.layers:

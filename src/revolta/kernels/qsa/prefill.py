@@ -40,13 +40,25 @@ def qsa_prefill_ref(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, b
     per-row loop costs a Python round trip per token, which made a 70K-token CPU prefill take minutes. It
     computes what the per-row `qsa_select_rows_ref` + `attend_rows_ref` compute (the tests hold them equal).
     """
+    kf = dequant_cache_ref(k_cache, kv_dtype, k_scale)  # [NB, bs, KVH, D] fp32
+    vf = dequant_cache_ref(v_cache, kv_dtype, v_scale)
+    out = torch.empty_like(q)
+    for b, r0, r1, pos, sel in request_row_blocks(q, k_cache, block_table, cu_seqlens, seq_lens, budget_blocks, index_q,
+                                                  index_cache, selected, ratio):
+        out[r0:r1] = attend_request_rows_ref(q[r0:r1], gate[r0:r1], kf, vf, block_table[b], sel, pos, scale, ratio)
+    return out
+
+
+def request_row_blocks(q: Tensor, k_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor,
+                       budget_blocks: int, index_q: Tensor | None, index_cache: Tensor | None, selected: Tensor | None,
+                       ratio: int):
+    """Yield (request b, rows r0:r1, their token indices [r1 - r0], their selections [r1 - r0, budget]) over blocks
+    of one request's rows at a time, each block's working set within ROW_BLOCK_BYTES. Selections are `selected`'s
+    rows, or computed from index_q + index_cache (`select_request_rows_ref`)."""
     _, row_pos = _rows(q, cu_seqlens, seq_lens)
     if selected is None:
         check(index_q is not None and index_cache is not None, "qsa_prefill needs `selected` or index_q + index_cache")
-    kf = dequant_cache_ref(k_cache, kv_dtype, k_scale)  # [NB, bs, KVH, D] fp32
-    vf = dequant_cache_ref(v_cache, kv_dtype, v_scale)
     token_bytes = 8 * k_cache.shape[2] * k_cache.shape[3] * (budget_blocks * ratio + ratio)  # one row's K + V gather
-    out = torch.empty_like(q)
     cu, lens = cu_seqlens.tolist(), seq_lens.tolist()
     for b in range(len(lens)):
         if cu[b] == cu[b + 1]:
@@ -60,9 +72,7 @@ def qsa_prefill_ref(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, b
             pos = row_pos[r0:r1]
             sel = selected[r0:r1] if selected is not None else \
                 select_request_rows_ref(index_q[r0:r1], keys, pos, budget_blocks, ratio)
-            out[r0:r1] = attend_request_rows_ref(q[r0:r1], gate[r0:r1], kf, vf, block_table[b], sel, pos, scale,
-                                                 ratio)
-    return out
+            yield b, r0, r1, pos, sel
 
 
 def qsa_prefill(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,

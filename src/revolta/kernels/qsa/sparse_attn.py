@@ -174,6 +174,21 @@ def attend_rows_ref(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, b
     return out
 
 
+def request_row_tokens(selected: Tensor, row_pos: Tensor, ratio: int) -> tuple[Tensor, Tensor]:
+    """The fixed-width token list of each row: its groups x c (every group while n <= budget, else its
+    `selected` ones), then a c - 1 slot tail. selected [R, budget], row_pos [R] -> (token ids int64 [R, L],
+    bool [R, L] which slots are real; unused slots hold token 0)."""
+    budget = selected.shape[1]
+    pos = row_pos.long()
+    n = (pos + 1) // ratio
+    ids = torch.arange(budget, device=selected.device)
+    groups = torch.where(n[:, None] <= budget, torch.where(ids < n[:, None], ids, -1), selected.long())  # [R, budget]
+    offs = torch.arange(ratio, device=selected.device)
+    toks = torch.cat([(groups[:, :, None] * ratio + offs).flatten(1), n[:, None] * ratio + offs[:-1]], 1)  # [R, L]
+    valid = torch.cat([(groups >= 0).repeat_interleave(ratio, 1), n[:, None] * ratio + offs[:-1] <= pos[:, None]], 1)
+    return toks.where(valid, 0), valid
+
+
 def attend_request_rows_ref(q: Tensor, gate: Tensor, kf: Tensor, vf: Tensor, table_row: Tensor, selected: Tensor,
                             row_pos: Tensor, scale: float, ratio: int) -> Tensor:
     """Many rows of one request at once (the vectorised form of `attend_rows_ref`): q, gate [R, Hq, D];
@@ -182,15 +197,7 @@ def attend_request_rows_ref(q: Tensor, gate: Tensor, kf: Tensor, vf: Tensor, tab
     tail), the unused slots masked out of the softmax. Returns [R, Hq, D] in q's dtype, gated."""
     R, Hq, D = q.shape
     bs, KVH = kf.shape[1], kf.shape[2]
-    budget = selected.shape[1]
-    pos = row_pos.long()
-    n = (pos + 1) // ratio
-    ids = torch.arange(budget, device=q.device)
-    groups = torch.where(n[:, None] <= budget, torch.where(ids < n[:, None], ids, -1), selected.long())  # [R, budget]
-    offs = torch.arange(ratio, device=q.device)
-    toks = torch.cat([(groups[:, :, None] * ratio + offs).flatten(1), n[:, None] * ratio + offs[:-1]], 1)  # [R, L]
-    valid = torch.cat([(groups >= 0).repeat_interleave(ratio, 1), n[:, None] * ratio + offs[:-1] <= pos[:, None]], 1)
-    toks = toks.where(valid, 0)
+    toks, valid = request_row_tokens(selected, row_pos, ratio)
     pages = table_row.long()[toks // bs]
     kk, vv = kf[pages, toks % bs], vf[pages, toks % bs]  # [R, L, KVH, D]
     qf = q.float().view(R, KVH, Hq // KVH, D)  # q-head h reads kv-head h // (Hq / KVH)
