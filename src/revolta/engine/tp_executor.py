@@ -47,6 +47,9 @@ from .executor import Executor, ModelStep, StepResult, UniProcExecutor, forwarde
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective (or the start-up rendezvous) waits at most this long
+# spawning a worker imports torch and revolta (seconds on a loaded machine), so the start-up wait has its own
+# bound: a short collective timeout (a test's stalled-rank check) must not fail the start
+DEFAULT_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ class TPGroup:
 
     @classmethod
     def start(cls, cfg: ModelConfig, checkpoint: str | Path, tp: int, *, with_mtp: bool,
-              dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S, dcp: int = 1) -> "TPGroup":
+              dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S, dcp: int = 1,
+              start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> "TPGroup":
         """Spawn ranks 1..tp-1, join the gloo group as rank 0 and load rank 0's shard here (at dcp > 1 the ranks
         also form their DCP groups while building their shards)."""
         workdir = tempfile.mkdtemp(prefix="revolta-tp-")
@@ -127,7 +131,7 @@ class TPGroup:
             for p in procs:
                 p.start()
             logger.info("tensor parallel: %d ranks (gloo); worker pids %s", tp, [p.pid for p in procs])
-            group._wait_ready(ready, timeout_s)
+            group._wait_ready(ready, max(timeout_s, start_timeout_s))
             pc = _init_group(0, rs)  # waits for every worker at most timeout_s
             group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype, dcp=dcp)
             group.check_health()
