@@ -15,10 +15,14 @@ top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows, uniform rout
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import statistics
 
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 H, I, E, TOPK, GROUP = 2560, 640, 512, 10, 32
 VARIANTS = {  # name -> config overrides of quant_grouped_config's sm80+ choice
@@ -48,18 +52,23 @@ def awq_bank(num_experts, h, i, device, gen):
     return experts, (packed(i, h), packed(i, h), packed(h, i))
 
 
+def moe_hc():
+    """benchmarks/bench_moe_hc.py (its timers, routing and 16-bit bank), loaded by path."""
+    spec = importlib.util.spec_from_file_location("_bench_moe_hc", os.path.join(HERE, "bench_moe_hc.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run(small: bool = False, json_path: str | None = None) -> int:
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_moe_hc import _moe_bank, eager_time_us, graph_time_us, rel_err, routing
-
     from revolta.kernels import moe as MOE
     from revolta.kernels.quant import moe as QMOE
 
     device = "cpu" if small else "cuda"
     h, i, num_experts, Ms = (64, 32, 16, (1, 8)) if small else (H, I, E, (1, 8, 40))
+    hc = moe_hc()
+    _moe_bank, eager_time_us, graph_time_us, rel_err, routing = (hc._moe_bank, hc.eager_time_us, hc.graph_time_us,
+                                                                 hc.rel_err, hc.routing)
     gen = torch.Generator(device=device).manual_seed(0)
     arch = MOE._arch(torch.device(device))
     if small:
@@ -76,7 +85,7 @@ def run(small: bool = False, json_path: str | None = None) -> int:
     print(f"{name}: copy {copy_gbs:,.0f} GB/s; AWQ g{GROUP} experts {expert_bytes / 1e6:.2f} MB each "
           f"(16-bit: {3 * h * i * 2 / 1e6:.2f} MB); {num_experts} experts + shared, top-{TOPK}")
     rows, checks, num_sets = [], [], 1 if small else 8
-    for dt in (torch.bfloat16, torch.float16):
+    for dt in (torch.float16,) if small else (torch.bfloat16, torch.float16):  # the interpreter's bf16 dots are wrong
         w1, w2, shared16 = _moe_bank(num_experts, dt, gen, device, h, i)
         w1r, w2r = w1[:num_experts], w2[:num_experts]
         for M in Ms:
@@ -91,7 +100,7 @@ def run(small: bool = False, json_path: str | None = None) -> int:
             tag = f"M={M} {res['dtype']}"
             ref = QMOE.quant_fused_moe_ref(xs[0], gate_up, down, *routes[0], shared_expert=shared)
             base = QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch)
-            variants = {"quant": None} | ({n: base | v for n, v in VARIANTS.items()} if dt == torch.bfloat16 else {})
+            variants = {"quant": None} | ({n: base | v for n, v in VARIANTS.items()} if dt == torch.bfloat16 or small else {})
             for vname, cfg in variants.items():
                 if cfg is not None and cfg["USE_DOT"] is False and M > 1:
                     continue  # the FMA tiles are a one-row candidate on sm80+
@@ -112,7 +121,7 @@ def run(small: bool = False, json_path: str | None = None) -> int:
                        speedup=t16 / res["quant_us"])
             if not small:
                 checks.append(dict(what=f"quant CUDA-graph replay on new inputs {tag}",
-                                   rel_err=graph_check(QMOE, gate_up, down, shared, M, dt, h, num_experts, gen)))
+                                   rel_err=graph_check(gate_up, down, shared, M, dt, h, num_experts, gen)))
             rows.append(res)
             print(json.dumps(res), flush=True)
     print_table(rows, checks, copy_gbs)
@@ -123,12 +132,14 @@ def run(small: bool = False, json_path: str | None = None) -> int:
     return 0 if worst < 2e-2 else 1
 
 
-def graph_check(QMOE, gate_up, down, shared, M, dt, h, num_experts, gen) -> float:
+def graph_check(gate_up, down, shared, M, dt, h, num_experts, gen) -> float:
     """quant_fused_moe captured once in a CUDA graph, replayed on new tokens and routing written into the captured
     buffers: rel. error against the reference of the new inputs."""
-    from bench_moe_hc import rel_err, routing
-
     from revolta.kernels import moe as MOE
+    from revolta.kernels.quant import moe as QMOE
+
+    hc = moe_hc()
+    rel_err, routing = hc.rel_err, hc.routing
 
     def inputs():
         x = torch.randn(M, h, device="cuda", dtype=dt, generator=gen)
