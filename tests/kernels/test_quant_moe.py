@@ -2,7 +2,7 @@
 AWQ int4 (group 32, zero points), compressed-tensors int4 (symmetric, asymmetric, per channel) and NVFP4
 (ModelOpt and compressed-tensors global scales): H 64, I 32, 8 experts, top-2 (+ the shared expert as expert 8),
 M = 1, 3, 8 (40 with skewed routing, so an expert's rows span several BLOCK_M chunks), in the tl.dot tiles
-(sm80+) and the FMA tiles (sm70); the large-M path; the reference against `QuantExperts`; and the MoE layer on
+(sm80+) and the FMA tiles (sm70; at M <= 3, where they are cheap under the interpreter); the large-M path; the reference against `QuantExperts`; and the MoE layer on
 the Triton op table against its torch path."""
 
 import pytest
@@ -70,13 +70,12 @@ def _route(moe, x, skew=False):
 
 @pytest.mark.parametrize("name,M,cfg,dtype", [
     ("awq", 1, "dot16", torch.float16), ("awq", 1, "gemv", torch.float32), ("awq", 3, "dot16", torch.float32),
-    ("awq", 3, "fma4", torch.float16), ("awq", 8, "dot16", torch.float16), ("awq", 8, "gemv", torch.float16),
-    ("awq", 40, "dot16", torch.float16), ("awq", 40, "fma4", torch.float32),
+    ("awq", 3, "fma4", torch.float16), ("awq", 8, "dot16", torch.float16), ("awq", 40, "dot16", torch.float16),
     ("ct_sym", 1, "gemv", torch.float16), ("ct_sym", 8, "dot16", torch.float32),
     ("ct_asym", 3, "fma4", torch.float16), ("ct_asym", 8, "dot16", torch.float16),
-    ("ct_channel", 3, "dot16", torch.float16), ("ct_channel", 8, "gemv", torch.float32),
-    ("nvfp4", 1, "dot16", torch.float16), ("nvfp4", 3, "gemv", torch.float16), ("nvfp4", 8, "fma4", torch.float32),
-    ("ct_nvfp4", 3, "dot16", torch.float32), ("ct_nvfp4", 8, "gemv", torch.float16)], ids=str)
+    ("ct_channel", 3, "dot16", torch.float16), ("ct_channel", 3, "gemv", torch.float32),
+    ("nvfp4", 1, "dot16", torch.float16), ("nvfp4", 3, "gemv", torch.float16), ("nvfp4", 3, "fma4", torch.float32),
+    ("ct_nvfp4", 1, "gemv", torch.float16), ("ct_nvfp4", 8, "dot16", torch.float32)], ids=str)
 def test_quant_fused_moe_matches_reference(name, M, cfg, dtype):
     moe = _moe(name, seed=M)
     x = torch.randn(M, H, generator=torch.Generator().manual_seed(2))
@@ -89,6 +88,8 @@ def test_quant_fused_moe_matches_reference(name, M, cfg, dtype):
     out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=CONFIGS[cfg])
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOL[dtype])
+    if cfg != "dot16":
+        return
     # without the shared expert: only the routed slots
     out = quant_fused_moe(x, gate_up, down, ids[:, :TOP_K].contiguous(), w[:, :TOP_K].contiguous(),
                           config=CONFIGS[cfg])
