@@ -57,7 +57,10 @@ def _moe(name, seed=0, shared_packed=True):
         for mod, holders in [(moe.experts, [(moe.experts.gate_up_proj, H), (moe.experts.down_proj, I)])] + (
                 [(m, [(m, m.in_features)]) for m in (se.gate_proj, se.up_proj, se.down_proj)] if shared_packed else []):
             for holder, fan_in in holders:
-                fmt.random_(holder.packed(), fan_in ** -0.5, gen)
+                t = holder.packed()
+                fmt.random_(t, fan_in ** -0.5, gen)
+                if hasattr(fmt, "global_scale"):  # NVFP4: one global scale per expert and projection, all different
+                    t[fmt.global_scale].mul_(torch.rand(t[fmt.global_scale].shape, generator=gen) + 0.5)
     return moe.eval()
 
 

@@ -26,7 +26,7 @@ class Experts(nn.Module):
     gate_up_proj: [E, 2I, H] (gate rows, then up rows); down_proj: [E, H, I].
     """
 
-    packed = False  # 16-bit tensors the fused kernel can read (quant_moe.QuantExperts: packed)
+    packed = False  # MoE.forward: kernel_weights() go to ops.fused_moe (quant_moe.QuantExperts: ops.quant_fused_moe)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()

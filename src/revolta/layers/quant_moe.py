@@ -45,7 +45,7 @@ class PackedExpertWeights(nn.Module):
 
 
 class QuantExperts(nn.Module):
-    packed = True  # MoE.forward: no 16-bit grouped tensors for the fused kernel
+    packed = True  # MoE.forward: kernel_weights() go to ops.quant_fused_moe, not the 16-bit fused_moe
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: WeightFormat):
         super().__init__()
