@@ -11,6 +11,7 @@ Timing: triton.testing.do_bench (L2 flushed between runs), median.
 
     PYTHONPATH=src python benchmarks/bench_quant.py            # H200, ~2 minutes
     PYTHONPATH=src python benchmarks/bench_quant.py --small    # CPU, interpreter: correctness only
+    PYTHONPATH=src python benchmarks/bench_quant.py --moe      # AWQ MoE instead (bench_quant_moe.py), H200
 """
 
 from __future__ import annotations
@@ -80,9 +81,15 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--moe", action="store_true", help="AWQ MoE at the real shapes beside the 16-bit grouped MoE "
+                                                       "(bench_quant_moe.py) instead of the linears")
     args = ap.parse_args()
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.moe:
+        from bench_quant_moe import run
+
+        return run(args.small, args.json)
     from revolta.config import ModelConfig
     from revolta.kernels.quant.common import dequant_matmul
     from revolta.layers.linear import quant_linear

@@ -33,6 +33,7 @@ class KernelOps:
     hc_read: Callable | None  # None: the layer's own torch code
     moe_route: Callable | None
     fused_moe: Callable | None
+    quant_fused_moe: Callable | None  # packed experts (kernels.quant.moe); None: the layer's torch reference
     gated_rms_norm: Callable | None
     apply_rope: Callable | None
 
@@ -56,9 +57,10 @@ def kernel_ops(backend: str) -> KernelOps:
         ("conv1d", "causal_conv1d_commit"),
         ("qsa.store_kv", "store_kv"), ("qsa.index_compress", "index_compress"), ("qsa.prefill", "qsa_prefill"),
         ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"))}
-    fused = dict.fromkeys(("hc_read", "moe_route", "fused_moe", "gated_rms_norm", "apply_rope"))
+    fused = dict.fromkeys(("hc_read", "moe_route", "fused_moe", "quant_fused_moe", "gated_rms_norm", "apply_rope"))
     if backend == "triton":
         fused = {"hc_read": op("hc", "hc_read"), "moe_route": op("moe", "moe_route"),
-                 "fused_moe": op("moe", "fused_moe"), "gated_rms_norm": op("norm", "gated_rms_norm"),
+                 "fused_moe": op("moe", "fused_moe"), "quant_fused_moe": op("quant.moe", "quant_fused_moe"),
+                 "gated_rms_norm": op("norm", "gated_rms_norm"),
                  "apply_rope": op("rope", "apply_rope")}
     return KernelOps(backend=backend, **table, **fused)

@@ -26,13 +26,25 @@ class Experts(nn.Module):
     gate_up_proj: [E, 2I, H] (gate rows, then up rows); down_proj: [E, H, I].
     """
 
-    packed = False  # 16-bit tensors the fused kernel can read (quant_moe.QuantExperts: packed)
+    packed = False  # MoE.forward: kernel_weights() go to ops.fused_moe (quant_moe.QuantExperts: ops.quant_fused_moe)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.intermediate_size = intermediate_size
+
+    def kernel_weights(self) -> tuple[Tensor, Tensor]:
+        """What kernels.moe.fused_moe takes: gate_up [E, 2I, H], down [E, H, I]."""
+        return self.gate_up_proj, self.down_proj
+
+    def kernel_shared(self, se: SwiGLU) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The shared expert's (gate, up, down) weights when it can ride in fused_moe as expert E (16-bit, the
+        routed experts' width), else None (it runs as its own SwiGLU)."""
+        width = (self.intermediate_size, self.gate_up_proj.shape[-1])
+        if type(se.gate_proj) is nn.Linear and se.gate_proj.weight.shape == width:
+            return se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight
+        return None
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """x: [T, H]; topk_ids/topk_weights: [T, k] -> Σ_k w_k E_{id_k}(x), accumulated in fp32, [T, H] fp32."""
@@ -71,21 +83,25 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, ops=None) -> Tensor:
         """x: [T, H] -> [T, H]. ops: a kernels.ops.KernelOps whose routing and fused expert GEMMs
-        (Triton) replace the torch reference."""
-        if ops is not None and ops.fused_moe is not None and not self.experts.packed:
-            x, logits = x.contiguous(), self.gate(x).float().contiguous()
-            se = self.shared_expert
-            if (type(se.gate_proj) is nn.Linear  # a quantized shared expert runs on its own
-                    and se.gate_proj.weight.shape == (self.experts.intermediate_size, x.shape[-1])):
-                # the shared expert rides in the same launches as expert number E (one rounding at the end)
-                ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob,
-                                             shared_logits=self.shared_expert_gate(x)[:, 0])
-                return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
-                                     shared_expert=(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight))
-            ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob)
-            routed = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights).float()
-        else:
-            ids, weights = self.route(x)
-            routed = self.experts(x, ids, weights)  # [T, H] fp32
+        (Triton; packed experts: quant_fused_moe) replace the torch reference."""
+        if ops is not None and ops.fused_moe is not None:
+            return self._fused(x, ops)
+        ids, weights = self.route(x)
+        routed = self.experts(x, ids, weights)  # [T, H] fp32
+        shared = torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()
+        return (routed + shared).to(x.dtype)
+
+    def _fused(self, x: Tensor, ops) -> Tensor:
+        x, logits = x.contiguous(), self.gate(x).float().contiguous()
+        fused_moe = ops.quant_fused_moe if self.experts.packed else ops.fused_moe
+        gate_up, down = self.experts.kernel_weights()
+        shared = self.experts.kernel_shared(self.shared_expert)
+        if shared is not None:
+            # the shared expert rides in the same launches as expert number E (one rounding at the end)
+            ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob,
+                                         shared_logits=self.shared_expert_gate(x)[:, 0])
+            return fused_moe(x, gate_up, down, ids, weights, shared_expert=shared)
+        ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob)
+        routed = fused_moe(x, gate_up, down, ids, weights).float()
         shared = torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()
         return (routed + shared).to(x.dtype)

@@ -7,14 +7,12 @@ down_proj the [H, I] linear. On disk either layout loads: per expert
 (`experts.gate_up_proj.<tensor>` [E, ...], `experts.down_proj.<tensor>` [E, ...]).
 
 forward is the torch reference: only the experts that received tokens are dequantized (one at a time, to
-the activation dtype) and multiplied, with exactly the arithmetic of `moe.Experts`.
-
-Seam for the fused kernel (kernels/moe.py is being redesigned for small M): a quantized `fused_moe` takes
-`gate_up_proj.packed()` / `down_proj.packed()` in place of the 16-bit [E, 2I, H] / [E, H, I] tensors and
-decodes each weight tile right after it is loaded, the step `WeightFormat.dequantize_rows` does for a
-whole linear (the tile decoders are `kernels.quant.{awq,ct_int4,nvfp4}._*_tile`). Until it exists,
-`MoE.forward` sends packed experts down this torch path on every backend (it syncs on the touched expert
-ids, so quantized MoE layers run outside CUDA graphs).
+the activation dtype) and multiplied, with exactly the arithmetic of `moe.Experts` (it syncs on the touched
+expert ids). On the Triton op table `MoE.forward` instead passes `kernel_weights()` (the packed tensors as
+kernels.quant.moe.PackedWeights) to `quant_fused_moe`, which decodes each weight tile right after loading it,
+reads each touched expert's packed bytes once per call and has no host sync at decode sizes, so quantized MoE
+layers run inside CUDA graphs; a shared expert packed in the same format rides along as expert E
+(`kernel_shared`).
 """
 
 from __future__ import annotations
@@ -23,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.quant.moe import PackedWeights
 from ..quant.format import TensorSpec, WeightFormat
+from .linear import QuantLinear
 
 
 class PackedExpertWeights(nn.Module):
@@ -45,7 +45,7 @@ class PackedExpertWeights(nn.Module):
 
 
 class QuantExperts(nn.Module):
-    packed = True  # MoE.forward: no 16-bit grouped tensors for the fused kernel
+    packed = True  # MoE.forward: kernel_weights() go to ops.quant_fused_moe, not the 16-bit fused_moe
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: WeightFormat):
         super().__init__()
@@ -67,6 +67,22 @@ class QuantExperts(nn.Module):
             return target, (e, shard)
         n = self.intermediate_size // spec.out_pack
         return target, (e, *([slice(None)] * spec.out_axis), slice(shard * n, (shard + 1) * n))
+
+    def kernel_weights(self) -> tuple[PackedWeights, PackedWeights]:
+        """What kernels.quant.moe.quant_fused_moe takes: gate_up (E packed [2I, H]), down (E packed [H, I])."""
+        return self.fmt.kernel_weights(self.gate_up_proj.packed()), self.fmt.kernel_weights(self.down_proj.packed())
+
+    def kernel_shared(self, se: nn.Module) -> tuple[PackedWeights, PackedWeights, PackedWeights] | None:
+        """The shared expert's packed (gate, up, down) when it rides in quant_fused_moe as expert E (its three
+        linears packed in this format and group scheme, the routed experts' width), else None (it runs alone)."""
+        projs = (se.gate_proj, se.up_proj, se.down_proj)
+        I, H = self.intermediate_size, self.hidden_size
+        if not all(isinstance(p, QuantLinear) and p.bias is None and p.fmt.name == self.fmt.name
+                   and p.fmt.scheme == self.fmt.scheme for p in projs):
+            return None
+        if [(p.out_features, p.in_features) for p in projs] != [(I, H), (I, H), (H, I)]:
+            return None
+        return tuple(p.fmt.kernel_weights(p.packed()) for p in projs)
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """x: [T, H]; topk_ids/topk_weights: [T, k] -> Σ_k w_k E_{id_k}(x), accumulated in fp32, [T, H] fp32."""

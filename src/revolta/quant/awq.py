@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.quant import awq as kernels
+from ..kernels.quant.moe import PackedWeights
 from .config import AWQ as NAME
 from .format import TensorSpec, WeightFormat, random_ints
 
@@ -30,6 +31,9 @@ class AWQ(WeightFormat):
     def gemv(self, x, t, bias):
         return kernels.awq_gemv(x, t["qweight"], t["qzeros"], t["scales"], self._g(t), bias)
 
+    def kernel_weights(self, t):
+        return PackedWeights("awq", (t["qweight"], t["qzeros"], t["scales"]), self._g(t))
+
     def random_(self, t, std, generator):
         t["qweight"].copy_(random_ints(t["qweight"].shape, torch.int32, generator, t["qweight"].device))
         t["qzeros"].copy_(random_ints(t["qzeros"].shape, torch.int32, generator, t["qzeros"].device))
@@ -38,4 +42,4 @@ class AWQ(WeightFormat):
         t["scales"].copy_(s * (std / 6.1))
 
     def _g(self, t) -> int:
-        return self.group(t["qweight"].shape[0])
+        return self.group(t["qweight"].shape[-2])

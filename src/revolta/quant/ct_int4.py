@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.quant import ct_int4 as kernels
+from ..kernels.quant.moe import PackedWeights
 from .config import CT_INT4 as NAME
 from .format import TensorSpec, WeightFormat, random_ints
 
@@ -40,6 +41,9 @@ class CTInt4(WeightFormat):
     def gemv(self, x, t, bias):
         return kernels.ct_int4_gemv(x, t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
                                     self._g(t), bias)
+
+    def kernel_weights(self, t):
+        return PackedWeights("ct_int4", (t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")), self._g(t))
 
     def random_(self, t, std, generator):
         dev = t["weight_packed"].device

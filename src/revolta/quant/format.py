@@ -19,6 +19,7 @@ from typing import ClassVar, Mapping
 import torch
 from torch import Tensor
 
+from ..kernels.quant.moe import PackedWeights
 from .config import WeightScheme
 
 
@@ -75,6 +76,10 @@ class WeightFormat:
 
     def gemv(self, x: Tensor, t: Mapping[str, Tensor], bias: Tensor | None) -> Tensor:
         """x [M, in] @ W.T + bias -> [M, out] in x.dtype (Triton, M <= MAX_GEMV_ROWS)."""
+        raise NotImplementedError
+
+    def kernel_weights(self, t: Mapping[str, Tensor]) -> PackedWeights:
+        """The tensors as the packed MoE kernels read them (one linear, or E stacked along a leading axis)."""
         raise NotImplementedError
 
     def random_(self, t: Mapping[str, Tensor], std: float, generator: torch.Generator) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.quant import nvfp4 as kernels
+from ..kernels.quant.moe import PackedWeights
 from .config import CT_NVFP4, MODELOPT_NVFP4
 from .format import TensorSpec, WeightFormat
 
@@ -40,6 +41,10 @@ class ModelOptNVFP4(WeightFormat):
     def gemv(self, x, t, bias):
         return kernels.nvfp4_gemv(x, t[self.codes], t["weight_scale"], t[self.global_scale].reshape(-1),
                                   self.inverted, bias)
+
+    def kernel_weights(self, t):
+        return PackedWeights("nvfp4", (t[self.codes], t["weight_scale"], t[self.global_scale]), kernels.GROUP,
+                             self.inverted)
 
     def random_(self, t, std, generator):
         dev = t[self.codes].device

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import config_for, launch_gemv, load_x_tile, store_partial, tile_product
+from .common import config_for, launch_gemv, load_x_tile, nibbles_f32, store_partial, tile_product
 
 PACK = 8  # 4-bit values per int32 word
 AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # bit offset of column j (of each 8) inside its word
@@ -49,23 +49,26 @@ def awq_gemv_ref(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, gro
 
 @triton.jit
 def _awq_tile(qw, qz, sc, k, n, N, K, G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Dequantized fp32 tile [BLOCK_K, BLOCK_N] of W.T: rows k.. of K (one group: BLOCK_K divides G),
-    features n.. (n % 8 == 0)."""
+    """Dequantized fp32 tile [BLOCK_K, BLOCK_N] of W.T: rows k.. of K (k a multiple of min(G, BLOCK_K): one
+    group, or BLOCK_K // G whole groups), features n.. (n % 8 == 0)."""
     NW = N // 8
+    NG: tl.constexpr = BLOCK_K // G if BLOCK_K > G else 1  # groups in the tile
     o_k = k + tl.arange(0, BLOCK_K)
     o_w = n // 8 + tl.arange(0, BLOCK_N // 8)
     o_n = n + tl.arange(0, BLOCK_N)
+    o_g = k // G + tl.arange(0, NG)
     j = tl.arange(0, 8)
     shifts = (j & 1) * 16 + (j >> 1) * 4  # AWQ_SHIFTS: (0, 16, 4, 20, 8, 24, 12, 28)
     mask_w = o_w < NW
+    mask_g = o_g < K // G
     b_q = tl.load(qw + o_k[:, None].to(tl.int64) * NW + o_w[None, :], mask=(o_k[:, None] < K) & mask_w[None, :],
                   other=0)  # [BK, BN/8]
-    g = k // G
-    b_z = tl.load(qz + g * NW + o_w, mask=mask_w, other=0)  # [BN/8]
-    b_q = tl.reshape((b_q[:, :, None] >> shifts[None, None, :]) & 15, (BLOCK_K, BLOCK_N))
-    b_z = tl.reshape((b_z[:, None] >> shifts[None, :]) & 15, (BLOCK_N,))
-    b_s = tl.load(sc + g * N + o_n, mask=o_n < N, other=0.0).to(tl.float32)  # [BN]
-    return (b_q - b_z[None, :]).to(tl.float32) * b_s[None, :]
+    b_z = tl.load(qz + o_g[:, None] * NW + o_w[None, :], mask=mask_g[:, None] & mask_w[None, :], other=0)  # [NG, BN/8]
+    b_q = tl.reshape(nibbles_f32(b_q, shifts), (NG, BLOCK_K // NG, BLOCK_N))
+    b_z = tl.reshape(nibbles_f32(b_z, shifts), (NG, 1, BLOCK_N))
+    b_s = tl.load(sc + o_g[:, None] * N + o_n[None, :], mask=mask_g[:, None] & (o_n[None, :] < N),
+                  other=0.0).to(tl.float32)  # [NG, BN]
+    return tl.reshape((b_q - b_z) * b_s[:, None, :], (BLOCK_K, BLOCK_N))
 
 
 @triton.jit

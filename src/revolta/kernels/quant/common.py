@@ -24,6 +24,19 @@ DOT_MIN_ROWS = 16  # from here on the tile product uses tl.dot (tensor cores on 
 DEQUANT_CHUNK_BYTES = 64 << 20  # largest dequantized weight slice the large-M path materialises
 
 
+MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # fp32 bits of 2^23: MAGIC | q reads as 2^23 + q (0 <= q < 2^23)
+
+
+@triton.jit
+def nibbles_f32(words, shifts):
+    """int32 words [R, W] -> fp32 [R, W * S]: 2^23 + nibble s of each word (at bits `shifts[s]`, [S]).
+
+    The offset form costs one OR instead of an int-to-float conversion (a quarter-rate instruction that would
+    bound the decode below the memory bandwidth); differences of two such values are exact small integers."""
+    b = (words[:, :, None] >> shifts[None, None, :]) & 15
+    return tl.reshape((b | MAGIC).to(tl.float32, bitcast=True), (words.shape[0], words.shape[1] * shifts.shape[0]))
+
+
 @triton.jit
 def e4m3_to_f32(b):
     """OCP float8 E4M3 (fn: bias 7, no infinities) bytes (any int type, values 0..255) -> fp32, exactly.

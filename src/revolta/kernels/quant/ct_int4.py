@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import config_for, launch_gemv, load_x_tile, store_partial, tile_product
+from .common import MAGIC, config_for, launch_gemv, load_x_tile, nibbles_f32, store_partial, tile_product
 
 PACK = 8
 
@@ -52,24 +52,26 @@ def ct_int4_gemv_ref(x: Tensor, weight_packed: Tensor, weight_scale: Tensor, wei
 @triton.jit
 def _ct_tile(wp, sc, zp, n, k, N, K, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              HAS_ZP: tl.constexpr):
-    """Dequantized fp32 tile [BLOCK_N, BLOCK_K] of W: features n.., inputs k.. (one group: BLOCK_K divides G)."""
+    """Dequantized fp32 tile [BLOCK_N, BLOCK_K] of W: features n.., inputs k.. (k a multiple of
+    min(G, BLOCK_K): one group, or BLOCK_K // G whole groups)."""
     KW = K // 8
-    NG = K // G
+    KG = K // G
+    NG: tl.constexpr = BLOCK_K // G if BLOCK_K > G else 1  # groups in the tile
     o_n = n + tl.arange(0, BLOCK_N)
     o_w = k // 8 + tl.arange(0, BLOCK_K // 8)
+    o_g = k // G + tl.arange(0, NG)
     mask_n = o_n < N
+    mask_s = mask_n[:, None] & (o_g[None, :] < KG)
     b_q = tl.load(wp + o_n[:, None].to(tl.int64) * KW + o_w[None, :], mask=mask_n[:, None] & (o_w[None, :] < KW),
                   other=0)  # [BN, BK/8]
-    shifts = tl.arange(0, 8) * 4
-    b_q = tl.reshape((b_q[:, :, None] >> shifts[None, None, :]) & 15, (BLOCK_N, BLOCK_K))
-    g = k // G
-    b_s = tl.load(sc + o_n.to(tl.int64) * NG + g, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+    b_q = tl.reshape(nibbles_f32(b_q, tl.arange(0, 8) * 4), (BLOCK_N, NG, BLOCK_K // NG))
+    b_s = tl.load(sc + o_n[:, None].to(tl.int64) * KG + o_g[None, :], mask=mask_s, other=0.0).to(tl.float32)  # [BN, NG]
     if HAS_ZP:
-        b_z = tl.load(zp + (o_n // 8).to(tl.int64) * NG + g, mask=mask_n, other=0)
-        b_z = (b_z >> ((o_n % 8) * 4)) & 15
+        b_z = tl.load(zp + (o_n[:, None] // 8).to(tl.int64) * KG + o_g[None, :], mask=mask_s, other=0)
+        b_z = (((b_z >> ((o_n[:, None] % 8) * 4)) & 15) | MAGIC).to(tl.float32, bitcast=True)
     else:
-        b_z = tl.full([BLOCK_N], 8, tl.int32)
-    return (b_q - b_z[:, None]).to(tl.float32) * b_s[:, None]
+        b_z = tl.full([BLOCK_N, NG], 8 + 8388608.0, tl.float32)
+    return tl.reshape((b_q - b_z[:, :, None]) * b_s[:, :, None], (BLOCK_N, BLOCK_K))
 
 
 @triton.jit

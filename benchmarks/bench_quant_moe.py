@@ -1,0 +1,183 @@
+"""AWQ MoE (`bench_quant.py --moe`): packed experts through kernels/quant/moe.py beside the 16-bit grouped MoE.
+
+Real shapes: hidden 2560, ffn 640, 512 routed experts + the shared expert (ffn 640, riding as expert 512),
+top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows, uniform routing, bf16 and fp16 activations.
+  * copy ceiling measured in this run (device copy of 2 GiB, read + write);
+  * quant = quant_fused_moe (default config), timed as a CUDA graph over 8 rotating inputs and routings (each
+    call finds few of its experts in L2); % copy = distinct touched experts' packed bytes (qweight + qzeros +
+    scales of gate_up and down, the shared expert counted) / time / copy bandwidth; target >= 60%;
+  * the tile variants (VARIANTS) timed beside the default at bf16, so one run can pick the best;
+  * 16-bit = moe.fused_moe (the grouped kernels) on a bf16/fp16 bank of the same shapes and routing, its
+    % copy over its own touched bytes, and quant's speedup over it;
+  * checks: every timed path against quant_fused_moe_ref (rel. L2 error), and a CUDA graph of quant_fused_moe
+    captured once and replayed on new tokens and routing written into its buffers (no host sync inside).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+H, I, E, TOPK, GROUP = 2560, 640, 512, 10, 32
+VARIANTS = {  # name -> config overrides of quant_grouped_config's sm80+ choice
+    "n64": dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128),
+    "k256": dict(BLOCK_K_UP=256, BLOCK_K_DOWN=256),
+    "n16": dict(BLOCK_N_UP=16, BLOCK_N_DOWN=32),
+    "w8": dict(num_warps=8),
+    "s2": dict(num_stages=2),
+    "fma": dict(BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=16, BLOCK_K_UP=128, BLOCK_N_DOWN=32, BLOCK_K_DOWN=128),
+}
+
+
+def awq_bank(num_experts, h, i, device, gen):
+    """(gate_up, down) PackedWeights of num_experts AWQ experts and the shared expert's (gate, up, down)."""
+    from revolta.quant.awq import AWQ
+    from revolta.quant.config import WeightScheme
+
+    fmt = AWQ(WeightScheme("awq", 4, GROUP, False))
+
+    def packed(n_out, n_in, lead=(), shards=1):
+        t = {n: torch.empty((*lead, *s.shape), dtype=s.dtype, device=device)
+             for n, s in fmt.specs(n_out, n_in, shards).items()}
+        fmt.random_(t, n_in ** -0.5, gen)
+        return fmt.kernel_weights(t)
+
+    experts = (packed(2 * i, h, (num_experts,), 2), packed(h, i, (num_experts,)))
+    return experts, (packed(i, h), packed(i, h), packed(h, i))
+
+
+def moe_hc():
+    """benchmarks/bench_moe_hc.py (its timers, routing and 16-bit bank), loaded by path."""
+    spec = importlib.util.spec_from_file_location("_bench_moe_hc", os.path.join(HERE, "bench_moe_hc.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(small: bool = False, json_path: str | None = None) -> int:
+    from revolta.kernels import moe as MOE
+    from revolta.kernels.quant import moe as QMOE
+
+    device = "cpu" if small else "cuda"
+    h, i, num_experts, Ms = (64, 32, 16, (1, 8)) if small else (H, I, E, (1, 8, 40))
+    hc = moe_hc()
+    _moe_bank, eager_time_us, graph_time_us, rel_err, routing = (hc._moe_bank, hc.eager_time_us, hc.graph_time_us,
+                                                                 hc.rel_err, hc.routing)
+    gen = torch.Generator(device=device).manual_seed(0)
+    arch = MOE._arch(torch.device(device))
+    if small:
+        copy_gbs, timer = float("nan"), lambda fns: (fns[0](), float("nan"))[1]
+    else:
+        a = torch.empty(2**30, dtype=torch.int16, device=device)
+        b = torch.empty_like(a)
+        copy_gbs = 2 * a.numel() * 2 / (eager_time_us([lambda: b.copy_(a)]) * 1e-6) / 1e9
+        del a, b
+        timer = graph_time_us
+    (gate_up, down), shared = awq_bank(num_experts, h, i, device, gen)
+    expert_bytes = (gate_up.nbytes + down.nbytes) // num_experts
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter)"
+    print(f"{name}: copy {copy_gbs:,.0f} GB/s; AWQ g{GROUP} experts {expert_bytes / 1e6:.2f} MB each "
+          f"(16-bit: {3 * h * i * 2 / 1e6:.2f} MB); {num_experts} experts + shared, top-{TOPK}")
+    rows, checks, num_sets = [], [], 1 if small else 8
+    for dt in (torch.float16,) if small else (torch.bfloat16, torch.float16):  # the interpreter's bf16 dots are wrong
+        w1, w2, shared16 = _moe_bank(num_experts, dt, gen, device, h, i)
+        w1r, w2r = w1[:num_experts], w2[:num_experts]
+        for M in Ms:
+            logit_sets = routing(M, "uniform", gen, num_sets, num_experts, device)
+            xs = [torch.randn(M, h, device=device, dtype=dt, generator=gen) for _ in range(num_sets)]
+            routes = [MOE.moe_route(lg, TOPK, shared_logits=torch.randn(M, device=device, generator=gen))
+                      for lg in logit_sets]
+            distinct = statistics.mean(len(torch.unique(ids[:, :TOPK])) for ids, _ in routes)
+            touched = (distinct + 1) * expert_bytes
+            res = dict(M=M, dtype=str(dt).split(".")[-1], distinct_experts=distinct, packed_MB=touched / 1e6,
+                       floor_us=touched / copy_gbs / 1e3, touched16_MB=(distinct + 1) * 3 * h * i * 2 / 1e6)
+            tag = f"M={M} {res['dtype']}"
+            ref = QMOE.quant_fused_moe_ref(xs[0], gate_up, down, *routes[0], shared_expert=shared)
+            base = QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch)
+            variants = {"quant": None} | ({n: base | v for n, v in VARIANTS.items()} if dt == torch.bfloat16 or small else {})
+            for vname, cfg in variants.items():
+                if cfg is not None and cfg["USE_DOT"] is False and M > 1:
+                    continue  # the FMA tiles are a one-row candidate on sm80+
+                out = QMOE.quant_fused_moe(xs[0], gate_up, down, *routes[0], shared_expert=shared, config=cfg)
+                checks.append(dict(what=f"quant {vname} {tag}", rel_err=rel_err(out, ref)))
+                t = timer([(lambda j=j, cfg=cfg: QMOE.quant_fused_moe(xs[j], gate_up, down, *routes[j],
+                                                                      shared_expert=shared, config=cfg))
+                           for j in range(num_sets)])
+                res[f"{vname}_us"], res[f"{vname}_frac_copy"] = t, touched / (t * 1e-6) / 1e9 / copy_gbs
+            timed = {n: res[f"{n}_us"] for n in variants if f"{n}_us" in res}
+            res["best"] = min(timed, key=timed.get)
+            out16 = MOE.fused_moe(xs[0], w1r, w2r, *routes[0], shared_expert=shared16)
+            checks.append(dict(what=f"16-bit {tag}", rel_err=rel_err(out16, MOE.fused_moe_ref(
+                xs[0], w1r, w2r, *routes[0], shared_expert=shared16))))
+            t16 = timer([(lambda j=j: MOE.fused_moe(xs[j], w1r, w2r, *routes[j], shared_expert=shared16))
+                         for j in range(num_sets)])
+            res.update(b16_us=t16, b16_frac_copy=res["touched16_MB"] * 1e6 / (t16 * 1e-6) / 1e9 / copy_gbs,
+                       speedup=t16 / res["quant_us"])
+            if not small:
+                checks.append(dict(what=f"quant CUDA-graph replay on new inputs {tag}",
+                                   rel_err=graph_check(gate_up, down, shared, M, dt, h, num_experts, gen)))
+            rows.append(res)
+            print(json.dumps(res), flush=True)
+    print_table(rows, checks, copy_gbs)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(copy_GBps=copy_gbs, rows=rows, checks=checks), f, indent=1)
+    worst = max(c["rel_err"] for c in checks)
+    return 0 if worst < 2e-2 else 1
+
+
+def graph_check(gate_up, down, shared, M, dt, h, num_experts, gen) -> float:
+    """quant_fused_moe captured once in a CUDA graph, replayed on new tokens and routing written into the captured
+    buffers: rel. error against the reference of the new inputs."""
+    from revolta.kernels import moe as MOE
+    from revolta.kernels.quant import moe as QMOE
+
+    hc = moe_hc()
+    rel_err, routing = hc.rel_err, hc.routing
+
+    def inputs():
+        x = torch.randn(M, h, device="cuda", dtype=dt, generator=gen)
+        logits = routing(M, "uniform", gen, 1, num_experts)[0]
+        return (x, *MOE.moe_route(logits, TOPK, shared_logits=torch.randn(M, device="cuda", generator=gen)))
+
+    x, ids, w = inputs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared)
+    new = inputs()
+    for buf, val in zip((x, ids, w), new):
+        buf.copy_(val)
+    g.replay()
+    torch.cuda.synchronize()
+    return rel_err(out, QMOE.quant_fused_moe_ref(new[0], gate_up, down, *new[1:], shared_expert=shared))
+
+
+def print_table(rows, checks, copy_gbs):
+    print(f"\nAWQ MoE (g{GROUP}, top-{TOPK} + shared): µs per call (CUDA graph, rotating inputs); %copy = distinct "
+          f"touched experts' bytes / time / {copy_gbs:,.0f} GB/s; target quant >= 60%")
+    print(f"{'M':>3} {'dtype':>8} {'experts':>7} {'MB':>6} {'floor':>6} {'quant us':>9} {'%copy':>6} {'best':>6} "
+          f"{'best us':>8} {'%copy':>6} {'16-bit us':>9} {'%copy':>6} {'speedup':>7}")
+    for r in rows:
+        b = r["best"]
+        print(f"{r['M']:>3} {r['dtype']:>8} {r['distinct_experts'] + 1:>7.1f} {r['packed_MB']:>6.1f} "
+              f"{r['floor_us']:>6.1f} {r['quant_us']:>9.1f} {100 * r['quant_frac_copy']:>5.0f}% {b:>6} "
+              f"{r[b + '_us']:>8.1f} {100 * r[b + '_frac_copy']:>5.0f}% {r['b16_us']:>9.1f} "
+              f"{100 * r['b16_frac_copy']:>5.0f}% {r['speedup']:>6.2f}x")
+    for r in rows:
+        others = {k[:-3]: round(v, 1) for k, v in r.items() if k.endswith("_us") and k not in ("quant_us", "b16_us", "floor_us")}
+        if others:
+            print(f"  M={r['M']} {r['dtype']} variants µs: {others}")
+    print(f"worst check rel. error {max(c['rel_err'] for c in checks):.2e}:")
+    for c in checks:
+        print(f"  {c['what']}: {c['rel_err']:.2e}")

@@ -1,0 +1,357 @@
+"""Expert-grouped MoE over packed experts (AWQ int4, compressed-tensors int4, NVFP4) for small M.
+
+`quant_fused_moe(x, gate_up, down, topk_ids, topk_weights, shared_expert=None)` is moe.fused_moe for routed
+experts stored packed (`PackedWeights`: one packed linear per expert, stacked along a leading [E] axis);
+`quant_fused_moe_ref` is its torch reference (each touched expert dequantized to x.dtype, then the
+arithmetic of `moe.fused_moe_ref`).
+
+Small M (M·k <= GROUPED_MAX_PAIRS (token, slot) pairs: decode, speculative verification) runs the pipeline of
+moe_grouped.py with its grouping (`moe_group`) and its program layout: one program per (touched expert, N tile)
+loops over every row that chose the expert, so each touched expert's packed bytes are read once per call. The
+one change is the weight tile: the packed tile is loaded and decoded to fp32 in registers right after the load
+(`_weight_tile`: the formats' own tile decoders `_awq_tile` / `_ct_tile` / `_nvfp4_tile`), rounded to x.dtype
+for tl.dot (what the reference's dequantized weight holds), or kept fp32 for the FMA tiles. No host sync,
+shapes fixed by M·k and E: it captures in a CUDA graph. The shared expert rides as expert E when its three
+linears are packed in the same format and group (`shared_expert` = (gate, up, down) PackedWeights of one
+linear each, [I, H], [I, H], [H, I]): routed gate_up is one [2I, H] linear per expert (up rows at I), the
+shared gate and up are two [I, H] linears, so a program picks its base pointers, up-row offset and row count
+N once (scalars) and the tile decoders do the rest.
+
+Large M (prefill) dequantizes each touched expert with the formats' Triton dequantizers and multiplies with
+torch (cuBLAS); it syncs once on the touched ids, like every eager prefill path.
+
+Bytes at the real shapes (H 2560, I 640, AWQ group 32; per expert gate_up 1.64 MB codes + 0.26 MB scales and
+zeros, down 0.82 + 0.13 MB: 2.85 MB, 3.45x fewer than bf16): M = 1 touches 11 experts, 31 MB, 7.4 µs at
+4.2 TB/s. The decode costs ~5 instructions per weight (shift, mask, OR with 2^23's bits, subtract the zero,
+multiply by the scale; no int-to-float conversion), which is why BLOCK_K spans several groups: the zeros and
+scales of a tile are loaded once per group row, not per weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..moe import GROUPED_MAX_PAIRS, _arch, _moe_sum_kernel
+from ..moe_grouped import _mac, _pairs, _program, expected_distinct, moe_group
+from . import awq, ct_int4, nvfp4
+
+LAYOUTS = ("awq", "ct_int4", "nvfp4")  # FMT constexpr = index here
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """A packed linear of N outputs and K inputs as the kernels read it, or E of them stacked ([E, ...]).
+
+    tensors: awq (qweight [K, N/8], qzeros [K/G, N/8], scales fp16 [K/G, N]);
+             ct_int4 (weight_packed [N, K/8], weight_scale [N, K/G], weight_zero_point [N/8, K/G] or None);
+             nvfp4 (codes uint8 [N, K/2], E4M3 scales as uint8 [N, K/16], global scales fp32 [S] (S row shards)).
+    group: inputs per scale (16 for NVFP4); inverted: the NVFP4 global scale divides (compressed-tensors).
+    """
+
+    layout: str
+    tensors: tuple[Tensor, Tensor, Tensor | None]
+    group: int
+    inverted: bool = False
+
+    @property
+    def nk(self) -> tuple[int, int]:
+        """(N, K) of one linear."""
+        t = self.tensors[0]
+        if self.layout == "awq":
+            return t.shape[-1] * awq.PACK, t.shape[-2]
+        return t.shape[-2], t.shape[-1] * (ct_int4.PACK if self.layout == "ct_int4" else 2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors if t is not None)
+
+    def expert(self, e: int) -> PackedWeights:
+        return PackedWeights(self.layout, tuple(t if t is None else t[e] for t in self.tensors), self.group,
+                             self.inverted)
+
+
+def dequantize_ref(p: PackedWeights, dtype: torch.dtype) -> Tensor:
+    """W [N, K] in `dtype` of one packed linear (the formats' torch references)."""
+    a, b, c = p.tensors
+    if p.layout == "awq":
+        return awq.awq_dequantize_ref(a, b, c, p.group, dtype)
+    if p.layout == "ct_int4":
+        return ct_int4.ct_int4_dequantize_ref(a, b, c, p.group, dtype)
+    return nvfp4.nvfp4_dequantize_ref(a, b, c.reshape(-1), p.inverted, dtype)
+
+
+def dequantize(p: PackedWeights, dtype: torch.dtype) -> Tensor:
+    """Triton version of `dequantize_ref`."""
+    a, b, c = p.tensors
+    if p.layout == "awq":
+        return awq.awq_dequantize(a, b, c, p.group, dtype)
+    if p.layout == "ct_int4":
+        return ct_int4.ct_int4_dequantize(a, b, c, p.group, dtype)
+    return nvfp4.nvfp4_dequantize(a, b, c.reshape(-1), p.inverted, dtype)
+
+
+def quant_fused_moe_ref(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk_ids: Tensor,
+                        topk_weights: Tensor, shared_expert: tuple[PackedWeights, ...] | None = None) -> Tensor:
+    """Σ_k w_k · down_e(SiLU(gate_e x) ⊙ up_e x) -> [M, H] in x.dtype, the arithmetic of `moe.fused_moe_ref`
+    with each touched expert dequantized to x.dtype. x [M, H]; gate_up: E packed [2I, H] linears (gate rows
+    first); down: E packed [H, I]; topk_ids / topk_weights [M, k]; shared_expert: expert number E."""
+    return _expert_loop(x, gate_up, down, topk_ids, topk_weights, shared_expert, dequantize_ref)
+
+
+def _expert_loop(x, gate_up, down, topk_ids, topk_weights, shared_expert, deq) -> Tensor:
+    E, I = gate_up.tensors[0].shape[0], down.nk[1]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():  # the one host sync
+        token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
+        xe = x[token_idx]  # [n, H]
+        if shared_expert is not None and e == E:
+            sg, su, sd = shared_expert
+            gate, up = xe @ deq(sg, x.dtype).t(), xe @ deq(su, x.dtype).t()
+            w_down = deq(sd, x.dtype)
+        else:
+            gate, up = (xe @ deq(gate_up.expert(e), x.dtype).t()).split(I, dim=-1)
+            w_down = deq(down.expert(e), x.dtype)
+        ye = (F.silu(gate) * up) @ w_down.t()  # [n, H]
+        out.index_add_(0, token_idx, ye.float() * topk_weights[token_idx, slot, None].float())
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _weight_tile(w0, w1, w2, n, k, N, K, rows_per_shard, FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr,
+                 INVERTED: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decoded fp32 tile [R, BLOCK_K] of one packed linear W [N, K] (base pointers w0..w2): rows n.., inputs k.."""
+    if FMT == 0:
+        b_w = tl.trans(awq._awq_tile(w0, w1, w2, k, n, N, K, G, BLOCK_K, R))
+    elif FMT == 1:
+        b_w = ct_int4._ct_tile(w0, w1, w2, n, k, N, K, G, R, BLOCK_K, HAS_ZP)
+    else:
+        b_w = nvfp4._nvfp4_tile(w0, w1, w2, n, k, N, K, rows_per_shard, INVERTED, R, BLOCK_K)
+    return b_w
+
+
+@triton.jit
+def _packed_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, rows_per_shard,
+                        FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
+                        R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                        TWO: tl.constexpr):
+    """(Wg[n_g.., :K] · A[BLOCK_M, :K]ᵀ, Wu[n_u.., :K] · Aᵀ), each [R, BLOCK_M] fp32 (the second only when
+    TWO): moe_grouped._rows_matmul with packed weight tiles. a_rows [BLOCK_M]: row pointers; m_a: row mask."""
+    if USE_DOT:
+        acc = tl.zeros([R, BLOCK_M], dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros([R, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([R, BLOCK_M], dtype=tl.float32)
+    acc2 = tl.zeros_like(acc)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        if USE_DOT:
+            b_a = tl.load(a_rows[None, :] + o_k[:, None], mask=m_a[None, :] & m_k[:, None], other=0.0)  # [BK, BM]
+        else:
+            b_a = tl.load(a_rows[:, None] + o_k[None, :], mask=m_a[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+        b_w = _weight_tile(g0, g1, g2, n_g, k0, N, K, rows_per_shard, FMT, G, HAS_ZP, INVERTED, R, BLOCK_K)
+        if USE_DOT:  # the weight as the reference holds it (x.dtype); fp32 models stay fp32
+            b_w = b_w.to(b_a.dtype)
+        acc = _mac(acc, b_w, b_a, BLOCK_M, USE_DOT)
+        if TWO:
+            b_w = _weight_tile(u0, u1, u2, n_u, k0, N, K, rows_per_shard, FMT, G, HAS_ZP, INVERTED, R, BLOCK_K)
+            if USE_DOT:
+                b_w = b_w.to(b_a.dtype)
+            acc2 = _mac(acc2, b_w, b_a, BLOCK_M, USE_DOT)
+    if USE_DOT:
+        pass
+    elif BLOCK_M == 1:
+        acc = tl.sum(acc, 1, keep_dims=True)
+        acc2 = tl.sum(acc2, 1, keep_dims=True)
+    return acc, acc2
+
+
+@triton.jit
+def _quant_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, topk_ids, order, slot_expert, slot_start,
+                          slot_end, num_routed, H, I, stride_xm, stride_e0, stride_e1, stride_e2, stride_am,
+                          FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
+                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_DOT: tl.constexpr, HAS_SHARED: tl.constexpr, SORTED: tl.constexpr):
+    i_n, i_e, start, end = _program(topk_ids, slot_expert, slot_start, slot_end, SORTED)
+    if i_e < 0:
+        return
+    # routed: one [2I, H] linear, up rows at I; the shared expert (id num_routed): its own [I, H] gate and up
+    g0 = w0 + i_e * stride_e0
+    g1 = w1 + i_e * stride_e1
+    g2 = w2 + i_e * stride_e2
+    u0, u1, u2 = g0, g1, g2
+    n_g = i_n * BLOCK_N
+    n_u = n_g + I
+    N = 2 * I
+    if HAS_SHARED:
+        if i_e == num_routed:
+            g0, g1, g2 = sg0, sg1, sg2
+            u0, u1, u2 = su0, su1, su2
+            n_u = n_g
+            N = I
+    o_n = n_g + tl.arange(0, BLOCK_N)
+    m_n = o_n < I
+    for m0 in range(start, end, BLOCK_M):
+        b_pair, m_p = _pairs(order, m0, end, BLOCK_M, SORTED)
+        a_rows = x + (b_pair // TOP_K) * stride_xm
+        b_g, b_u = _packed_rows_matmul(a_rows, m_p, g0, g1, g2, n_g, u0, u1, u2, n_u, N, H, I, FMT, G, HAS_ZP,
+                                       INVERTED, BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT, True)  # [BN, BM] each
+        b_a = b_g * tl.sigmoid(b_g) * b_u
+        p_a = act + b_pair[None, :] * stride_am + o_n[:, None]
+        tl.store(p_a, b_a.to(act.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+
+
+@triton.jit
+def _quant_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids, order, slot_expert, slot_start,
+                       slot_end, num_routed, H, I, stride_am, stride_e0, stride_e1, stride_e2, stride_ym,
+                       FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_DOT: tl.constexpr, HAS_SHARED: tl.constexpr, SORTED: tl.constexpr):
+    i_n, i_e, start, end = _program(topk_ids, slot_expert, slot_start, slot_end, SORTED)
+    if i_e < 0:
+        return
+    d0 = w0 + i_e * stride_e0
+    d1 = w1 + i_e * stride_e1
+    d2 = w2 + i_e * stride_e2
+    if HAS_SHARED:
+        if i_e == num_routed:
+            d0, d1, d2 = sd0, sd1, sd2
+    n = i_n * BLOCK_N
+    o_n = n + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    for m0 in range(start, end, BLOCK_M):
+        b_pair, m_p = _pairs(order, m0, end, BLOCK_M, SORTED)
+        acc, _ = _packed_rows_matmul(act + b_pair * stride_am, m_p, d0, d1, d2, n, d0, d1, d2, n, H, I, H, FMT, G,
+                                     HAS_ZP, INVERTED, BLOCK_N, BLOCK_M, BLOCK_K, USE_DOT, False)  # [BN, BM]
+        b_rw = tl.load(topk_weights + b_pair, mask=m_p, other=0.0).to(tl.float32)
+        p_y = y + b_pair[None, :] * stride_ym + o_n[:, None]
+        tl.store(p_y, acc * b_rw[None, :], mask=m_n[:, None] & m_p[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# launch
+
+
+def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None) -> dict:
+    """Launch config of the packed grouped kernels (the benchmark times variants beside it).
+
+    sm80+ (and the interpreter): moe_grouped's tl.dot tiles (16 rows, 2 x 32 gate + up rows, 64 down rows,
+    128 inputs per K step: 4 groups of 32 per decoded tile). sm70: broadcast-FMA tiles with BLOCK_M from the
+    expected rows per touched expert, narrower than moe_grouped's because the decoded tile is held in fp32
+    beside the accumulator (no spills in the sm_70 build, tests/kernels/test_quant_moe_aot.py).
+    """
+    if arch is None or arch >= 80:
+        return dict(BLOCK_M=16, BLOCK_N_UP=32, BLOCK_K_UP=128, BLOCK_N_DOWN=64, BLOCK_K_DOWN=128, USE_DOT=True,
+                    num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3)
+    rho = M * top_k / max(1.0, expected_distinct(M, top_k, num_experts))
+    bm = 1 if M == 1 else min(8, triton.next_power_of_2(int(rho + 0.999)))
+    (bn_up, bk_up), (bn_dn, bk_dn) = {1: ((16, 128), (32, 128)), 2: ((16, 64), (32, 64)),
+                                      4: ((16, 32), (32, 32)), 8: ((8, 32), (16, 32))}[bm]
+    return dict(BLOCK_M=bm, BLOCK_N_UP=bn_up, BLOCK_K_UP=bk_up, BLOCK_N_DOWN=bn_dn, BLOCK_K_DOWN=bk_dn,
+                USE_DOT=False, num_warps=4, num_stages=2)
+
+
+def fit_block_k(block_k: int, group: int) -> int:
+    """The largest BLOCK_K <= block_k that one tile decoder can take: a divisor or a multiple of the group."""
+    while group % block_k and block_k % group:
+        block_k //= 2
+    return block_k
+
+
+def _kernel_args(p: PackedWeights) -> tuple[list[Tensor], dict]:
+    """(the three tensors as the kernels take them, format constexprs)."""
+    a, b, c = p.tensors
+    if p.layout == "nvfp4":
+        b = b.view(torch.uint8)
+    has_zp = c is not None
+    return [a, b, c if has_zp else a], dict(FMT=LAYOUTS.index(p.layout), G=p.group, HAS_ZP=has_zp, INVERTED=p.inverted)
+
+
+def _check(x, gate_up, down, topk_ids, topk_weights, shared_expert) -> tuple[int, int, int, int]:
+    assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
+    M, H = x.shape
+    assert gate_up.layout in LAYOUTS and down.layout == gate_up.layout and down.inverted == gate_up.inverted, (
+        gate_up.layout, down.layout)
+    E = gate_up.tensors[0].shape[0]
+    (two_i, h1), (h2, I) = gate_up.nk, down.nk
+    assert two_i == 2 * I and h1 == h2 == H and down.tensors[0].shape[0] == E, (gate_up.nk, down.nk, H, E)
+    assert all(t is None or t.is_contiguous() for p in (gate_up, down) for t in p.tensors)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == M, (topk_ids.shape, topk_weights.shape)
+    assert topk_ids.dtype in (torch.int32, torch.int64) and topk_weights.dtype == torch.float32
+    if shared_expert is not None:
+        ok = (len(shared_expert) == 3 and [p.nk for p in shared_expert] == [(I, H), (I, H), (H, I)]
+              and all(p.layout == gate_up.layout and p.group == routed.group and p.inverted == gate_up.inverted
+                      and (p.tensors[2] is None) == (routed.tensors[2] is None)
+                      and all(t is None or t.is_contiguous() for t in p.tensors)
+                      for p, routed in zip(shared_expert, (gate_up, gate_up, down))))
+        assert ok, ("shared_expert must be (gate [I, H], up [I, H], down [H, I]) packed like the routed experts; got "
+                    f"{[(p.layout, p.nk, p.group) for p in shared_expert]}; a shared expert stored otherwise runs as "
+                    "its own SwiGLU")
+    return M, H, E, I
+
+
+def quant_fused_moe(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk_ids: Tensor, topk_weights: Tensor,
+                    shared_expert: tuple[PackedWeights, PackedWeights, PackedWeights] | None = None,
+                    config: dict | None = None) -> Tensor:
+    """Triton version of `quant_fused_moe_ref` (paths: module docstring). `config` forces the grouped kernels."""
+    M, H, E, I = _check(x, gate_up, down, topk_ids, topk_weights, shared_expert)
+    k = topk_ids.shape[1]
+    out = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    if config is None and M * k > GROUPED_MAX_PAIRS:
+        return _expert_loop(x, gate_up, down, topk_ids, topk_weights, shared_expert, dequantize)
+    cfg = config or quant_grouped_config(M, k, E + (shared_expert is not None), _arch(x.device))
+    y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg)
+    block_n = min(1024, triton.next_power_of_2(H))
+    _moe_sum_kernel[(M, triton.cdiv(H, block_n))](y, out, H, y.stride(0), out.stride(0), TOP_K=k, BLOCK_N=block_n)
+    return out
+
+
+def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg) -> Tensor:
+    """Per pair w_pair · down_e(SiLU(gate_e x) ⊙ up_e x) in fp32: y [M·k, H] (row token·k + slot)."""
+    M, H = x.shape
+    E, I = gate_up.tensors[0].shape[0], down.nk[1]
+    k = topk_ids.shape[1]
+    T = M * k
+    assert not cfg["USE_DOT"] or cfg["BLOCK_M"] >= 16, f"tl.dot needs BLOCK_M >= 16, got {cfg}"
+    ids = topk_ids.contiguous()
+    num_slots = min(T, E + (shared_expert is not None))
+    sort = M > 1  # one row: every pair is a distinct expert already
+    if sort:
+        order, slot_expert, slot_start, slot_end = moe_group(ids, num_slots)
+    else:
+        order = slot_expert = slot_start = slot_end = ids
+    w_up, fmt_up = _kernel_args(gate_up)
+    w_dn, fmt_dn = _kernel_args(down)
+    if shared_expert is not None:
+        s_gate, s_up, s_down = (_kernel_args(p)[0] for p in shared_expert)
+    else:
+        s_gate = s_up = w_up
+        s_down = w_dn
+    act = torch.empty(T, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(T, H, dtype=torch.float32, device=x.device)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    flags = dict(BLOCK_M=cfg["BLOCK_M"], USE_DOT=cfg["USE_DOT"], HAS_SHARED=shared_expert is not None, SORTED=sort)
+    _quant_gate_up_kernel[(num_slots, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
+        x, *w_up, *s_gate, *s_up, act, ids, order, slot_expert, slot_start, slot_end,
+        E, H, I, x.stride(0), *(t.stride(0) for t in w_up), act.stride(0),
+        TOP_K=k, BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=fit_block_k(cfg["BLOCK_K_UP"], gate_up.group), **fmt_up,
+        **flags, **launch)
+    _quant_down_kernel[(num_slots, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
+        act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, order, slot_expert, slot_start, slot_end,
+        E, H, I, act.stride(0), *(t.stride(0) for t in w_dn), y.stride(0),
+        BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=fit_block_k(cfg["BLOCK_K_DOWN"], down.group), **fmt_dn, **flags, **launch)
+    return y

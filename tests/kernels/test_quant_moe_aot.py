@@ -1,0 +1,113 @@
+"""Ahead-of-time builds (no GPU) of the packed-expert MoE kernels (kernels/quant/moe.py) for sm_70 (V100, fp16
+activations) and sm_90 (H200, bf16) at the real shapes (hidden 2560, ffn 640, 512 experts + the shared one, top-10
++ 1), in the launch configs `quant_grouped_config` picks at M = 1, 8, 40: AWQ group 32 at every M, compressed-tensors
+int4 (asymmetric) and NVFP4 at M = 8. sm_70 budgets: no spills, <= 96 KiB shared memory, no Ampere/Hopper
+instructions. Built with the run-time alignment specialisation (pointers, sizes and strides multiples of 16).
+
+Builds run in spawned processes with TRITON_INTERPRET=0, with test_moe_aot.py's `_compile`.
+Print the table: `python tests/kernels/test_quant_moe_aot.py`.
+"""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+ACT = {70: "*fp16", 90: "*bf16"}
+HIDDEN, FFN, EXPERTS, TOP_K = 2560, 640, 512, 11
+FORMATS = {  # name -> (weight tensor types: h fp16, w bf16, i int32, b uint8, f fp32; constexprs)
+    "awq": ("iih", dict(FMT=0, G=32, HAS_ZP=True, INVERTED=False)),
+    "ct_int4": ("iwi", dict(FMT=1, G=32, HAS_ZP=True, INVERTED=False)),
+    "nvfp4": ("bbf", dict(FMT=2, G=16, HAS_ZP=False, INVERTED=False)),
+}
+GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act topk_ids order slot_expert slot_start slot_end num_routed H I "
+           "stride_xm stride_e0 stride_e1 stride_e2 stride_am FMT G HAS_ZP INVERTED TOP_K BLOCK_M BLOCK_N BLOCK_K "
+           "USE_DOT HAS_SHARED SORTED")
+DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids order slot_expert slot_start slot_end num_routed H I "
+        "stride_am stride_e0 stride_e1 stride_e2 stride_ym FMT G HAS_ZP INVERTED BLOCK_M BLOCK_N BLOCK_K USE_DOT "
+        "HAS_SHARED SORTED")
+
+
+def _sig(names, types, act):
+    table = {"a": act, "h": "*fp16", "w": "*bf16", "f": "*fp32", "i": "*i32", "b": "*u8", "n": "i32", "c": "constexpr"}
+    names = names.split()
+    assert len(names) == len(types), (names, types)
+    return {n: table[t] for n, t in zip(names, types)}
+
+
+def _aligned(names, types, fmt):
+    """Pointers, sizes and strides that are multiples of 16 at the real shapes (not NVFP4's per-expert global
+    scales: 2 or 1 per expert)."""
+    return tuple(n for n, t in zip(names.split(), types)
+                 if t in "ahwfib" or n in ("H", "I", "num_routed")
+                 or n.startswith("stride_") and not (fmt == "nvfp4" and n == "stride_e2"))
+
+
+def _builds(arch):
+    from revolta.kernels.quant import moe
+
+    b = {}
+    for fmt, Ms in (("awq", (1, 8, 40)), ("ct_int4", (8,)), ("nvfp4", (8,))):
+        wt, consts = FORMATS[fmt]
+        for M in Ms:
+            cfg = moe.quant_grouped_config(M, TOP_K, EXPERTS + 1, arch)
+            launch = (cfg["num_warps"], cfg["num_stages"])
+            flags = dict(consts, BLOCK_M=cfg["BLOCK_M"], USE_DOT=cfg["USE_DOT"], HAS_SHARED=True, SORTED=M > 1)
+            up = dict(flags, TOP_K=TOP_K, BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=moe.fit_block_k(cfg["BLOCK_K_UP"], consts["G"]))
+            down = dict(flags, BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=moe.fit_block_k(cfg["BLOCK_K_DOWN"], consts["G"]))
+            b[f"{fmt}_gate_up_M{M}"] = (moe._quant_gate_up_kernel, GATE_UP, "a" + wt * 3 + "aiiiiinnnnnnnn" + "c" * 11,
+                                        up, *launch, fmt)
+            b[f"{fmt}_down_M{M}"] = (moe._quant_down_kernel, DOWN, "a" + wt * 2 + "ffiiiiinnnnnnnn" + "c" * 10, down,
+                                     *launch, fmt)
+    return b
+
+
+def build_all(arch):
+    """{name: CompileReport as a dict}; call with TRITON_INTERPRET unset or 0."""
+    from test_moe_aot import _compile
+
+    out = {}
+    for name, (kernel, names, types, consts, warps, stages, fmt) in _builds(arch).items():
+        out[name] = dataclasses.asdict(_compile(kernel, _sig(names, types, ACT[arch]), consts, arch, warps, stages,
+                                                _aligned(names, types, fmt)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """Both architectures built in parallel in fresh (spawned) processes that import Triton uninterpreted."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from unittest import mock
+
+    sys.path.insert(0, os.path.dirname(__file__))  # the children import this module and test_moe_aot by name
+    with mock.patch.dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1"), \
+            ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        import test_quant_moe_aot
+
+        return dict(zip((70, 90), pool.map(test_quant_moe_aot.build_all, (70, 90))))
+
+
+@pytest.mark.parametrize("arch", [70, 90])
+def test_aot_real_shapes(arch, reports):
+    from revolta.kernels.aot import CompileReport
+
+    problems = []
+    for name, fields in reports[arch].items():
+        report = CompileReport(**{**fields, "forbidden": tuple(fields["forbidden"])})
+        limits = dict(max_spill_bytes=0) if arch == 70 else dict(max_spill_bytes=1 << 20, shared_limit=227 * 1024)
+        try:
+            report.check(**limits)
+        except AssertionError as e:
+            problems.append(f"{name}: {e}")
+    assert not problems, "\n".join(problems)
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, os.path.dirname(__file__))
+    for arch in (70, 90):
+        for name, r in build_all(arch).items():
+            print(f"sm_{arch} {name:18s} shared {r['shared_bytes']:6d} B  regs {r['registers']:3d}  "
+                  f"spill st/ld {r['spill_store_bytes']}/{r['spill_load_bytes']} B  forbidden {r['forbidden']}")
