@@ -48,7 +48,7 @@ def dev_router(state: ServerState) -> APIRouter:
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:
-        return JSONResponse({"is_sleeping": await engine.call(llm.is_sleeping)})
+        return JSONResponse({"is_sleeping": llm.is_sleeping()})  # a flag: read now, not after the running step
 
     @router.post("/pause")
     async def pause(wait_for_inflight_requests: bool = Query(False), clear_cache: bool = Query(True),
@@ -69,6 +69,6 @@ def dev_router(state: ServerState) -> APIRouter:
 
     @router.get("/is_paused")
     async def is_paused() -> JSONResponse:
-        return JSONResponse({"is_paused": await engine.call(llm.is_paused)})
+        return JSONResponse({"is_paused": llm.is_paused()})
 
     return router
