@@ -80,7 +80,7 @@ def _storages(tensors: Iterable[tuple[Tensor, bool]], device: torch.device) -> d
     out: dict[int, tuple[Tensor, list[bool]]] = {}
     for t, reloadable in tensors:
         st = t.untyped_storage()
-        if t.device != device or st.nbytes() == 0:
+        if t.device != device or st.nbytes() == 0 or not st.resizable():  # e.g. a file mapping: it stays
             continue
         key = st.data_ptr()
         # reloadable only when one parameter covers its whole storage: a reload then rewrites every byte
