@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompts = ["The quick brown fox", "def fibonacci(n):", "In 1905, Einstein"]
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     rows = []
-    print(f"{'level':>5} {'awake GiB':>10} {'asleep GiB':>11} {'woken GiB':>10} {'sleep s':>8} {'wake s':>7}  same tokens")
+    print(f"{'level':>5} {'awake GiB':>10} {'asleep GiB':>11} {'woken GiB':>10} {'sleep s':>8} {'wake s':>7}  "
+          "same tokens")
     for level in args.levels:
         awake = used_gib(device)
         t0 = time.perf_counter()

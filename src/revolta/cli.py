@@ -395,7 +395,8 @@ def _serve(args: argparse.Namespace) -> int:
                           tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
                           max_pending_requests=args.max_pending_requests,
-                          structured_disable_any_whitespace=compact_json, enable_dev_endpoints=args.enable_dev_endpoints)
+                          structured_disable_any_whitespace=compact_json,
+                          enable_dev_endpoints=args.enable_dev_endpoints)
     return run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
 
 
