@@ -299,7 +299,8 @@ class EngineLoop:
             _, fn, done = cmd
             try:
                 result = fn()
-            except FatalEngineError:
+            except FatalEngineError as e:  # a step of a drain met it: answer, then stop the loop as _run does
+                _answer(done, None, RequestFailed(f"the engine stopped: {e}", 503))
                 raise
             except Exception as e:  # the caller's error (a refused sleep, a bad mode): the route answers it
                 _answer(done, None, e)
