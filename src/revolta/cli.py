@@ -153,6 +153,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--enable-dev-endpoints", action="store_true",
+                       help="serve vLLM's development routes: POST /sleep?level=0|1|2, /wake_up, /pause, /resume; "
+                            "GET /is_sleeping, /is_paused (off by default: they are 404)")
     serve.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -391,7 +394,8 @@ def _serve(args: argparse.Namespace) -> int:
                           tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
                           max_pending_requests=args.max_pending_requests,
-                          structured_disable_any_whitespace=compact_json)
+                          structured_disable_any_whitespace=compact_json,
+                          enable_dev_endpoints=args.enable_dev_endpoints)
     return run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
 
 

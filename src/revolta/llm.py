@@ -8,7 +8,8 @@
 `LLM` is a thin front over the engine (engine/): it loads the checkpoint and tokenizer, turns prompts
 into engine `Request`s (tokenized, media decoded and placed, seeded, with their grammar), and outputs
 back into vLLM-shaped `RequestOutput`s; `generate`, `stream` and `chat` drive the engine to the end,
-`add_request` / `step` / `abort_request` let a server drive it one step at a time. Scheduling, the paged
+`add_request` / `step` / `abort_request` let a server drive it one step at a time; `sleep` / `wake_up` and
+`pause` / `resume` (llm_sleep.py) free the device or hold generation between steps. Scheduling, the paged
 cache, sampling and stop rules are the engine's: a request's tokens do not depend on the rest of the
 batch (greedy rows are argmax, sampled rows use their own generator).
 """
@@ -34,6 +35,7 @@ from .engine.structured import (RequestConstraint, StructuredDecoding, compact_j
 from .llm_config import (check_engine_args, engine_config, effective_config, load_tokenizer, log_summary,
                          read_checkpoint_json, resolve_device, resolve_dtype)
 from .llm_load import build_engine, requested_max_model_len, resolve_llm_speculation, resolve_parallel
+from .llm_sleep import SleepPauseMixin
 from .model import FlashNextModel, has_mtp_weights, load_model
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .multimodal.sources import media_from_messages
@@ -62,7 +64,7 @@ class ProcessedPrompt:
     mm_prompt: MultimodalPrompt | None = None
 
 
-class LLM:
+class LLM(SleepPauseMixin):
     """Load a checkpoint (or the embedded default) and generate from prompts, vLLM-style.
 
     Args:

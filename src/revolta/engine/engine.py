@@ -43,6 +43,7 @@ from .request import Request
 from .runner import StepSequence
 from .sample_step import StepSampler
 from .scheduler import ScheduledSeq, Scheduler, SeqState
+from .sleep import SLEEP_LEVELS, EngineAsleepError, check_host_memory, host_available_bytes
 from .spec_policy import SpecPolicy
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,9 @@ class Engine:
                                    self.encoder_cache, self.encoder_budget,
                                    lookahead_fn=self._num_drafts if self.spec.enabled else None)
         self._seqs: dict[str, SeqState] = {}
+        self.sleep_level: int | None = None  # None: awake (sleep.py)
+        self.paused = False  # pause(): steps are refused until resume(); requests may still be added
+        self.host_memory = host_available_bytes  # the sleep preflight's source; tests inject a shortage
 
     # the in-process executor's pieces (tests and benchmarks reach them through the engine)
     runner = forwarded("executor", "runner")
@@ -262,6 +266,8 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request; its max_tokens is capped so that prompt + output fit max_model_len."""
+        if self.sleep_level is not None:
+            raise EngineAsleepError(f"the engine is asleep (sleep level {self.sleep_level}); call wake_up() first")
         if request.request_id in self._seqs:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         n = len(request.prompt_token_ids)
@@ -318,11 +324,65 @@ class Engine:
                            spec_paused_steps=self.num_paused_steps,
                            spec_speedup=self.policy.estimated_speedup() if self.policy is not None else None)
 
+    # ---- sleep and pause (sleep.py; LLM.sleep / LLM.pause handle the requests in flight) -------
+    def check_sleep(self, level: int) -> None:
+        """The preflight: raise ValueError for a bad level, SleepRefused when the host cannot take the weights
+        (or level 2 has no checkpoint to reload); nothing changes either way."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level {level!r} is not one of {SLEEP_LEVELS} (0: stop serving only, 1: weights "
+                             "to host memory, 2: weights dropped and reloaded from the checkpoint)")
+        if level > 0:
+            memory = self.executor.plan_sleep(level)
+            check_host_memory(level, memory.host_bytes(), self.host_memory())
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of an idle engine (see sleep.py for the levels); refuses with requests left."""
+        if self.sleep_level is not None:
+            return
+        if self.has_unfinished():
+            raise RuntimeError(f"sleep with {len(self.scheduler.running) + len(self.scheduler.waiting)} requests "
+                               "unfinished; finish or abort them first (LLM.sleep(mode=...) does)")
+        self.check_sleep(level)
+        if level > 0:
+            memory = self.executor.plan_sleep(level)
+            self.allocator.reset_prefix_cache()  # the cached blocks' contents are about to go
+            self.executor.sleep(memory)
+            logger.info("engine asleep, %s", memory.describe())
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Take the memory back (weights, a zeroed KV cache, CUDA graphs); a no-op when awake."""
+        if self.sleep_level is None:
+            return
+        if self.sleep_level > 0:
+            start = time.perf_counter()
+            self.executor.wake_up()
+            logger.info("engine awake after sleep level %d (%.1f s)", self.sleep_level, time.perf_counter() - start)
+        self.sleep_level = None
+
+    def pause(self, clear_cache: bool = True) -> None:
+        """Stop stepping until resume(); running requests keep their cache blocks. No CPU-tier load is left in
+        flight: a swap-in is issued inside the step that scheduled it (storage.pre_forward), and on CUDA the
+        device is synchronized here, so a pause always lets a started load finish. clear_cache forgets the
+        prefix cache (GPU and CPU tier): a waiting request whose hit was in the CPU tier then recomputes instead
+        of loading it (the load is cancelled before it starts)."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        if clear_cache:
+            self.allocator.reset_prefix_cache()
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
     # ---- one step ------------------------------------------------------------------------------
     @torch.no_grad()  # LLM.step adds inference mode; tests and benchmarks touch the graphs' buffers outside it
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests that gained a token (finished ones included:
         `request.output()` is its vLLM-shaped RequestOutput)."""
+        if self.paused or self.sleep_level is not None:
+            raise RuntimeError("the engine is " + ("paused; call resume() first" if self.paused else
+                                                   f"asleep (level {self.sleep_level}); call wake_up() first"))
         if self.policy is not None:
             self._drafting = self.policy.should_draft(max(1, len(self.scheduler.running)))
         items = self.scheduler.schedule()

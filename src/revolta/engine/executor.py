@@ -45,6 +45,7 @@ from ..spec.measured import slower_warning
 from ..spec.mtp import DraftItem, MTPDrafter
 from .cuda_graphs import DecodeGraphs, default_capture_sizes, graph_warning
 from .runner import ModelRunner, StepSequence
+from .sleep import SleepingMemory, check_reloadable, reload_weights, weight_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,19 @@ class Executor(ABC):
     def close(self) -> None:
         """Stop the processes this executor started (bounded); the in-process executor has none."""
 
+    def plan_sleep(self, level: int) -> SleepingMemory:
+        """What sleep(level) would free and copy to host memory (sleep.py); nothing changes yet."""
+        raise ValueError("sleep levels 1 and 2 run in one process only; at tensor_parallel_size > 1 the ranks' "
+                         "memory is theirs (not supported yet): use level 0 or tensor_parallel_size=1")
+
+    def sleep(self, memory: SleepingMemory) -> None:
+        """Free what `memory` (from plan_sleep) lists: weights to host, KV cache and CUDA graphs dropped."""
+        raise NotImplementedError
+
+    def wake_up(self) -> None:
+        """Take the memory back: weights, a zeroed KV cache, CUDA graphs captured again."""
+        raise NotImplementedError
+
 
 class UniProcExecutor(Executor):
     """The model, its cache tensors, CUDA graphs and drafter in this process."""
@@ -147,6 +161,12 @@ class UniProcExecutor(Executor):
         self.graphs: DecodeGraphs | None = None  # decode steps replay these when they fit
         self.spec_graphs: SpecGraphs | None = None  # with speculation: steady-state rounds replay these
         self._round: _Round | None = None  # the speculative step between execute and finish
+        self._asleep: SleepingMemory | None = None  # what a sleep freed, until wake_up
+        self._capture_all()
+
+    def _capture_all(self) -> None:
+        """The CUDA graphs this configuration replays (at start, and again on wake_up: sleep drops them)."""
+        model, spec, config = self.model, self.spec, self.config
         if model.device.type == "cuda" and config.use_cuda_graphs:
             if spec.enabled:  # every decoding step is a verify round, unless the adaptive policy paused drafting
                 # the round graphs run the MTP drafter (spec/graphs.py); another drafter drafts eagerly
@@ -193,6 +213,30 @@ class UniProcExecutor(Executor):
             if warning:
                 logger.warning(warning)
         return graphs
+
+    # ---- sleep (sleep.py) --------------------------------------------------------------------------
+    def plan_sleep(self, level: int) -> SleepingMemory:
+        if level == 2:
+            check_reloadable(self.model)
+        draft = getattr(self.drafter, "drafter", None)  # DFlash2's own model (MTP shares the target's weights)
+        weights = weight_tensors(self.model, [draft] if isinstance(draft, torch.nn.Module) else [])
+        return SleepingMemory(level, weights, self.storage.block_tensors() + self.storage.slot_tensors(),
+                              self.model.device)
+
+    def sleep(self, memory: SleepingMemory) -> None:
+        self.graphs = self.spec_graphs = None  # their memory pools go with them; the addresses they baked in too
+        memory.free()
+        self._asleep = memory
+
+    def wake_up(self) -> None:
+        memory = self._asleep
+        if memory is None:
+            return
+        memory.restore(lambda: reload_weights(self.model))
+        for p in self.storage.ple.values():  # a fresh n-gram context is EOS, not 0 (storage.reset_slots)
+            p.context_ids.fill_(self.storage.eos)
+        self._asleep = None
+        self._capture_all()
 
     # ---- requests --------------------------------------------------------------------------------
     def can_draft(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:

@@ -52,7 +52,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
 
     def finished(self) -> bool:
@@ -187,6 +187,11 @@ class Request:
             if self.stop_checker.finished:  # the held-back tail completed a stop string
                 self.stop_reason = self.stop_checker.stop
         self.metrics.finished_time = time.time()
+
+    def abort(self) -> None:
+        """End an unfinished request with finish_reason "abort" (vLLM's, for a request stopped by pause or sleep)."""
+        if not self.finished:
+            self._finish("abort", None)
 
     def release(self) -> None:
         """Drop the grammar matcher (finished or aborted)."""

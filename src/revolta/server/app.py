@@ -14,6 +14,7 @@ from .anthropic_messages import anthropic_router
 from .basic_routes import basic_router
 from .chat_prompt import PromptRenderer
 from .config import ServerConfig
+from .dev_routes import dev_router
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ServerState
@@ -53,6 +54,8 @@ def build_app(llm: Any, config: ServerConfig, fault_injection: bool = False,
     install_error_handlers(app)
     for router in (basic_router, chat_router, completions_router, responses_router, anthropic_router):
         app.include_router(router(state))
+    if config.enable_dev_endpoints:  # /sleep, /wake_up, /pause, ... (off by default: those paths are 404)
+        app.include_router(dev_router(state))
     app.add_middleware(ServerMiddleware, api_key=config.api_key)
     app.state.revolta = state
     return app

@@ -21,6 +21,7 @@ class ServerConfig:
     max_body_bytes: larger request bodies are refused with 413.
     max_pending_requests: most requests in the engine at once (running + queued); more are refused
         at once with 503 and Retry-After instead of queueing without bound (None = no limit).
+    enable_dev_endpoints: serve /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused (dev_routes.py).
     structured_disable_any_whitespace: JSON outputs (response_format, text.format, structured_outputs)
         get compact separators instead of free whitespace unless a request says otherwise.
     """
@@ -36,6 +37,7 @@ class ServerConfig:
     max_stop_strings: int = MAX_STOP_STRINGS
     max_pending_requests: int | None = None
     structured_disable_any_whitespace: bool = False  # --structured-outputs-config {"disable_any_whitespace": ...}
+    enable_dev_endpoints: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -8,6 +8,10 @@ only; the loop keeps serving the rest (and new requests). A FatalEngineError (a 
 needs, such as the PLE worker, died or stalled; raised by a step or by the idle health check) stops
 the loop instead: every request fails with its message (503), /health turns 503 and `on_fatal` is
 called (`revolta serve` then exits with a non-zero status).
+
+`call(fn)` runs `fn()` on the loop thread between steps (the dev routes' sleep and pause, dev_routes.py);
+`deliver` hands the outputs such a call produced (aborted or drained requests) to their streams. A paused
+or sleeping LLM is not stepped; while it sleeps, new requests are refused with 503 and Retry-After.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..errors import FatalEngineError
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.5  # how long the idle thread blocks on its queue before re-checking `stop`
+ASLEEP_RETRY_AFTER_S = 10  # the Retry-After of a request refused while the engine sleeps
 
 
 class InjectedEngineDeath(RuntimeError):
@@ -38,9 +43,14 @@ class InjectedEngineDeath(RuntimeError):
 class RequestFailed(Exception):
     """A request the engine failed after accepting it (reported to that request only)."""
 
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.headers = status, headers
+
+
+def asleep_error() -> RequestFailed:
+    return RequestFailed("the engine is asleep (/sleep): requests are refused until /wake_up; retry later", 503,
+                         headers={"Retry-After": str(ASLEEP_RETRY_AFTER_S)})
 
 
 @dataclass
@@ -177,6 +187,8 @@ class EngineLoop:
         what add_request raises (ValueError: a client error)."""
         if not self.alive:
             raise RequestFailed("the engine is not running", status=503)
+        if self.asleep:
+            raise asleep_error()
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         request_id = uuid.uuid4().hex
@@ -194,6 +206,24 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    @property
+    def asleep(self) -> bool:
+        is_sleeping = getattr(self.llm, "is_sleeping", None)  # a scripted LLM (tests) has none
+        return is_sleeping is not None and is_sleeping()
+
+    def _held(self) -> bool:
+        """The LLM must not step: paused or asleep."""
+        is_paused = getattr(self.llm, "is_paused", None)
+        return self.asleep or (is_paused is not None and is_paused())
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the loop thread between two steps and return its result (or raise its exception)."""
+        if not self.alive:
+            raise RequestFailed("the engine is not running", status=503)
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", fn, done))
+        return await done
+
     def kill(self) -> None:
         """Make the loop thread die as it would on a bug in the loop itself (a fault-injection hook)."""
         self._commands.put(("die",))
@@ -203,10 +233,10 @@ class EngineLoop:
         try:
             check_health = getattr(self.llm, "check_health", None)
             while not self._stop.is_set():
-                self._drain_commands(block=not self.llm.has_unfinished_requests())
+                self._drain_commands(block=not self.llm.has_unfinished_requests() or self._held())
                 if check_health is not None:
                     check_health()  # an idle engine notices a dead helper process too
-                if self.llm.has_unfinished_requests():
+                if self.llm.has_unfinished_requests() and not self._held():
                     self._publish_stats()  # what the commands changed shows now, not after a long (prefill) step
                     self._step()
                 self._publish_stats()
@@ -237,6 +267,8 @@ class EngineLoop:
             if cmd[0] == "add":
                 sink, accepted = cmd[4], cmd[5]
                 sink.loop.call_soon_threadsafe(_settle, accepted, RequestFailed("the engine is not running", 503))
+            elif cmd[0] == "call":
+                _answer(cmd[2], None, RequestFailed("the engine is not running", 503))
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -253,6 +285,9 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, request_id, prompt, params, sink, accepted = cmd
+            if self.asleep:  # it went to sleep after the submitter checked
+                sink.loop.call_soon_threadsafe(_settle, accepted, asleep_error())
+                return
             try:
                 self.llm.add_request(prompt, params, request_id=request_id)
             except Exception as e:  # the LLM's own validation: the submitter turns it into a 400
@@ -260,6 +295,17 @@ class EngineLoop:
                 return
             self._sinks[request_id] = sink
             sink.loop.call_soon_threadsafe(_settle, accepted, None)
+        elif cmd[0] == "call":
+            _, fn, done = cmd
+            try:
+                result = fn()
+            except FatalEngineError as e:  # a step of a drain met it: answer, then stop the loop as _run does
+                _answer(done, None, RequestFailed(f"the engine stopped: {e}", 503))
+                raise
+            except Exception as e:  # the caller's error (a refused sleep, a bad mode): the route answers it
+                _answer(done, None, e)
+                return
+            _answer(done, result, None)
         elif cmd[0] == "die":
             raise InjectedEngineDeath("engine loop killed by request (--enable-fault-injection)")
         elif cmd[0] == "abort":
@@ -281,6 +327,11 @@ class EngineLoop:
             for rid in live:
                 self._fail(rid, RequestFailed(f"the engine failed while generating: {e}"))
             return
+        self.deliver(outputs)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their requests' streams (loop thread only): a step's, or what a pause or sleep
+        returned for the requests it aborted or drained."""
         now = time.time()
         for out in outputs:
             sink = self._sinks.get(out.request_id)
@@ -327,6 +378,18 @@ class EngineLoop:
                                  spec_paused=st.spec_paused,
                                  spec_paused_steps=st.spec_paused_steps,
                                  spec_speedup=st.spec_speedup)
+
+
+def _answer(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Resolve a `call` future from the loop thread."""
+    def resolve() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    future.get_loop().call_soon_threadsafe(resolve)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

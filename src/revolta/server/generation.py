@@ -82,7 +82,7 @@ class ServerState:
         try:
             return await self.engine.submit(prompt, params, fault)
         except RequestFailed as e:
-            raise APIError(e.status, str(e)) from None
+            raise APIError(e.status, str(e), headers=e.headers) from None
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
 
