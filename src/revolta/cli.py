@@ -134,6 +134,11 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--limit-mm-per-prompt", type=_json_flag("--limit-mm-per-prompt"), metavar="JSON",
                        help='most media per request, e.g. \'{"image": 16, "video": 1}\' (default image 1, video 0)')
     serve.add_argument("--allowed-local-media-path", metavar="DIR", help="file:// media only under this directory")
+    serve.add_argument("--max-media-memory-gib", type=float, metavar="GiB",
+                       help="most decoded image/video bytes held by requests at once; more wait, then get 503 "
+                            "(default: a quarter of MemAvailable at startup)")
+    serve.add_argument("--media-wait-timeout", type=float, metavar="S", default=30.0,
+                       help="seconds a request waits for media memory before a 503 + Retry-After (default 30)")
     serve.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
                        "but /health")
     serve.add_argument("--sse-keep-alive-interval", type=float, metavar="S", default=None,
@@ -375,8 +380,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .engine.structured import compact_json_default
 
     compact_json = compact_json_default(args.structured_outputs_config, "--structured-outputs-config")
+    media_flags = {"max_media_memory_gib": args.max_media_memory_gib, "media_wait_timeout_s": args.media_wait_timeout}
     ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive,
-                 max_pending_requests=args.max_pending_requests)  # check the flags before loading
+                 max_pending_requests=args.max_pending_requests, **media_flags)  # check the flags before loading
     from .multimodal.processor import parse_limits
 
     parse_limits(args.limit_mm_per_prompt)  # the LLM applies them; a bad one is an error before loading
@@ -391,7 +397,7 @@ def _serve(args: argparse.Namespace) -> int:
                           tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
                           max_pending_requests=args.max_pending_requests,
-                          structured_disable_any_whitespace=compact_json)
+                          structured_disable_any_whitespace=compact_json, **media_flags)
     return run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
 
 
