@@ -134,6 +134,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--limit-mm-per-prompt", type=_json_flag("--limit-mm-per-prompt"), metavar="JSON",
                        help='most media per request, e.g. \'{"image": 16, "video": 1}\' (default image 1, video 0)')
     serve.add_argument("--allowed-local-media-path", metavar="DIR", help="file:// media only under this directory")
+    serve.add_argument("--mm-processor-kwargs", type=_json_flag("--mm-processor-kwargs"), metavar="JSON",
+                       help='media preprocessing, e.g. \'{"max_pixels": 262144}\' (fewer tokens per image)')
     serve.add_argument("--max-media-memory-gib", type=float, metavar="GiB",
                        help="most decoded image/video bytes held by requests at once; more wait, then get 503 "
                             "(default: a quarter of MemAvailable at startup)")
@@ -371,8 +373,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens",
                                                           "kv_cache_dtype", "kv_cache_gib", "enable_prefix_caching",
                                                           "speculative_config", "limit_mm_per_prompt",
-                                                          "allowed_local_media_path", "ple_placement",
-                                                          *PARALLEL_ARGS)
+                                                          "mm_processor_kwargs", "allowed_local_media_path",
+                                                          "ple_placement", *PARALLEL_ARGS)
                    if getattr(args, name) is not None}
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")
