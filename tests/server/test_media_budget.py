@@ -40,7 +40,7 @@ def test_queue_policy():
         a.settle(40)  # what a decoded request keeps: 40 + 50 + 10 fit
         b, c = await big, await small
         assert budget.used == 100 and budget.num_waiting == 0
-        with pytest.raises(TimeoutError):
+        with pytest.raises(asyncio.TimeoutError):
             await budget.acquire(1)  # full: the wait bound ends it
         assert budget.num_waiting == 0
         leaving = asyncio.ensure_future(budget.acquire(30))

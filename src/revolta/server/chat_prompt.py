@@ -5,9 +5,10 @@ OpenAI-style messages and tools first and then share this module, so validation 
 the same everywhere. tool_choice "required" and a named tool open the assistant turn with the start
 of a call (`<tool_call>\\n<function=`), which the output parser then reads as if the model had written
 it; a grammar (tool_grammar.py, with xgrammar) makes the rest of the call follow the tool's schema.
-Media go through the LLM's own path (`chat_prompt` resolves the URLs, `process_prompt` decodes and
-expands the placeholders) on a worker thread, so the token counts include the media and every
-`MediaError` becomes a 400 naming its `param`.
+Media go through the LLM's own path (`chat_prompt` resolves the URLs, `media_footprint` prices them from
+their headers, `process_prompt` decodes and expands the placeholders) on worker threads, with the media
+budget (media_budget.py) admitted in between; the token counts include the media and every `MediaError`
+becomes a 400 naming its `param`.
 """
 
 from __future__ import annotations

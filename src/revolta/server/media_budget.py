@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,8 @@ from fastapi import Request
 from ..multimodal.footprint import MediaFootprint
 from .disconnect import unless_disconnected
 from .errors import APIError, bad_request
+
+logger = logging.getLogger(__name__)
 
 GiB = 2**30
 DEFAULT_FRACTION = 0.25  # of MemAvailable: the rest stays for bodies, tokenization, the engine and the OS
@@ -60,9 +63,12 @@ def mem_available() -> int | None:
 
 def resolve_budget(gib: float | None, available: int | None = None) -> tuple[int, str]:
     """(budget bytes, where it came from) for `--max-media-memory-gib` (None = the default)."""
-    if gib is not None:
-        return int(gib * GiB), "--max-media-memory-gib"
     available = mem_available() if available is None else available
+    if gib is not None:
+        if available is not None and gib * GiB > available:
+            logger.warning("--max-media-memory-gib %g is more than the %.1f GiB of MemAvailable: a burst of media "
+                           "could get the server killed for memory; lower it", gib, available / GiB)
+        return int(gib * GiB), "--max-media-memory-gib"
     if available is None:
         return FALLBACK_BYTES, "fallback: MemAvailable unknown"
     return int(available * DEFAULT_FRACTION), f"{DEFAULT_FRACTION:.0%} of MemAvailable {available / GiB:.1f} GiB"
@@ -110,8 +116,8 @@ class MediaBudget:
                 "media_wait_timeout_s": self.wait_timeout_s}
 
     async def acquire(self, nbytes: int) -> MediaHold:
-        """A hold of `nbytes`, once the requests before it are admitted and it fits; raises TimeoutError after
-        `wait_timeout_s` (the caller's 503). Cancelling the wait leaves the queue."""
+        """A hold of `nbytes`, once the requests before it are admitted and it fits; raises asyncio.TimeoutError
+        after `wait_timeout_s` (the caller's 503). Cancelling the wait leaves the queue."""
         if not self._waiters and self.used + nbytes <= self.capacity:
             self.used += nbytes
             return MediaHold(self, nbytes)
@@ -150,7 +156,7 @@ class MediaBudget:
         try:
             hold = await (wait if request is None else unless_disconnected(
                 request, wait, "the client closed the connection while waiting for media budget"))
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
             self.refused += 1
             raise APIError(503, f"The server is short of memory for media: {_mib(footprint.peak)} to decode this "
                                 f"request's media did not free up within {self.wait_timeout_s:g} s (the media "
