@@ -134,6 +134,13 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--limit-mm-per-prompt", type=_json_flag("--limit-mm-per-prompt"), metavar="JSON",
                        help='most media per request, e.g. \'{"image": 16, "video": 1}\' (default image 1, video 0)')
     serve.add_argument("--allowed-local-media-path", metavar="DIR", help="file:// media only under this directory")
+    serve.add_argument("--mm-processor-kwargs", type=_json_flag("--mm-processor-kwargs"), metavar="JSON",
+                       help='media preprocessing, e.g. \'{"max_pixels": 262144}\' (fewer tokens per image)')
+    serve.add_argument("--max-media-memory-gib", type=float, metavar="GiB",
+                       help="most decoded image/video bytes held by requests at once; more wait, then get 503 "
+                            "(default: a quarter of MemAvailable at startup)")
+    serve.add_argument("--media-wait-timeout", type=float, metavar="S", default=30.0,
+                       help="seconds a request waits for media memory before a 503 + Retry-After (default 30)")
     serve.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
                        "but /health")
     serve.add_argument("--sse-keep-alive-interval", type=float, metavar="S", default=None,
@@ -369,8 +376,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens",
                                                           "kv_cache_dtype", "kv_cache_gib", "enable_prefix_caching",
                                                           "speculative_config", "limit_mm_per_prompt",
-                                                          "allowed_local_media_path", "ple_placement",
-                                                          *PARALLEL_ARGS)
+                                                          "mm_processor_kwargs", "allowed_local_media_path",
+                                                          "ple_placement", *PARALLEL_ARGS)
                    if getattr(args, name) is not None}
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")
@@ -378,8 +385,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .engine.structured import compact_json_default
 
     compact_json = compact_json_default(args.structured_outputs_config, "--structured-outputs-config")
+    media_flags = {"max_media_memory_gib": args.max_media_memory_gib, "media_wait_timeout_s": args.media_wait_timeout}
     ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive,
-                 max_pending_requests=args.max_pending_requests)  # check the flags before loading
+                 max_pending_requests=args.max_pending_requests, **media_flags)  # check the flags before loading
     from .multimodal.processor import parse_limits
 
     parse_limits(args.limit_mm_per_prompt)  # the LLM applies them; a bad one is an error before loading
@@ -395,7 +403,7 @@ def _serve(args: argparse.Namespace) -> int:
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
                           max_pending_requests=args.max_pending_requests,
                           structured_disable_any_whitespace=compact_json,
-                          enable_dev_endpoints=args.enable_dev_endpoints)
+                          enable_dev_endpoints=args.enable_dev_endpoints, **media_flags)
     return run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
 
 

@@ -37,6 +37,7 @@ from .llm_config import (check_engine_args, engine_config, effective_config, loa
 from .llm_load import build_engine, requested_max_model_len, resolve_llm_speculation, resolve_parallel
 from .llm_sleep import SleepPauseMixin
 from .model import FlashNextModel, has_mtp_weights, load_model
+from .multimodal.footprint import MediaFootprint, media_footprint
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
 from .multimodal.sources import media_from_messages
 from .ple.placement import resolve_ple_placement
@@ -350,6 +351,14 @@ class LLM(SleepPauseMixin):
         timestamps = None if tok is None else (lambda seconds: tok.encode(f"<{seconds:.1f} seconds>"))
         return process_multimodal_prompt(ids, prompt["multi_modal_data"], self.cfg, media, self.mm_limits,
                                          timestamps, self.allowed_local_media_path)
+
+    def media_footprint(self, prompt: PromptType) -> MediaFootprint | None:
+        """The host memory the prompt's media take to decode and to keep, priced from their headers (None for a
+        text prompt; see multimodal/footprint.py). Reads only configuration, like `process_prompt`."""
+        if not isinstance(prompt, Mapping) or not prompt.get("multi_modal_data"):
+            return None
+        return media_footprint(prompt["multi_modal_data"], self.cfg, self.media_config.updated(
+            prompt.get("mm_processor_kwargs")), self.mm_limits, self.allowed_local_media_path)
 
     # ---- incremental API (the server drives the engine with these) -------------------------------
     def add_request(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams | None = None,

@@ -21,12 +21,13 @@ raises `MediaError`, a `ValueError`: a client error (HTTP 400 `invalid_request_e
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,37 +104,56 @@ def load_image(source: Image.Image | bytes | bytearray | str | os.PathLike,
     any pixel is decoded. Transparency is composited onto white. Files and bytes are fully decoded here and their
     EXIF orientation is applied, so truncated or corrupt data raises `MediaError` now rather than later.
     """
-    if isinstance(source, Image.Image):
-        image = source
-        _check_pixels(image.width, image.height, max_image_pixels)
-    else:
-        try:
-            if isinstance(source, (bytes, bytearray, memoryview)):
-                image = Image.open(io.BytesIO(bytes(source)), formats=IMAGE_FORMATS)
-            elif isinstance(source, (str, os.PathLike)):
-                image = Image.open(source, formats=IMAGE_FORMATS)
-            else:
-                raise MediaError(f"cannot read an image from {type(source).__name__}; pass PIL image, bytes or path")
-            _check_pixels(image.width, image.height, max_image_pixels)
+    image = open_image(source, max_image_pixels)
+    if not isinstance(source, Image.Image):
+        with _image_errors():
             image.load()
             image = ImageOps.exif_transpose(image)
-        except MediaError:
-            raise
-        except FileNotFoundError as e:
-            raise MediaError(f"image file not found: {e.filename}") from None
-        except UnidentifiedImageError:
-            raise MediaError(f"cannot identify the image data as a supported format "
-                             f"({', '.join(IMAGE_FORMATS)})") from None
-        except Image.DecompressionBombError as e:  # not an OSError: must be caught by name
-            raise MediaError(f"image rejected: {e}") from None
-        # Pillow: OSError for truncated data, SyntaxError for broken PNG chunks, EOFError/struct.error for cut
-        # headers in some plugins
-        except (OSError, SyntaxError, ValueError, EOFError, struct.error) as e:
-            raise MediaError(f"cannot decode image: {e}") from None
     try:
         return _to_rgb(image)
     except (OSError, ValueError) as e:
         raise MediaError(f"cannot convert image in mode {image.mode!r} to RGB: {e}") from None
+
+
+def open_image(source: Image.Image | bytes | bytearray | str | os.PathLike,
+               max_image_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """Identify `source` and read its header only: size and mode are known, no pixel is decoded yet.
+
+    What `load_image` starts with, and what the server's media budget reads to price an image before decoding it
+    (multimodal/footprint.py). A PIL image passes through (checked against `max_image_pixels`).
+    """
+    if isinstance(source, Image.Image):
+        _check_pixels(source.width, source.height, max_image_pixels)
+        return source
+    with _image_errors():
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            image = Image.open(io.BytesIO(bytes(source)), formats=IMAGE_FORMATS)
+        elif isinstance(source, (str, os.PathLike)):
+            image = Image.open(source, formats=IMAGE_FORMATS)
+        else:
+            raise MediaError(f"cannot read an image from {type(source).__name__}; pass PIL image, bytes or path")
+        _check_pixels(image.width, image.height, max_image_pixels)
+    return image
+
+
+@contextlib.contextmanager
+def _image_errors() -> Iterator[None]:
+    """Pillow's many failure types -> MediaError with a message that says what is wrong with the data."""
+    try:
+        yield
+    except MediaError:
+        raise
+    except FileNotFoundError as e:
+        raise MediaError(f"image file not found: {e.filename}") from None
+    except UnidentifiedImageError:
+        raise MediaError(f"cannot identify the image data as a supported format "
+                         f"({', '.join(IMAGE_FORMATS)})") from None
+    except Image.DecompressionBombError as e:  # not an OSError: must be caught by name
+        raise MediaError(f"image rejected: {e}") from None
+    # Pillow: OSError for truncated data, SyntaxError for broken PNG chunks, EOFError/struct.error for cut
+    # headers in some plugins
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as e:
+        raise MediaError(f"cannot decode image: {e}") from None
 
 
 def _check_pixels(width: int, height: int, max_pixels: int, what: str = "image") -> None:
@@ -262,17 +282,47 @@ def _decode_video_file(source: Any, fps: float | None, num_frames: int | None, m
         raise MediaError(f"video file not found: {os.fspath(source)}")
     if isinstance(source, (bytes, bytearray, memoryview)) and len(source) == 0:
         raise MediaError("cannot decode video: the data is empty")
+    name, module = video_decoder()
+    decode = _decode_with_decord if name == "decord" else _decode_with_av
+    return decode(module, source, fps, num_frames, max_frames, frame_multiple, max_image_pixels)
+
+
+def video_decoder() -> tuple[str, Any]:
+    """("decord", module) when decord is installed, else ("av", module); neither is a MediaError naming the fix."""
     try:
         import decord
+
+        return "decord", decord
     except ImportError:
-        decord = None
-    if decord is not None:
-        return _decode_with_decord(decord, source, fps, num_frames, max_frames, frame_multiple, max_image_pixels)
+        pass
     try:
         import av
+
+        return "av", av
     except ImportError:
         raise MediaError("video input needs a video decoder: pip install 'revolta[video]' (decord or PyAV)") from None
-    return _decode_with_av(av, source, fps, num_frames, max_frames, frame_multiple, max_image_pixels)
+
+
+def probe_video(source: str | os.PathLike | bytes | bytearray) -> tuple[int, float, int, int] | None:
+    """(frame count, frames per second, width, height) of an encoded clip, from its container (at most one frame
+    is decoded); None when the container cannot be read (the decoder then refuses it with the reason)."""
+    name, module = video_decoder()
+    data = io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview)) else None
+    try:
+        if name == "decord":
+            reader = module.VideoReader(data if data is not None else os.fspath(source), ctx=module.cpu(0),
+                                        num_threads=1)
+            height, width = reader[0].shape[:2] if len(reader) else (0, 0)
+            return len(reader), float(reader.get_avg_fps()), int(width), int(height)
+        with module.open(data if data is not None else os.fspath(source)) as container:
+            stream = container.streams.video[0]
+            # PyAV's path decodes every frame, so the count matters; containers that do not state it are counted
+            # packet by packet (demuxing reads no pixels)
+            total = stream.frames or sum(1 for p in container.demux(stream) if p.size)
+            rate = float(stream.average_rate or 0)
+            return total, rate, stream.codec_context.width, stream.codec_context.height
+    except Exception:  # noqa: BLE001  any failure here is reported by the decoder itself, with its message
+        return None
 
 
 def _decode_with_decord(decord: Any, source: Any, fps: float | None, num_frames: int | None, max_frames: int,

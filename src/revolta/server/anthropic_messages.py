@@ -142,7 +142,7 @@ class Messages:
     def __init__(self, state: ServerState):
         self.state = state
 
-    async def _prompt(self, body: AnthropicCountTokensRequest, max_tokens: int | None,
+    async def _prompt(self, request: Request, body: AnthropicCountTokensRequest, max_tokens: int | None,
                       check_length: bool) -> RenderedPrompt:
         s = self.state
         check_model(body.model, s.config, required=True)
@@ -152,11 +152,11 @@ class Messages:
         if enable is not None:
             kwargs["enable_thinking"] = enable
         messages = normalize_messages(to_chat_messages(body))
-        return await s.renderer.render(messages, tools, kwargs, check_length=check_length)
+        return await s.renderer.render(messages, tools, kwargs, check_length=check_length, request=request)
 
     async def count_tokens(self, request: Request) -> JSONResponse:
         body = await read_body(request, AnthropicCountTokensRequest, self.state.config.max_body_bytes)
-        prompt = await self._prompt(body, None, check_length=False)
+        prompt = await self._prompt(request, body, None, check_length=False)
         return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
     async def create(self, request: Request) -> Any:
@@ -164,7 +164,7 @@ class Messages:
         body = await read_body(request, AnthropicMessagesRequest, s.config.max_body_bytes)
         if body.max_tokens <= 0:
             raise bad_request(f"max_tokens must be positive, got {body.max_tokens}")
-        prompt = await self._prompt(body, body.max_tokens, check_length=True)
+        prompt = await self._prompt(request, body, body.max_tokens, check_length=True)
         fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                   "stop": body.stop_sequences, "thinking_token_budget": thinking_budget(body)}
         params = build_sampling_params(fields, defaults=s.defaults, config=s.config, max_tokens=body.max_tokens)

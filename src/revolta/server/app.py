@@ -18,6 +18,7 @@ from .dev_routes import dev_router
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ServerState
+from .media_budget import MediaBudget, MediaReleaseMiddleware, resolve_budget
 from .metrics import Metrics
 from .middleware import ServerMiddleware
 from .openai_chat import chat_router
@@ -38,13 +39,15 @@ def build_app(llm: Any, config: ServerConfig, fault_injection: bool = False,
         raise ValueError(f"{config.model_path} has no tokenizer.json; the server needs one to render prompts")
     metrics = Metrics(config.served_model_name)
     engine = EngineLoop(llm, on_output=metrics.on_output, on_finish=metrics.on_finish, on_fatal=on_fatal)
-    state = ServerState(llm=llm, engine=engine, config=config, renderer=PromptRenderer(llm, config),
+    capacity, source = resolve_budget(config.max_media_memory_gib)
+    media = MediaBudget(capacity, config.media_wait_timeout_s, source)
+    state = ServerState(llm=llm, engine=engine, config=config, renderer=PromptRenderer(llm, config, media),
                         metrics=metrics, defaults=llm.get_default_sampling_params(), fault_injection=fault_injection)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        logger.info("revolta server ready: %s", config.describe())
+        logger.info("revolta server ready: %s", {**config.describe(), **media.describe()})
         try:
             yield
         finally:
@@ -57,6 +60,7 @@ def build_app(llm: Any, config: ServerConfig, fault_injection: bool = False,
     if config.enable_dev_endpoints:  # /sleep, /wake_up, /pause, ... (off by default: those paths are 404)
         app.include_router(dev_router(state))
     app.add_middleware(ServerMiddleware, api_key=config.api_key)
+    app.add_middleware(MediaReleaseMiddleware)  # every media hold goes back when its request's exchange ends
     app.state.revolta = state
     return app
 

@@ -48,7 +48,8 @@ def basic_router(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(state.metrics.render(state.engine.stats),
+        media = state.renderer.media_budget.metric_lines(f'model_name="{cfg.served_model_name}"')
+        return PlainTextResponse(state.metrics.render(state.engine.stats) + "\n".join(media) + "\n",
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @router.post("/tokenize")
@@ -65,7 +66,7 @@ def basic_router(state: ServerState) -> APIRouter:
             rendered = await state.renderer.render(messages, tool_setup(body.tools, "none" if body.tools else None),
                                                    body.chat_template_kwargs,
                                                    add_generation_prompt=body.add_generation_prompt,
-                                                   check_length=False)
+                                                   check_length=False, request=request)
             ids = rendered.token_ids
         out = {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids}
         if body.return_token_strs:

@@ -5,9 +5,10 @@ OpenAI-style messages and tools first and then share this module, so validation 
 the same everywhere. tool_choice "required" and a named tool open the assistant turn with the start
 of a call (`<tool_call>\\n<function=`), which the output parser then reads as if the model had written
 it; a grammar (tool_grammar.py, with xgrammar) makes the rest of the call follow the tool's schema.
-Media go through the LLM's own path (`chat_prompt` resolves the URLs, `process_prompt` decodes and
-expands the placeholders) on a worker thread, so the token counts include the media and every
-`MediaError` becomes a 400 naming its `param`.
+Media go through the LLM's own path (`chat_prompt` resolves the URLs, `media_footprint` prices them from
+their headers, `process_prompt` decodes and expands the placeholders) on worker threads, with the media
+budget (media_budget.py) admitted in between; the token counts include the media and every `MediaError`
+becomes a 400 naming its `param`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
 from jinja2 import TemplateError
 
 from ..multimodal.media import MediaError
 from .config import ServerConfig
 from .errors import bad_request
+from .media_budget import MediaBudget
 from .params import check_prompt_length
 from .tool_schema import ToolRequestError, ToolSet, resolve_tool_choice
 
@@ -111,16 +114,17 @@ def _part(part: Any, where: str) -> dict[str, Any]:
 
 
 class PromptRenderer:
-    """Renders and tokenizes conversations with the served model's chat template; decodes their media."""
+    """Renders and tokenizes conversations with the served model's chat template; decodes their media within the
+    media budget (media_budget.py)."""
 
-    def __init__(self, llm: Any, config: ServerConfig):
-        self._llm, self._config = llm, config
+    def __init__(self, llm: Any, config: ServerConfig, media_budget: MediaBudget):
+        self._llm, self._config, self.media_budget = llm, config, media_budget
         self.tokenizer = llm.get_tokenizer()
 
-    def _prepare(self, messages: list[dict[str, Any]], tools: ToolSetup, enable_thinking: bool,
-                 template_kwargs: Mapping[str, Any], add_generation_prompt: bool) -> tuple[str, list[int], Any]:
-        """(text, token ids, processed prompt or None). Runs on a worker thread: decoding a request's images
-        must stall neither the event loop nor the engine thread."""
+    def _template(self, messages: list[dict[str, Any]], tools: ToolSetup, enable_thinking: bool,
+                  template_kwargs: Mapping[str, Any], add_generation_prompt: bool) -> tuple[Any, list[int] | None, Any]:
+        """(prompt, token ids, None) for text; (prompt with its media sources resolved, None, media footprint
+        priced from the headers) with media, which are not decoded yet. Runs on a worker thread."""
         kwargs = {k: v for k, v in template_kwargs.items() if k not in ("tools", "enable_thinking")}
         try:  # allow_local_files=False: files only under --allowed-local-media-path
             prompt = self._llm.chat_prompt(messages, allow_local_files=False, tools=list(tools.tools) or None,
@@ -133,23 +137,44 @@ class PromptRenderer:
         suffix = tools.forced_prefix if add_generation_prompt else ""
         if isinstance(prompt, str):
             return prompt + suffix, self.tokenizer.encode(prompt + suffix), None
-        text = prompt["prompt"] + suffix
+        prompt = {**prompt, "prompt": prompt["prompt"] + suffix}
         try:
-            processed = self._llm.process_prompt({**prompt, "prompt": text})
+            return prompt, None, self._llm.media_footprint(prompt)
+        except MediaError as e:  # the header is bad: the loader's own message
+            raise bad_request(str(e), e.param) from None
+
+    def _process(self, prompt: Mapping[str, Any]) -> Any:
+        """Decode and place the media (worker thread): LLM.process_prompt's result."""
+        try:
+            return self._llm.process_prompt(prompt)
         except ValueError as e:  # MediaError: corrupt data, too many items, over a pixel limit
             raise bad_request(str(e), getattr(e, "param", None)) from None
-        return text, processed.prompt_token_ids, processed
 
     async def render(self, messages: list[dict[str, Any]], tools: ToolSetup,
                      template_kwargs: Mapping[str, Any] | None = None, enable_thinking: bool | None = None,
-                     add_generation_prompt: bool = True, check_length: bool = True) -> RenderedPrompt:
+                     add_generation_prompt: bool = True, check_length: bool = True,
+                     request: Request | None = None) -> RenderedPrompt:
+        """Render, tokenize and (with media) decode a conversation. Media wait for the media budget first; the
+        bytes they keep stay charged until `request`'s HTTP exchange ends (None: released on return)."""
         template_kwargs = dict(template_kwargs or {})
         if enable_thinking is None:
             enable_thinking = template_kwargs.get("enable_thinking", True) is not False
         if tools.forced_prefix:  # the forced call opens the turn, so no reasoning block first
             enable_thinking = False
-        text, ids, processed = await asyncio.to_thread(self._prepare, messages, tools, enable_thinking,
-                                                       template_kwargs, add_generation_prompt)
+        prompt, ids, footprint = await asyncio.to_thread(self._template, messages, tools, enable_thinking,
+                                                         template_kwargs, add_generation_prompt)
+        if footprint is None:
+            text, processed = prompt, None
+        else:
+            hold = await self.media_budget.admit(footprint, request)
+            try:
+                processed = await asyncio.to_thread(self._process, prompt)
+                mm = processed.mm_prompt
+                hold.settle(sum(it.frames.nbytes for it in mm.items) if mm is not None else 0)
+            finally:
+                if request is None:
+                    hold.release()
+            text, ids = prompt["prompt"], processed.prompt_token_ids
         if check_length:
             check_prompt_length(len(ids), self._config.max_model_len)
         return RenderedPrompt(text, ids, enable_thinking, tools, processed)

@@ -24,6 +24,9 @@ class ServerConfig:
     enable_dev_endpoints: serve /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused (dev_routes.py).
     structured_disable_any_whitespace: JSON outputs (response_format, text.format, structured_outputs)
         get compact separators instead of free whitespace unless a request says otherwise.
+    max_media_memory_gib: the budget of decoded media bytes in flight (media_budget.py); None = a quarter of
+        MemAvailable at startup.
+    media_wait_timeout_s: how long a request waits for media budget before a 503 with Retry-After.
     """
 
     served_model_name: str
@@ -38,6 +41,8 @@ class ServerConfig:
     max_pending_requests: int | None = None
     structured_disable_any_whitespace: bool = False  # --structured-outputs-config {"disable_any_whitespace": ...}
     enable_dev_endpoints: bool = False
+    max_media_memory_gib: float | None = None
+    media_wait_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -50,6 +55,11 @@ class ServerConfig:
             raise ValueError(f"--reasoning-parser={self.reasoning_parser!r} is not supported; use qwen3")
         if self.max_pending_requests is not None and self.max_pending_requests < 1:
             raise ValueError(f"--max-pending-requests={self.max_pending_requests} must be >= 1")
+        if self.max_media_memory_gib is not None and not self.max_media_memory_gib > 0:
+            raise ValueError(f"--max-media-memory-gib={self.max_media_memory_gib} must be > 0; it bounds the decoded "
+                             "image and video bytes held at once (omit it for a quarter of MemAvailable)")
+        if not self.media_wait_timeout_s >= 0:
+            raise ValueError(f"--media-wait-timeout={self.media_wait_timeout_s} must be >= 0 seconds")
 
     def describe(self) -> dict[str, Any]:
         """The settings for the startup log, without the key."""

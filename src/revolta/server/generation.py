@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 
@@ -15,6 +14,7 @@ from ..engine.request import CompletionOutput
 from ..engine.sampling import SamplingParams
 from .chat_prompt import PromptRenderer, RenderedPrompt
 from .config import ServerConfig
+from .disconnect import unless_disconnected  # noqa: F401  (the routes import it from here)
 from .engine_loop import EngineLoop, Fault, RequestFailed, RequestStream
 from .errors import APIError, bad_request, openai_error_body
 from .metrics import Metrics
@@ -22,7 +22,6 @@ from .output import ChoiceParser, Delta
 from .sse import DONE, data_frame
 from .tool_grammar import forced_call_constraint
 
-T = TypeVar("T")
 # honoured only with --enable-fault-injection: fail the request after N tokens, with this status (default 500)
 FAULT_HEADER, FAULT_STATUS_HEADER = "x-revolta-fail-after-tokens", "x-revolta-fail-status"
 KILL_ENGINE_HEADER = "x-revolta-kill-engine"  # the engine loop dies before this request (the /health 503 check)
@@ -129,31 +128,6 @@ async def collect(stream: RequestStream) -> list[CompletionOutput]:
     except RequestFailed as e:
         raise APIError(e.status, str(e)) from None
     return [last[i] for i in sorted(last)]
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so aborting its engine request) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task not in done:
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):
-            pass
-        raise APIError(499, "the client closed the connection")
-    return task.result()
 
 
 def created() -> int:

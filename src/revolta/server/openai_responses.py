@@ -106,7 +106,8 @@ class Responses:
         kwargs = dict(body.chat_template_kwargs or {})
         if (body.reasoning or {}).get("effort") == "none":
             kwargs.setdefault("enable_thinking", False)
-        prompt = await s.renderer.render(normalize_messages(messages), tools, kwargs)
+        prompt = await s.renderer.render(normalize_messages(messages), tools, kwargs,
+                                         request=request)
         check_top_logprobs(body.top_logprobs)
         top = body.top_logprobs or 0
         logprobs = top if INCLUDE_LOGPROBS in (body.include or ()) else None  # as vLLM: top_logprobs alone adds none
