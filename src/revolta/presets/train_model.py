@@ -78,6 +78,7 @@ class TrainNet(nn.Module):
         net.to_empty(device="cpu")
         net.init_buffers()
         self.net = net
+        self.batched = True  # run the rows as one batch in GDN / QSA (ForwardMeta.uniform_fresh); False: one by one
         self.register_buffer("kept", kept.clone(), persistent=True)
         remap = torch.full((cfg.text.vocab_size,), k, dtype=torch.long)
         remap[kept] = torch.arange(k)
@@ -93,7 +94,7 @@ class TrainNet(nn.Module):
         B, S = ids.shape
         flat = ids.reshape(-1)
         meta = self.net.make_meta(flat, [b * S for b in range(B + 1)], [SequenceState() for _ in range(B)])
-        meta.taps = taps
+        meta.taps, meta.uniform_fresh = taps, self.batched
         wide = self.text(self.text.embed_tokens(self.remap[flat]), meta)
         return wide.view(B, S, -1)
 
@@ -109,6 +110,7 @@ class TrainNet(nn.Module):
         hidden = wide[:, :-1].reshape(-1, W)
         n = S - 1
         meta = self.net.make_meta(tok, [b * n for b in range(B + 1)], [SequenceState() for _ in range(B)])
+        meta.uniform_fresh = self.batched
         y, _ = self.net.mtp(hidden, self.text.embed_tokens(self.remap[tok]), meta)
         return self.net.lm_head(y).float().view(B, n, -1)
 
