@@ -30,6 +30,8 @@ def test_data_recipe_is_deterministic_split_by_path_and_packs_eos(tmp_path):
         (tmp_path / name).write_text("x = 1\n" * 40)
     files = [rel for rel, _ in stdlib_files(DataConfig(root=str(tmp_path)))]
     assert files == ["a.py", "b.py", "pkg/c.py"]  # sorted, test directories skipped
+    with_tests = [rel for rel, _ in stdlib_files(DataConfig(root=str(tmp_path), include_tests=True))]
+    assert with_tests == ["a.py", "b.py", "pkg/c.py", "pkg/tests/skip.py", "test/skip.py"]
     held = [rel for rel in files if is_heldout(rel, 500)]
     assert 0 < len(held) < len(files)  # sha256 of the path: a fixed split of these three names
     data = load_token_data(DataConfig(root=str(tmp_path), seq_len=9, heldout_permille=500), _Tok())
@@ -54,10 +56,11 @@ def test_training_lowers_the_loss_and_resume_continues(tmp_path):
     assert trained_config("tiny").text.qsa_sparse_onset < rows.shape[1]  # the sparse QSA path is trained too
     before = evaluate(net, rows[:4])
     cfg = LoopConfig(batch_size=4, lr=1e-2, warmup_steps=1, schedule_s=1e9, time_budget_s=120, max_steps=12,
-                     log_every_s=0.0)
-    out = train(net, rows, cfg, tmp_path / "ckpt", log=lambda _: None)
+                     log_every_s=0.0, eval_every_s=0.0)
+    out = train(net, rows, cfg, tmp_path / "ckpt", log=lambda _: None, heldout=rows[:2])
     after = evaluate(net, rows[:4])
     assert out["step"] == 12 and len(out["history"]) == 12
+    assert out["history"][0]["heldout_ce"] > out["history"][-1]["heldout_ce"]  # evaluated along the way
     assert after["heldout_ce"] < before["heldout_ce"] - 0.5, (before, after)
     assert after["heldout_mtp_ce"] < before["heldout_mtp_ce"] - 0.3, (before, after)
 
@@ -67,6 +70,37 @@ def test_training_lowers_the_loss_and_resume_continues(tmp_path):
                  resume=tmp_path / "ckpt", log=lines.append)
     assert lines[0].startswith("resumed at step 12")
     assert out2["step"] == 14 and [r["step"] for r in out2["history"]][-2:] == [12, 13]
+
+
+def test_batched_rows_equal_one_by_one():
+    """The training path runs GDN and QSA over the [B, S] batch at once (ForwardMeta.uniform_fresh): same logits."""
+    torch.manual_seed(0)
+    net = _net()
+    ids = KEPT[torch.randint(0, KEPT.numel(), (3, 40))]  # past the sparse onset (19)
+    with torch.no_grad():
+        out = {}
+        for batched in (False, True):
+            net.batched = batched
+            wide = net.trunk(ids)
+            out[batched] = (net.logits(wide), net.mtp_logits(wide, ids))
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_drafter_trains_on_the_frozen_target():
+    from revolta.presets.train_drafter import DrafterConfig, drafter_export_state, train_drafter
+
+    torch.manual_seed(0)
+    net = _net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    cfg = DrafterConfig(batch_size=2, anchors_per_row=4, max_steps=2, log_every_s=1e9)
+    trainer, metrics = train_drafter(net, _rows(8), _rows(2), cfg, log=lambda _: None)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # the target stays frozen
+    moved = [n for n, p in trainer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert "mask_embedding" in moved and any(n.startswith("model.fc") for n in moved)
+    assert 0.0 <= metrics["mean_accepted_length"] <= trainer.model.cfg.block_size - 1
+    state = drafter_export_state(trainer, net)
+    assert state["candidate_selector.successor_codebook.weight"].shape[0] == KEPT.numel()
 
 
 def test_export_is_small_and_reloads_to_identical_logits(tmp_path):

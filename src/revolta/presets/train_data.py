@@ -1,9 +1,10 @@
 """Training data of the trained default: the Python standard library of the running interpreter.
 
 Text that exists offline on every machine that runs Python. The recipe (deterministic for one interpreter):
-- files: every `*.py` under `sysconfig.get_paths()["stdlib"]`, sorted by relative path, skipping `site-packages`,
-  `test`/`tests` directories and `idle_test` (the test suites are large, repetitive and full of odd literals that
-  would dominate a small model's budget; the library code is what a user prompts for);
+- files: every `*.py` under `sysconfig.get_paths()["stdlib"]`, sorted by relative path, skipping `site-packages`
+  and, unless `include_tests`, the `test`/`tests`/`idle_test` directories (the test suites are 1.6x the library's
+  bytes, repetitive and full of odd literals; the library code is what a user prompts for); files are cut at
+  `max_bytes_per_file`;
 - split: a file is held out when sha256(relative path) mod 1000 < `heldout_permille` (default 20, i.e. 2%), so
   the split does not move when files are added or removed elsewhere;
 - tokens: the real Qwen tokenizer of the embedded default, one EOS (`<|endoftext|>`) after each file, files
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SKIP_DIRS = ("site-packages", "test", "tests", "idle_test", "__pycache__")
+SKIP_DIRS = ("site-packages", "__pycache__")
+TEST_DIRS = ("test", "tests", "idle_test")
 EOS_ID = 248044  # <|endoftext|>: the document separator and the n-gram reset token (spec §5.3)
 
 
@@ -33,6 +35,7 @@ class DataConfig:
     max_files: int | None = None  # tests: the first max_files training and max_files // 10 + 1 held-out files
     max_bytes_per_file: int = 200_000  # very large generated files (e.g. pydoc_data/topics.py) are cut here
     root: str | None = None  # default: the running interpreter's stdlib
+    include_tests: bool = False
 
 
 @dataclass
@@ -50,9 +53,10 @@ def stdlib_files(cfg: DataConfig) -> list[tuple[str, Path]]:
     """(relative posix path, path) of every training file, sorted by relative path."""
     root = Path(cfg.root or sysconfig.get_paths()["stdlib"])
     out = []
+    skip = SKIP_DIRS if cfg.include_tests else SKIP_DIRS + TEST_DIRS
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
-        if any(part in SKIP_DIRS for part in rel.parts[:-1]) or not path.is_file():
+        if any(part in skip for part in rel.parts[:-1]) or not path.is_file():
             continue
         out.append((rel.as_posix(), path))
     out.sort(key=lambda item: item[0])

@@ -174,8 +174,8 @@ def train_drafter(net: TrainNet, rows: Tensor, heldout: Tensor, cfg: DrafterConf
         opt.step()
         now = time.perf_counter()
         if now - last >= cfg.log_every_s or step == 0:
-            log(f"drafter step {step:5d}  t {now - start:6.1f}s  ce {float(losses['ce']):.3f}  "
-                f"selector {float(losses['selector']):.3f}")
+            log(f"drafter step {step:5d}  t {now - start:6.1f}s  ce {float(losses['ce'].detach()):.3f}  "
+                f"selector {float(losses['selector'].detach()):.3f}")
             last = now
     trainer.eval()
     metrics = evaluate_drafter(trainer, net, heldout, gen)

@@ -36,6 +36,7 @@ class LoopConfig:
     time_budget_s: float = 300.0  # this chunk's budget
     max_steps: int | None = None
     log_every_s: float = 20.0
+    eval_every_s: float = 60.0  # held-out CE this often (with `heldout` rows); the best weights are kept
 
 
 def lr_at(cfg: LoopConfig, step: int, trained_s: float) -> float:
@@ -67,10 +68,12 @@ def save_state(path: Path, net: TrainNet, opt, step: int, trained_s: float, hist
 
 
 def train(net: TrainNet, rows: torch.Tensor, cfg: LoopConfig, ckpt_dir: Path, resume: Path | None = None,
-          log=print) -> dict:
+          log=print, heldout: torch.Tensor | None = None) -> dict:
     """Train `net` (already on its device) on rows [N, S]; returns {"step", "trained_s", "history", "stopped"}.
 
-    history rows: {"step", "time_s", "lr", "ce", "mtp", "tokens_per_s"} at each log line.
+    history rows: {"step", "time_s", "lr", "ce", "mtp", "tokens_per_s", "heldout_ce"} at each log line
+    (heldout_ce: NaN between evaluations). With `heldout` rows, the held-out CE is measured every `eval_every_s`
+    and at the end; the weights with the lowest one are kept (a small model on ~3 M tokens can overfit).
     """
     device = next(net.parameters()).device
     opt = make_optimizer(net, cfg)
@@ -85,6 +88,7 @@ def train(net: TrainNet, rows: torch.Tensor, cfg: LoopConfig, ckpt_dir: Path, re
     net.train()
     start = last_log = time.perf_counter()
     tokens_since, stopped = 0, "budget"
+    best, last_eval = (math.inf, None), start
     sums = {"ce": 0.0, "mtp": 0.0, "n": 0}
     for step, batch in batches(rows, cfg.batch_size, cfg.seed, start_step=step):
         elapsed = time.perf_counter() - start
@@ -109,18 +113,34 @@ def train(net: TrainNet, rows: torch.Tensor, cfg: LoopConfig, ckpt_dir: Path, re
         sums["n"] += 1
         now = time.perf_counter()
         if now - last_log >= cfg.log_every_s or step == 0:
+            held = math.nan
+            if heldout is not None and now - last_eval >= cfg.eval_every_s:
+                held, best = _eval_keep_best(net, heldout, best)
+                last_eval = time.perf_counter()
             row = {"step": step, "time_s": round(trained_s + now - start, 1), "lr": lr,
                    "ce": sums["ce"] / sums["n"], "mtp": sums["mtp"] / sums["n"],
-                   "tokens_per_s": tokens_since / (now - last_log) if step else 0.0}
+                   "tokens_per_s": tokens_since / (now - last_log) if step else 0.0, "heldout_ce": held}
             history.append(row)
             log(f"step {step:6d}  t {row['time_s']:7.1f}s  lr {lr:.2e}  ce {row['ce']:.3f}  mtp {row['mtp']:.3f}  "
-                f"{row['tokens_per_s']:,.0f} tok/s")
+                f"{row['tokens_per_s']:,.0f} tok/s" + ("" if math.isnan(held) else f"  held-out ce {held:.3f}"))
             last_log, tokens_since, sums = now, 0, {"ce": 0.0, "mtp": 0.0, "n": 0}
     trained_s += time.perf_counter() - start
+    if heldout is not None:
+        held, best = _eval_keep_best(net, heldout, best)
+        if best[1] is not None and best[0] < held:
+            net.load_state_dict(best[1])
+            log(f"kept the best weights: held-out ce {best[0]:.3f} (the last were {held:.3f})")
     save_state(ckpt_dir / CKPT, net, opt, step, trained_s, history)
     log(f"stopped ({stopped}) at step {step}, {trained_s:.0f} s trained; saved {ckpt_dir / CKPT}")
     return {"step": step, "trained_s": trained_s, "history": history, "stopped": stopped,
             "config": asdict(cfg)}
+
+
+def _eval_keep_best(net: TrainNet, heldout: torch.Tensor, best: tuple[float, dict | None]):
+    held = evaluate(net, heldout)["heldout_ce"]
+    if held < best[0]:
+        best = (held, {k: v.detach().clone() for k, v in net.state_dict().items()})
+    return held, best
 
 
 @torch.no_grad()

@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--max-files", type=int, default=None, help="use a prefix of the sorted file list (tests)")
+    p.add_argument("--include-tests", action="store_true",
+                   help="also train on the stdlib's test suites (about 2.5x the tokens; default: library code only)")
     p.add_argument("--min-token-count", type=int, default=2,
                    help="keep embedding / LM-head rows for tokens seen at least this often in training")
     p.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate (0: all)")
@@ -64,7 +66,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     tok = Tokenizer.from_qwen_ranks(Path(tempfile.gettempdir()) / "revolta-train-tokenizer")
-    data = load_token_data(DataConfig(seq_len=args.seq_len, max_files=args.max_files), tok)
+    data = load_token_data(DataConfig(seq_len=args.seq_len, max_files=args.max_files,
+                                      include_tests=args.include_tests), tok)
     log(f"data: {data.files} files, {data.num_tokens} tokens, tokenized in {data.seconds:.1f} s")
     cfg = trained_config(args.size)
     mask_id = DRAFTER_CONFIG["dflash_config"]["mask_token_id"]
@@ -77,8 +80,9 @@ def run(args: argparse.Namespace, log=print) -> dict:
     loop = LoopConfig(batch_size=args.batch_size, lr=args.lr, seed=args.seed, time_budget_s=args.time_budget_s,
                       schedule_s=args.schedule_s or args.time_budget_s, max_steps=args.max_steps,
                       log_every_s=args.log_every_s)
-    result = train(net, data.train, loop, out / "ckpt", Path(args.resume) / "ckpt" if args.resume else None, log)
     heldout = data.heldout if not args.eval_rows else data.heldout[: args.eval_rows]
+    result = train(net, data.train, loop, out / "ckpt", Path(args.resume) / "ckpt" if args.resume else None, log,
+                   heldout=data.heldout[-16:])  # the best-weights pick reads the last rows; metrics the first
     metrics = {"target": evaluate(net, heldout)}
     log(f"held-out: {metrics['target']}")
     drafter_state = None
