@@ -41,6 +41,7 @@ class DrafterConfig:
     seed: int = 0
     selector_weight: float = 0.5
     log_every_s: float = 20.0
+    precision: str = "tf32"
 
 
 def drafter_config(net: TrainNet) -> DFlash2DraftConfig:
@@ -138,8 +139,8 @@ def _anchors(B: int, S: int, A: int, block: int, gen: torch.Generator, device) -
 
 
 @torch.no_grad()
-def greedy_targets(net: TrainNet, ids: Tensor) -> Tensor:
-    with autocast(ids.device):
+def greedy_targets(net: TrainNet, ids: Tensor, precision: str = "tf32") -> Tensor:
+    with autocast(ids.device, precision):
         return net.logits(net.trunk(ids)).argmax(-1)
 
 
@@ -164,8 +165,8 @@ def train_drafter(net: TrainNet, rows: Tensor, heldout: Tensor, cfg: DrafterConf
             g["lr"] = lr_at(sched, step, elapsed)
         ids = batch.to(device)
         anchors = _anchors(ids.shape[0], ids.shape[1], cfg.anchors_per_row, dcfg.block_size, gen, device)
-        greedy = greedy_targets(net, ids)
-        with autocast(device):
+        greedy = greedy_targets(net, ids, cfg.precision)
+        with autocast(device, cfg.precision):
             losses = trainer.losses(net, ids, anchors, greedy)
         loss = losses["ce"] + cfg.selector_weight * losses["selector"]
         opt.zero_grad(set_to_none=True)
@@ -178,7 +179,7 @@ def train_drafter(net: TrainNet, rows: Tensor, heldout: Tensor, cfg: DrafterConf
                 f"selector {float(losses['selector'].detach()):.3f}")
             last = now
     trainer.eval()
-    metrics = evaluate_drafter(trainer, net, heldout, gen)
+    metrics = evaluate_drafter(trainer, net, heldout, gen, precision=cfg.precision)
     metrics["steps"] = step
     log(f"drafter held-out: {metrics}")
     return trainer, metrics
@@ -186,7 +187,7 @@ def train_drafter(net: TrainNet, rows: Tensor, heldout: Tensor, cfg: DrafterConf
 
 @torch.no_grad()
 def evaluate_drafter(trainer: DrafterTrainer, net: TrainNet, heldout: Tensor, gen: torch.Generator,
-                     anchors_per_row: int = 16, batch_size: int = 8) -> dict[str, float]:
+                     anchors_per_row: int = 16, batch_size: int = 8, precision: str = "tf32") -> dict[str, float]:
     """Mean accepted length of greedy drafts (teacher forced: drafts from the true prefix, each compared with the
     target's greedy token at its position; accepted = the leading run of matches, 0 .. block_size - 1) and the
     per-position match rate."""
@@ -198,9 +199,9 @@ def evaluate_drafter(trainer: DrafterTrainer, net: TrainNet, heldout: Tensor, ge
         ids = heldout[i: i + batch_size].to(device)
         B, S = ids.shape
         anchors = _anchors(B, S, anchors_per_row, cfg.block_size, gen, device)
-        greedy = greedy_targets(net, ids)
+        greedy = greedy_targets(net, ids, precision)
         rows = torch.arange(B, device=device).repeat_interleave(anchors_per_row)
-        with autocast(device):
+        with autocast(device, precision):
             hidden, logits = trainer.block_logits(net, ids, anchors)
         picked = greedy_walk(trainer, net, hidden.float(), logits, ids[rows, anchors.reshape(-1)])
         want = greedy[rows[:, None], anchors.reshape(-1)[:, None] + torch.arange(D, device=device)]

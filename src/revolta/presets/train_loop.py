@@ -36,6 +36,7 @@ class LoopConfig:
     time_budget_s: float = 300.0  # this chunk's budget
     max_steps: int | None = None
     log_every_s: float = 20.0
+    precision: str = "tf32"  # "tf32", "fp32" or "bf16" (autocast)
     eval_every_s: float = 60.0  # held-out CE this often (with `heldout` rows); the best weights are kept
 
 
@@ -46,11 +47,20 @@ def lr_at(cfg: LoopConfig, step: int, trained_s: float) -> float:
     return cfg.lr * warm * cos
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; fp32 elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast(device: torch.device, precision: str = "tf32"):
+    """"bf16": bf16 autocast (CUDA or CPU); "tf32" / "fp32": no autocast, fp32 weights and activations (on CUDA
+    the matmuls use TF32 when `set_precision` allowed it). TF32 is the default: this model is bound by kernel
+    launches, not FLOPs, and the GDN chunk reference keeps its delta-rule algebra in fp32 only without autocast."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def set_precision(precision: str) -> None:
+    if precision not in ("tf32", "fp32", "bf16"):
+        raise ValueError(f"precision={precision!r}; use tf32, fp32 or bf16")
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
 def make_optimizer(net: TrainNet, cfg: LoopConfig) -> torch.optim.AdamW:
@@ -100,7 +110,7 @@ def train(net: TrainNet, rows: torch.Tensor, cfg: LoopConfig, ckpt_dir: Path, re
         for group in opt.param_groups:
             group["lr"] = lr
         batch = batch.to(device, non_blocking=True)
-        with autocast(device):
+        with autocast(device, cfg.precision):
             losses = net.losses(batch)
         loss = losses["ce"] + cfg.mtp_weight * losses.get("mtp", 0.0)
         opt.zero_grad(set_to_none=True)
@@ -115,7 +125,7 @@ def train(net: TrainNet, rows: torch.Tensor, cfg: LoopConfig, ckpt_dir: Path, re
         if now - last_log >= cfg.log_every_s or step == 0:
             held = math.nan
             if heldout is not None and now - last_eval >= cfg.eval_every_s:
-                held, best = _eval_keep_best(net, heldout, best)
+                held, best = _eval_keep_best(net, heldout, best, cfg.precision)
                 last_eval = time.perf_counter()
             row = {"step": step, "time_s": round(trained_s + now - start, 1), "lr": lr,
                    "ce": sums["ce"] / sums["n"], "mtp": sums["mtp"] / sums["n"],
@@ -126,7 +136,7 @@ def train(net: TrainNet, rows: torch.Tensor, cfg: LoopConfig, ckpt_dir: Path, re
             last_log, tokens_since, sums = now, 0, {"ce": 0.0, "mtp": 0.0, "n": 0}
     trained_s += time.perf_counter() - start
     if heldout is not None:
-        held, best = _eval_keep_best(net, heldout, best)
+        held, best = _eval_keep_best(net, heldout, best, cfg.precision)
         if best[1] is not None and best[0] < held:
             net.load_state_dict(best[1])
             log(f"kept the best weights: held-out ce {best[0]:.3f} (the last were {held:.3f})")
@@ -136,15 +146,15 @@ def train(net: TrainNet, rows: torch.Tensor, cfg: LoopConfig, ckpt_dir: Path, re
             "config": asdict(cfg)}
 
 
-def _eval_keep_best(net: TrainNet, heldout: torch.Tensor, best: tuple[float, dict | None]):
-    held = evaluate(net, heldout)["heldout_ce"]
+def _eval_keep_best(net: TrainNet, heldout: torch.Tensor, best: tuple[float, dict | None], precision: str):
+    held = evaluate(net, heldout, precision=precision)["heldout_ce"]
     if held < best[0]:
         best = (held, {k: v.detach().clone() for k, v in net.state_dict().items()})
     return held, best
 
 
 @torch.no_grad()
-def evaluate(net: TrainNet, rows: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
+def evaluate(net: TrainNet, rows: torch.Tensor, batch_size: int = 8, precision: str = "tf32") -> dict[str, float]:
     """Held-out CE, MTP CE and MTP position-1 acceptance (teacher forced: the MTP head's greedy token for p + 2
     equals the target's greedy token at p + 1, both given the true prefix)."""
     device = next(net.parameters()).device
@@ -153,7 +163,7 @@ def evaluate(net: TrainNet, rows: torch.Tensor, batch_size: int = 8) -> dict[str
     tot = {"ce": 0.0, "mtp": 0.0, "acc": 0.0, "n": 0, "n_acc": 0}
     for i in range(0, rows.shape[0], batch_size):
         ids = rows[i: i + batch_size].to(device)
-        with autocast(device):
+        with autocast(device, precision):
             wide = net.trunk(ids)
             logits = net.logits(wide)  # [B, S, K]
             mtp = net.mtp_logits(wide, ids)[:, :-1]  # [B, S-2, K]: row p predicts p + 2

@@ -18,7 +18,7 @@ import torch
 
 from .train_data import DataConfig, load_token_data
 from .train_export import export, load_target_state, roundtrip, target_state
-from .train_loop import LoopConfig, evaluate, train
+from .train_loop import LoopConfig, evaluate, set_precision, train
 from .train_model import TrainNet, trained_config
 
 
@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
                        description="Train a small Flash-Next and a DFlash2 drafter on the running interpreter's "
                                    "standard library; write compact weights, the loss curve and held-out metrics.")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--resume", metavar="DIR", help="an earlier --out whose ckpt/ to continue from")
+    p.add_argument("--resume", metavar="DIR", help="an earlier run's checkpoint directory (its --ckpt-dir, by "
+                   "default OUT/ckpt) to continue from")
     p.add_argument("--size", default="default", help="model size preset: default or tiny")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--time-budget-s", type=float, default=300.0, help="target training seconds in this call")
@@ -46,6 +47,10 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate (0: all)")
     p.add_argument("--no-int8", action="store_true", help="export 16-bit weights only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="tf32", choices=("tf32", "fp32", "bf16"),
+                   help="tf32 (default): fp32 weights, TF32 matmuls on CUDA; bf16: autocast")
+    p.add_argument("--ckpt-dir", metavar="DIR", help="where the resumable training state goes (default: OUT/ckpt; "
+                   "it holds the optimizer state, ~0.3 GB at the default size)")
     p.add_argument("--log-every-s", type=float, default=20.0)
 
 
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     from .default_drafter import DRAFTER_CONFIG
 
     torch.manual_seed(args.seed)
+    set_precision(args.precision)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -79,18 +85,19 @@ def run(args: argparse.Namespace, log=print) -> dict:
         f"embedding and LM head; device {device}")
     loop = LoopConfig(batch_size=args.batch_size, lr=args.lr, seed=args.seed, time_budget_s=args.time_budget_s,
                       schedule_s=args.schedule_s or args.time_budget_s, max_steps=args.max_steps,
-                      log_every_s=args.log_every_s)
+                      log_every_s=args.log_every_s, precision=args.precision)
     heldout = data.heldout if not args.eval_rows else data.heldout[: args.eval_rows]
-    result = train(net, data.train, loop, out / "ckpt", Path(args.resume) / "ckpt" if args.resume else None, log,
+    ckpt = Path(args.ckpt_dir) if args.ckpt_dir else out / "ckpt"
+    result = train(net, data.train, loop, ckpt, Path(args.resume) if args.resume else None, log,
                    heldout=data.heldout[-16:])  # the best-weights pick reads the last rows; metrics the first
-    metrics = {"target": evaluate(net, heldout)}
+    metrics = {"target": evaluate(net, heldout, precision=args.precision)}
     log(f"held-out: {metrics['target']}")
     drafter_state = None
     if args.drafter_time_budget_s > 0:
         from .train_drafter import DrafterConfig, drafter_export_state, train_drafter
 
         dcfg = DrafterConfig(time_budget_s=args.drafter_time_budget_s, seed=args.seed,
-                             log_every_s=args.log_every_s)
+                             log_every_s=args.log_every_s, precision=args.precision)
         drafter, dmetrics = train_drafter(net, data.train, heldout, dcfg, log)
         metrics["drafter"] = dmetrics
         drafter_state = drafter_export_state(drafter, net)
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     if not args.no_int8:  # what int8 costs, measured on the same held-out rows
         probe = TrainNet(cfg, kept).to(device)
         load_target_state(probe, {k: v.to(device) for k, v in roundtrip(state, True).items()})
-        metrics["target_int8"] = evaluate(probe, heldout)
+        metrics["target_int8"] = evaluate(probe, heldout, precision=args.precision)
         log(f"held-out after int8 round trip: {metrics['target_int8']}")
     meta = {"config": cfg.to_dict(), "size": args.size, "kept_tokens": kept.numel(), "data": {
         "files": data.files, "tokens": data.num_tokens, "seq_len": args.seq_len, "recipe": DataConfig.__doc__
