@@ -126,3 +126,11 @@ def test_export_is_small_and_reloads_to_identical_logits(tmp_path):
             assert (a - b).abs().max() < 0.05 * a.abs().max()
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_kept_ids_count_floor_row_cap_and_specials():
+    from revolta.presets.train_run import kept_ids
+
+    rows = torch.tensor([[5, 5, 5, 7, 7, 9, 3, 3, 3, 3]])
+    assert kept_ids(rows, 2, 100, (EOS_ID,)).tolist() == [3, 5, 7, EOS_ID]  # 9 is seen once
+    assert kept_ids(rows, 1, 3, (EOS_ID,)).tolist() == [3, 5, EOS_ID]  # the two most frequent, plus EOS

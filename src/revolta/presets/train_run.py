@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
                    help="also train on the stdlib's test suites (about 2.5x the tokens; default: library code only)")
     p.add_argument("--min-token-count", type=int, default=2,
                    help="keep embedding / LM-head rows for tokens seen at least this often in training")
+    p.add_argument("--max-kept-tokens", type=int, default=26000,
+                   help="at most this many embedding / LM-head rows, the most frequent tokens (bounds the export: "
+                        "26000 rows at the default size give ~25 MiB)")
     p.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate (0: all)")
     p.add_argument("--no-int8", action="store_true", help="export 16-bit weights only")
     p.add_argument("--seed", type=int, default=0)
@@ -54,10 +57,13 @@ def add_parser(sub) -> None:
     p.add_argument("--log-every-s", type=float, default=20.0)
 
 
-def kept_ids(train_rows: torch.Tensor, min_count: int, always: tuple[int, ...]) -> torch.Tensor:
-    """Sorted ids seen at least `min_count` times in training, plus `always` (EOS, the drafter's mask token)."""
-    ids, counts = torch.unique(train_rows, return_counts=True)
-    kept = set(ids[counts >= min_count].tolist()) | set(always)
+def kept_ids(train_rows: torch.Tensor, min_count: int, max_rows: int, always: tuple[int, ...]) -> torch.Tensor:
+    """Sorted ids seen at least `min_count` times in training, at most the `max_rows` most frequent (ties: lower
+    id first), plus `always` (EOS, the drafter's mask token). The row cap bounds the export's size."""
+    ids, counts = torch.unique(train_rows, return_counts=True)  # ids ascending
+    ids, counts = ids[counts >= min_count], counts[counts >= min_count]
+    order = torch.sort(counts, descending=True, stable=True).indices[: max(max_rows - len(always), 0)]
+    kept = set(ids[order].tolist()) | set(always)
     return torch.tensor(sorted(kept), dtype=torch.long)
 
 
@@ -77,7 +83,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     log(f"data: {data.files} files, {data.num_tokens} tokens, tokenized in {data.seconds:.1f} s")
     cfg = trained_config(args.size)
     mask_id = DRAFTER_CONFIG["dflash_config"]["mask_token_id"]
-    kept = kept_ids(data.train, args.min_token_count, (cfg.text.eos_token_id, mask_id))
+    kept = kept_ids(data.train, args.min_token_count, args.max_kept_tokens, (cfg.text.eos_token_id, mask_id))
     net = TrainNet(cfg, kept, seed=args.seed).to(device)
     n_all = sum(p.numel() for p in net.parameters())
     n_tok = net.text.embed_tokens.weight.numel() + net.net.lm_head.weight.numel()
