@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -121,6 +122,9 @@ def run(args: argparse.Namespace, log=print) -> dict:
     metrics["export_bytes"] = summary["total_bytes"]
     write_curve(out, result["history"])
     metrics["wall_s"] = time.perf_counter() - t0
+    # a fixed eval set for CI (this interpreter's stdlib may differ from the one that checks the weights)
+    metrics["python"] = sys.version.split()[0]
+    metrics["heldout_eval_ids"] = heldout[:8].tolist()
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log(f"exported {summary['total_bytes'] / 2**20:.1f} MiB to {out / 'weights'}; total {metrics['wall_s']:.0f} s")
     return {"metrics": metrics, "result": result, "net": net, "summary": summary}
