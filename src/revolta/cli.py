@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace) -> int:
     from .presets.train_run import run
 
-    run(args)
+    run(args, log=lambda line: print(line, flush=True))  # progress shows at once, even through a pipe
     return 0
 
 
