@@ -133,7 +133,7 @@ def train(net: TrainNet, rows: torch.Tensor, cfg: LoopConfig, ckpt_dir: Path, re
             history.append(row)
             log(f"step {step:6d}  t {row['time_s']:7.1f}s  lr {lr:.2e}  ce {row['ce']:.3f}  mtp {row['mtp']:.3f}  "
                 f"{row['tokens_per_s']:,.0f} tok/s" + ("" if math.isnan(held) else f"  held-out ce {held:.3f}"))
-            last_log, tokens_since, sums = now, 0, {"ce": 0.0, "mtp": 0.0, "n": 0}
+            last_log, tokens_since, sums = time.perf_counter(), 0, {"ce": 0.0, "mtp": 0.0, "n": 0}  # evals left out
     trained_s += time.perf_counter() - start
     if heldout is not None:
         held, best = _eval_keep_best(net, heldout, best, cfg.precision)
