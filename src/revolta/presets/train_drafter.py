@@ -75,15 +75,12 @@ class DrafterTrainer(nn.Module):
                     p.normal_(0.0, 0.02)
         self.mask_embedding = nn.Parameter(torch.randn(hidden_size) * 0.02)
 
-    def block_logits(self, net: TrainNet, ids: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
-        """ids: [B, S]; anchors: [B, A] positions -> (drafter hidden [B*A, D, H], logits [B*A, D, K]), D drafts."""
+    def block_logits(self, net: TrainNet, ids: Tensor, anchors: Tensor, feats: Tensor) -> tuple[Tensor, Tensor]:
+        """ids: [B, S]; anchors: [B, A] positions; feats: [B, S, taps*H] (`target_pass`) -> (drafter hidden
+        [B*A, D, H], logits [B*A, D, K]), D drafts."""
         cfg, m = self.model.cfg, self.model
         B, S = ids.shape
         A, bs = anchors.shape[1], cfg.block_size
-        with torch.no_grad():
-            taps: dict[int, Tensor | None] = {i: None for i in cfg.target_layer_ids}
-            net.trunk(ids, taps)
-            feats = context_features(net.text, cfg, taps).view(B, S, -1)  # [B, S, taps*H]
         ctx = m.hidden_norm(m.fc(feats.to(m.fc.weight.dtype)))  # [B, S, H]
         cos, sin = m._rope(torch.arange(S, device=ids.device))
         kv = [layer.self_attn.key_value(ctx.flatten(0, 1), cos.repeat(B, 1), sin.repeat(B, 1))
@@ -101,15 +98,16 @@ class DrafterTrainer(nn.Module):
         logits = net.net.lm_head(hidden).float() * cfg.output_multiplier
         return hidden, logits
 
-    def losses(self, net: TrainNet, ids: Tensor, anchors: Tensor, target_greedy: Tensor) -> dict[str, Tensor]:
-        """target_greedy: [B, S] the target's greedy compact token for each next position (row p: token p + 1)."""
+    def losses(self, net: TrainNet, ids: Tensor, anchors: Tensor, feats: Tensor,
+               target_greedy: Tensor) -> dict[str, Tensor]:
+        """feats, target_greedy: `target_pass` (greedy row p: the target's compact token for p + 1)."""
         cfg = self.model.cfg
         D = cfg.block_size - 1
         B, A = anchors.shape
         rows = torch.arange(B, device=ids.device).repeat_interleave(A)
         pos = anchors.reshape(-1)[:, None] + torch.arange(D, device=ids.device)  # [B*A, D] row predicting p + 1 + i
         want = target_greedy[rows[:, None], pos]  # [B*A, D] compact ids
-        hidden, logits = self.block_logits(net, ids, anchors)
+        hidden, logits = self.block_logits(net, ids, anchors, feats)
         decay = torch.exp(-torch.arange(D, device=ids.device, dtype=torch.float32) / 4.0)
         ce = F.cross_entropy(logits.flatten(0, 1), want.flatten(), reduction="none").view(-1, D)
         ce = (ce * decay).sum() / (decay.sum() * ce.shape[0])
@@ -139,9 +137,13 @@ def _anchors(B: int, S: int, A: int, block: int, gen: torch.Generator, device) -
 
 
 @torch.no_grad()
-def greedy_targets(net: TrainNet, ids: Tensor, precision: str = "tf32") -> Tensor:
+def target_pass(net: TrainNet, cfg: DFlash2DraftConfig, ids: Tensor, precision: str = "tf32") -> tuple[Tensor, Tensor]:
+    """One frozen target forward: (tapped context features [B, S, taps*H], greedy compact tokens [B, S])."""
+    B, S = ids.shape
     with autocast(ids.device, precision):
-        return net.logits(net.trunk(ids)).argmax(-1)
+        taps: dict[int, Tensor | None] = {i: None for i in cfg.target_layer_ids}
+        greedy = net.logits(net.trunk(ids, taps)).argmax(-1)
+        return context_features(net.text, cfg, taps).view(B, S, -1), greedy
 
 
 def train_drafter(net: TrainNet, rows: Tensor, heldout: Tensor, cfg: DrafterConfig, log=print):
@@ -165,9 +167,9 @@ def train_drafter(net: TrainNet, rows: Tensor, heldout: Tensor, cfg: DrafterConf
             g["lr"] = lr_at(sched, step, elapsed)
         ids = batch.to(device)
         anchors = _anchors(ids.shape[0], ids.shape[1], cfg.anchors_per_row, dcfg.block_size, gen, device)
-        greedy = greedy_targets(net, ids, cfg.precision)
+        feats, greedy = target_pass(net, dcfg, ids, cfg.precision)
         with autocast(device, cfg.precision):
-            losses = trainer.losses(net, ids, anchors, greedy)
+            losses = trainer.losses(net, ids, anchors, feats, greedy)
         loss = losses["ce"] + cfg.selector_weight * losses["selector"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -199,10 +201,10 @@ def evaluate_drafter(trainer: DrafterTrainer, net: TrainNet, heldout: Tensor, ge
         ids = heldout[i: i + batch_size].to(device)
         B, S = ids.shape
         anchors = _anchors(B, S, anchors_per_row, cfg.block_size, gen, device)
-        greedy = greedy_targets(net, ids, precision)
+        feats, greedy = target_pass(net, cfg, ids, precision)
         rows = torch.arange(B, device=device).repeat_interleave(anchors_per_row)
         with autocast(device, precision):
-            hidden, logits = trainer.block_logits(net, ids, anchors)
+            hidden, logits = trainer.block_logits(net, ids, anchors, feats)
         picked = greedy_walk(trainer, net, hidden.float(), logits, ids[rows, anchors.reshape(-1)])
         want = greedy[rows[:, None], anchors.reshape(-1)[:, None] + torch.arange(D, device=device)]
         match = (picked == want).float()  # [N, D]
