@@ -33,7 +33,7 @@ USER_ERRORS = (UserError, ValueError, FileNotFoundError, NotADirectoryError)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="revolta", description="Run and study Qwen3.8-Flash-Next.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log loading details")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,info,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,info,serve,train-default}")
 
     gen = sub.add_parser("generate", help="generate text from prompts",
                          description="Generate a completion for each prompt (streamed when there is one).")
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where the PLE table would live (default: REVOLTA_PLE_PLACEMENT / VLLM_PLE_* if set, else "
                            "host, the release note's reference deployment); off the device it leaves the GPU budget")
     _add_serve_parser(sub)
+    from .presets.train_run import add_parser as add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 
@@ -175,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the startup summary is one line worth seeing on stderr
         logging.getLogger("revolta").setLevel(logging.INFO)
     try:
-        return {"generate": _generate, "info": _info, "serve": _serve}[args.command](args)
+        return {"generate": _generate, "info": _info, "serve": _serve, "train-default": _train}[args.command](args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -184,6 +187,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"revolta: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .presets.train_run import run
+
+    run(args, log=lambda line: print(line, flush=True))  # progress shows at once, even through a pipe
+    return 0
 
 
 def _one_line(e: BaseException, limit: int = 600) -> str:

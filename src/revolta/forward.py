@@ -148,6 +148,8 @@ class ForwardMeta:
     taps: when set, its keys are decoder layer ids and the text model stores the wide residual leaving
     each of those layers, [T, h*d], under its id (a DFlash drafter's context, spec/engine.md §2.1).
     ple_lookups: n-gram lookups the PLE layers started before the trunk ran, by state key (layers/ngram.py).
+    uniform_fresh: every sequence starts at token 0 and all have the same length (a [B, S] training batch, set by
+    presets/train_model.py): the simple torch path may then run the sequences as one batch instead of one by one.
     """
 
     cu_seqlens: list[int]
@@ -159,6 +161,7 @@ class ForwardMeta:
     paged: PagedMeta | None = None
     taps: dict[int, Tensor | None] | None = None
     ple_lookups: dict[str, Any] = field(default_factory=dict)
+    uniform_fresh: bool = False
 
     @property
     def num_seqs(self) -> int:

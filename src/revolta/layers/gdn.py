@@ -61,6 +61,8 @@ class GatedDeltaNet(nn.Module):
             out = self._mix_verify(mixed, g, beta, meta)
         elif meta.paged is not None:
             out = self._mix_paged(mixed, g, beta, meta)
+        elif meta.uniform_fresh:
+            out = self._mix_batch(mixed, g, beta, meta)
         else:
             out = self._mix_states(mixed, g, beta, meta)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
@@ -141,3 +143,25 @@ class GatedDeltaNet(nn.Module):
             o, st.recurrent = rule(q, k, v, g[start:end], beta[start:end], st.recurrent)
             out[start:end] = o
         return out
+
+    def _mix_batch(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:
+        """`_mix_states` for B fresh sequences of equal length S, run as one [B, S] batch (training) -> o [T, HV, V].
+        Same arithmetic as the per-sequence path (zero conv history, zero state); the states are kept as there."""
+        B = meta.num_seqs
+        S = mixed.shape[0] // B
+        W = self.conv_kernel
+        x = mixed.view(B, S, -1)
+        xs = F.pad(x, (0, 0, W - 1, 0))  # [B, W - 1 + S, C]: zero history, as causal_conv1d_ref with no state
+        xf, wf = xs.float(), self.conv1d.weight[:, 0, :].float()
+        conv_out = sum(xf[:, j : j + S] * wf[:, j] for j in range(W))  # [B, S, C] fp32
+        q, k, v = F.silu(conv_out).to(mixed.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.num_v_heads // self.num_k_heads
+        q = l2_normalize(q.unflatten(-1, (self.num_k_heads, self.head_k_dim))) * self.head_k_dim**-0.5
+        k = l2_normalize(k.unflatten(-1, (self.num_k_heads, self.head_k_dim)))
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        state = torch.zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=mixed.device)
+        o, s = chunk_gated_delta_rule_ref(q, k, v, g.view(B, S, -1), beta.view(B, S, -1), state)
+        for b, _, _, seq in meta.seq_slices():
+            seq.layers[self.state_key] = GDNState(conv=xs[b, xs.shape[1] - (W - 1):].clone(), recurrent=s[b])
+        return o.flatten(0, 1)

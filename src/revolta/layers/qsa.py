@@ -57,9 +57,9 @@ class QSAIndexer(nn.Module):
         return apply_rope(self.k_layernorm(pooled)[:, None, :], cos, sin)[:, 0, :]
 
     def scores(self, q: Tensor, keys: Tensor) -> Tensor:
-        """q: [Tq, Hi, Di], keys: [NB, Di] -> [Tq, NB] fp32: Σ_heads ReLU(q·k) / sqrt(Di)."""
-        dots = torch.einsum("thd,nd->thn", q.float(), keys.float())
-        return dots.relu().sum(dim=1) / math.sqrt(self.head_dim)
+        """q: [..., Tq, Hi, Di], keys: [..., NB, Di] -> [..., Tq, NB] fp32: Σ_heads ReLU(q·k) / sqrt(Di)."""
+        dots = torch.einsum("...thd,...nd->...thn", q.float(), keys.float())
+        return dots.relu().sum(dim=-2) / math.sqrt(self.head_dim)
 
 
 class QSAttention(nn.Module):
@@ -99,6 +99,9 @@ class QSAttention(nn.Module):
         if meta.paged is not None:
             out = self._attend_paged(q, gate, k, v, iq, ik, meta)
             return self.o_proj(out.flatten(-2))
+        if meta.uniform_fresh:
+            out = self._attend_batch(q, k, v, iq, ik, meta)
+            return self.o_proj(out.flatten(-2) * torch.sigmoid(gate.flatten(-2)))
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for _, start, end, seq in meta.seq_slices():
             st = seq.layers.get(self.state_key)
@@ -186,3 +189,37 @@ class QSAttention(nn.Module):
         logits = logits.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         return torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
+
+    def _attend_batch(self, q: Tensor, k: Tensor, v: Tensor, iq: Tensor, ik: Tensor, meta: ForwardMeta) -> Tensor:
+        """`_append` + `_attend` for B fresh sequences of equal length S, as one batch (training) -> [T, H, D].
+        Same arithmetic per sequence; each sequence's state is kept as the per-sequence path keeps it."""
+        B, c = meta.num_seqs, self.ratio
+        S = q.shape[0] // B
+        q, k, v, iq, ik = (t.unflatten(0, (B, S)) for t in (q, k, v, iq, ik))
+        cos, sin = meta.cos.unflatten(0, (B, S)), meta.sin.unflatten(0, (B, S))
+        nb = S // c
+        first = torch.arange(nb, device=q.device) * c
+        raw = ik[:, : nb * c].unflatten(1, (nb, c)).flatten(0, 1)  # [B*nb, c, Di]
+        blocks = self.indexer.block_keys(raw, cos[:, first].flatten(0, 1), sin[:, first].flatten(0, 1))
+        blocks = blocks.unflatten(0, (B, nb))  # [B, nb, Di]
+        pos = torch.arange(S, device=q.device)
+        allowed = (pos[None, :] <= pos[:, None]).expand(B, S, S)  # [B, Sq, Sk] causal
+        num_blocks = torch.div(pos + 1, c, rounding_mode="floor")
+        sparse = num_blocks > self.block_budget
+        if bool(sparse.any()):
+            scores = self.indexer.scores(iq[:, sparse], blocks)  # [B, Ts, nb]
+            chosen = select_blocks(scores, num_blocks[sparse], self.block_budget).repeat_interleave(c, dim=-1)
+            sel = torch.zeros(B, chosen.shape[1], S, dtype=torch.bool, device=q.device)
+            sel[..., : chosen.shape[-1]] = chosen
+            tail = pos[None, :] >= (num_blocks[sparse] * c)[:, None]  # [Ts, S]
+            allowed = allowed.clone()
+            allowed[:, sparse] = allowed[:, sparse] & (sel | tail)
+        rep = self.num_heads // self.num_kv_heads
+        kk, vv = (t.repeat_interleave(rep, dim=2).float() for t in (k, v))  # [B, S, H, D]
+        logits = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) / math.sqrt(self.head_dim)
+        probs = torch.softmax(logits.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, vv).to(q.dtype)
+        for b, _, _, seq in meta.seq_slices():
+            seq.layers[self.state_key] = QSAState(k=k[b], v=v[b], index_keys=ik[b], block_keys=blocks[b],
+                                                  block_cos=cos[b], block_sin=sin[b])
+        return out.flatten(0, 1)

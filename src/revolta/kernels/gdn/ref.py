@@ -33,36 +33,38 @@ def chunk_gated_delta_rule_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
                                chunk_size: int = 64) -> tuple[Tensor, Tensor]:
     """Chunked (WY/UT) form of the same recurrence; equal up to float reassociation.
 
-    Same shapes and contract as `recurrent_gated_delta_rule_ref`.
+    Same shapes and contract as `recurrent_gated_delta_rule_ref`, with optional leading batch dims on every
+    argument (q, k: [..., T, HV, K], state: [..., HV, K, V]: independent sequences of equal length, e.g. a
+    training batch). Differentiable (autograd), so training runs on it.
     """
-    T, HV, K = k.shape
+    *lead, T, HV, K = k.shape
     V = v.shape[-1]
     C = chunk_size
     pad = (-T) % C
-    # [HV, T, *] head-major; padding rows have k = v = 0, β = 0, g = 0 and change nothing
-    q, k, v = (torch.nn.functional.pad(t.float(), (0, 0, 0, 0, 0, pad)).transpose(0, 1) for t in (q, k, v))
-    g, beta = (torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).t() for t in (g, beta))
+    # [..., HV, T, *] head-major; padding rows have k = v = 0, β = 0, g = 0 and change nothing
+    q, k, v = (torch.nn.functional.pad(t.float(), (0, 0, 0, 0, 0, pad)).transpose(-3, -2) for t in (q, k, v))
+    g, beta = (torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).transpose(-1, -2) for t in (g, beta))
     s = state.float().clone()
-    out = torch.empty(HV, T + pad, V, dtype=torch.float32, device=v.device)
+    out = torch.empty(*lead, HV, T + pad, V, dtype=torch.float32, device=v.device)
     eye = torch.eye(C, dtype=torch.float32, device=v.device)
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=v.device), diagonal=-1)
     incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=v.device))
     for c0 in range(0, T + pad, C):
-        qc, kc, vc = q[:, c0 : c0 + C], k[:, c0 : c0 + C], v[:, c0 : c0 + C]  # [HV, C, *]
-        gc, bc = g[:, c0 : c0 + C], beta[:, c0 : c0 + C]  # [HV, C]
+        qc, kc, vc = (t[..., c0 : c0 + C, :] for t in (q, k, v))  # [..., HV, C, *]
+        gc, bc = g[..., c0 : c0 + C], beta[..., c0 : c0 + C]  # [..., HV, C]
         gam = gc.cumsum(-1)  # γ_i = Σ_{j<=i} g_j
-        diff = (gam[:, :, None] - gam[:, None, :]).masked_fill(~incl, float("-inf"))
+        diff = (gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf"))
         decay = diff.exp()  # Γ_ij = e^{γ_i - γ_j} for i >= j, else 0
-        a = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
-        t_inv = torch.linalg.solve_triangular(eye + a, eye.expand(HV, C, C), upper=False, unitriangular=True)
+        a = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
+        t_inv = torch.linalg.solve_triangular(eye + a, eye.expand(*lead, HV, C, C), upper=False, unitriangular=True)
         u = t_inv @ (bc[..., None] * vc)  # new values
         w = t_inv @ ((bc * gam.exp())[..., None] * kc)  # decayed keys
-        v_new = u - w @ s  # [HV, C, V]
+        v_new = u - w @ s  # [..., HV, C, V]
         attn = (qc @ kc.transpose(-1, -2)) * decay  # includes the diagonal
-        out[:, c0 : c0 + C] = (qc * gam.exp()[..., None]) @ s + attn @ v_new
-        last = gam[:, -1:]  # γ_C
+        out[..., c0 : c0 + C, :] = (qc * gam.exp()[..., None]) @ s + attn @ v_new
+        last = gam[..., -1:]  # γ_C
         s = s * last.exp()[..., None] + (kc * (last - gam).exp()[..., None]).transpose(-1, -2) @ v_new
-    return out[:, :T].transpose(0, 1), s
+    return out[..., :T, :].transpose(-3, -2), s
 
 
 # ---------------------------------------------------------------------------------------------
