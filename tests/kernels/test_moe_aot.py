@@ -57,7 +57,7 @@ def _hc_builds(hc, M, cfg, d, r, h, arch):
             f"hc_up_rows_M{M}": (
                 hc._hc_up_rows_kernel, "x norm_w w_up partial sumsq mix rstd out inject M R RH D eps stride_x "
                 "stride_wu stride_p stride_o NH S BLOCK_M BLOCK_C BLOCK_K1 BLOCK_K2 BLOCK_S FUSED_MIX HAS_INJECT PDL",
-                "aaaffafaannnnsnnnnccccccccccc",
+                "aaaffafaannnnsnnnncccccccccc",
                 dict(NH=h, S=S, BLOCK_M=cfg["BLOCK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K1=k1, BLOCK_K2=k2, BLOCK_S=bs,
                      FUSED_MIX=cfg["FUSED_MIX"], HAS_INJECT=True, PDL=pdl), cfg["WARPS_UP"], 2)}
         if not cfg["FUSED_MIX"]:

@@ -8,24 +8,38 @@ Read, on the wide residual x = [x_0 .. x_{h-1}] ([M, h·d], branch-major):
     G    = σ(W_up a)                          [M, h·d]
     u_in = (1/h) Σ_b g_b ⊙ n_b                [M, d]
 
-Triton path, three launches:
-  1. `_hc_down_kernel`: one pass over x and over the rows of [W_dn; W_inj] (the two matmuls share
-     their input, so they share the pass; no concatenated weight is needed). Because the norm is
-     linear per branch, W·N = Σ_b rstd_b · W_b (x_b ⊙ (1 + w_b)): the kernel accumulates the
-     unnormalised partial products per K-split together with the per-split Σx², so the statistics
-     cost no extra pass. Grid (M tiles, row tiles of r + h, K splits): at small M this spreads the
-     6.6 M-parameter module over enough CTAs to stream the weights at full bandwidth.
-  2. `_hc_mix_kernel` (one program per token): rstd per branch, the split-K reduction, SiLU, the
-     inject sigmoid.
-  3. `_hc_up_kernel`: per (M tile, column tile c of d): for every branch b the rows b·d + c of W_up,
-     G = σ(a W_upᵀ), the normalised branch recomputed from x, and the mean over branches.
-Numerics against the layer (`HyperConnection.read`): the layer rounds N, the matmul outputs and the
-gates to x.dtype; here N is never materialised (rstd is applied after the K reduction, in fp32),
-only `a` (the input of the second matmul) is rounded to x.dtype, and u_in is rounded once.
+Because the norm is linear per branch, W·N = Σ_b rstd_b · W_b (x_b ⊙ (1 + w_b)): both paths accumulate
+the unnormalised products per K split of one branch together with the split's Σx², so the statistics
+cost no extra pass, and apply rstd after the K reduction (in fp32). W_dn and W_inj share their input,
+so they share the pass (rows [0, r) and [r, r + h) of one virtual matrix; nothing is concatenated).
 
-At small M (decode / verify) the products are GEMV-like and use no `tl.dot` (BLOCK_M of 1..8);
-from M = 16 on they use `tl.dot`. The "torch" path (cuBLAS matmuls; what sm70 uses for prefill, since
-tl.dot has no tensor cores there) is `hc_read_ref` itself.
+Small M (decode / verify, M <= 16 by default; `hc_config`), the "rows" kernels, built to stream the
+13 MB of weights per module at bandwidth:
+  1. `_hc_down_rows_kernel`, grid (M tiles, row tiles of r + h, K splits): each program loads its
+     [BLOCK_R, d / splits] slice of [W_dn; W_inj] once (vector loads, no tl.dot) and applies it to its
+     rows one at a time; fp32 partials [S, M, r + h] and Σx² [S, M] to a workspace.
+  2. `_hc_mix_rows_kernel`, grid (M, column tiles of r + h): rstd per branch, the split reduction,
+     `a` = SiLU, the inject sigmoid. (FUSED_MIX: no such launch; every up program redoes this tiny
+     reduction for its rows, worth it only with few splits.)
+  3. `_hc_up_rows_kernel`, grid (M tiles, column tiles c of d): the rows b·d + c of W_up for all
+     branches in two power-of-two K pieces (320 = 256 + 64), G = σ(W_up a), the normalised branch
+     recomputed from x, the mean over branches.
+  On sm90 the later launches use programmatic dependent launch: they start while the down pass
+  streams, issue their W_up loads, then wait (`gdc_wait`) for the previous grid, which hides a
+  launch latency and overlaps the two weight streams.
+  Row invariance: the config is the same for every M <= MAX_M apart from BLOCK_M, and each row is
+  computed by the same instructions on the same tiles whatever rows share its program, so a row's
+  result does not depend on the batch (checked bitwise under the interpreter; the benchmark checks
+  it on the GPU).
+Larger M, the "tiles" kernels (`hc_config_tiles`), three launches: `_hc_down_kernel` (tl.dot tiles
+over (M, rows, K splits)), `_hc_mix_kernel` (one program per row), `_hc_up_kernel` (tl.dot over
+(M, columns c of d) for all branches). They also have GEMV tiles for M <= 8, the kernel measured in
+benchmarks/RESULTS.md K7 (kept so the benchmark can time it). The "torch" path (cuBLAS matmuls) is
+`hc_read_ref` itself.
+Numerics against the layer (`HyperConnection.read`), both paths: the layer rounds N, the matmul
+outputs and the gates to x.dtype; here N is never materialised (rstd is applied after the K reduction,
+in fp32), only `a` (the input of the second matmul) is rounded to x.dtype, and u_in and the inject
+gates are rounded once, at the end.
 
 Combine: x_b ← x_b + inj_b · u, in x.dtype exactly as the layer (the product rounded, then the sum).
 """
@@ -310,18 +324,27 @@ def _hc_up_rows_kernel(x, norm_w, w_up, partial, sumsq, mix, rstd, out, inject, 
 def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None) -> dict:
     """Launch config for M tokens (also used by the AOT compile tests and the benchmark).
 
-    M <= ROWS["MAX_M"] (decode / verify): the row-streaming kernels (KIND "rows"), one config for every
-    such M apart from BLOCK_M, so a row's arithmetic does not depend on the batch. Above: tl.dot tiles.
+    M <= MAX_M of `hc_rows_default()` (decode / verify): the rows kernels, one config for every such M
+    apart from BLOCK_M, so a row's arithmetic does not depend on the batch. Above: the tl.dot tiles.
     """
-    # the small-M default, in one place (benchmarks/bench_moe_hc.py times variants of it beside the
-    # tiled kernels and the torch reference): rows per program (a loop, not a tile), W_dn rows per
-    # down program, K splits per branch, the down K chunk, W_up columns (x h branches) per up program,
-    # warps of each launch, programmatic dependent launch of the up kernel (sm90+ only)
-    rows = dict(KIND="rows", MAX_M=16, BLOCK_M=8, BLOCK_R=16, SPLITS_PER_BRANCH=5, BLOCK_K=512, WARPS_DOWN=4,
-                FUSED_MIX=False, BLOCK_C=8, WARPS_UP=8, PDL=True)
+    rows = hc_rows_default()
     if M <= rows["MAX_M"]:
         return rows_config(rows, M, d, r, hc_count)
     return hc_config_tiles(M, d, r, hc_count, arch)
+
+
+def hc_rows_default() -> dict:
+    """The small-M default, in one place (benchmarks/bench_moe_hc.py times variants of it beside the
+    tiled kernels and the torch reference).
+
+    MAX_M: the largest M it serves; BLOCK_M: rows per program (a loop, not a tile); BLOCK_R: rows of
+    [W_dn; W_inj] per down program; SPLITS_PER_BRANCH: K splits of each branch's d columns; BLOCK_K:
+    the down pass's K chunk; FUSED_MIX: no mix launch (the up programs reduce the splits themselves);
+    BLOCK_C: columns of d (times h branches of W_up rows) per up program; WARPS_*: warps per launch;
+    PDL: programmatic dependent launch of the mix and up kernels (sm90+ only).
+    """
+    return dict(KIND="rows", MAX_M=16, BLOCK_M=8, BLOCK_R=16, SPLITS_PER_BRANCH=5, BLOCK_K=512, WARPS_DOWN=4,
+                FUSED_MIX=False, BLOCK_C=8, WARPS_UP=8, PDL=True)
 
 
 def rows_config(base: dict, M: int, d: int, r: int, hc_count: int) -> dict:
