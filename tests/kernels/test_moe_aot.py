@@ -50,9 +50,9 @@ def _hc_builds(hc, M, cfg, d, r, h, arch):
         b = {
             f"hc_down_rows_M{M}": (
                 hc._hc_down_rows_kernel, "x norm_w w_down w_inject partial sumsq M R RH stride_x stride_wd stride_wi "
-                "stride_p KSPLIT BLOCK_M BLOCK_R BLOCK_K HAS_INJECT PDL", "aaaaffnnnnnnncccccc",
+                "stride_p KSPLIT BLOCK_M BLOCK_R BLOCK_K PDL", "aaaaffnnnnnnnccccc",
                 dict(KSPLIT=ksplit, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"],
-                     BLOCK_K=min(cfg["BLOCK_K"], 1 << (ksplit - 1).bit_length()), HAS_INJECT=True, PDL=pdl),
+                     BLOCK_K=min(cfg["BLOCK_K"], 1 << (ksplit - 1).bit_length()), PDL=pdl),
                 cfg["WARPS_DOWN"], 2),
             f"hc_up_rows_M{M}": (
                 hc._hc_up_rows_kernel, "x norm_w w_up partial sumsq mix rstd out inject M R RH D eps stride_x "

@@ -182,7 +182,7 @@ def _hc_up_kernel(x, norm_w, mix, w_up, rstd, out, M, R, D,
 def _hc_down_rows_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
                          stride_x, stride_wd, stride_wi, stride_p,
                          KSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HAS_INJECT: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     # grid (M tiles, row tiles of r + h, K splits): a program streams its [BLOCK_R, KSPLIT] slice of
     # [W_dn; W_inj] once and applies it to each of its BLOCK_M rows in turn (no tl.dot)
     if PDL:
@@ -191,9 +191,9 @@ def _hc_down_rows_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
     i_r = tl.program_id(1)
     i_s = tl.program_id(2)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    # rows [0, R) come from W_dn, rows [R, R + h) from W_inj
+    # rows [0, R) come from W_dn, rows [R, RH) from W_inj (RH = R without it)
     m_dn = o_r < R
-    m_inj = (o_r >= R) & (o_r < RH)
+    m_w = o_r < RH
     o_i = tl.arange(0, BLOCK_M)
     b_acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     b_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -205,7 +205,7 @@ def _hc_down_rows_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
         # registers for the same bytes)
         p_w = tl.where(m_dn[:, None], w_down + o_r[:, None].to(tl.int64) * stride_wd + o_k[None, :],
                        w_inject + (o_r[:, None] - R).to(tl.int64) * stride_wi + o_k[None, :])
-        b_w = tl.load(p_w, mask=(m_dn | (m_inj & HAS_INJECT))[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_w = tl.load(p_w, mask=m_w[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_nw = 1.0 + tl.load(norm_w + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
         # one row at a time with the same [BR, BK] tile: a row's sums do not depend on how many rows
         # share the program (the where() selects, it adds nothing to other rows)
@@ -320,6 +320,7 @@ def _hc_up_rows_kernel(x, norm_w, w_up, partial, sumsq, mix, rstd, out, inject, 
         b_x = tl.load(x + m.to(tl.int64) * stride_x + o_bc, mask=m_bc & (o_c < n_c)[None, :], other=0.0).to(tl.float32)
         b_u = tl.sum(tl.sigmoid(b_g) * (b_x * b_rb[:, None] * b_nw), 0) / NH  # [BC]
         tl.store(out + m.to(tl.int64) * stride_o + o_c, b_u.to(out.dtype.element_ty), mask=o_c < n_c)
+
 
 def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None) -> dict:
     """Launch config for M tokens (also used by the AOT compile tests and the benchmark).
@@ -454,7 +455,7 @@ def _read_rows(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch
         x, norm_w, w_down, w_inject if has_inj else w_down, partial, sumsq, M, r, rh,
         x.stride(0), w_down.stride(0), w_inject.stride(0) if has_inj else 0, stride_p,
         KSPLIT=ksplit, BLOCK_M=bm, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(ksplit)),
-        HAS_INJECT=has_inj, PDL=pdl, num_warps=cfg["WARPS_DOWN"])
+        PDL=pdl, num_warps=cfg["WARPS_DOWN"])
     if not fused:
         _hc_mix_rows_kernel[(M, triton.cdiv(rh, 128))](
             partial, sumsq, mix, rstd, inj, M, r, rh, d, eps, stride_p, NH=h, S=S, BLOCK_K=128,
