@@ -326,7 +326,7 @@ def hc_variants(M, arch):
     launches, GEMV tiles at M <= 8); the rest are variants of `hc_rows_default()` (all M <= 64)."""
     if M > 64:
         return {}
-    rows = dict(HC.hc_rows_default(), MAX_M=64)
+    rows = dict(HC.hc_rows_default(arch), MAX_M=64)
     delta = {
         "rows": {}, "rows-nopdl": dict(PDL=False),
         "fused": dict(FUSED_MIX=True, SPLITS_PER_BRANCH=1, BLOCK_R=4),  # two launches, 4 splits

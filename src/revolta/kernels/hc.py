@@ -328,13 +328,13 @@ def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None) ->
     M <= MAX_M of `hc_rows_default()` (decode / verify): the rows kernels, one config for every such M
     apart from BLOCK_M, so a row's arithmetic does not depend on the batch. Above: the tl.dot tiles.
     """
-    rows = hc_rows_default()
+    rows = hc_rows_default(arch)
     if M <= rows["MAX_M"]:
         return rows_config(rows, M, d, r, hc_count)
     return hc_config_tiles(M, d, r, hc_count, arch)
 
 
-def hc_rows_default() -> dict:
+def hc_rows_default(arch: int | None = None) -> dict:
     """The small-M default, in one place (benchmarks/bench_moe_hc.py times variants of it beside the
     tiled kernels and the torch reference).
 
@@ -344,8 +344,11 @@ def hc_rows_default() -> dict:
     BLOCK_C: columns of d (times h branches of W_up rows) per up program; WARPS_*: warps per launch;
     PDL: programmatic dependent launch of the mix and up kernels (sm90+ only).
     """
-    return dict(KIND="rows", MAX_M=16, BLOCK_M=8, BLOCK_R=16, SPLITS_PER_BRANCH=5, BLOCK_K=512, WARPS_DOWN=4,
+    rows = dict(KIND="rows", MAX_M=16, BLOCK_M=8, BLOCK_R=16, SPLITS_PER_BRANCH=5, BLOCK_K=512, WARPS_DOWN=4,
                 FUSED_MIX=False, BLOCK_C=8, WARPS_UP=8, PDL=True)
+    if arch == 70:  # ptxas for sm_70 holds the down kernel's 512-wide chunk in 80 registers and spills
+        rows["BLOCK_K"] = 256
+    return rows
 
 
 def rows_config(base: dict, M: int, d: int, r: int, hc_count: int) -> dict:
