@@ -397,8 +397,9 @@ def bench_hc(Ms, copy_gbs, mm_tflops, variant_names=None):
             res["torch_eager_us"] = eager_time_us([(lambda i=i: mods[i % num_mods].read(xs[i])) for i in range(n)])
         for key in [k for k in res if k.endswith("_us") and k != "floor_us"]:
             res[key[:-3] + "_frac_copy"] = touched / (res[key] * 1e-6) / 1e9 / copy_gbs
-        res["ours_GBps"] = touched / (res["ours_us"] * 1e-6) / 1e9
-        res["ours_TFLOPs"] = 2 * M * NH * D * (2 * R + NH) / (res["ours_us"] * 1e-6) / 1e12
+        if "ours_us" in res:
+            res["ours_GBps"] = touched / (res["ours_us"] * 1e-6) / 1e9
+            res["ours_TFLOPs"] = 2 * M * NH * D * (2 * R + NH) / (res["ours_us"] * 1e-6) / 1e12
         rows.append(res)
         print(json.dumps(res), flush=True)
     return rows, checks
@@ -419,9 +420,9 @@ def print_hc_table(rows):
                   f"{r['torch_graph_us'] / t:>13.2f}x{mark}")
         print(f"{r['M']:>6} {'torch eager':>12} {r['torch_eager_us']:>8.1f}   floor {r['floor_us']:.2f} us "
               f"(bytes at the copy bandwidth); ours = {r['config']}")
-    print("  ours = hc_read's default (hc_config); tiles = the K7 kernel (three launches); rows* / fused* / br* / "
-          "spb* / bc* / bm* = variants of the rows kernels (benchmarks/bench_moe_hc.py hc_variants); "
-          "torch graph = HyperConnection.read under a CUDA graph")
+    print("  ours = hc_read's default (hc_config); tiles = the K7 kernel (three launches); rows = hc_rows_default() "
+          "at every M (= ours up to its MAX_M); rows-nopdl / fused* / br* / spb* / bc* / bm* = variants of it "
+          "(benchmarks/bench_moe_hc.py hc_variants); torch graph = HyperConnection.read under a CUDA graph")
 
 
 def bench_elementwise(Ms, copy_gbs):
