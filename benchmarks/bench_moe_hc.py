@@ -13,12 +13,15 @@ MoE: hidden 2560, ffn 640, top-10 of 512 experts (bf16: M = 1, 8, 40, 64, 8192, 
   expert (ffn 640, sigmoid gate) riding as expert E (k = 11); see bench_moe for the columns. The tile
   variants (moe_variants) are timed beside the default config; a fused_moe CUDA graph is replayed on new
   inputs and checked. GB/s counts the distinct touched experts' weights (plus the shared expert).
-HC: d 2560, h 4, r 320: ours = hc_read (Triton), torch = HyperConnection.read (graph and eager);
+HC: d 2560, h 4, r 320, M = 1, 2, 4, 5, 8, 16, 64, 8192 (--hc-ms): ours = hc_read's default config, beside
+  the K7 kernel ("tiles") and variants of the small-M rows kernels (hc_variants), torch = HyperConnection.read
+  (graph and eager); one row per config with its % of the copy bandwidth measured in the same run.
   hc_combine (the write: x_b + inject_b * out) vs its torch reference.
 Norms: the (1+w) RMSNorm over d 2560 (zc_rms_norm) and the GDN gated RMSNorm over 48 heads x 128
   (gated_rms_norm), vs their torch references; GB/s counts input + output (+ gate) bytes.
 
-Run: python benchmarks/bench_moe_hc.py [--quick] [--parts moe,hc,elementwise]; no GPU: --smoke (the MoE part
+Run: python benchmarks/bench_moe_hc.py [--quick] [--parts moe,hc,elementwise] [--hc-ms 1,8]
+[--hc-variants tiles,fused]; no GPU: --smoke (the MoE part
 at tiny shapes under the Triton interpreter).
 """
 
@@ -314,7 +317,34 @@ def print_moe_table(rows, copy_gbs):
             + ", ".join(f"{v} {r[v + '_us']:.1f}" for v in variants if v + "_us" in r) for r in rows if r["M"] <= 64))
 
 
-def bench_hc(Ms, copy_gbs, mm_tflops):
+HC_MS = (1, 2, 4, 5, 8, 16, 64, 8192)
+
+
+def hc_variants(M, arch):
+    """name -> hc_read config timed beside the default (`hc_config`'s choice, "ours"); change the default
+    in the one dict of revolta.kernels.hc.hc_rows_default. "tiles" is the kernel K7 measured (three
+    launches, GEMV tiles at M <= 8); the rest are variants of `hc_rows_default()` (all M <= 64)."""
+    if M > 64:
+        return {}
+    rows = dict(HC.hc_rows_default(arch), MAX_M=64)
+    delta = {
+        "rows": {}, "rows-nopdl": dict(PDL=False),
+        "fused": dict(FUSED_MIX=True, SPLITS_PER_BRANCH=1, BLOCK_R=4),  # two launches, 4 splits
+        "fused-nopdl": dict(FUSED_MIX=True, SPLITS_PER_BRANCH=1, BLOCK_R=4, PDL=False),
+        "fused-spb2": dict(FUSED_MIX=True, SPLITS_PER_BRANCH=2, BLOCK_R=8),
+        "br8": dict(BLOCK_R=8), "br32": dict(BLOCK_R=32),
+        "spb10": dict(SPLITS_PER_BRANCH=10, BLOCK_R=32, BLOCK_K=256),
+        "bc4": dict(BLOCK_C=4, WARPS_UP=4), "bc16": dict(BLOCK_C=16),
+        "bm4": dict(BLOCK_M=4), "bm16": dict(BLOCK_M=16)}
+    v = {"tiles": HC.hc_config_tiles(M, D, R, NH, arch)}
+    v.update({name: HC.rows_config(dict(rows, **dv), M, D, R, NH) for name, dv in delta.items()})
+    return v
+
+
+def bench_hc(Ms, copy_gbs, mm_tflops, variant_names=None):
+    """K7 rows: hc_read's default config ("ours"), the variants of `hc_variants` and the torch reference
+    (HyperConnection.read, under a CUDA graph and eager), each timed as a CUDA graph of calls over 8
+    modules (105 MB of weights, so no call finds its weights in L2); % copy = bytes / time / copy GB/s."""
     dt = torch.bfloat16
     torch.manual_seed(0)
     num_mods = 8  # 8 × 13.1 MB of weights rotate through L2
@@ -328,6 +358,7 @@ def bench_hc(Ms, copy_gbs, mm_tflops):
     weights = [(m.hc_norm.weight.detach(), m.input_mix_weight_down.weight.detach(), m.input_mix_weight_up.weight.detach(),
                 m.block_inject_weight.weight.detach()) for m in mods]
     wbytes = sum(w.numel() for w in weights[0]) * 2
+    arch = MOE._arch(torch.device("cuda"))
     rows, checks = [], []
     for M in Ms:
         n = 2 if M >= 4096 else num_mods
@@ -335,26 +366,63 @@ def bench_hc(Ms, copy_gbs, mm_tflops):
         ref_u, ref_i = HC.hc_read_ref(xs[0], *weights[0], NH, 1e-6)
         u, inj = HC.hc_read(xs[0], *weights[0], NH, 1e-6, path="triton")
         checks.append(dict(what=f"hc_read M={M}", rel_err_u=rel_err(u, ref_u), rel_err_inject=rel_err(inj, ref_i)))
+        if 1 < M <= 64:  # a row's result alone vs among M rows (the rows kernels are row-invariant by design)
+            u1, i1 = HC.hc_read(xs[0][M // 2:M // 2 + 1].contiguous(), *weights[0], NH, 1e-6, path="triton")
+            checks.append(dict(what=f"hc_read row invariance M={M} vs 1 (default configs)",
+                               bitwise=bool(torch.equal(u1[0], u[M // 2]) and torch.equal(i1[0], inj[M // 2]))))
         xh = xs[0].half()
         wh = [w.half() for w in weights[0]]
         cfg70 = HC.hc_config(M, D, R, NH, arch=70)
         u70, _ = HC.hc_read(xh, *wh, NH, 1e-6, path="triton", config=cfg70)
         checks.append(dict(what=f"hc_read sm70 config fp16 M={M}",
                            rel_err_u=rel_err(u70, HC.hc_read_ref(xh, *wh, NH, 1e-6)[0])))
-        res = dict(M=M, weight_MB=wbytes / 1e6, x_MB=xs[0].numel() * 2 / 1e6)
-        res["ours_us"] = graph_time_us([(lambda i=i: HC.hc_read(xs[i], *weights[i % num_mods], NH, 1e-6, path="triton")) for i in range(n)])
+        touched = wbytes + xs[0].numel() * 2 + M * D * 2
+        res = dict(M=M, weight_MB=wbytes / 1e6, x_MB=xs[0].numel() * 2 / 1e6, bytes=touched,
+                   floor_us=touched / copy_gbs / 1e3, config=HC.hc_config(M, D, R, NH, arch))
+        variants = {"ours": None, **hc_variants(M, arch)}
+        for name, cfg in variants.items():
+            if variant_names and name != "ours" and name not in variant_names:
+                continue
+            try:
+                uv, iv = HC.hc_read(xs[0], *weights[0], NH, 1e-6, path="triton", config=cfg)
+                checks.append(dict(what=f"hc_read {name} M={M}", rel_err_u=rel_err(uv, ref_u),
+                                   rel_err_inject=rel_err(iv, ref_i)))
+                res[f"{name}_us"] = graph_time_us([
+                    (lambda i=i, cfg=cfg: HC.hc_read(xs[i], *weights[i % num_mods], NH, 1e-6, path="triton",
+                                                     config=cfg)) for i in range(n)])
+            except Exception as e:  # noqa: BLE001 - one failing variant (e.g. PDL under capture) is reported
+                checks.append(dict(what=f"hc_read {name} M={M}", error=repr(e)[:300]))
         with torch.no_grad():
             res["torch_graph_us"] = graph_time_us([(lambda i=i: mods[i % num_mods].read(xs[i])) for i in range(n)])
             res["torch_eager_us"] = eager_time_us([(lambda i=i: mods[i % num_mods].read(xs[i])) for i in range(n)])
-        touched = wbytes + xs[0].numel() * 2 + M * D * 2
-        t = res["ours_us"]
-        res["ours_GBps"] = touched / (t * 1e-6) / 1e9
-        res["ours_frac_copy"] = res["ours_GBps"] / copy_gbs
-        flops = 2 * M * NH * D * (2 * R + NH)
-        res["ours_TFLOPs"] = flops / (t * 1e-6) / 1e12
+        for key in [k for k in res if k.endswith("_us") and k != "floor_us"]:
+            res[key[:-3] + "_frac_copy"] = touched / (res[key] * 1e-6) / 1e9 / copy_gbs
+        if "ours_us" in res:
+            res["ours_GBps"] = touched / (res["ours_us"] * 1e-6) / 1e9
+            res["ours_TFLOPs"] = 2 * M * NH * D * (2 * R + NH) / (res["ours_us"] * 1e-6) / 1e12
         rows.append(res)
         print(json.dumps(res), flush=True)
     return rows, checks
+
+
+def print_hc_table(rows):
+    """One line per (M, config): µs per call, % of the copy bandwidth (weights + x + out), speedup over the
+    torch reference under a CUDA graph; the fastest config per M marked."""
+    if not rows:
+        return
+    print(f"\n{'HC M':>6} {'config':>12} {'us':>8} {'%copy':>6} {'vs torch graph':>14}")
+    for r in rows:
+        timed = {k[:-3]: v for k, v in r.items() if k.endswith("_us") and k not in ("floor_us", "torch_eager_us")}
+        best = min(timed, key=timed.get)
+        for name, t in timed.items():
+            mark = "  <- fastest" if name == best else ""
+            print(f"{r['M']:>6} {name:>12} {t:>8.2f} {100 * r[name + '_frac_copy']:>5.0f}% "
+                  f"{r['torch_graph_us'] / t:>13.2f}x{mark}")
+        print(f"{r['M']:>6} {'torch eager':>12} {r['torch_eager_us']:>8.1f}   floor {r['floor_us']:.2f} us "
+              f"(bytes at the copy bandwidth); ours = {r['config']}")
+    print("  ours = hc_read's default (hc_config); tiles = the K7 kernel (three launches); rows = hc_rows_default() "
+          "at every M (= ours up to its MAX_M); rows-nopdl / fused* / br* / spb* / bc* / bm* = variants of it "
+          "(benchmarks/bench_moe_hc.py hc_variants); torch graph = HyperConnection.read under a CUDA graph")
 
 
 def bench_elementwise(Ms, copy_gbs):
@@ -429,6 +497,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the eager per-expert torch loop")
     ap.add_argument("--parts", default="moe,hc,elementwise", help="comma-separated subset of moe,hc,elementwise")
     ap.add_argument("--smoke", action="store_true", help="no GPU: the MoE part at tiny shapes on CPU (interpreter)")
+    ap.add_argument("--hc-ms", default=",".join(map(str, HC_MS)), help="token counts of the hc part")
+    ap.add_argument("--hc-variants", default="", help="comma-separated subset of hc_variants' names (default: all)")
     args = ap.parse_args()
     if args.smoke:
         return moe_smoke()
@@ -442,7 +512,9 @@ def main():
     info.update(copy_GBps=copy_gbs, matmul_TFLOPs=mm_tflops)
     print(json.dumps(info), flush=True)
     moe_rows, moe_checks = bench_moe(copy_gbs, mm_tflops, args.quick, graph_time_us) if "moe" in parts else ([], [])
-    hc_rows, hc_checks = bench_hc([1, 5, 8, 8192], copy_gbs, mm_tflops) if "hc" in parts else ([], [])
+    hc_ms = [int(m) for m in args.hc_ms.split(",")]
+    hc_names = set(args.hc_variants.split(",")) if args.hc_variants else None
+    hc_rows, hc_checks = bench_hc(hc_ms, copy_gbs, mm_tflops, hc_names) if "hc" in parts else ([], [])
     ew_rows, ew_checks = bench_elementwise([1, 5, 8, 64, 8192], copy_gbs) if "elementwise" in parts else ([], [])
     info["wall_s"] = time.time() - t0
     result = dict(info=info, checks=moe_checks + hc_checks + ew_checks, moe=moe_rows, hc=hc_rows, elementwise=ew_rows)
@@ -455,11 +527,7 @@ def main():
     print(f"\nceilings: copy {copy_gbs:,.0f} GB/s, bf16 matmul {mm_tflops:,.0f} TFLOP/s; "
           f"torch {info['torch']}, triton {info['triton']}, {info['device']}")
     print_moe_table(moe_rows, copy_gbs)
-    print(f"\n{'HC M':>6} {'ours us':>8} {'torch graph':>11} {'torch eager':>11} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'speedup':>7}")
-    for r in hc_rows:
-        print(f"{r['M']:>6} {r['ours_us']:>8.1f} {r['torch_graph_us']:>11.1f} {r['torch_eager_us']:>11.1f} "
-              f"{r['ours_GBps']:>7.0f} {100 * r['ours_frac_copy']:>5.0f}% {r['ours_TFLOPs']:>8.1f} "
-              f"{r['torch_graph_us'] / r['ours_us']:>6.2f}x")
+    print_hc_table(hc_rows)
     print(f"\n{'op':>15} {'M':>6} {'bytes':>10} {'ours us':>8} {'torch graph':>11} {'GB/s':>7} {'%copy':>6} {'speedup':>7}")
     for r in ew_rows:
         print(f"{r['op']:>15} {r['M']:>6} {r['bytes']:>10,} {r['ours_us']:>8.2f} {r['torch_graph_us']:>11.2f} "

@@ -60,9 +60,9 @@ class DecoderLayer(nn.Module):
             x = x + self.ple(x, meta)
         u, inject = self.attn_hyper_connection.read(x, ops)
         u = self.linear_attn(u, meta) if self.is_gdn else self.self_attn(u, meta)
-        x = self.attn_hyper_connection.combine(x, inject, u)
+        x = self.attn_hyper_connection.combine(x, inject, u, ops)
         u, inject = self.mlp_hyper_connection.read(x, ops)
-        return self.mlp_hyper_connection.combine(x, inject, self.mlp(u, ops))
+        return self.mlp_hyper_connection.combine(x, inject, self.mlp(u, ops), ops)
 
 
 class TextModel(nn.Module):

@@ -74,7 +74,34 @@ def test_moe_real_shapes(M):
     assert rel_err(MOE.fused_moe(x16, w1h, w2h, ids, w, path="triton", config=cfg70), ref16) < 2e-3
 
 
-@pytest.mark.parametrize("M", [1, 5, 64, 1000])
+def test_hc_read_rows_in_a_graph_real_shapes():
+    """The small-M HC read (rows kernels; on sm90 the mix and up launches wait on the previous grid
+    through programmatic dependent launch) captured in a CUDA graph and replayed on new inputs: a
+    missing wait reads the previous replay's partial sums (bench_moe_hc.py reports whether a row alone
+    is bitwise the same row among 8)."""
+    from revolta.kernels import hc as HC
+    D, NH, R, M = 2560, 4, 320, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16) * s[-1] ** -0.5
+          for s in ((NH * D,), (R, NH * D), (NH * D, R), (NH, NH * D))]
+    assert HC.hc_config(M, D, R, NH)["KIND"] == "rows"
+    x = torch.randn(M, NH * D, device="cuda", generator=g, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        HC.hc_read(x, *ws, NH, 1e-6)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        u, inj = HC.hc_read(x, *ws, NH, 1e-6)
+    for _ in range(3):
+        x.copy_(torch.randn(M, NH * D, device="cuda", generator=g, dtype=torch.bfloat16) * 3)
+        graph.replay()
+        u_ref, inj_ref = HC.hc_read_ref(x, *ws, NH, 1e-6)
+        assert rel_err(u, u_ref) < 1e-2 and rel_err(inj, inj_ref) < 1e-2
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 64, 1000])
 def test_hyperconnection_and_norms_real_shapes(M):
     """HC read (bf16, and the sm_70 config in fp16), HC write bitwise, the (1+w) RMSNorm over 2560
     and the gated RMSNorm over 48 heads x 128."""

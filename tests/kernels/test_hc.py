@@ -6,14 +6,18 @@ import torch
 from revolta.kernels import hc as K
 from revolta.layers.hyperconnection import HyperConnection
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 h, d, r = 4, 32, 16
+# the rows kernels' shapes: d = 40 splits 5 ways per branch as the real d = 2560 does (K chunks of 8),
+# r = 24 takes both K pieces of the up kernel (16 + 8) as the real r = 320 does (256 + 64)
+D_ROWS, R_ROWS = 40, 24
 
 
 pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py
 
 
-def _module(dtype, with_inject=True, seed=0):
+def _module(dtype, with_inject=True, seed=0, d=d, r=r):
     torch.manual_seed(seed)
     mod = HyperConnection(d, h, r, 1e-6, with_inject=with_inject)
     with torch.no_grad():
@@ -29,23 +33,79 @@ def _weights(mod):
 
 
 CONFIGS = {
-    "auto": None,  # hc_config(M): GEMV-like for M <= 8, tl.dot above
-    "dot16": dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=16, SPLITS_PER_BRANCH=2, BLOCK_C=16, BLOCK_K_UP=16, USE_DOT=True,
-                  num_warps=4),
+    "tiles": "tiles",  # hc_config_tiles(M): GEMV-like for M <= 8, tl.dot above (the default from M = 17 on)
+    "dot16": dict(KIND="tiles", BLOCK_M=16, BLOCK_R=16, BLOCK_K=16, SPLITS_PER_BRANCH=2, BLOCK_C=16, BLOCK_K_UP=16,
+                  USE_DOT=True, num_warps=4),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("M", [1, 5, 63])
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_hc_read(M, dtype, cfg):
+def test_hc_read_tiles(M, dtype, cfg):
     mod = _module(dtype)
     x = (torch.randn(M, h * d) * 2).to(dtype)
     norm_w, w_dn, w_up, w_inj = _weights(mod)
-    out, inj = K.hc_read(x, norm_w, w_dn, w_up, w_inj, h, 1e-6, path="triton", config=CONFIGS[cfg])
+    config = K.hc_config_tiles(M, d, r, h) if cfg == "tiles" else CONFIGS[cfg]
+    out, inj = K.hc_read(x, norm_w, w_dn, w_up, w_inj, h, 1e-6, path="triton", config=config)
     ref_out, ref_inj = K.hc_read_ref(x, norm_w, w_dn, w_up, w_inj, h, 1e-6)
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
     torch.testing.assert_close(inj, ref_inj, **TOL[dtype])
+
+
+# the M the rows kernels serve by default (1 row, a partial tile of 8, a full tile, two tiles), every
+# dtype at three of them, with and without the inject rows (the final mixer has none)
+ROWS_CASES = [(1, torch.float32, True), (1, torch.bfloat16, False), (1, torch.float16, True),
+              (3, torch.float16, False), (3, torch.float32, True), (3, torch.bfloat16, True),
+              (8, torch.bfloat16, True), (8, torch.float16, True), (8, torch.float32, False),
+              (16, torch.float32, True), (16, torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("M,dtype,with_inject", ROWS_CASES,
+                         ids=[f"M{m}-{str(t)[6:]}-{'inj' if i else 'noinj'}" for m, t, i in ROWS_CASES])
+def test_hc_read_rows(M, dtype, with_inject):
+    """The default small-M path (hc_config: the rows kernels with the mix launch) against the reference."""
+    mod = _module(dtype, with_inject, d=D_ROWS, r=R_ROWS)
+    x = (torch.randn(M, h * D_ROWS) * 2).to(dtype)
+    assert K.hc_config(M, D_ROWS, R_ROWS, h)["KIND"] == "rows"
+    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6)
+    ref_out, ref_inj = K.hc_read_ref(x, *_weights(mod), h, 1e-6)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    assert (inj is None) == (ref_inj is None) == (not with_inject)
+    if with_inject:
+        torch.testing.assert_close(inj, ref_inj, **TOL[dtype])
+
+
+@pytest.mark.parametrize("M,with_inject", [(3, True), (9, False)])
+def test_hc_read_rows_fused_mix(M, with_inject):
+    """FUSED_MIX (two launches: every up program redoes the split-K reduction), one split per branch."""
+    mod = _module(torch.float16, with_inject, d=D_ROWS, r=R_ROWS)
+    x = (torch.randn(M, h * D_ROWS) * 2).half()
+    cfg = K.rows_config(dict(K.hc_config(M, D_ROWS, R_ROWS, h), FUSED_MIX=True, SPLITS_PER_BRANCH=1, BLOCK_R=4),
+                        M, D_ROWS, R_ROWS, h)
+    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, config=cfg)
+    ref_out, ref_inj = K.hc_read_ref(x, *_weights(mod), h, 1e-6)
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float16])
+    if with_inject:
+        torch.testing.assert_close(inj, ref_inj, **TOL[torch.float16])
+
+
+def test_hc_rows_config_and_row_invariance(monkeypatch):
+    """Up to MAX_M rows the config differs only in BLOCK_M (rows per program, a loop), so a row's result
+    does not depend on the rows beside it; "auto" runs the kernels at every M (no reference fallback)."""
+    real = K.hc_config(1, 2560, 320, 4, arch=90)
+    for M in range(1, real["MAX_M"] + 1):
+        cfg = K.hc_config(M, 2560, 320, 4, arch=90)
+        assert {k: v for k, v in cfg.items() if k != "BLOCK_M"} == {k: v for k, v in real.items() if k != "BLOCK_M"}
+        assert cfg["KIND"] == "rows" and cfg["BLOCK_M"] <= 1 << (M - 1).bit_length()
+    assert K.hc_config(real["MAX_M"] + 1, 2560, 320, 4, arch=90)["KIND"] == "tiles"
+    monkeypatch.setattr(K, "hc_read_ref", lambda *a: pytest.fail("hc_read(path='auto') fell back to the reference"))
+    mod = _module(torch.float32, d=D_ROWS, r=R_ROWS)
+    x = torch.randn(9, h * D_ROWS) * 2
+    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, path="auto")  # two programs' worth of rows (8 + 1)
+    for lo, hi in ((6, 7), (5, 8)):
+        part, part_inj = K.hc_read(x[lo:hi].contiguous(), *_weights(mod), h, 1e-6, path="auto")
+        assert torch.equal(part, out[lo:hi]) and torch.equal(part_inj, inj[lo:hi]), (lo, hi)
 
 
 def test_hc_read_without_inject_and_ref_matches_layer():

@@ -38,6 +38,44 @@ def _sig(names, types, act):
     return {n: table[t] for n, t in zip(names, types)}
 
 
+
+def _hc_builds(hc, M, cfg, d, r, h, arch):
+    """The HyperConnection read's launches for M rows: the rows kernels (with programmatic dependent launch
+    on sm_90) or the tiled down / up kernels."""
+    if cfg["KIND"] == "rows":
+        pdl = arch >= 90
+        rh, S = r + h, h * cfg["SPLITS_PER_BRANCH"]
+        ksplit, bs = d // cfg["SPLITS_PER_BRANCH"], 1 << (S - 1).bit_length()
+        k1, k2 = hc.up_k_pieces(r)
+        b = {
+            f"hc_down_rows_M{M}": (
+                hc._hc_down_rows_kernel, "x norm_w w_down w_inject partial sumsq M R RH stride_x stride_wd stride_wi "
+                "stride_p KSPLIT BLOCK_M BLOCK_R BLOCK_K PDL", "aaaaffnnnnnnnccccc",
+                dict(KSPLIT=ksplit, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"],
+                     BLOCK_K=min(cfg["BLOCK_K"], 1 << (ksplit - 1).bit_length()), PDL=pdl),
+                cfg["WARPS_DOWN"], 2),
+            f"hc_up_rows_M{M}": (
+                hc._hc_up_rows_kernel, "x norm_w w_up partial sumsq mix rstd out inject M R RH D eps stride_x "
+                "stride_wu stride_p stride_o NH S BLOCK_M BLOCK_C BLOCK_K1 BLOCK_K2 BLOCK_S FUSED_MIX HAS_INJECT PDL",
+                "aaaffafaannnnsnnnncccccccccc",
+                dict(NH=h, S=S, BLOCK_M=cfg["BLOCK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K1=k1, BLOCK_K2=k2, BLOCK_S=bs,
+                     FUSED_MIX=cfg["FUSED_MIX"], HAS_INJECT=True, PDL=pdl), cfg["WARPS_UP"], 2)}
+        if not cfg["FUSED_MIX"]:
+            b["hc_mix_rows"] = (hc._hc_mix_rows_kernel, "partial sumsq mix rstd inject M R RH D eps stride_p NH S "
+                                "BLOCK_K BLOCK_S HAS_INJECT PDL", "ffafannnnsncccccc",
+                                dict(NH=h, S=S, BLOCK_K=128, BLOCK_S=bs, HAS_INJECT=True, PDL=pdl), 4, 2)
+        return b
+    w = cfg["num_warps"]
+    return {
+        f"hc_down_M{M}": (hc._hc_down_kernel, "x norm_w w_down w_inject partial sumsq M R RH WIDE KSPLIT stride_x "
+                          "stride_wd stride_wi BLOCK_M BLOCK_R BLOCK_K HAS_INJECT USE_DOT", "aaaaffnnnnnnnnccccc",
+                          dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], HAS_INJECT=True,
+                               USE_DOT=cfg["USE_DOT"]), w, 2),
+        f"hc_up_M{M}": (hc._hc_up_kernel, "x norm_w mix w_up rstd out M R D stride_x stride_wu stride_o NH BLOCK_M "
+                        "BLOCK_C BLOCK_K USE_DOT", "aaaafannnnnnccccc",
+                        dict(NH=h, BLOCK_M=cfg["BLOCK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K_UP"],
+                             USE_DOT=cfg["USE_DOT"]), w, 2)}
+
 def _builds(arch):
     """name -> (kernel, arg names, arg types, constexprs, num_warps, num_stages)."""
     from revolta.kernels import hc, moe, moe_grouped, norm, rope, sample
@@ -95,21 +133,13 @@ def _builds(arch):
                            "aaaannnnnsccc", dict(ROWS=rows, BLOCK=128, SILU=False), min(8, max(1, rows * 128 // 256)), 2)
     d, r, h = 2560, 320, 4
     seen = set()
-    for M in (1, 5, 8, 64, 8192):
+    for M in (1, 5, 8, 16, 64, 8192):
         cfg = hc.hc_config(M, d, r, h, arch)
         key = tuple(sorted(cfg.items()))
         if key in seen:
             continue
         seen.add(key)
-        w = cfg["num_warps"]
-        b[f"hc_down_M{M}"] = (hc._hc_down_kernel, "x norm_w w_down w_inject partial sumsq M R RH WIDE KSPLIT stride_x "
-                              "stride_wd stride_wi BLOCK_M BLOCK_R BLOCK_K HAS_INJECT USE_DOT", "aaaaffnnnnnnnnccccc",
-                              dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], HAS_INJECT=True,
-                                   USE_DOT=cfg["USE_DOT"]), w, 2)
-        b[f"hc_up_M{M}"] = (hc._hc_up_kernel, "x norm_w mix w_up rstd out M R D stride_x stride_wu stride_o NH BLOCK_M "
-                            "BLOCK_C BLOCK_K USE_DOT", "aaaafannnnnnccccc",
-                            dict(NH=h, BLOCK_M=cfg["BLOCK_M"], BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K_UP"],
-                                 USE_DOT=cfg["USE_DOT"]), w, 2)
+        b.update(_hc_builds(hc, M, cfg, d, r, h, arch))
     b["hc_mix"] = (hc._hc_mix_kernel, "partial sumsq mix rstd inject M R RH D S eps NH BLOCK_R BLOCK_S HAS_INJECT",
                    "ffafannnnnscccc", dict(NH=h, BLOCK_R=512, BLOCK_S=64, HAS_INJECT=True), 4, 2)
     b["hc_combine"] = (hc._hc_combine_kernel, "x inject u y D stride_x stride_i stride_u stride_y NH BLOCK",

@@ -8,35 +8,52 @@ Read, on the wide residual x = [x_0 .. x_{h-1}] ([M, h·d], branch-major):
     G    = σ(W_up a)                          [M, h·d]
     u_in = (1/h) Σ_b g_b ⊙ n_b                [M, d]
 
-Triton path, three launches:
-  1. `_hc_down_kernel`: one pass over x and over the rows of [W_dn; W_inj] (the two matmuls share
-     their input, so they share the pass; no concatenated weight is needed). Because the norm is
-     linear per branch, W·N = Σ_b rstd_b · W_b (x_b ⊙ (1 + w_b)): the kernel accumulates the
-     unnormalised partial products per K-split together with the per-split Σx², so the statistics
-     cost no extra pass. Grid (M tiles, row tiles of r + h, K splits): at small M this spreads the
-     6.6 M-parameter module over enough CTAs to stream the weights at full bandwidth.
-  2. `_hc_mix_kernel` (one program per token): rstd per branch, the split-K reduction, SiLU, the
-     inject sigmoid.
-  3. `_hc_up_kernel`: per (M tile, column tile c of d): for every branch b the rows b·d + c of W_up,
-     G = σ(a W_upᵀ), the normalised branch recomputed from x, and the mean over branches.
-Numerics against the layer (`HyperConnection.read`): the layer rounds N, the matmul outputs and the
-gates to x.dtype; here N is never materialised (rstd is applied after the K reduction, in fp32),
-only `a` (the input of the second matmul) is rounded to x.dtype, and u_in is rounded once.
+Because the norm is linear per branch, W·N = Σ_b rstd_b · W_b (x_b ⊙ (1 + w_b)): both paths accumulate
+the unnormalised products per K split of one branch together with the split's Σx², so the statistics
+cost no extra pass, and apply rstd after the K reduction (in fp32). W_dn and W_inj share their input,
+so they share the pass (rows [0, r) and [r, r + h) of one virtual matrix; nothing is concatenated).
 
-At small M (decode / verify) the products are GEMV-like and use no `tl.dot` (BLOCK_M of 1..8);
-from M = 16 on they use `tl.dot`. The "torch" path (cuBLAS matmuls; what sm70 uses for prefill, since
-tl.dot has no tensor cores there) is `hc_read_ref` itself.
+Small M (decode / verify, M <= 16 by default; `hc_config`), the "rows" kernels, built to stream the
+13 MB of weights per module at bandwidth:
+  1. `_hc_down_rows_kernel`, grid (M tiles, row tiles of r + h, K splits): each program loads its
+     [BLOCK_R, d / splits] slice of [W_dn; W_inj] once (vector loads, no tl.dot) and applies it to its
+     rows one at a time; fp32 partials [S, M, r + h] and Σx² [S, M] to a workspace.
+  2. `_hc_mix_rows_kernel`, grid (M, column tiles of r + h): rstd per branch, the split reduction,
+     `a` = SiLU, the inject sigmoid. (FUSED_MIX: no such launch; every up program redoes this tiny
+     reduction for its rows, worth it only with few splits.)
+  3. `_hc_up_rows_kernel`, grid (M tiles, column tiles c of d): the rows b·d + c of W_up for all
+     branches in two power-of-two K pieces (320 = 256 + 64), G = σ(W_up a), the normalised branch
+     recomputed from x, the mean over branches.
+  On sm90 the later launches use programmatic dependent launch: they start while the down pass
+  streams, issue their W_up loads, then wait (`gdc_wait`) for the previous grid, which hides a
+  launch latency and overlaps the two weight streams.
+  Row invariance: the config is the same for every M <= MAX_M apart from BLOCK_M, and each row is
+  computed by the same instructions on the same tiles whatever rows share its program, so a row's
+  result does not depend on the batch (checked bitwise under the interpreter; the benchmark checks
+  it on the GPU).
+Larger M, the "tiles" kernels (`hc_config_tiles`), three launches: `_hc_down_kernel` (tl.dot tiles
+over (M, rows, K splits)), `_hc_mix_kernel` (one program per row), `_hc_up_kernel` (tl.dot over
+(M, columns c of d) for all branches). They also have GEMV tiles for M <= 8, the kernel measured in
+benchmarks/RESULTS.md K7 (kept so the benchmark can time it). The "torch" path (cuBLAS matmuls) is
+`hc_read_ref` itself.
+Numerics against the layer (`HyperConnection.read`), both paths: the layer rounds N, the matmul
+outputs and the gates to x.dtype; here N is never materialised (rstd is applied after the K reduction,
+in fp32), only `a` (the input of the second matmul) is rounded to x.dtype, and u_in and the inject
+gates are rounded once, at the end.
 
 Combine: x_b ← x_b + inj_b · u, in x.dtype exactly as the layer (the product rounded, then the sum).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .norm import zc_rms_norm_ref as zc_rms_norm
 
@@ -161,8 +178,191 @@ def _hc_up_kernel(x, norm_w, mix, w_up, rstd, out, M, R, D,
              mask=m_m[:, None] & m_c[None, :])
 
 
+@triton.jit
+def _hc_down_rows_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
+                         stride_x, stride_wd, stride_wi, stride_p,
+                         KSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
+    # grid (M tiles, row tiles of r + h, K splits): a program streams its [BLOCK_R, KSPLIT] slice of
+    # [W_dn; W_inj] once and applies it to each of its BLOCK_M rows in turn (no tl.dot)
+    if PDL:
+        gdc_launch_dependents()  # the up kernel may start now: it loads W_up, then waits for this grid
+    i_m = tl.program_id(0)
+    i_r = tl.program_id(1)
+    i_s = tl.program_id(2)
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    # rows [0, R) come from W_dn, rows [R, RH) from W_inj (RH = R without it)
+    m_dn = o_r < R
+    m_w = o_r < RH
+    o_i = tl.arange(0, BLOCK_M)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    b_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in tl.static_range(0, KSPLIT, BLOCK_K):  # unrolled: every chunk's loads can be in flight at once
+        o_kk = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_kk < KSPLIT
+        o_k = i_s * KSPLIT + o_kk
+        # one load of [BR, BK] through a per-row choice of matrix (two masked loads would hold twice the
+        # registers for the same bytes)
+        p_w = tl.where(m_dn[:, None], w_down + o_r[:, None].to(tl.int64) * stride_wd + o_k[None, :],
+                       w_inject + (o_r[:, None] - R).to(tl.int64) * stride_wi + o_k[None, :])
+        b_w = tl.load(p_w, mask=m_w[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_nw = 1.0 + tl.load(norm_w + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        # one row at a time with the same [BR, BK] tile: a row's sums do not depend on how many rows
+        # share the program (the where() selects, it adds nothing to other rows)
+        for i in tl.static_range(BLOCK_M):
+            m = i_m * BLOCK_M + i
+            # rows past M load nothing: their K limit is 0 (a scalar-and-vector mask, one compare)
+            b_x = tl.load(x + m.to(tl.int64) * stride_x + o_k, mask=o_kk < tl.where(m < M, KSPLIT, 0),
+                          other=0.0).to(tl.float32)
+            b_p = tl.sum(b_w * (b_x * b_nw)[None, :], 1)  # [BR]
+            b_acc = tl.where((o_i == i)[:, None], b_acc + b_p[None, :], b_acc)
+            b_sq = tl.where(o_i == i, b_sq + tl.sum(b_x * b_x, 0), b_sq)
+    o_m = i_m * BLOCK_M + o_i
+    m_m = o_m < M
+    # partial: [S, M, RH] fp32 (row stride stride_p), sumsq: [S, M] fp32
+    tl.store(partial + (i_s * M + o_m[:, None]).to(tl.int64) * stride_p + o_r[None, :], b_acc,
+             mask=m_m[:, None] & (o_r < RH)[None, :])
+    if i_r == 0:
+        tl.store(sumsq + i_s * M + o_m, b_sq, mask=m_m)
+
+
+@triton.jit
+def _hc_mix_row(partial, sumsq, m, M, RH, D, eps, stride_p, o_k, o_b, NH: tl.constexpr, S: tl.constexpr,
+                BLOCK_S: tl.constexpr):
+    """Row m's split-K reduction: (rstd per branch [NH], v = (W N) / h over the columns o_k)."""
+    o_s = tl.arange(0, BLOCK_S)
+    # splits are equal-sized and consecutive: split s belongs to branch s // (S / NH)
+    in_b = ((o_s[None, :] // (S // NH)) == o_b[:, None]) & (o_s < S)[None, :]  # [NH, BS]
+    n_s = tl.where(m < M, S, 0)  # rows past M load nothing
+    b_sq = tl.load(sumsq + o_s * M + m, mask=o_s < n_s, other=0.0)  # [BS]
+    b_rb = tl.rsqrt(tl.sum(tl.where(in_b, b_sq[None, :], 0.0), 1) / D + eps)  # [NH]
+    b_rs = tl.sum(tl.where(in_b, b_rb[:, None], 0.0), 0)  # [BS] rstd of each split's branch
+    b_p = tl.load(partial + (o_s[:, None] * M + m).to(tl.int64) * stride_p + o_k[None, :],
+                  mask=(o_s < n_s)[:, None] & (o_k < RH)[None, :], other=0.0)  # [BS, BK]
+    return b_rb, tl.sum(b_p * b_rs[:, None], 0) / NH
+
+
+@triton.jit
+def _hc_mix_rows_kernel(partial, sumsq, mix, rstd, inject, M, R, RH, D, eps, stride_p,
+                        NH: tl.constexpr, S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                        HAS_INJECT: tl.constexpr, PDL: tl.constexpr):
+    # grid (M, column tiles of r + h): the split-K reduction, SiLU, the inject sigmoid, rstd
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    m = tl.program_id(0)
+    o_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    o_b = tl.arange(0, NH)
+    b_rb, b_v = _hc_mix_row(partial, sumsq, m, M, RH, D, eps, stride_p, o_k, o_b, NH, S, BLOCK_S)
+    tl.store(mix + m.to(tl.int64) * R + o_k, (b_v * tl.sigmoid(b_v)).to(mix.dtype.element_ty), mask=o_k < R)
+    if HAS_INJECT:
+        tl.store(inject + m * NH + (o_k - R), (2.0 * tl.sigmoid(b_v)).to(inject.dtype.element_ty),
+                 mask=(o_k >= R) & (o_k < RH))
+    if tl.program_id(1) == 0:
+        tl.store(rstd + m * NH + o_b, b_rb)
+
+
+@triton.jit
+def _hc_up_rows_a(partial, sumsq, mix, m, M, R, D, eps, stride_p, o_k, o_b, dtype, NH: tl.constexpr,
+                  S: tl.constexpr, BLOCK_S: tl.constexpr, FUSED_MIX: tl.constexpr):
+    """`a` of row m over the columns o_k (0 past r and for rows past M), fp32 holding x.dtype values."""
+    n_k = tl.where(m < M, R, 0)
+    if FUSED_MIX:
+        _, b_v = _hc_mix_row(partial, sumsq, m, M, R, D, eps, stride_p, o_k, o_b, NH, S, BLOCK_S)
+        # `a` is the second matmul's input: rounded to x.dtype as the layer rounds it
+        return tl.where(o_k < n_k, (b_v * tl.sigmoid(b_v)).to(dtype).to(tl.float32), 0.0)
+    return tl.load(mix + m.to(tl.int64) * R + o_k, mask=o_k < n_k, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _hc_up_rows_kernel(x, norm_w, w_up, partial, sumsq, mix, rstd, out, inject, M, R, RH, D, eps,
+                       stride_x, stride_wu, stride_p, stride_o,
+                       NH: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_K1: tl.constexpr, BLOCK_K2: tl.constexpr, BLOCK_S: tl.constexpr,
+                       FUSED_MIX: tl.constexpr, HAS_INJECT: tl.constexpr, PDL: tl.constexpr):
+    # grid (M tiles, column tiles c of d): the rows b·d + c of W_up for every branch b, loaded once in
+    # two K pieces (r = 320 = 256 + 64: no padding to 512) and applied to each row in turn; per row
+    # `a` comes from the mix launch or (FUSED_MIX) from the split-K reduction redone by every program
+    i_m = tl.program_id(0)
+    i_c = tl.program_id(1)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < D
+    o_b = tl.arange(0, NH)
+    o_bc = o_b[:, None] * D + o_c[None, :]  # [NH, BC] feature index in the wide residual
+    m_bc = m_c[None, :] & (o_b < NH)[:, None]
+    p_w = w_up + o_bc[:, :, None].to(tl.int64) * stride_wu
+    o_k1 = tl.arange(0, BLOCK_K1)
+    b_w1 = tl.load(p_w + o_k1[None, None, :], mask=m_bc[:, :, None] & (o_k1 < R)[None, None, :], other=0.0)
+    if BLOCK_K2 > 0:
+        o_k2 = BLOCK_K1 + tl.arange(0, BLOCK_K2)
+        b_w2 = tl.load(p_w + o_k2[None, None, :], mask=m_bc[:, :, None] & (o_k2 < R)[None, None, :], other=0.0)
+    b_nw = 1.0 + tl.load(norm_w + o_bc, mask=m_bc, other=0.0).to(tl.float32)  # [NH, BC]
+    if PDL:
+        gdc_wait()  # the previous grid's results are complete and visible from here on; W_up is in flight
+    for i in tl.static_range(BLOCK_M):
+        m = i_m * BLOCK_M + i
+        n_c = tl.where(m < M, D, 0)  # rows past M load and store nothing
+        b_a = _hc_up_rows_a(partial, sumsq, mix, m, M, R, D, eps, stride_p, o_k1, o_b, x.dtype.element_ty, NH, S,
+                            BLOCK_S, FUSED_MIX)
+        b_g = tl.sum(b_w1.to(tl.float32) * b_a[None, None, :], 2)  # [NH, BC]
+        if BLOCK_K2 > 0:
+            b_a = _hc_up_rows_a(partial, sumsq, mix, m, M, R, D, eps, stride_p, o_k2, o_b, x.dtype.element_ty, NH,
+                                S, BLOCK_S, FUSED_MIX)
+            b_g += tl.sum(b_w2.to(tl.float32) * b_a[None, None, :], 2)
+        if FUSED_MIX:
+            b_rb, b_v = _hc_mix_row(partial, sumsq, m, M, RH, D, eps, stride_p, R + o_b, o_b, NH, S, BLOCK_S)
+            if HAS_INJECT:
+                if i_c == 0:
+                    tl.store(inject + m * NH + o_b, (2.0 * tl.sigmoid(b_v)).to(inject.dtype.element_ty),
+                             mask=o_b < tl.where(m < M, NH, 0))
+        else:
+            b_rb = tl.load(rstd + m * NH + o_b, mask=o_b < tl.where(m < M, NH, 0), other=0.0)
+        b_x = tl.load(x + m.to(tl.int64) * stride_x + o_bc, mask=m_bc & (o_c < n_c)[None, :], other=0.0).to(tl.float32)
+        b_u = tl.sum(tl.sigmoid(b_g) * (b_x * b_rb[:, None] * b_nw), 0) / NH  # [BC]
+        tl.store(out + m.to(tl.int64) * stride_o + o_c, b_u.to(out.dtype.element_ty), mask=o_c < n_c)
+
+
 def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None) -> dict:
-    """Launch config for M tokens (also used by the AOT compile tests).
+    """Launch config for M tokens (also used by the AOT compile tests and the benchmark).
+
+    M <= MAX_M of `hc_rows_default()` (decode / verify): the rows kernels, one config for every such M
+    apart from BLOCK_M, so a row's arithmetic does not depend on the batch. Above: the tl.dot tiles.
+    """
+    rows = hc_rows_default(arch)
+    if M <= rows["MAX_M"]:
+        return rows_config(rows, M, d, r, hc_count)
+    return hc_config_tiles(M, d, r, hc_count, arch)
+
+
+def hc_rows_default(arch: int | None = None) -> dict:
+    """The small-M default, in one place (benchmarks/bench_moe_hc.py times variants of it beside the
+    tiled kernels and the torch reference).
+
+    MAX_M: the largest M it serves; BLOCK_M: rows per program (a loop, not a tile); BLOCK_R: rows of
+    [W_dn; W_inj] per down program; SPLITS_PER_BRANCH: K splits of each branch's d columns; BLOCK_K:
+    the down pass's K chunk; FUSED_MIX: no mix launch (the up programs reduce the splits themselves);
+    BLOCK_C: columns of d (times h branches of W_up rows) per up program; WARPS_*: warps per launch;
+    PDL: programmatic dependent launch of the mix and up kernels (sm90+ only).
+    """
+    rows = dict(KIND="rows", MAX_M=16, BLOCK_M=8, BLOCK_R=16, SPLITS_PER_BRANCH=5, BLOCK_K=512, WARPS_DOWN=4,
+                FUSED_MIX=False, BLOCK_C=8, WARPS_UP=8, PDL=True)
+    if arch == 70:  # ptxas for sm_70 holds the down kernel's 512-wide chunk in 80 registers and spills
+        rows["BLOCK_K"] = 256
+    return rows
+
+
+def rows_config(base: dict, M: int, d: int, r: int, hc_count: int) -> dict:
+    """`base` (a "rows" config) fitted to the shapes.
+
+    BLOCK_M: at most next_pow2(M) rows per program; SPLITS_PER_BRANCH: the largest divisor of d not
+    above the asked one.
+    """
+    spb = max(s for s in range(1, base["SPLITS_PER_BRANCH"] + 1) if d % s == 0)
+    return dict(base, BLOCK_M=min(base["BLOCK_M"], triton.next_power_of_2(max(M, 1))), SPLITS_PER_BRANCH=spb)
+
+
+def hc_config_tiles(M: int, d: int, r: int, hc_count: int, arch: int | None = None) -> dict:
+    """The tiled kernels' config (KIND "tiles"; before the rows kernels, also M <= 8).
 
     M <= 8: GEMV-like (no tl.dot), BM·BR·BK <= 4K fp32 products per 128 threads (no sm70 spills), the
     K dimension split so that the down pass has several hundred CTAs. Larger M: tl.dot tiles, smaller
@@ -174,32 +374,37 @@ def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None) ->
         bc, bk_up = {1: (16, 256), 2: (16, 128), 4: (16, 64), 8: (8, 64)}[bm]
         fits = [s for s in range(1, 11) if d % s == 0 and (d // s) % bk == 0]
         splits = max(fits) if fits else max(s for s in range(1, 9) if d % s == 0)
-        return dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, SPLITS_PER_BRANCH=splits, BLOCK_C=bc, BLOCK_K_UP=bk_up,
-                    USE_DOT=False, num_warps=4)
+        return dict(KIND="tiles", BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, SPLITS_PER_BRANCH=splits, BLOCK_C=bc,
+                    BLOCK_K_UP=bk_up, USE_DOT=False, num_warps=4)
     splits = 1 if M > 64 else max(s for s in (1, 2, 4) if d % s == 0)
     if arch == 70:
-        return dict(BLOCK_M=16, BLOCK_R=32, BLOCK_K=32, SPLITS_PER_BRANCH=splits, BLOCK_C=32, BLOCK_K_UP=32,
-                    USE_DOT=True, num_warps=4)
+        return dict(KIND="tiles", BLOCK_M=16, BLOCK_R=32, BLOCK_K=32, SPLITS_PER_BRANCH=splits, BLOCK_C=32,
+                    BLOCK_K_UP=32, USE_DOT=True, num_warps=4)
     if M <= 64:
-        return dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=64, SPLITS_PER_BRANCH=splits, BLOCK_C=32, BLOCK_K_UP=64,
-                    USE_DOT=True, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_R=128, BLOCK_K=64, SPLITS_PER_BRANCH=1, BLOCK_C=64, BLOCK_K_UP=64,
+        return dict(KIND="tiles", BLOCK_M=16, BLOCK_R=64, BLOCK_K=64, SPLITS_PER_BRANCH=splits, BLOCK_C=32,
+                    BLOCK_K_UP=64, USE_DOT=True, num_warps=4)
+    return dict(KIND="tiles", BLOCK_M=64, BLOCK_R=128, BLOCK_K=64, SPLITS_PER_BRANCH=1, BLOCK_C=64, BLOCK_K_UP=64,
                 USE_DOT=True, num_warps=8)
+
+
+def _arch(x: Tensor) -> int | None:
+    if not x.is_cuda:
+        return None
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return 10 * major + minor
 
 
 def hc_read(x: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor, w_inject: Tensor | None,
             hc_count: int, eps: float, path: str = "auto", config: dict | None = None) -> tuple[Tensor, Tensor | None]:
     """Triton version of `hc_read_ref` (path="torch" runs the reference on cuBLAS).
 
-    path="auto": the reference for 2 <= M <= 8 rows, where it beat this kernel on the H200 (0.7x at
-    M = 5 and 8; the down projection is split too little at small M, benchmarks/RESULTS.md K7), the
-    kernel otherwise (1.66x at M = 1, 1.30x at M = 8192).
+    path "auto" and "triton" are the kernels with `config` (default `hc_config`: the rows kernels at
+    small M, the tiled ones above; a config from `hc_config_tiles` runs the tiled kernels at any M).
     """
-    if path == "auto":
-        path = "torch" if 2 <= x.shape[0] <= 8 else "triton"
     if path == "torch":
         return hc_read_ref(x, norm_w, w_down, w_up, w_inject, hc_count, eps)
-    assert path == "triton", path
+    if path not in ("auto", "triton"):
+        raise ValueError(f"hc_read path={path!r}; use 'auto', 'triton' or 'torch'")
     assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
     M, wide = x.shape
     h = hc_count
@@ -211,16 +416,65 @@ def hc_read(x: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor, w_inject: T
     assert w_inject is None or (w_inject.shape == (h, wide) and w_inject.stride(-1) == 1), w_inject
     assert x.dtype == w_down.dtype == w_up.dtype, (x.dtype, w_down.dtype, w_up.dtype)
     assert h & (h - 1) == 0, "hc_count must be a power of two"
-    dev = x.device
-    out = torch.empty(M, d, dtype=x.dtype, device=dev)
-    inject = torch.empty(M, h, dtype=x.dtype, device=dev) if w_inject is not None else None
+    out = torch.empty(M, d, dtype=x.dtype, device=x.device)
+    inject = torch.empty(M, h, dtype=x.dtype, device=x.device) if w_inject is not None else None
     if M == 0:
         return out, inject
-    arch = None
-    if x.is_cuda:
-        major, minor = torch.cuda.get_device_capability(x.device)
-        arch = 10 * major + minor
+    arch = _arch(x)
     cfg = config or hc_config(M, d, r, h, arch)
+    run = _read_rows if cfg["KIND"] == "rows" else _read_tiles
+    run(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch)
+    return out, inject
+
+
+def up_k_pieces(r: int) -> tuple[int, int]:
+    """The up kernel's two power-of-two K pieces covering r (320 -> 256 + 64; 16 -> 16 + 0)."""
+    k1 = 1 << (r.bit_length() - 1)
+    return k1, (triton.next_power_of_2(r - k1) if r > k1 else 0)
+
+
+def _read_rows(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch):
+    """The down pass writes per-split partial sums; the up pass reduces them itself (FUSED_MIX, two
+    launches) or reads `a` and rstd from a small mix launch between the two."""
+    M, wide = x.shape
+    d, r = wide // h, w_down.shape[0]
+    rh = r + (h if w_inject is not None else 0)
+    spb = cfg["SPLITS_PER_BRANCH"]
+    assert d % spb == 0, (d, spb)
+    S, ksplit, bm, fused = h * spb, d // spb, cfg["BLOCK_M"], cfg["FUSED_MIX"]
+    stride_p = triton.cdiv(rh, 16) * 16  # 64-byte rows: loads of them vectorise
+    partial = torch.empty(S, M, stride_p, dtype=torch.float32, device=x.device)
+    sumsq = torch.empty(S, M, dtype=torch.float32, device=x.device)
+    mix = partial if fused else torch.empty(M, r, dtype=x.dtype, device=x.device)
+    rstd = sumsq if fused else torch.empty(M, h, dtype=torch.float32, device=x.device)
+    # programmatic dependent launch (sm90+; not under the interpreter): the later launches start while
+    # the down pass streams, so their W_up loads overlap it and their launch latency is hidden
+    pdl = bool(cfg["PDL"]) and arch is not None and arch >= 90 and os.environ.get("TRITON_INTERPRET", "0") == "0"
+    extra = dict(launch_pdl=True) if pdl else {}
+    has_inj = w_inject is not None
+    inj = inject if has_inj else out
+    k1, k2 = up_k_pieces(r)
+    _hc_down_rows_kernel[(triton.cdiv(M, bm), triton.cdiv(rh, cfg["BLOCK_R"]), S)](
+        x, norm_w, w_down, w_inject if has_inj else w_down, partial, sumsq, M, r, rh,
+        x.stride(0), w_down.stride(0), w_inject.stride(0) if has_inj else 0, stride_p,
+        KSPLIT=ksplit, BLOCK_M=bm, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(ksplit)),
+        PDL=pdl, num_warps=cfg["WARPS_DOWN"])
+    if not fused:
+        _hc_mix_rows_kernel[(M, triton.cdiv(rh, 128))](
+            partial, sumsq, mix, rstd, inj, M, r, rh, d, eps, stride_p, NH=h, S=S, BLOCK_K=128,
+            BLOCK_S=triton.next_power_of_2(S), HAS_INJECT=has_inj, PDL=pdl, num_warps=4, **extra)
+    _hc_up_rows_kernel[(triton.cdiv(M, bm), triton.cdiv(d, cfg["BLOCK_C"]))](
+        x, norm_w, w_up, partial, sumsq, mix, rstd, out, inj, M, r, rh, d, eps,
+        x.stride(0), w_up.stride(0), stride_p, out.stride(0),
+        NH=h, S=S, BLOCK_M=bm, BLOCK_C=cfg["BLOCK_C"], BLOCK_K1=k1, BLOCK_K2=k2, BLOCK_S=triton.next_power_of_2(S), FUSED_MIX=fused, HAS_INJECT=has_inj, PDL=pdl, num_warps=cfg["WARPS_UP"],
+        **extra)
+
+
+def _read_tiles(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch):
+    """Three launches: down (split K), mix (one program per row), up."""
+    M, wide = x.shape
+    d, r = wide // h, w_down.shape[0]
+    dev = x.device
     rh = r + (h if w_inject is not None else 0)
     spb = cfg["SPLITS_PER_BRANCH"]
     assert d % spb == 0, (d, spb)
@@ -242,7 +496,6 @@ def hc_read(x: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor, w_inject: T
         x, norm_w, mix, w_up, rstd, out, M, r, d, x.stride(0), w_up.stride(0), out.stride(0),
         NH=h, BLOCK_M=bm, BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K_UP"], USE_DOT=cfg["USE_DOT"],
         num_warps=cfg["num_warps"])
-    return out, inject
 
 
 def hc_combine_ref(x: Tensor, inject: Tensor, out: Tensor) -> Tensor:

@@ -31,6 +31,7 @@ class KernelOps:
     qsa_select_decode: Callable
     qsa_sparse_decode: Callable
     hc_read: Callable | None  # None: the layer's own torch code
+    hc_combine: Callable | None  # bitwise equal to the layer's torch code, one launch instead of two
     moe_route: Callable | None
     fused_moe: Callable | None
     quant_fused_moe: Callable | None  # packed experts (kernels.quant.moe); None: the layer's torch reference
@@ -57,10 +58,11 @@ def kernel_ops(backend: str) -> KernelOps:
         ("conv1d", "causal_conv1d_commit"),
         ("qsa.store_kv", "store_kv"), ("qsa.index_compress", "index_compress"), ("qsa.prefill", "qsa_prefill"),
         ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"))}
-    fused = dict.fromkeys(("hc_read", "moe_route", "fused_moe", "quant_fused_moe", "gated_rms_norm", "apply_rope"))
+    fused = dict.fromkeys(("hc_read", "hc_combine", "moe_route", "fused_moe", "quant_fused_moe", "gated_rms_norm",
+                           "apply_rope"))
     if backend == "triton":
-        fused = {"hc_read": op("hc", "hc_read"), "moe_route": op("moe", "moe_route"),
-                 "fused_moe": op("moe", "fused_moe"), "quant_fused_moe": op("quant.moe", "quant_fused_moe"),
-                 "gated_rms_norm": op("norm", "gated_rms_norm"),
-                 "apply_rope": op("rope", "apply_rope")}
+        fused = {"hc_read": op("hc", "hc_read"), "hc_combine": op("hc", "hc_combine"),
+                 "moe_route": op("moe", "moe_route"), "fused_moe": op("moe", "fused_moe"),
+                 "quant_fused_moe": op("quant.moe", "quant_fused_moe"),
+                 "gated_rms_norm": op("norm", "gated_rms_norm"), "apply_rope": op("rope", "apply_rope")}
     return KernelOps(backend=backend, **table, **fused)
