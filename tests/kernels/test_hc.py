@@ -64,11 +64,16 @@ ROWS_CASES = [(1, torch.float32, True), (1, torch.bfloat16, False), (1, torch.fl
 @pytest.mark.parametrize("M,dtype,with_inject", ROWS_CASES,
                          ids=[f"M{m}-{str(t)[6:]}-{'inj' if i else 'noinj'}" for m, t, i in ROWS_CASES])
 def test_hc_read_rows(M, dtype, with_inject):
-    """The default small-M path (hc_config: the rows kernels with the mix launch) against the reference."""
+    """The default small-M path (hc_config: the rows kernels with the mix launch) against the reference;
+    past the default's MAX_M (the tiled kernels win there on the H200) the same config asked for explicitly."""
     mod = _module(dtype, with_inject, d=D_ROWS, r=R_ROWS)
     x = (torch.randn(M, h * D_ROWS) * 2).to(dtype)
-    assert K.hc_config(M, D_ROWS, R_ROWS, h)["KIND"] == "rows"
-    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6)
+    cfg = None
+    if M > K.hc_rows_default()["MAX_M"]:
+        cfg = K.rows_config(dict(K.hc_rows_default(), MAX_M=M), M, D_ROWS, R_ROWS, h)
+    else:
+        assert K.hc_config(M, D_ROWS, R_ROWS, h)["KIND"] == "rows"
+    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, config=cfg)
     ref_out, ref_inj = K.hc_read_ref(x, *_weights(mod), h, 1e-6)
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
     assert (inj is None) == (ref_inj is None) == (not with_inject)
@@ -101,8 +106,8 @@ def test_hc_rows_config_and_row_invariance(monkeypatch):
     assert K.hc_config(real["MAX_M"] + 1, 2560, 320, 4, arch=90)["KIND"] == "tiles"
     monkeypatch.setattr(K, "hc_read_ref", lambda *a: pytest.fail("hc_read(path='auto') fell back to the reference"))
     mod = _module(torch.float32, d=D_ROWS, r=R_ROWS)
-    x = torch.randn(9, h * D_ROWS) * 2
-    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, path="auto")  # two programs' worth of rows (8 + 1)
+    x = torch.randn(real["MAX_M"], h * D_ROWS) * 2  # the most rows the kernels serve, against 1 and 3 of them
+    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, path="auto")
     for lo, hi in ((6, 7), (5, 8)):
         part, part_inj = K.hc_read(x[lo:hi].contiguous(), *_weights(mod), h, 1e-6, path="auto")
         assert torch.equal(part, out[lo:hi]) and torch.equal(part_inj, inj[lo:hi]), (lo, hi)

@@ -13,7 +13,7 @@ the unnormalised products per K split of one branch together with the split's Σ
 cost no extra pass, and apply rstd after the K reduction (in fp32). W_dn and W_inj share their input,
 so they share the pass (rows [0, r) and [r, r + h) of one virtual matrix; nothing is concatenated).
 
-Small M (decode / verify, M <= 16 by default; `hc_config`), the "rows" kernels, built to stream the
+Small M (decode / verify, M <= 8 by default; `hc_config`), the "rows" kernels, built to stream the
 13 MB of weights per module at bandwidth:
   1. `_hc_down_rows_kernel`, grid (M tiles, row tiles of r + h, K splits): each program loads its
      [BLOCK_R, d / splits] slice of [W_dn; W_inj] once (vector loads, no tl.dot) and applies it to its
@@ -344,8 +344,10 @@ def hc_rows_default(arch: int | None = None) -> dict:
     BLOCK_C: columns of d (times h branches of W_up rows) per up program; WARPS_*: warps per launch;
     PDL: programmatic dependent launch of the mix and up kernels (sm90+ only).
     """
-    rows = dict(KIND="rows", MAX_M=16, BLOCK_M=8, BLOCK_R=16, SPLITS_PER_BRANCH=5, BLOCK_K=512, WARPS_DOWN=4,
-                FUSED_MIX=False, BLOCK_C=8, WARPS_UP=8, PDL=True)
+    # H200, 2026-12-04 (RESULTS.md K7c): BLOCK_C=4 with 4 warps beat 8/8 by 12% at M=5 and 11% at M=8 (tied
+    # at M=1); from M=16 the tiled kernels win (27 vs 41 us), so the rows kernels stop at 8
+    rows = dict(KIND="rows", MAX_M=8, BLOCK_M=8, BLOCK_R=16, SPLITS_PER_BRANCH=5, BLOCK_K=512, WARPS_DOWN=4,
+                FUSED_MIX=False, BLOCK_C=4, WARPS_UP=4, PDL=True)
     if arch == 70:  # ptxas for sm_70 holds the down kernel's 512-wide chunk in 80 registers and spills
         rows["BLOCK_K"] = 256
     return rows
