@@ -113,3 +113,55 @@ def test_split_that_cuts_a_group_is_refused_naming_the_tensor(ckpts):
         packed_slices(name, pt, narrow.text, 1, 2)
     ok = packed_tensors(meta_model(cfg, with_vision=False))[name]
     assert packed_slices(name, ok, cfg.text, 1, 2).ranges == ((1, 2),)  # the second of the two groups
+
+
+def test_llm_tp2_on_an_awq_checkpoint_gives_the_tp1_tokens(ckpts):
+    from revolta import LLM
+    from revolta.engine.sampling import SamplingParams
+
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * n) % 500 for i in range(n)]} for n in (21, 9)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    args = dict(model=str(ckpts / "awq"), device="cpu", max_model_len=64, max_num_seqs=2, block_size=16,
+                kv_cache_gib=0.004, speculative_config={"method": None})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: the ranks must not oversubscribe them
+    try:
+        want = [o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params, use_tqdm=False)]
+        llm = LLM(tensor_parallel_size=2, **args)
+        try:
+            assert isinstance(llm.model.model.language_model.layers[3].self_attn.o_proj, RowParallelQuantLinear)
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert got == want and all(len(t) == 5 for t in got)
+
+
+def test_tp4_ranks_load_exactly_their_whole_groups(tmp_path):
+    """TP4 (expert and GDN value widths 128: one group of 32 per rank): each rank's packed tensors are its slices of the TP1-loaded
+    ones (per-expert AWQ files assembled, then cut), and a rank reads exactly its parts."""
+    from revolta.parallel.packed import packed_tensors
+    from revolta.parallel.shard import rank_slices, shard_state_dict
+    from revolta.quantized import meta_model
+
+    cfg = tiny(linear_num_key_heads=4, linear_value_head_dim=32, moe_intermediate_size=128,
+               shared_expert_intermediate_size=128)
+    model = FlashNextModel(cfg, with_vision=False).eval()
+    init_random_weights(model, seed=5)
+    write_quantized(model, tmp_path, "awq")
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    full = load_model(tmp_path, progress=False, with_vision=False).state_dict()
+    packed = packed_tensors(meta_model(cfg, with_vision=False))
+    expert = "model.language_model.layers.0.mlp.experts.down_proj.scales"  # [E, I/32, H]: one group row per rank
+    for rank in range(4):
+        rank_model = build_rank_model(cfg, ParallelConfig(4), ParallelContext(rank, 4, object()), with_vision=False)
+        read = load_rank_checkpoint(rank_model, tmp_path, rank, 4).bytes_read
+        slices = {n: rank_slices(n, cfg.text, rank, 4, packed) for n in full}
+        assert read == sum(x.numel() * x.element_size() if slices[n] is None else  # vocabulary padding is not read
+                           x.numel() // x.shape[slices[n].dim] * sum(e - s for s, e in slices[n].ranges) * x.element_size()
+                           for n, x in full.items())
+        got, want = rank_model.state_dict(), shard_state_dict(full, cfg, rank, 4, packed)
+        assert got[expert].shape[1] == 1 and torch.equal(got[expert], full[expert][:, rank: rank + 1])
+        for name in packed:
+            assert torch.equal(got[name], want[name]), f"rank {rank}: {name}"
