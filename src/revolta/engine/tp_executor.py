@@ -64,6 +64,7 @@ class RankSpec:
     dtype: torch.dtype
     store: str  # a FileStore path for the gloo rendezvous (fresh per group)
     timeout_s: float
+    ple_placement: str = "device"  # "host": each rank its rows of the PLE table in host memory
 
 
 def _init_group(rank: int, rs: RankSpec) -> ParallelContext:
@@ -87,7 +88,8 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     parent = mp.parent_process()
     executor = None
     try:
-        model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype, dcp=rs.dcp)
+        model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype, dcp=rs.dcp,
+                                ple_placement=rs.ple_placement)
         with torch.no_grad():
             while True:
                 try:
@@ -117,11 +119,12 @@ class TPGroup:
     @classmethod
     def start(cls, cfg: ModelConfig, checkpoint: str | Path, tp: int, *, with_mtp: bool,
               dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S, dcp: int = 1,
-              start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> "TPGroup":
+              start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ple_placement: str = "device") -> "TPGroup":
         """Spawn ranks 1..tp-1, join the gloo group as rank 0 and load rank 0's shard here (at dcp > 1 the ranks
         also form their DCP groups while building their shards)."""
         workdir = tempfile.mkdtemp(prefix="revolta-tp-")
-        rs = RankSpec(cfg, str(checkpoint), tp, dcp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s)
+        rs = RankSpec(cfg, str(checkpoint), tp, dcp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s,
+                      ple_placement)
         ctx = mp.get_context("spawn")
         inboxes, ready = [ctx.Queue() for _ in range(1, tp)], ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, rs, inboxes[r - 1], ready), name=f"revolta-tp-rank{r}",
@@ -133,7 +136,8 @@ class TPGroup:
             logger.info("tensor parallel: %d ranks (gloo); worker pids %s", tp, [p.pid for p in procs])
             group._wait_ready(ready, max(timeout_s, start_timeout_s))
             pc = _init_group(0, rs)  # waits for every worker at most timeout_s
-            group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype, dcp=dcp)
+            group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype, dcp=dcp,
+                                          ple_placement=ple_placement)
             group.check_health()
             return group
         except BaseException:

@@ -26,11 +26,13 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..model import FlashNextModel
+from ..ple.load import PLELoader
 from ..weights import (_OPTIONAL_ON_DISK, CheckpointError, _coverage_errors, _disk_dtype_names, _disk_dtypes, _Piece,
                        _plan, _read_headers, _targets, checkpoint_files, materialize, read_kv_scales)
 from .config import ParallelConfig
 from .context import ParallelContext
 from .packed import localise_weight_shapes, packed_tensors
+from .ple import load_rank_tables
 from .shard import Slices, build_rank_model, rank_slices
 
 
@@ -139,14 +141,24 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
 
 
 def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *, with_mtp: bool,
-                    dtype: torch.dtype = torch.float32, dcp: int = 1) -> FlashNextModel:
+                    dtype: torch.dtype = torch.float32, dcp: int = 1, ple_placement: str = "device") -> FlashNextModel:
     """This rank's text model (no vision tower) built and filled from the checkpoint, in `dtype`: what each rank
     of an engine at tp > 1 runs. The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
-    same point (its DCP group is created collectively)."""
+    same point (its DCP group is created collectively). ple_placement "host": the rank holds its row range of the
+    PLE table in host memory (parallel/ple.py); "device": the whole table, as a replicated weight."""
     tp = ctx.size
     model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=False)
     skip = ("model.visual.",) + (() if model.mtp is not None else ("mtp.",))
+    tables = None
+    if ple_placement != "device":
+        if ple_placement != "host":
+            raise ValueError(f"ple_placement={ple_placement!r} at tensor_parallel_size={tp}: the ranks hold the PLE "
+                             "table on the device or their rows of it in host memory; use 'device' or 'host'")
+        tables = PLELoader(model, path, ple_placement)  # checks the table before any weight is read
+        skip += tables.skip_prefixes
     load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip)
+    if tables is not None:
+        load_rank_tables(tables, ctx)
     model.to_dtype(dtype)  # as load_model casts (GDN decay parameters stay fp32)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration (cache metadata), as load_model sets it
     model.checkpoint_dir = Path(path)
