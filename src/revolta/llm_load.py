@@ -92,9 +92,7 @@ def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: t
     why = (f"device={device.type!r}: the ranks run on CPU (gloo) only yet, NCCL with one GPU per rank is not wired; "
            "pass device='cpu' (serve: --device cpu)" if device.type != "cpu" else
            f"ple_placement={ple_placement!r}: the ranks hold the PLE table on their device or their rows of it in "
-           "host memory; use 'device' or 'host'" if ple_placement == "disk" else
-           "DFlash2 speculation is not split across ranks yet; use MTP or speculative_config={'method': None}"
-           if spec.is_dflash2 else None)
+           "host memory; use 'device' or 'host'" if ple_placement == "disk" else None)
     if why is not None:
         raise ParallelConfigError(f"tensor_parallel_size={pc.tp} with {why}, or tensor_parallel_size=1")
     return pc

@@ -73,10 +73,11 @@ def _init_group(rank: int, rs: RankSpec) -> ParallelContext:
     return ParallelContext.from_group(dist.group.WORLD, timeout=timedelta(seconds=rs.timeout_s))
 
 
-def _rank_executor(model: FlashNextModel, plan: CachePlan, spec: SpeculativeConfig, config,
-                   tp: int) -> UniProcExecutor:
-    plan = replace(plan, layout=replace(plan.layout, tp=tp))  # each rank's cache holds its part of the heads
-    return UniProcExecutor(model, plan, spec, config, None)
+def _rank_executor(model: FlashNextModel, plan: CachePlan, spec: SpeculativeConfig, config, ctx: ParallelContext,
+                   encoder_cache=None) -> UniProcExecutor:
+    """A rank's executor; rank 0's encodes media into the engine's `encoder_cache` and sends the rows to the rest."""
+    plan = replace(plan, layout=replace(plan.layout, tp=ctx.size))  # each rank's cache holds its part of the heads
+    return UniProcExecutor(model, plan, spec, config, encoder_cache, media_ctx=ctx)
 
 
 def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
@@ -101,7 +102,7 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
                 if op == "stop":
                     return
                 if op == "build":
-                    executor = _rank_executor(model, *args, rs.tp)
+                    executor = _rank_executor(model, *args, ctx)
                 else:
                     getattr(executor, op)(*args)
     finally:
@@ -115,6 +116,7 @@ class TPGroup:
     def __init__(self, model: FlashNextModel | None, tp: int, inboxes: list, procs: list, workdir: str, dcp: int = 1):
         self.model, self.tp, self.inboxes, self.procs, self.workdir = model, tp, inboxes, procs, workdir
         self.dcp = dcp
+        self.ctx: ParallelContext | None = None  # rank 0's place in the group, once joined
 
     @classmethod
     def start(cls, cfg: ModelConfig, checkpoint: str | Path, tp: int, *, with_mtp: bool,
@@ -135,9 +137,10 @@ class TPGroup:
                 p.start()
             logger.info("tensor parallel: %d ranks (gloo); worker pids %s", tp, [p.pid for p in procs])
             group._wait_ready(ready, max(timeout_s, start_timeout_s))
-            pc = _init_group(0, rs)  # waits for every worker at most timeout_s
-            group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype, dcp=dcp,
-                                          ple_placement=ple_placement)
+            group.ctx = _init_group(0, rs)  # waits for every worker at most timeout_s
+            # rank 0 alone holds the vision tower (replicated weights): it encodes media, the rows go to the rest
+            group.model = load_rank_model(cfg, checkpoint, group.ctx, with_mtp=with_mtp, dtype=dtype, dcp=dcp,
+                                          ple_placement=ple_placement, with_vision=True)
             group.check_health()
             return group
         except BaseException:
@@ -159,12 +162,13 @@ class TPGroup:
                 if time.monotonic() > deadline:
                     raise FatalEngineError(f"{waiting} tensor-parallel worker(s) did not start within {timeout_s:.0f} s")
 
-    def executor(self, plan: CachePlan, spec: SpeculativeConfig, config) -> "MultiProcExecutor":
-        """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp)."""
+    def executor(self, plan: CachePlan, spec: SpeculativeConfig, config, encoder_cache=None) -> "MultiProcExecutor":
+        """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp); rank 0's
+        encodes media into `encoder_cache` (the engine's; None: no vision tower)."""
         self.check_health()
         for inbox in self.inboxes:
             inbox.put(("build", (plan, spec, config)))
-        return MultiProcExecutor(_rank_executor(self.model, plan, spec, config, self.tp), self)
+        return MultiProcExecutor(_rank_executor(self.model, plan, spec, config, self.ctx, encoder_cache), self)
 
     def dead_workers(self, wait_s: float = 0.0) -> list[str]:
         """Names and exit codes of the workers that have exited, waiting up to `wait_s` for one that is dying."""

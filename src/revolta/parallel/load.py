@@ -141,14 +141,15 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
 
 
 def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *, with_mtp: bool,
-                    dtype: torch.dtype = torch.float32, dcp: int = 1, ple_placement: str = "device") -> FlashNextModel:
-    """This rank's text model (no vision tower) built and filled from the checkpoint, in `dtype`: what each rank
-    of an engine at tp > 1 runs. The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
+                    dtype: torch.dtype = torch.float32, dcp: int = 1, ple_placement: str = "device",
+                    with_vision: bool = False) -> FlashNextModel:
+    """This rank's model built and filled from the checkpoint, in `dtype`: what each rank of an engine at tp > 1
+    runs (with_vision: the vision tower too, replicated, when the checkpoint has one: rank 0's). The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
     same point (its DCP group is created collectively). ple_placement "host": the rank holds its row range of the
     PLE table in host memory (parallel/ple.py); "device": the whole table, as a replicated weight."""
     tp = ctx.size
-    model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=False)
-    skip = ("model.visual.",) + (() if model.mtp is not None else ("mtp.",))
+    model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=with_vision)
+    skip = (() if model.model.visual is not None else ("model.visual.",)) + (() if model.mtp is not None else ("mtp.",))
     tables = None
     if ple_placement != "device":
         if ple_placement != "host":
