@@ -98,8 +98,8 @@ class LLM(SleepPauseMixin):
         self.ple_placement = resolve_ple_placement(engine_args.get("ple_placement"))
         if self.ple_placement.source != "default":
             logger.info("PLE table placement %r from the %s", self.ple_placement.value, self.ple_placement.source)
-        self.parallel = resolve_parallel(engine_args, target, self.device, self.ple_placement.value,
-                                         self.speculative_config)  # before any weight is read
+        # before any weight is read
+        self.parallel = resolve_parallel(engine_args, target, self.device, self.ple_placement.value)
         with_mtp = self.speculative_config.method == "mtp"
         # at tp > 1 build_engine loads rank 0's shard (its slices only) instead of the full model
         model = None if self.parallel.tp > 1 else load_model(self.model_path, dtype=self.dtype, device=self.device,

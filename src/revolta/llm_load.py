@@ -81,8 +81,8 @@ def requested_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> tupl
     return int(max_model_len), False
 
 
-def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: torch.device, ple_placement: str,
-                     spec: SpeculativeConfig) -> ParallelConfig:
+def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: torch.device,
+                     ple_placement: str) -> ParallelConfig:
     """The parallel layout `LLM(...)` asks for, refused (ParallelConfigError naming the fix) before any weight is
     read when the model cannot be split so or this generation path cannot run it yet."""
     pc = ParallelConfig(engine_args.get("tensor_parallel_size", 1), engine_args.get("decode_context_parallel_size", 1))
