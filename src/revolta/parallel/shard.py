@@ -8,6 +8,8 @@ expert widths divided by tp), with the layers that communicate swapped for their
 a list of [start, end) ranges along it, concatenated in order (a fused q ‖ k ‖ v projection takes one
 range from each part). None: the tensor is replicated. The same answer drives slicing an in-memory state
 dict (`shard_state_dict`) and reading only those ranges of a memory-mapped checkpoint (parallel/load.py).
+A packed checkpoint's tensors follow their 16-bit weight's split in their stored layout (`rank_slices`,
+parallel/packed.py).
 """
 
 from __future__ import annotations
