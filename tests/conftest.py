@@ -16,8 +16,9 @@ import pytest  # noqa: E402
 
 # tests/parity holds the oracle helpers (hf_oracle.py), tests/engine the engine-test helpers that spec and
 # GPU tests reuse (test_engine.run, test_spec_engine.make_engine), tests/ple the PLE checkpoint writer
-# (test_placement.write_checkpoint); make them importable by name
-for _helpers in ("parity", "engine", "ple"):
+# (test_placement.write_checkpoint), tests/quant the tool-written quantized checkpoints (quant_checkpoints);
+# make them importable by name
+for _helpers in ("parity", "engine", "ple", "quant"):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), _helpers))
 
 

@@ -232,10 +232,9 @@ def _info(args: argparse.Namespace) -> int:
             options.update(spec_options)
         weights = None if args.weights_gib is None else int(args.weights_gib * 2**30)
         if weights is None and cfg.quantization is not None and cfg.quantization.packed:
-            from .layers.quantize import weight_bytes_per_gpu
-            from .quantized import meta_model
+            from .quantized import weights_per_gpu
 
-            by_part = weight_bytes_per_gpu(meta_model(cfg), args.tp)  # the checkpoint's own formats
+            by_part = weights_per_gpu(cfg, args.tp)  # the checkpoint's own formats, as a rank holds them
             weights = by_part["total"] + (by_part["ple_table_host"] // args.tp if ple.value == "device" else 0)
         plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
                               args.kv_cache_dtype, args.gpu_memory_utilization, weights, ple_placement=ple.value,

@@ -98,8 +98,8 @@ class LLM(SleepPauseMixin):
         self.ple_placement = resolve_ple_placement(engine_args.get("ple_placement"))
         if self.ple_placement.source != "default":
             logger.info("PLE table placement %r from the %s", self.ple_placement.value, self.ple_placement.source)
-        self.parallel = resolve_parallel(engine_args, target, self.device, self.ple_placement.value,
-                                         self.speculative_config)  # before any weight is read
+        # before any weight is read
+        self.parallel = resolve_parallel(engine_args, target, self.device, self.ple_placement.value)
         with_mtp = self.speculative_config.method == "mtp"
         # at tp > 1 build_engine loads rank 0's shard (its slices only) instead of the full model
         model = None if self.parallel.tp > 1 else load_model(self.model_path, dtype=self.dtype, device=self.device,
@@ -123,7 +123,7 @@ class LLM(SleepPauseMixin):
         self.engine = build_engine(model, engine_config(engine_args, self.device, planned_len, self.speculative_config,
                                                         fit_max_model_len=fit_len), self.model_path, target,
                                    self.dtype, with_mtp, tokenizer=self.tokenizer, eos_token_ids=frozenset(eos),
-                                   num_text_ids=num_text_ids)
+                                   num_text_ids=num_text_ids, ple_placement=self.ple_placement.value)
         self.model: FlashNextModel = self.engine.model  # at tp > 1: rank 0's shard
         self.max_model_len = self.engine.config.max_model_len  # the checkpoint's may be lowered to fit the cache
         self._structured: StructuredDecoding | None = None  # built by the first structured request

@@ -81,8 +81,8 @@ def requested_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> tupl
     return int(max_model_len), False
 
 
-def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: torch.device, ple_placement: str,
-                     spec: SpeculativeConfig) -> ParallelConfig:
+def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: torch.device,
+                     ple_placement: str) -> ParallelConfig:
     """The parallel layout `LLM(...)` asks for, refused (ParallelConfigError naming the fix) before any weight is
     read when the model cannot be split so or this generation path cannot run it yet."""
     pc = ParallelConfig(engine_args.get("tensor_parallel_size", 1), engine_args.get("decode_context_parallel_size", 1))
@@ -91,23 +91,22 @@ def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: t
         return pc
     why = (f"device={device.type!r}: the ranks run on CPU (gloo) only yet, NCCL with one GPU per rank is not wired; "
            "pass device='cpu' (serve: --device cpu)" if device.type != "cpu" else
-           f"ple_placement={ple_placement!r}: the ranks hold the PLE table on their device only yet; use 'device'"
-           if ple_placement != "device" else
-           "DFlash2 speculation is not split across ranks yet; use MTP or speculative_config={'method': None}"
-           if spec.is_dflash2 else None)
+           f"ple_placement={ple_placement!r}: the ranks hold the PLE table on their device or their rows of it in "
+           "host memory; use 'device' or 'host'" if ple_placement == "disk" else None)
     if why is not None:
         raise ParallelConfigError(f"tensor_parallel_size={pc.tp} with {why}, or tensor_parallel_size=1")
     return pc
 
 
 def build_engine(model: FlashNextModel | None, config: EngineConfig, path: Path, cfg: ModelConfig,
-                 dtype: torch.dtype, with_mtp: bool, **kwargs: Any) -> Engine:
+                 dtype: torch.dtype, with_mtp: bool, ple_placement: str = "device", **kwargs: Any) -> Engine:
     """Engine(model, config) at tp=1. At tp > 1 (`model` is None): start the TP group (rank 0's shard is loaded
-    here, each worker loads its own) and run the engine over rank 0's shard; a failed start leaves no worker."""
+    here, each worker loads its own; "host" PLE placement: each rank its rows of the table) and run the engine over
+    rank 0's shard; a failed start leaves no worker."""
     if config.tensor_parallel_size == 1:
         return Engine(model, config, **kwargs)
     group = TPGroup.start(cfg, path, config.tensor_parallel_size, with_mtp=with_mtp, dtype=dtype,
-                          dcp=config.decode_context_parallel_size)
+                          dcp=config.decode_context_parallel_size, ple_placement=ple_placement)
     try:
         return Engine(group.model, config, tp_group=group, **kwargs)
     except BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .config_error import ConfigError
 from .units import human_bytes
 from .layers.linear import QuantLinear
 from .layers.quant_moe import QuantExperts
@@ -27,6 +28,25 @@ def meta_model(cfg, with_mtp: bool = True, with_vision: bool = True) -> nn.Modul
     return model
 
 
+_NO_GROUP = object()  # building a rank's meta model runs no collective
+
+
+def rank_meta_model(cfg, tp: int, with_mtp: bool = True, with_vision: bool = True) -> nn.Module:
+    """The model one rank of `tp` builds (packed like its checkpoint, whole groups per rank), on the meta device;
+    ParallelConfigError when the model cannot be split `tp` ways."""
+    from .parallel import ParallelConfig, ParallelContext
+    from .parallel.shard import build_rank_model
+
+    return build_rank_model(cfg, ParallelConfig(tp), ParallelContext(0, tp, _NO_GROUP), with_mtp=with_mtp,
+                            with_vision=with_vision)
+
+
+def weights_per_gpu(cfg, tp: int, model: nn.Module | None = None) -> dict[str, int]:
+    """`weight_bytes_per_gpu` of `cfg` at `tp` as a rank holds it (ParallelConfigError when it cannot split)."""
+    model = meta_model(cfg) if model is None else model
+    return weight_bytes_per_gpu(model, tp, rank=rank_meta_model(cfg, tp) if tp > 1 else None)
+
+
 def format_quantization(cfg, tps: tuple[int, ...] = (1, 2, 4)) -> str:
     """The `revolta info` lines of a quantized checkpoint: format, bits, group size, weight bytes per GPU."""
     q = cfg.quantization
@@ -36,7 +56,11 @@ def format_quantization(cfg, tps: tuple[int, ...] = (1, 2, 4)) -> str:
              f"  packed modules: {sum(isinstance(m, QuantLinear) for _, m in packed)} linears, "
              f"{sum(isinstance(m, QuantExperts) for _, m in packed)} routed-expert banks; others 16-bit"]
     for tp in tps:
-        b = weight_bytes_per_gpu(model, tp)
+        try:
+            b = weights_per_gpu(cfg, tp, model)
+        except ConfigError as e:  # this tp cannot split the model: say why in one line
+            lines.append(f"  weights per GPU at TP{tp}: cannot split ({str(e).splitlines()[0]})")
+            continue
         lines.append(f"  weights per GPU at TP{tp}: {human_bytes(b['total'])} = packed {human_bytes(b['packed'])} "
                      f"+ 16-bit split {human_bytes(b['dense_split'])} + 16-bit replicated "
                      f"{human_bytes(b['dense_replicated'])}" + (f"; PLE table {human_bytes(b['ple_table_host'])} "

@@ -168,3 +168,89 @@ def test_a_stalled_rank_is_a_parallel_timeout_then_a_fatal_engine_error(tmp_path
         torch.set_num_threads(threads)
     assert 2.5 < took < 10, took  # the 3 s collective timeout, plus stopping the group
     assert not worker.is_alive()
+
+
+def test_tp2_engine_with_image_prompts_equals_tp1(tmp_path):
+    """Rank 0 holds the vision tower and encodes; each step's vision rows are broadcast to the other rank: image
+    prompts (chunked prefill across the pads, two images in one prompt, a text request alongside) give the TP1
+    tokens."""
+    from revolta.config import ModelConfig
+    from revolta.model import FlashNextModel, init_random_weights
+    from test_mm_engine import IMG, VE, VS, image, mm_request, text  # tests/engine
+    from tiny_configs import T4_TEXT, TOKENS, V_TINY
+
+    cfg = ModelConfig.from_dict(dict(model_type="qwen4_exp", text_config=dict(T4_TEXT, model_type="qwen4_exp_text"),
+                                     vision_config=dict(V_TINY, model_type="qwen4_exp_vision"), **TOKENS))
+    model = FlashNextModel(cfg, with_mtp=False).eval()
+    init_random_weights(model, seed=3)
+    save_checkpoint(model, tmp_path / "ckpt", progress=False)
+
+    def run(engine: Engine) -> list[list[int]]:
+        reqs = [mm_request(model, "two", text(5, 1) + [VS, IMG, VE] + text(3, 2) + [VS, IMG, VE] + text(4, 3),
+                           {"image": [image(32, 48, 1), image(40, 24, 2)]}),
+                mm_request(model, "one", text(6, 4) + [VS, IMG, VE] + text(2, 5), {"image": [image(24, 32, 3)]}),
+                greedy_request("text", text(9, 6), max_tokens=6)]
+        for r in reqs:
+            engine.add_request(r)
+        for _ in range(500):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        return [r.token_ids for r in reqs]
+
+    kw = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=20, block_size=16, kv_cache_gib=0.004,
+              max_num_encoder_input_tokens=48, encoder_cache_size=64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = run(Engine(model, EngineConfig(**kw)))
+        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
+        try:
+            engine = Engine(group.model, EngineConfig(**kw, tensor_parallel_size=2), tp_group=group)
+            assert group.model.model.visual is not None and engine.encoder_cache is not None
+            got = run(engine)
+        finally:
+            group.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert got == want and all(len(t) == 6 for t in got)
+
+
+def test_tp2_engine_with_dflash2_equals_tp1(tmp_path):
+    """A DFlash2 drafter (random weights) replicated on both ranks: it reads the tapped layer boundaries (whole on
+    every rank) and embeds / projects through the target's vocabulary-parallel layers, so both ranks draft the
+    same tokens; greedy output equals TP1's, drafts proposed and verified."""
+    import json
+
+    from revolta.presets.default_drafter import init_drafter_weights
+    from revolta.spec.dflash2.checkpoint import save_draft_model
+    from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
+    from revolta.spec.dflash2.model import DFlash2DraftModel
+
+    cfg = tiny()
+    model = full_model(cfg)
+    save_checkpoint(model, tmp_path / "ckpt", progress=False)
+    L = cfg.text.num_hidden_layers
+    raw = {"architectures": ["DFlash2DraftModel"], "vocab_size": cfg.text.vocab_size, "hidden_size": cfg.text.hidden_size,
+           "intermediate_size": 2 * cfg.text.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "num_target_layers": L,
+           "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64, "use_sliding_window": True,
+           "dflash_config": {"block_size": 4, "mask_token_id": 3, "selector_rank": 16, "selector_top_k": 4,
+                             "conv_kernel_size": 2, "conv_group_size": 16, "target_layer_ids": [0, L // 2, L - 1]}}
+    draft = DFlash2DraftModel(DFlash2DraftConfig.from_dict(json.loads(json.dumps(raw)), source="test drafter"))
+    init_drafter_weights(draft, seed=4)
+    spec = {"method": "dflash2", "model": str(save_draft_model(draft, tmp_path / "drafter"))}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = _generate(_engine(model))
+        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
+        try:
+            engine = _engine(group.model, spec, group)
+            got = _generate(engine)
+        finally:
+            group.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert got == want
+    assert engine.spec_stats.num_rounds > 0 and engine.spec_stats.num_draft_tokens > 0, engine.spec_stats

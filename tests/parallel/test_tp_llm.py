@@ -71,8 +71,8 @@ def test_llm_tp2_gives_the_tp1_tokens(ckpt, spec, one_thread, monkeypatch):
         assert llm2.engine.plan.layout.tp == 2 and llm2.model.lm_head.weight.shape[0] == llm2.cfg.text.vocab_size // 2
         assert ("tensor_parallel_size", 2, "argument") in llm2.effective_config()
         got = _run(llm2)
-        with pytest.raises(MediaError, match="media at tensor_parallel_size=2 are not supported yet"):
-            llm2.engine.check_media(None)  # the ranks have no vision tower: refused before anything is queued
+        with pytest.raises(MediaError, match="this model has no vision tower"):
+            llm2.engine.check_media(None)  # a text-only checkpoint: refused before anything is queued
         rank_weights = _budget_weights(llm2, monkeypatch)
         stats = llm2.engine.spec_stats
     finally:
@@ -105,11 +105,42 @@ def test_llm_tp2_dcp2_gives_the_tp1_tokens(tmp_path, one_thread):
     assert got == want and got[1] == 48
 
 
+def test_llm_tp2_with_the_ple_table_on_the_host_gives_the_tp1_tokens(tmp_path, one_thread):
+    """An FP8 table in 3 shards (rank 0's rows end inside the second): each rank holds its half in host memory and
+    the masked gathers' all-reduce gives TP1's rows (the FP8 table on the device there): the same tokens."""
+    from safetensors.torch import save_file
+
+    from revolta.parallel.ple import RankRowsTable
+    from revolta.ple.load import ple_memory
+    from revolta.weights import checkpoint_tensors
+
+    cfg = tiny()
+    sd = dict(checkpoint_tensors(full_model(cfg), 1))
+    name = next(n for n in sd if n.endswith("ngram_embedding.shard_0.weight"))
+    base, table = name.removesuffix(".shard_0.weight"), sd.pop(name).float()
+    scale = table.abs().max() / 448
+    for i, part in enumerate((table / scale).to(torch.float8_e4m3fn).chunk(3)):
+        sd[f"{base}.shard_{i}.weight"] = part.contiguous()
+    sd[f"{base}.weight_scale"] = scale.reshape(1)
+    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "model.safetensors")
+    cfg.save(tmp_path)
+    want, _ = _run(LLM(model=tmp_path, **ARGS))
+    llm = LLM(model=tmp_path, tensor_parallel_size=2, ple_placement="host", **ARGS)
+    try:
+        rows = [m.table for m in llm.model.modules() if isinstance(getattr(m, "table", None), RankRowsTable)]
+        assert [(t.start_row, t.end_row) for t in rows] == [(0, table.shape[0] // 2)]  # rank 0's half
+        assert ple_memory(llm.model).host_bytes == table.numel() // 2  # FP8: one byte per value
+        got, _ = _run(llm)
+    finally:
+        llm.close()
+    assert got == want
+
+
 @pytest.mark.parametrize("args, match", [
     (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide text_config\.num_attention_heads"),
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2),  # 2 KV heads at TP2: no copies to remove
      r"decode_context_parallel_size=2 exceeds tensor_parallel_size / num_key_value_heads = 2 / 2.*use at most 1"),
-    (dict(tensor_parallel_size=2, ple_placement="host"), r"ple_placement='host'.*use 'device'"),
+    (dict(tensor_parallel_size=2, ple_placement="disk"), r"ple_placement='disk'.*use 'device' or 'host'"),
 ])
 def test_layouts_it_cannot_run_are_refused_before_loading(ckpt, args, match, monkeypatch):
     monkeypatch.setattr("revolta.engine.tp_executor.TPGroup.start", lambda *a, **k: pytest.fail("started ranks"))

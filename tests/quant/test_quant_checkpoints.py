@@ -166,9 +166,10 @@ def test_info_prints_format_and_weight_bytes_per_gpu(original, tmp_path, capsys)
     out = capsys.readouterr().out
     assert "quantization: awq: awq int4, group size 32, zero points" in out
     cfg = ModelConfig.from_pretrained(tmp_path)
-    sizes = {tp: weight_bytes_per_gpu(meta_model(cfg), tp) for tp in (1, 2, 4)}
-    for tp in (1, 2, 4):
-        assert f"weights per GPU at TP{tp}:" in out
+    sizes = {tp: weight_bytes_per_gpu(meta_model(cfg), tp) for tp in (1, 2, 4)}  # the estimate a split would give
+    assert "weights per GPU at TP1:" in out
+    assert "weights per GPU at TP2: cannot split (tensor_parallel_size=2 splits experts' down_proj" in out
+    assert "weights per GPU at TP4: cannot split (tensor_parallel_size=4 does not divide" in out
     packed = sum(t.numel() * t.element_size() for n, t in load_model(tmp_path, progress=False).state_dict().items()
                  if n.endswith((".qweight", ".qzeros", ".scales")))
     assert sizes[1]["packed"] == packed and sizes[4]["packed"] == packed // 4

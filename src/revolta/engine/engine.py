@@ -196,7 +196,7 @@ class Engine:
         self.encoder_budget = config.max_num_encoder_input_tokens or default
         self.encoder_cache = None if model.model.visual is None else EncoderCache(config.encoder_cache_size or default)
         self.executor: Executor = (UniProcExecutor(model, self.plan, self.spec, config, self.encoder_cache)
-                                   if tp_group is None else tp_group.executor(self.plan, self.spec, config))
+                                   if tp_group is None else tp_group.executor(self.plan, self.spec, config, self.encoder_cache))
         eos = frozenset({cfg.text.eos_token_id}) if eos_token_ids is None else eos_token_ids
         self.sampler = StepSampler(eos, num_text_ids or cfg.text.vocab_size, tokenizer)
         self.spec_stats = SpecStats()  # summed over every verify round of this engine
@@ -289,9 +289,7 @@ class Engine:
     def check_media(self, mm: MultimodalPrompt) -> None:
         """Raise MediaError when a prompt's media can never be encoded here (no tower, item over the budgets)."""
         if self.encoder_cache is None:
-            raise MediaError("this model has no vision tower; send text only" if self.tp == 1 else
-                             f"media at tensor_parallel_size={self.tp} are not supported yet (the vision tower is "
-                             "not split across ranks); send text only or use tensor_parallel_size=1")
+            raise MediaError("this model has no vision tower; send text only")
         check_item_fits(mm, self.encoder_budget, self.encoder_cache.capacity)
 
     def abort(self, request_id: str) -> None:

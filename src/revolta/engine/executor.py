@@ -36,6 +36,7 @@ from ..forward import PagedMeta
 from ..model import FlashNextModel
 from ..multimodal.encoder_cache import EncoderCache
 from ..multimodal.processor import MediaItem, MultimodalPrompt
+from ..parallel.context import ParallelContext
 from ..spec.commit import check_replay_slots, commit_verified
 from ..spec.config import SpeculativeConfig
 from ..spec.dflash2.checkpoint import load_draft_model
@@ -147,9 +148,11 @@ class UniProcExecutor(Executor):
     """The model, its cache tensors, CUDA graphs and drafter in this process."""
 
     def __init__(self, model: FlashNextModel, plan: CachePlan, spec: SpeculativeConfig, config,
-                 encoder_cache: EncoderCache | None = None):
+                 encoder_cache: EncoderCache | None = None, media_ctx: ParallelContext | None = None):
         self.model, self.plan, self.spec, self.config = model, plan, spec, config
         self.encoder_cache = encoder_cache
+        # at tp > 1: rank 0 encodes media (its cache), the step's vision rows go to the other ranks (`_share_media`)
+        self.media_ctx = media_ctx
         kv_scales = kv_scales_from_state_dict(model.kv_scales)
         self.storage = CacheStorage(model.cfg, plan.layout, device=model.device, kv_scales=kv_scales)
         cpu_layout = plan.cpu_layout()
@@ -258,6 +261,8 @@ class UniProcExecutor(Executor):
         items = step.items
         self.storage.pre_forward([it.alloc for it in items], step.swap_outs, self.cpu_storage)
         seqs = [self._attach_media(it) for it in items]
+        if self.media_ctx is not None:
+            self._share_media(seqs)
         if self.spec.enabled:
             return self._execute_spec(step, seqs)
         prompt_logits: dict[int, Tensor] = {}
@@ -322,7 +327,7 @@ class UniProcExecutor(Executor):
     # ---- media -----------------------------------------------------------------------------------
     def _encode(self, items: list[MediaItem]) -> None:
         """Run the vision tower once over every item scheduled for encoding this step; store the outputs."""
-        if not items:
+        if not items or self.encoder_cache is None:  # a TP worker: rank 0 encodes and sends the rows
             return
         visual = self.model.model.visual
         vcfg = self.model.cfg.vision
@@ -340,14 +345,26 @@ class UniProcExecutor(Executor):
         start, end = step.num_computed, step.num_computed + len(step.token_ids)
         rows, places = [], []
         for item in mm.items_in(start, end):
-            embeds = self.encoder_cache.get(item.content_hash)
-            for row, offset, count in item.rows_in(start, end):
-                rows.append(embeds[row:row + count])
+            embeds = None if self.encoder_cache is None else self.encoder_cache.get(item.content_hash)
+            for row, offset, count in item.rows_in(start, end):  # a TP worker: room for rank 0's rows
+                rows.append(self._no_rows(count) if embeds is None else embeds[row:row + count])
                 places.extend(range(offset - start, offset - start + count))
         if rows:
             step.mm_embeds = torch.cat(rows)
             step.mm_index = places
         return step
+
+    def _no_rows(self, count: int) -> Tensor:
+        return torch.zeros(count, self.model.cfg.text.hidden_size, dtype=self.model.dtype, device=self.model.device)
+
+    def _share_media(self, seqs: list[StepSequence]) -> None:
+        """Rank 0's vision rows of this step, on every rank: one broadcast of them all (each rank knows their
+        count from the step's media places)."""
+        with_mm = [s for s in seqs if s.mm_embeds is not None]
+        if with_mm:
+            rows = self.media_ctx.broadcast(torch.cat([s.mm_embeds for s in with_mm]), src=0)
+            for s, part in zip(with_mm, rows.split([s.mm_embeds.shape[0] for s in with_mm])):
+                s.mm_embeds = part
 
     # ---- speculative decoding (spec/): drafts, one verify forward, commit after sampling ----------
     def _execute_spec(self, step: ModelStep, steps: list[StepSequence]) -> StepResult:

@@ -64,6 +64,7 @@ class RankSpec:
     dtype: torch.dtype
     store: str  # a FileStore path for the gloo rendezvous (fresh per group)
     timeout_s: float
+    ple_placement: str = "device"  # "host": each rank its rows of the PLE table in host memory
 
 
 def _init_group(rank: int, rs: RankSpec) -> ParallelContext:
@@ -72,10 +73,11 @@ def _init_group(rank: int, rs: RankSpec) -> ParallelContext:
     return ParallelContext.from_group(dist.group.WORLD, timeout=timedelta(seconds=rs.timeout_s))
 
 
-def _rank_executor(model: FlashNextModel, plan: CachePlan, spec: SpeculativeConfig, config,
-                   tp: int) -> UniProcExecutor:
-    plan = replace(plan, layout=replace(plan.layout, tp=tp))  # each rank's cache holds its part of the heads
-    return UniProcExecutor(model, plan, spec, config, None)
+def _rank_executor(model: FlashNextModel, plan: CachePlan, spec: SpeculativeConfig, config, ctx: ParallelContext,
+                   encoder_cache=None) -> UniProcExecutor:
+    """A rank's executor; rank 0's encodes media into the engine's `encoder_cache` and sends the rows to the rest."""
+    plan = replace(plan, layout=replace(plan.layout, tp=ctx.size))  # each rank's cache holds its part of the heads
+    return UniProcExecutor(model, plan, spec, config, encoder_cache, media_ctx=ctx)
 
 
 def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
@@ -87,7 +89,8 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     parent = mp.parent_process()
     executor = None
     try:
-        model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype, dcp=rs.dcp)
+        model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype, dcp=rs.dcp,
+                                ple_placement=rs.ple_placement)
         with torch.no_grad():
             while True:
                 try:
@@ -99,7 +102,7 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
                 if op == "stop":
                     return
                 if op == "build":
-                    executor = _rank_executor(model, *args, rs.tp)
+                    executor = _rank_executor(model, *args, ctx)
                 else:
                     getattr(executor, op)(*args)
     finally:
@@ -113,15 +116,17 @@ class TPGroup:
     def __init__(self, model: FlashNextModel | None, tp: int, inboxes: list, procs: list, workdir: str, dcp: int = 1):
         self.model, self.tp, self.inboxes, self.procs, self.workdir = model, tp, inboxes, procs, workdir
         self.dcp = dcp
+        self.ctx: ParallelContext | None = None  # rank 0's place in the group, once joined
 
     @classmethod
     def start(cls, cfg: ModelConfig, checkpoint: str | Path, tp: int, *, with_mtp: bool,
               dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S, dcp: int = 1,
-              start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> "TPGroup":
+              start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ple_placement: str = "device") -> "TPGroup":
         """Spawn ranks 1..tp-1, join the gloo group as rank 0 and load rank 0's shard here (at dcp > 1 the ranks
         also form their DCP groups while building their shards)."""
         workdir = tempfile.mkdtemp(prefix="revolta-tp-")
-        rs = RankSpec(cfg, str(checkpoint), tp, dcp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s)
+        rs = RankSpec(cfg, str(checkpoint), tp, dcp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s,
+                      ple_placement)
         ctx = mp.get_context("spawn")
         inboxes, ready = [ctx.Queue() for _ in range(1, tp)], ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, rs, inboxes[r - 1], ready), name=f"revolta-tp-rank{r}",
@@ -132,8 +137,10 @@ class TPGroup:
                 p.start()
             logger.info("tensor parallel: %d ranks (gloo); worker pids %s", tp, [p.pid for p in procs])
             group._wait_ready(ready, max(timeout_s, start_timeout_s))
-            pc = _init_group(0, rs)  # waits for every worker at most timeout_s
-            group.model = load_rank_model(cfg, checkpoint, pc, with_mtp=with_mtp, dtype=dtype, dcp=dcp)
+            group.ctx = _init_group(0, rs)  # waits for every worker at most timeout_s
+            # rank 0 alone holds the vision tower (replicated weights): it encodes media, the rows go to the rest
+            group.model = load_rank_model(cfg, checkpoint, group.ctx, with_mtp=with_mtp, dtype=dtype, dcp=dcp,
+                                          ple_placement=ple_placement, with_vision=True)
             group.check_health()
             return group
         except BaseException:
@@ -155,12 +162,13 @@ class TPGroup:
                 if time.monotonic() > deadline:
                     raise FatalEngineError(f"{waiting} tensor-parallel worker(s) did not start within {timeout_s:.0f} s")
 
-    def executor(self, plan: CachePlan, spec: SpeculativeConfig, config) -> "MultiProcExecutor":
-        """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp)."""
+    def executor(self, plan: CachePlan, spec: SpeculativeConfig, config, encoder_cache=None) -> "MultiProcExecutor":
+        """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp); rank 0's
+        encodes media into `encoder_cache` (the engine's; None: no vision tower)."""
         self.check_health()
         for inbox in self.inboxes:
             inbox.put(("build", (plan, spec, config)))
-        return MultiProcExecutor(_rank_executor(self.model, plan, spec, config, self.tp), self)
+        return MultiProcExecutor(_rank_executor(self.model, plan, spec, config, self.ctx, encoder_cache), self)
 
     def dead_workers(self, wait_s: float = 0.0) -> list[str]:
         """Names and exit codes of the workers that have exited, waiting up to `wait_s` for one that is dying."""

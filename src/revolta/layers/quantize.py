@@ -78,21 +78,25 @@ def packed_modules(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))]
 
 
+def shape_holders(model: nn.Module):
+    """(name, holder module, [out, in]) of every packed linear (an expert bank's two projections apart): what a
+    compressed-tensors `weight_shape` in that holder must say."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            yield name, mod, [mod.out_features, mod.in_features]
+        elif isinstance(mod, QuantExperts):
+            I, H = mod.intermediate_size, mod.hidden_size
+            yield f"{name}.gate_up_proj", mod.gate_up_proj, [I, H]
+            yield f"{name}.down_proj", mod.down_proj, [H, I]
+
+
 def check_loaded_shapes(model: nn.Module) -> None:
     """After loading: stored `weight_shape` values (compressed-tensors) must equal the module sizes."""
     bad = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, QuantLinear):
-            holders = [(name, mod, [mod.out_features, mod.in_features])]
-        elif isinstance(mod, QuantExperts):
-            I, H = mod.intermediate_size, mod.hidden_size
-            holders = [(f"{name}.gate_up_proj", mod.gate_up_proj, [I, H]), (f"{name}.down_proj", mod.down_proj, [H, I])]
-        else:
-            continue
-        for where, holder, want in holders:
-            shape = getattr(holder, "weight_shape", None)
-            if shape is not None and not bool((shape.reshape(-1, 2).cpu() == torch.tensor(want)).all()):
-                bad.append(f"{where}.weight_shape holds {shape.reshape(-1, 2).tolist()}, the config says {want}")
+    for where, holder, want in shape_holders(model):
+        shape = getattr(holder, "weight_shape", None)
+        if shape is not None and not bool((shape.reshape(-1, 2).cpu() == torch.tensor(want)).all()):
+            bad.append(f"{where}.weight_shape holds {shape.reshape(-1, 2).tolist()}, the config says {want}")
     if bad:
         raise QuantConfigError("checkpoint tensors disagree with the config:\n  " + "\n  ".join(bad))
 
@@ -119,28 +123,36 @@ _REPLICATED = ("hyper_connection", ".ple.")
 _PLE_TABLE = ".ngram_embedding.weight"
 
 
-def weight_bytes_per_gpu(model: nn.Module, tp: int = 1, dense_bytes: int = 2) -> dict[str, int]:
+def weight_bytes_per_gpu(model: nn.Module, tp: int = 1, dense_bytes: int = 2, rank: nn.Module | None = None
+                         ) -> dict[str, int]:
     """Per-GPU weight bytes of `model` (a meta-device model is fine) at tensor parallelism `tp`.
 
     Packed tensors count their stored size; other floating tensors `dense_bytes` per value (16-bit
-    deployment; A_log/dt_bias fp32). Split by TP: everything but the HyperConnection and PLE modules
-    (replicated). The PLE table lives in host memory and is reported apart.
+    deployment; A_log/dt_bias fp32). The PLE table lives in host memory and is reported apart.
+    `rank`: the model one rank builds at `tp` (parallel.shard.build_rank_model, on meta): every tensor counts as
+    that rank holds it (whole groups, replicated KV heads and MTP projections, padded vocabulary rows), 16-bit
+    ones as split when the rank holds less than the full tensor. Without it, an estimate: everything split by tp
+    but the HyperConnection and PLE modules (spec/parallel-and-quantization.md §2).
     """
+    full = {n: t.shape for n, t in model.state_dict(keep_vars=True).items()}
+    held = model if rank is None else rank
     packed = set()
-    for name, mod in packed_modules(model):
+    for name, mod in packed_modules(held):
         packed.update(f"{name}.{n}" for n in _disk_tensor_names(mod))
+    div = tp if rank is None else 1
     out = {"packed": 0, "dense_split": 0, "dense_replicated": 0, "ple_table_host": 0}
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in held.state_dict(keep_vars=True).items():
         if name in packed:
-            out["packed"] += t.numel() * t.element_size() // tp
+            out["packed"] += t.numel() * t.element_size() // div
         elif name.endswith(_PLE_TABLE):
-            out["ple_table_host"] += t.numel()  # 1 byte per value, as the AWQ release stores it
+            out["ple_table_host"] += full[name].numel()  # 1 byte per value, as the AWQ release stores it
         elif t.is_floating_point():
             size = t.numel() * (4 if name.endswith(("A_log", "dt_bias")) else dense_bytes)
-            if any(s in name for s in _REPLICATED):
+            whole = any(s in name for s in _REPLICATED) if rank is None else t.shape == full[name]
+            if whole:
                 out["dense_replicated"] += size
             else:
-                out["dense_split"] += size // tp
+                out["dense_split"] += size // div
     out["total"] = out["packed"] + out["dense_split"] + out["dense_replicated"]
     return out
 

@@ -3,10 +3,12 @@ group, and the full-attention K/V of each sequence across the ranks that share a
 
 config.py   ParallelConfig(tp, dcp) and its validation against a ModelConfig (before weights load)
 context.py  ParallelContext: this rank's place in the group and the bounded-wait collectives
-layers.py   row-parallel linear, vocab-parallel embedding / LM head, the reducing MoE
+layers.py   row-parallel (packed) linear, vocab-parallel embedding / LM head, the reducing MoE
 dcp.py      DCPAttention: a trunk QSA layer over this rank's stripe of the K/V, partial outputs merged by lse
 shard.py    which slice of each checkpoint tensor a rank holds; building a rank's model
+packed.py   which slice of each packed (int4 / fp4) tensor a rank holds: whole words and quantization groups
 load.py     filling a rank's model from the checkpoint, reading its slices only
+ple.py      the PLE table in host memory at tp > 1: a row range per rank, masked gather + all-reduce
 docs/parallel.md says how each layer is split.
 """
 

@@ -69,6 +69,15 @@ class ParallelContext:
         self._wait(dist.all_reduce(y, group=self.group, async_op=True), "all_reduce", y.shape)
         return y.to(x.dtype)
 
+    def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
+        """Rank `src`'s `x` on every rank (every rank passes the same shape and dtype; x may be overwritten)."""
+        if self.size == 1:
+            return x
+        y = x.to(self._wire_dtype(x)).contiguous()
+        root = dist.get_global_rank(self.group, src)
+        self._wait(dist.broadcast(y, root, group=self.group, async_op=True), "broadcast", y.shape)
+        return y.to(x.dtype)
+
     def all_gather(self, x: Tensor, dim: int = -1) -> Tensor:
         """Every rank's `x` (equal shapes) concatenated along `dim` in rank order."""
         if self.size == 1:

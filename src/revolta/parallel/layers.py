@@ -3,6 +3,7 @@
 collective that reassembles the full result.
 
 RowParallelLinear   input features split: partial products, summed by one all-reduce (GDN out_proj, QSA o_proj)
+RowParallelQuantLinear  the same over a packed weight holding the rank's whole quantization groups
 ParallelMoE         experts' intermediate dim and the shared expert split: routed + shared partial sums,
                     one all-reduce per MoE (router and shared-expert gate replicated)
 VocabParallelEmbedding  rows [start, end) of the vocabulary per rank; other ids give zeros; all-reduce
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..layers.linear import QuantLinear, quant_linear
 from ..layers.moe import MoE
 from .context import ParallelContext
 
@@ -36,6 +38,19 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.ctx.all_reduce(F.linear(x, self.weight))  # [..., out] partial -> full
+        return y if self.bias is None else y + self.bias  # bias once, not once per rank
+
+
+class RowParallelQuantLinear(QuantLinear):
+    """QuantLinear over this rank's whole groups of the input features; the all-reduce makes the full output."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt, ctx: ParallelContext):
+        super().__init__(in_features, out_features, bias, fmt)
+        self.ctx = ctx
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = quant_linear(x.reshape(-1, self.in_features), self.fmt, self.packed(), self.out_features, None, self.kernel)
+        y = self.ctx.all_reduce(y).view(*x.shape[:-1], self.out_features)  # partial -> full
         return y if self.bias is None else y + self.bias  # bias once, not once per rank
 
 

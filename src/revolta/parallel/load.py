@@ -7,8 +7,11 @@ the rank's `Slices` of its target (parallel/shard.py) and only the overlap is re
 `safe_open(...).get_slice` on the memory-mapped file: a rank reads each byte of its part once and nothing
 of the other ranks' parts (replicated tensors are read whole).
 
-Not yet: block-FP8 checkpoints (dequantised per 128x128 block, so slices would have to follow blocks) and
-packed int4/fp4 checkpoints (validate_parallel refuses them at tp > 1).
+Packed int4 / fp4 checkpoints: the full model is packed like the rank's (quantize_modules), so per-expert and
+fused expert layouts plan as at TP1, and each packed tensor's slices follow its layout (parallel/packed.py); the
+packed tensors keep the checkpoint's dtypes, as load_weights keeps them.
+
+Not yet: block-FP8 checkpoints (dequantised per 128x128 block, so slices would have to follow blocks).
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..model import FlashNextModel
-from ..weights import (_OPTIONAL_ON_DISK, CheckpointError, _coverage_errors, _Piece, _plan, _read_headers, _targets,
-                       checkpoint_files, read_kv_scales)
+from ..ple.load import PLELoader
+from ..weights import (_OPTIONAL_ON_DISK, CheckpointError, _coverage_errors, _disk_dtype_names, _disk_dtypes, _Piece,
+                       _plan, _read_headers, _targets, checkpoint_files, materialize, read_kv_scales)
 from .config import ParallelConfig
 from .context import ParallelContext
-from .shard import Slices, build_rank_model, tensor_slices
+from .packed import localise_weight_shapes, packed_tensors
+from .ple import load_rank_tables
+from .shard import Slices, build_rank_model, rank_slices
 
 
 @dataclass
@@ -82,21 +88,31 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
     cfg = model.cfg
     with torch.device("meta"):  # the full shapes the checkpoint is planned against
         full = FlashNextModel(cfg, with_mtp=model.mtp is not None, with_vision=model.model.visual is not None)
+    packed = {}
+    if cfg.quantization is not None and cfg.quantization.packed:
+        from ..layers.quantize import quantize_modules
+
+        quantize_modules(full, cfg.quantization)
+        packed = packed_tensors(full)
     shapes = {n: tuple(t.shape) for n, t in _targets(full).items()}
     dtypes = {n: t.dtype for n, t in _targets(full).items()}
     files = checkpoint_files(path)
     headers = _read_headers(files)
-    pieces, errors = _plan(files, headers, shapes, dtypes, skip_prefixes, {})
+    packed_experts = {n: m for n, m in full.named_modules() if callable(getattr(m, "disk_piece", None))}
+    pieces, errors = _plan(files, headers, shapes, dtypes, skip_prefixes, {}, packed_experts)
     first: dict[int, str] = {}
     aliases = {n: first.setdefault(id(t), n) for n, t in _targets(full).items()}
     optional = {n for n in shapes if any(r.search(n) for r in _OPTIONAL_ON_DISK)}  # init_buffers derives them
     errors += _coverage_errors(pieces, shapes, aliases, skip_prefixes, optional)
     errors += [f"{p.src}: block-FP8 checkpoints are not split yet; load with tensor_parallel_size=1"
                for p in pieces if p.dequant]
+    disk_dtypes, dtype_errors = _disk_dtypes(pieces, _disk_dtype_names(full))
+    errors += dtype_errors
     if errors:
         raise CheckpointError(f"checkpoint {path} does not match the model:\n" + "\n".join(errors))
+    slices = {p.target: rank_slices(p.target, cfg.text, rank, tp, packed) for p in pieces}  # refuses cut groups
 
-    model.to_empty(device="cpu")
+    materialize(model, "cpu", None, disk_dtypes)  # packed tensors in the checkpoint's dtypes, as at TP1
     own = _targets(model)
     stats = ReadStats()
     by_file: dict[Path, list[_Piece]] = defaultdict(list)
@@ -107,7 +123,7 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for p in by_file[file]:
                     dst = own[p.target]
-                    sl = tensor_slices(p.target, cfg.text, rank, tp)
+                    sl = slices[p.target]
                     if sl is None:
                         part = f.get_slice(p.src)[:] if p.src_shape else f.get_tensor(p.src)
                         (dst[p.index] if p.index else dst).copy_(part)
@@ -118,19 +134,32 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
                             dst.narrow(sl.dim, sum(e - s for s, e in sl.ranges),
                                        sl.size - sum(e - s for s, e in sl.ranges)).zero_()
                         _copy_sliced(f, p, _region(p, shapes[p.target]), sl, dst, stats)
+    if packed:
+        localise_weight_shapes(model, full)
     model.init_buffers().eval()
     return stats
 
 
 def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *, with_mtp: bool,
-                    dtype: torch.dtype = torch.float32, dcp: int = 1) -> FlashNextModel:
-    """This rank's text model (no vision tower) built and filled from the checkpoint, in `dtype`: what each rank
-    of an engine at tp > 1 runs. The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
-    same point (its DCP group is created collectively)."""
+                    dtype: torch.dtype = torch.float32, dcp: int = 1, ple_placement: str = "device",
+                    with_vision: bool = False) -> FlashNextModel:
+    """This rank's model built and filled from the checkpoint, in `dtype`: what each rank of an engine at tp > 1
+    runs (with_vision: the vision tower too, replicated, when the checkpoint has one: rank 0's). The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
+    same point (its DCP group is created collectively). ple_placement "host": the rank holds its row range of the
+    PLE table in host memory (parallel/ple.py); "device": the whole table, as a replicated weight."""
     tp = ctx.size
-    model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=False)
-    skip = ("model.visual.",) + (() if model.mtp is not None else ("mtp.",))
+    model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=with_vision)
+    skip = (() if model.model.visual is not None else ("model.visual.",)) + (() if model.mtp is not None else ("mtp.",))
+    tables = None
+    if ple_placement != "device":
+        if ple_placement != "host":
+            raise ValueError(f"ple_placement={ple_placement!r} at tensor_parallel_size={tp}: the ranks hold the PLE "
+                             "table on the device or their rows of it in host memory; use 'device' or 'host'")
+        tables = PLELoader(model, path, ple_placement)  # checks the table before any weight is read
+        skip += tables.skip_prefixes
     load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip)
+    if tables is not None:
+        load_rank_tables(tables, ctx)
     model.to_dtype(dtype)  # as load_model casts (GDN decay parameters stay fp32)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration (cache metadata), as load_model sets it
     model.checkpoint_dir = Path(path)

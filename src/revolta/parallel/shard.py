@@ -8,6 +8,8 @@ expert widths divided by tp), with the layers that communicate swapped for their
 a list of [start, end) ranges along it, concatenated in order (a fused q ‖ k ‖ v projection takes one
 range from each part). None: the tensor is replicated. The same answer drives slicing an in-memory state
 dict (`shard_state_dict`) and reading only those ranges of a memory-mapped checkpoint (parallel/load.py).
+A packed checkpoint's tensors follow their 16-bit weight's split in their stored layout (`rank_slices`,
+parallel/packed.py).
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig, TextConfig
+from ..layers.linear import QuantLinear
+from ..layers.quantize import quantize_modules
 from ..model import DecoderLayer, FlashNextModel
 from .config import ParallelConfig, ParallelConfigError, validate_parallel
 from .context import ParallelContext, subgroup_context
 from .dcp import DCPAttention
-from .layers import ParallelMoE, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead, vocab_range
+from .layers import (ParallelMoE, RowParallelLinear, RowParallelQuantLinear, VocabParallelEmbedding,
+                     VocabParallelLMHead, vocab_range)
+from .packed import PackedTensor, packed_slices
 
 
 @dataclass(frozen=True)
@@ -126,21 +132,31 @@ def _parallel_layers(layer: DecoderLayer, t: TextConfig, ctx: ParallelContext) -
                             t.shared_expert_intermediate_size, t.norm_topk_prob, ctx=ctx)
 
 
+def _pack(model: FlashNextModel, cfg: ModelConfig, ctx: ParallelContext) -> None:
+    """Pack the rank model's linears and experts as the checkpoint stores them (quantize_modules, on the local
+    sizes), then give the row-parallel linears their all-reduce back."""
+    row = [n for n, m in model.named_modules() if isinstance(m, RowParallelLinear)]
+    quantize_modules(model, cfg.quantization)
+    for name in row:
+        q = model.get_submodule(name)
+        if isinstance(q, QuantLinear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child,
+                    RowParallelQuantLinear(q.in_features, q.out_features, q.bias is not None, q.fmt, ctx))
+
+
 def build_rank_model(cfg: ModelConfig, pc: ParallelConfig, ctx: ParallelContext, with_mtp: bool = True,
                      with_vision: bool = True, dcp_ctx: ParallelContext | None = None) -> FlashNextModel:
     """This rank's FlashNextModel on the meta device (materialise with `to_empty`, then load its slices).
 
     At dcp > 1 the trunk QSA layers are DCPAttention over this rank's DCP group (`dcp_ctx`; None: created here from
-    `ctx`, which every rank must then do at the same point). The vision tower is replicated. Packed (quantized)
-    checkpoints are not split yet.
+    `ctx`, which every rank must then do at the same point). The vision tower is replicated. A packed (quantized)
+    checkpoint's linears and expert banks are packed here too, each holding the rank's whole groups (parallel/packed.py).
     """
     validate_parallel(pc, cfg)
     if ctx.size != pc.tp:
         raise ParallelConfigError(f"the process group has {ctx.size} ranks but tensor_parallel_size={pc.tp}; start "
                                   f"one process per rank")
-    if pc.tp > 1 and cfg.quantization is not None and cfg.quantization.packed:
-        raise ParallelConfigError(f"tensor_parallel_size={pc.tp} with a packed {cfg.quantization.method} "
-                                  f"checkpoint is not supported yet; use tensor_parallel_size=1")
     t = local_text_config(cfg.text, pc.tp)
     if pc.dcp > 1 and dcp_ctx is None:
         dcp_ctx = subgroup_context(ctx, pc.dcp)  # outside the meta-device block: the group's rendezvous is real
@@ -160,14 +176,26 @@ def build_rank_model(cfg: ModelConfig, pc: ParallelConfig, ctx: ParallelContext,
         if model.mtp is not None:  # the MTP layer is split like a decoder layer
             for layer in model.mtp.layers:
                 _parallel_layers(layer, t, ctx)
+        if cfg.quantization is not None and cfg.quantization.packed:
+            _pack(model, cfg, ctx)
     model.cfg = cfg  # the full geometry: callers size caches and check ids against it
     return model
 
 
-def shard_state_dict(full: Mapping[str, Tensor], cfg: ModelConfig, rank: int, tp: int) -> dict[str, Tensor]:
-    """Rank `rank`'s tensors cut from a full (single-process) state dict."""
+def rank_slices(name: str, t: TextConfig, rank: int, tp: int,
+                packed: Mapping[str, PackedTensor] | None = None) -> Slices | None:
+    """`tensor_slices`, or for a packed tensor of a quantized checkpoint (`packed`: parallel/packed.py
+    `packed_tensors` of the full model) its Slices in the stored layout."""
+    if packed and name in packed:
+        return packed_slices(name, packed[name], t, rank, tp) if tp > 1 else None
+    return tensor_slices(name, t, rank, tp)
+
+
+def shard_state_dict(full: Mapping[str, Tensor], cfg: ModelConfig, rank: int, tp: int,
+                     packed: Mapping[str, PackedTensor] | None = None) -> dict[str, Tensor]:
+    """Rank `rank`'s tensors cut from a full (single-process) state dict (`packed`: see `rank_slices`)."""
     out = {}
     for name, x in full.items():
-        sl = tensor_slices(name, cfg.text, rank, tp)
+        sl = rank_slices(name, cfg.text, rank, tp, packed)
         out[name] = x if sl is None else sl.take(x)
     return out

@@ -136,23 +136,27 @@ def _read_exact(fd: int, offset: int, dst: memoryview) -> None:
         done += n
 
 
-def read_table(layout: TableLayout, dst: torch.Tensor) -> None:
-    """All shards' bytes into `dst` (uint8 [rows * row_bytes], CPU or device), chunk by chunk, each chunk's
-    page-cache pages dropped once it is in place."""
+def read_table(layout: TableLayout, dst: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+    """All shards' bytes (or only rows [r0, r1) of the table) into `dst` (uint8 [rows * row_bytes], CPU or
+    device), chunk by chunk, each chunk's page-cache pages dropped once it is in place."""
     rb = layout.row_bytes
+    r0, r1 = (0, layout.rows) if rows is None else rows
     staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) if dst.is_cuda else None
     for shard in layout.shards:
-        start, n = shard.row_start * rb, shard.rows * rb
+        lo, hi = max(r0, shard.row_start), min(r1, shard.row_start + shard.rows)
+        if lo >= hi:
+            continue
+        start, n, src = (lo - r0) * rb, (hi - lo) * rb, shard.offset + (lo - shard.row_start) * rb
         fd = os.open(shard.file, os.O_RDONLY)
         try:
             for a in range(0, n, CHUNK_BYTES):
                 b = min(n, a + CHUNK_BYTES)
                 if staging is None:
-                    _read_exact(fd, shard.offset + a, memoryview(dst[start + a:start + b].numpy()))
+                    _read_exact(fd, src + a, memoryview(dst[start + a:start + b].numpy()))
                 else:
-                    _read_exact(fd, shard.offset + a, memoryview(staging[:b - a].numpy()))
+                    _read_exact(fd, src + a, memoryview(staging[:b - a].numpy()))
                     dst[start + a:start + b].copy_(staging[:b - a])
-                os.posix_fadvise(fd, shard.offset + a, b - a, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, src + a, b - a, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
@@ -162,7 +166,7 @@ def host_tensor(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
 
 
-def _read_scale(scale: tuple[str, Path], device: torch.device) -> torch.Tensor:
+def read_scale(scale: tuple[str, Path], device: torch.device) -> torch.Tensor:
     with safe_open(str(scale[1]), framework="pt") as f:
         return f.get_tensor(scale[0]).float().reshape(()).to(device)
 
@@ -188,7 +192,7 @@ class PLELoader:
         device = torch.device(device)
         for p in self.plans if not self.as_weight else ():
             start = time.perf_counter()
-            scale = None if p.scale is None else _read_scale(p.scale, device)
+            scale = None if p.scale is None else read_scale(p.scale, device)
             lay = p.layout
             if self.placement == "disk":
                 p.module.attach_table(StagedRows(lay, scale, p.module.num_heads, device))
