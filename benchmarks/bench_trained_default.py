@@ -51,6 +51,7 @@ def run_method(name: str, prompts: list[list[int]], args) -> dict:
         if out.metrics is not None and out.metrics.spec_decode is not None:
             stats.merge(out.metrics.spec_decode)
     del llm
+    print(f"  {name}: {tokens} tokens in {seconds:.1f} s (load {load_s:.1f} s)", flush=True)
     row = {"method": name, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_s": load_s,
            "outputs": outputs}
     if stats.num_rounds:
