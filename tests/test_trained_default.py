@@ -126,8 +126,10 @@ def test_vocab_mask_keeps_every_logit_path_inside_the_allowed_ids(default_dir, t
 
 
 def test_revolta_generate_prints_python(trained_env):
-    env = {**os.environ, "REVOLTA_CACHE": str(trained_env), "REVOLTA_DEFAULT_MODEL": "trained"}
-    proc = subprocess.run([sys.executable, "-m", "revolta.cli", "generate", "--max-tokens", "48",
+    # the user's draft policy (adaptive), not the suite's "always": on CPU drafting does not pay and is switched off
+    env = {**os.environ, "REVOLTA_CACHE": str(trained_env), "REVOLTA_DEFAULT_MODEL": "trained",
+           "REVOLTA_SPEC_DRAFT_POLICY": "adaptive"}
+    proc = subprocess.run([sys.executable, "-m", "revolta.cli", "generate", "--max-tokens", "40",
                            "def fibonacci(n):"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     text = "def fibonacci(n):" + proc.stdout

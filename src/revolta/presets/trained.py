@@ -40,6 +40,9 @@ WEIGHT_SHA256: dict[str, str] = {
     "export.json": "f787c9f4b298d6e238dde09409f7bae5c646b5c29068972a6b9f90207d735021",
 }
 _EMB, _HEAD = "model.language_model.embed_tokens.weight", "lm_head.weight"
+# greedy unless asked otherwise: sampled at the random default's temperature 0.7, a 21 M-parameter code model soon
+# loses track of brackets and indentation; `--temperature` / SamplingParams still sample
+GENERATION_CONFIG: dict[str, Any] = {**default.GENERATION_CONFIG, "do_sample": False}
 
 
 def file_sha256(path: Path) -> str:
@@ -63,7 +66,7 @@ def trained_model_config() -> dict[str, Any]:
 def trained_hash() -> str:
     h = hashlib.sha256(json.dumps(WEIGHT_SHA256, sort_keys=True).encode())
     h.update(json.dumps(trained_model_config(), sort_keys=True).encode())
-    h.update(json.dumps(default.GENERATION_CONFIG, sort_keys=True).encode())
+    h.update(json.dumps(GENERATION_CONFIG, sort_keys=True).encode())
     h.update(f"vision_seed={VISION_SEED} dtype={default.DISK_DTYPE} format={FORMAT_VERSION}".encode())
     h.update(default._chat_template().encode())
     return h.hexdigest()[:12]
@@ -161,7 +164,7 @@ def write_trained_checkpoint(directory: str | os.PathLike) -> Path:
         stamp.unlink()
     tok_config = {**qwen_tokenizer_config(), "chat_template": template}
     (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
-    (directory / "generation_config.json").write_text(json.dumps(default.GENERATION_CONFIG, indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     (directory / VOCAB_MASK).write_text(json.dumps({"allowed_token_ids": allowed_token_ids(kept)}) + "\n")
     marker = {"preset": "trained-default", "hash": trained_hash(), "format_version": FORMAT_VERSION,
               "weights_sha256": WEIGHT_SHA256, "note": "trained on the Python standard library (issue 25)"}
