@@ -62,13 +62,21 @@ def heldout_ce(model, segments: list[list[int]] | None = None) -> tuple[float, i
     import torch
 
     segments = load_eval_set() if segments is None else segments
+    V = model.cfg.text.vocab_size
+    allowed = torch.arange(V, device=model.device) if model.logit_mask is None else model.logit_mask.nonzero()[:, 0]
+    row = torch.full((V,), -1, dtype=torch.long, device=model.device)
+    row[allowed] = torch.arange(allowed.numel(), device=model.device)  # full id -> allowed row (-1: forbidden)
+    head = model.lm_head.weight[allowed]  # [A, d]: forbidden logits are -inf, so they add nothing to the softmax
     total, n, skipped = 0.0, 0, 0
     with torch.no_grad():
         for seg in segments:
             ids = torch.tensor(seg, device=model.device)
-            logits = model(ids[None])[0, :-1].float()  # [S-1, V]
-            tgt = ids[1:]
-            ok = torch.isfinite(logits.gather(1, tgt[:, None]))[:, 0]
+            # the mixed hidden of every position, projected on the allowed rows only (10x less work than [S, V])
+            _, wide = model(ids, logits_indices=ids.new_zeros(1), return_hidden=True)
+            y = model.model.language_model.hyper_connection_mixer.read(wide[:-1])[0]  # [S-1, d]
+            logits = (y @ head.T).float()  # [S-1, A]
+            tgt = row[ids[1:]]
+            ok = tgt >= 0
             total += float(torch.nn.functional.cross_entropy(logits[ok], tgt[ok], reduction="sum"))
             n += int(ok.sum())
             skipped += int((~ok).sum())
