@@ -149,3 +149,23 @@ def _parses(lines: list[str]) -> bool:
     except SyntaxError:
         return False
     return True
+
+
+def test_image_request_runs_on_the_random_vision_tower(cache):
+    """The trained model is text-only; its checkpoint carries the random default's vision tower (at the trained
+    width) so image requests still run end to end, and the vocabulary mask holds for them too."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)).save(buf, format="PNG")
+    llm = LLM(model=str(trained.trained_model_dir(cache)), speculative_config={"method": None}, max_model_len=256,
+              enforce_eager=True)
+    out = llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>def f(x):",
+                        "multi_modal_data": {"image": buf.getvalue()}}, SamplingParams(temperature=0.0, max_tokens=4),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(llm.cfg.image_token_id) > 1  # the placeholder expanded to the tower's rows
+    assert len(out.outputs[0].token_ids) == 4
+    assert all(bool(llm.model.logit_mask[t]) for t in out.outputs[0].token_ids)
