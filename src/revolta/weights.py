@@ -586,9 +586,8 @@ VOCAB_MASK = "vocab_mask.json"
 
 def read_vocab_mask(path: str | Path, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
     """`vocab_mask.json` of the checkpoint ({"allowed_token_ids": [...]}) as a [vocab_size] bool mask, or None.
-
-    A model trained on part of the vocabulary (the trained embedded default) ships it: its untrained LM-head rows
-    are zeros, whose logit 0 could beat the trained ones, so they must never be predicted."""
+    A model trained on part of the vocabulary (the trained default) ships it: its untrained LM-head rows are zeros,
+    whose logit 0 could beat the trained ones, so they must never be predicted."""
     file = Path(path) / VOCAB_MASK
     if not file.is_file():
         return None
