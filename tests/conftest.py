@@ -11,6 +11,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's d
 # speculative tests count rounds and acceptance: draft every decode step unless a test asks for the adaptive
 # policy (engine/spec_policy.py), whose choices follow wall time
 os.environ.setdefault("REVOLTA_SPEC_DRAFT_POLICY", "always")
+# "default" / LLM() name the random-weight preset in tests (small, fast, fixed shapes); tests of the trained default
+# name it ("trained-default") or set REVOLTA_DEFAULT_MODEL=trained themselves
+os.environ.setdefault("REVOLTA_DEFAULT_MODEL", "random")
 
 import pytest  # noqa: E402
 

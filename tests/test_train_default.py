@@ -134,3 +134,18 @@ def test_kept_ids_count_floor_row_cap_and_specials():
     rows = torch.tensor([[5, 5, 5, 7, 7, 9, 3, 3, 3, 3]])
     assert kept_ids(rows, 2, 100, (EOS_ID,)).tolist() == [3, 5, 7, EOS_ID]  # 9 is seen once
     assert kept_ids(rows, 1, 3, (EOS_ID,)).tolist() == [3, 5, EOS_ID]  # the two most frequent, plus EOS
+
+
+def test_heldout_eval_rows_take_one_row_per_file_spread_over_the_files():
+    """Metrics rows come one from each held-out file (not consecutive rows of one long file), deterministically."""
+    from revolta.presets.train_data import TokenData, _middle_rows, _pack
+
+    docs = [[1] * 3, [2] * 400, [3] * 5, [4] * 7]  # the second: one long file (e.g. a codec table)
+    rows = _pack(docs, 8)  # each doc + EOS: starts 0, 4, 405, 411; 419 tokens -> 52 rows
+    want = [(s + len(d) // 2) // 8 for s, d in zip([0, 4, 405, 411], docs)]
+    assert _middle_rows(docs, 8, rows.shape[0]) == want == [0, 25, 50, 51]
+    assert _middle_rows(docs, 8, 51) == [0, 25, 50]  # middles past the packed rows are dropped
+    data = TokenData(train=rows, heldout=rows, files={}, num_tokens={}, seconds=0.0, heldout_file_rows=want)
+    assert torch.equal(data.heldout_eval_rows(8), rows[[0, 25, 50, 51]])  # one row per file
+    assert torch.equal(data.heldout_eval_rows(2), rows[[0, 51]])  # spread: the first and the last file
+    assert torch.equal(data.heldout_eval_rows(0), rows)

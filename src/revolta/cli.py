@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from prompts",
                          description="Generate a completion for each prompt (streamed when there is one).")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text ('-' reads stdin)")
-    gen.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the embedded default preset)")
+    gen.add_argument("--model", metavar="DIR", help="checkpoint directory, or a preset: trained-default, random-default "
+                     "(default: the embedded default, the trained one unless REVOLTA_DEFAULT_MODEL=random)")
     gen.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, metavar="T",
                      help="0 = greedy (default: the checkpoint's generation_config, else 1.0)")
@@ -115,6 +116,7 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
 
 
 PARALLEL_ARGS = ("tensor_parallel_size", "decode_context_parallel_size")
+PRESET_NAMES = ("default", "trained-default", "random-default")  # presets/load.py's names (torch-free here)
 
 
 def _add_serve_parser(sub) -> None:
@@ -323,9 +325,10 @@ def _sampling_params(args: argparse.Namespace, defaults=None):
 
 def _generate(args: argparse.Namespace) -> int:
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
-    if args.model is not None and not os.path.isdir(args.model):
+    if args.model is not None and not os.path.isdir(args.model) and args.model not in PRESET_NAMES:
         raise UserError(f"--model {args.model}: not a directory; pass a checkpoint directory "
-                        "(config.json + *.safetensors), or leave --model out for the embedded default")
+                        "(config.json + *.safetensors), a preset name (trained-default, random-default), or leave "
+                        "--model out for the embedded default")
     from .llm import LLM
 
     _sampling_params(args)  # reject bad flags before loading anything
@@ -376,9 +379,9 @@ def _require_server_extra() -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _require_server_extra()
-    if args.model is not None and not os.path.isdir(args.model):
-        raise UserError(f"{args.model}: not a directory; pass a checkpoint directory, or no MODEL for the "
-                        "embedded default")
+    if args.model is not None and not os.path.isdir(args.model) and args.model not in PRESET_NAMES:
+        raise UserError(f"{args.model}: not a directory; pass a checkpoint directory, a preset name "
+                        "(trained-default, random-default), or no MODEL for the embedded default")
     from .server.app import run_server
     from .server.config import DEFAULT_KEEP_ALIVE_S, ServerConfig
 

@@ -40,9 +40,10 @@ def resolve_llm_speculation(raw: Mapping[str, Any] | SpeculativeConfig | None, c
     the layer). An MTP request without those weights raises ValueError with the fix. DFlash2 on the embedded default
     without a drafter `model` uses the embedded default drafter."""
     if is_default and isinstance(raw, Mapping) and raw.get("method") in DFLASH2_METHODS and raw.get("model") is None:
-        from .presets import ensure_default_drafter
+        from .presets import default_drafter_for
 
-        raw = {**raw, "model": str(ensure_default_drafter())}
+        drafter = default_drafter_for(path)
+        raw = {**raw, "model": str(drafter)}
     declared = cfg.text.mtp is not None
     if raw is None and declared and not mtp_weights:
         logger.info("speculative decoding off: %s; MTP4 is the default only for checkpoints that ship them",

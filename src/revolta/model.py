@@ -146,6 +146,10 @@ class FlashNextModel(nn.Module):
         self.mtp = MTPHead(t) if (with_mtp and t.mtp is not None) else None
         self.kv_scales: dict[str, Tensor] = {}  # `*.self_attn.{k,v}_scale` of the checkpoint (see load_model)
         self.checkpoint_dir: Path | None = None  # where load_model read it (tokenizer, configs); None: built in code
+        # [V] bool, True where a token may be predicted (the checkpoint's vocab_mask.json, see load_model); None: all.
+        # Every logit path (next token, MTP and DFlash2 drafts) goes through compute_logits, so drafts and the
+        # verified tokens see the same mask and greedy speculation stays equal to greedy without.
+        self.register_buffer("logit_mask", None, persistent=False)
 
     def init_buffers(self) -> "FlashNextModel":
         """Recompute derived buffers (RoPE tables, n-gram hash constants) after `to_empty`."""
@@ -241,8 +245,11 @@ class FlashNextModel(nn.Module):
         return (logits, wide) if return_hidden else logits
 
     def compute_logits(self, y: Tensor) -> Tensor:
-        """y: [N, d] mixed hidden -> [N, V] fp32."""
-        return self.lm_head(y).float()
+        """y: [N, d] mixed hidden -> [N, V] fp32 (-inf where `logit_mask` forbids a token)."""
+        logits = self.lm_head(y).float()
+        if self.logit_mask is not None:
+            logits = logits.masked_fill(~self.logit_mask, float("-inf"))
+        return logits
 
     def mtp_forward(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, cu_seqlens: list[int],
                     states: list[SequenceState], step: int = 0, paged: PagedMeta | None = None,
@@ -311,7 +318,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     `revolta.load_model` (presets/load.py) also takes "default": the embedded default model.
     """
     from .ple.load import PLELoader
-    from .weights import load_weights, read_kv_scales
+    from .weights import load_weights, read_kv_scales, read_vocab_mask
 
     device = resolve_device(device)  # a device this machine lacks, or Volta under Triton < 3.4, stops here
     if isinstance(dtype, str):
@@ -341,6 +348,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
         check_loaded_shapes(model)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration, if the checkpoint ships it (cache metadata)
     model.checkpoint_dir = Path(path)
+    model.logit_mask = read_vocab_mask(path, cfg.text.vocab_size, device)
     return model.eval()
 
 

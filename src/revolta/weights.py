@@ -579,3 +579,22 @@ def read_kv_scales(path: str | Path) -> dict[str, torch.Tensor]:
         with safe_open(str(files[name]), framework="pt") as f:
             out[name] = f.get_tensor(name)
     return out
+
+
+VOCAB_MASK = "vocab_mask.json"
+
+
+def read_vocab_mask(path: str | Path, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """`vocab_mask.json` of the checkpoint ({"allowed_token_ids": [...]}) as a [vocab_size] bool mask, or None.
+    A model trained on part of the vocabulary (the trained default) ships it: its untrained LM-head rows are zeros,
+    whose logit 0 could beat the trained ones, so they must never be predicted."""
+    file = Path(path) / VOCAB_MASK
+    if not file.is_file():
+        return None
+    ids = json.loads(file.read_text())["allowed_token_ids"]
+    if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"{file}: allowed_token_ids must be a non-empty list of ids in [0, {vocab_size}); rewrite "
+                         "it or delete it to allow every token")
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[torch.tensor(ids, dtype=torch.long)] = True
+    return mask.to(device)

@@ -14,6 +14,7 @@ Text that exists offline on every machine that runs Python. The recipe (determin
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sysconfig
 import time
@@ -40,13 +41,25 @@ class DataConfig:
 
 @dataclass
 class TokenData:
-    """Packed rows of token ids: train [N, seq_len] and heldout [M, seq_len], int64; `files` counts per split."""
+    """Packed rows of token ids: train [N, seq_len] and heldout [M, seq_len], int64; `files` counts per split;
+    `heldout_file_rows`: per held-out file, the row holding the middle of its tokens (None past the packed rows)."""
 
     train: Tensor
     heldout: Tensor
     files: dict[str, int]
     num_tokens: dict[str, int]
     seconds: float
+    heldout_file_rows: list[int] = dataclasses.field(default_factory=list)
+
+    def heldout_eval_rows(self, n: int) -> Tensor:
+        """[<= n, seq_len] held-out rows for metrics: one row from each of n held-out files spread evenly over the
+        sorted file list (deterministic), so one long, repetitive file (e.g. a codec table, where rows are
+        consecutive) cannot stand for the whole split. n <= 0: every held-out row."""
+        rows = sorted(set(self.heldout_file_rows))
+        if n <= 0 or not rows:
+            return self.heldout
+        pick = rows if len(rows) <= n else [rows[round(i * (len(rows) - 1) / max(n - 1, 1))] for i in range(n)]
+        return self.heldout[torch.tensor(sorted(set(pick)))]
 
 
 def stdlib_files(cfg: DataConfig) -> list[tuple[str, Path]]:
@@ -73,6 +86,17 @@ def _pack(docs: list[list[int]], seq_len: int) -> Tensor:
     return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
+def _middle_rows(docs: list[list[int]], seq_len: int, num_rows: int) -> list[int]:
+    """The packed row holding the middle token of each doc, for docs whose middle was packed."""
+    out, start = [], 0
+    for doc in docs:
+        row = (start + len(doc) // 2) // seq_len
+        if row < num_rows:
+            out.append(row)
+        start += len(doc) + 1
+    return out
+
+
 def load_token_data(cfg: DataConfig, tokenizer) -> TokenData:
     """Read, split, tokenize and pack the stdlib (see the module docstring). tokenizer: a revolta Tokenizer."""
     start = time.perf_counter()
@@ -83,12 +107,14 @@ def load_token_data(cfg: DataConfig, tokenizer) -> TokenData:
         if limit[split] is not None and len(texts[split]) >= limit[split]:
             continue
         texts[split].append(path.read_bytes()[: cfg.max_bytes_per_file].decode("utf-8", errors="replace"))
-    rows = {split: _pack(tokenizer.encode_batch(t) if t else [], cfg.seq_len) for split, t in texts.items()}
+    docs = {split: tokenizer.encode_batch(t) if t else [] for split, t in texts.items()}
+    rows = {split: _pack(d, cfg.seq_len) for split, d in docs.items()}
     if rows["train"].shape[0] == 0 or rows["heldout"].shape[0] == 0:
         raise ValueError(f"the data recipe left {rows['train'].shape[0]} training and {rows['heldout'].shape[0]} "
                          f"held-out rows of {cfg.seq_len} tokens; use more files (max_files) or a shorter seq_len")
     return TokenData(train=rows["train"], heldout=rows["heldout"], files={k: len(v) for k, v in texts.items()},
-                     num_tokens={k: v.numel() for k, v in rows.items()}, seconds=time.perf_counter() - start)
+                     num_tokens={k: v.numel() for k, v in rows.items()}, seconds=time.perf_counter() - start,
+                     heldout_file_rows=_middle_rows(docs["heldout"], cfg.seq_len, rows["heldout"].shape[0]))
 
 
 def batches(rows: Tensor, batch_size: int, seed: int, start_step: int = 0):

@@ -46,9 +46,13 @@ class DrafterConfig:
 
 def drafter_config(net: TrainNet) -> DFlash2DraftConfig:
     """The default drafter's config (presets/default_drafter.py) at the trained target's width and depth."""
+    return drafter_config_for(net.net.cfg.text)
+
+
+def drafter_config_for(t) -> DFlash2DraftConfig:
+    """`drafter_config` from the target's TextConfig `t` (the shipped drafter's config is rebuilt from it)."""
     from .default_drafter import DRAFTER_CONFIG
 
-    t = net.net.cfg.text
     raw = copy.deepcopy(DRAFTER_CONFIG)
     heads = max(2, t.hidden_size // 64)
     raw.update(hidden_size=t.hidden_size, intermediate_size=2 * t.hidden_size, num_attention_heads=heads,

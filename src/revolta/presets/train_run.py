@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-kept-tokens", type=int, default=26000,
                    help="at most this many embedding / LM-head rows, the most frequent tokens (bounds the export: "
                         "26000 rows at the default size give ~25 MiB)")
-    p.add_argument("--eval-rows", type=int, default=64, help="held-out rows to evaluate (0: all)")
+    p.add_argument("--eval-rows", type=int, default=64,
+                   help="held-out files to evaluate, one row from each, spread over the sorted files (0: every row)")
     p.add_argument("--no-int8", action="store_true", help="export 16-bit weights only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="tf32", choices=("tf32", "fp32", "bf16"),
@@ -94,10 +95,10 @@ def run(args: argparse.Namespace, log=print) -> dict:
     loop = LoopConfig(batch_size=args.batch_size, lr=args.lr, seed=args.seed, time_budget_s=args.time_budget_s,
                       schedule_s=args.schedule_s or args.time_budget_s, max_steps=args.max_steps,
                       log_every_s=args.log_every_s, precision=args.precision)
-    heldout = data.heldout if not args.eval_rows else data.heldout[: args.eval_rows]
+    heldout = data.heldout_eval_rows(args.eval_rows)  # one row per held-out file, spread over the files
     ckpt = Path(args.ckpt_dir) if args.ckpt_dir else out / "ckpt"
     result = train(net, data.train, loop, ckpt, Path(args.resume) if args.resume else None, log,
-                   heldout=data.heldout[-16:])  # the best-weights pick reads the last rows; metrics the first
+                   heldout=data.heldout_eval_rows(16))  # the best-weights pick: one row from each of 16 files
     metrics = {"target": evaluate(net, heldout, precision=args.precision)}
     log(f"held-out: {metrics['target']}")
     drafter_state = None
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     metrics["wall_s"] = time.perf_counter() - t0
     # a fixed eval set for CI (this interpreter's stdlib may differ from the one that checks the weights)
     metrics["python"] = sys.version.split()[0]
-    metrics["heldout_eval_ids"] = heldout[:8].tolist()
+    metrics["heldout_eval_ids"] = data.heldout_eval_rows(8).tolist()  # one row from each of 8 held-out files
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log(f"exported {summary['total_bytes'] / 2**20:.1f} MiB to {out / 'weights'}; total {metrics['wall_s']:.0f} s")
     return {"metrics": metrics, "result": result, "net": net, "summary": summary}
