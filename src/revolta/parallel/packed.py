@@ -27,6 +27,7 @@ from ..layers.linear import QuantLinear
 from ..layers.quant_moe import QuantExperts
 from ..layers.quantize import shape_holders
 from .config import ParallelConfigError
+from .slices import Slices, tensor_slices
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,6 @@ def packed_tensors(model: nn.Module) -> dict[str, PackedTensor]:
 def packed_slices(name: str, pt: PackedTensor, t: TextConfig, rank: int, tp: int):
     """Rank `rank`'s Slices of the packed tensor `name` (None: replicated); ParallelConfigError when a rank's range
     would cut a packed word or a quantization group."""
-    from .shard import Slices, tensor_slices  # shard imports this module: resolved at call time
-
     sl = tensor_slices(pt.weight, t, rank, tp)
     if sl is None or pt.out_axis is None:
         return None
