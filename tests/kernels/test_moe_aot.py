@@ -44,7 +44,7 @@ def _hc_builds(hc, M, cfg, d, r, h, arch):
     on sm_90) or the tiled down / up kernels."""
     if cfg["KIND"] == "rows":
         pdl = arch >= 90
-        rh, S = r + h, h * cfg["SPLITS_PER_BRANCH"]
+        S = h * cfg["SPLITS_PER_BRANCH"]
         ksplit, bs = d // cfg["SPLITS_PER_BRANCH"], 1 << (S - 1).bit_length()
         k1, k2 = hc.up_k_pieces(r)
         b = {
@@ -210,6 +210,36 @@ def _build_in_child(arch):
     assert _CHILDREN[arch].returncode == 0, err[-4000:]
     line = [ln for ln in out.splitlines() if ln.startswith("@@")][-1]
     return json.loads(line[2:])
+
+
+def build_in_spawned_children(module_name: str) -> dict:
+    """{arch: module.build_all(arch)} for sm_70 and sm_90, built in parallel in fresh (spawned) processes that import
+    Triton uninterpreted (the AOT tests of the quantized kernels)."""
+    import importlib
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from unittest import mock
+
+    sys.path.insert(0, os.path.dirname(__file__))  # the children import the module and this one by name
+    with mock.patch.dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1"), \
+            ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        module = importlib.import_module(module_name)
+        return dict(zip((70, 90), pool.map(module.build_all, (70, 90))))
+
+
+def check_reports(reports: dict, arch: int) -> None:
+    """No spills on sm_70; on sm_90 at most 1 MiB of spills and the shared memory an SM has."""
+    from revolta.kernels.aot import CompileReport
+
+    problems = []
+    for name, fields in reports.items():
+        report = CompileReport(**{**fields, "forbidden": tuple(fields["forbidden"])})
+        limits = dict(max_spill_bytes=0) if arch == 70 else dict(max_spill_bytes=1 << 20, shared_limit=227 * 1024)
+        try:
+            report.check(**limits)
+        except AssertionError as e:
+            problems.append(f"{name}: {e}")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("arch", [70, 90])

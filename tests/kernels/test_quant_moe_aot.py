@@ -76,32 +76,17 @@ def build_all(arch):
 
 @pytest.fixture(scope="module")
 def reports():
-    """Both architectures built in parallel in fresh (spawned) processes that import Triton uninterpreted."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from unittest import mock
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_moe_aot import build_in_spawned_children
 
-    sys.path.insert(0, os.path.dirname(__file__))  # the children import this module and test_moe_aot by name
-    with mock.patch.dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1"), \
-            ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        import test_quant_moe_aot
-
-        return dict(zip((70, 90), pool.map(test_quant_moe_aot.build_all, (70, 90))))
+    return build_in_spawned_children("test_quant_moe_aot")
 
 
 @pytest.mark.parametrize("arch", [70, 90])
 def test_aot_real_shapes(arch, reports):
-    from revolta.kernels.aot import CompileReport
+    from test_moe_aot import check_reports
 
-    problems = []
-    for name, fields in reports[arch].items():
-        report = CompileReport(**{**fields, "forbidden": tuple(fields["forbidden"])})
-        limits = dict(max_spill_bytes=0) if arch == 70 else dict(max_spill_bytes=1 << 20, shared_limit=227 * 1024)
-        try:
-            report.check(**limits)
-        except AssertionError as e:
-            problems.append(f"{name}: {e}")
-    assert not problems, "\n".join(problems)
+    check_reports(reports[arch], arch)
 
 
 if __name__ == "__main__":
