@@ -169,10 +169,9 @@ def _moe_bank(num_experts, dtype, gen, device, h, i):
     return w1, w2, (w1[num_experts, :i], w1[num_experts, i:], w2[num_experts])
 
 
-def moe_graph_check(w1r, w2r, shared, M, num_experts, dt, gen):
-    """fused_moe captured once in a CUDA graph, replayed on new tokens and new routing written into the
-    captured buffers: rel. error against the reference of the new inputs."""
-    h = w1r.shape[-1]
+def graph_replay_check(run, ref, M, h, num_experts, dt, gen):
+    """run(x, ids, weights) captured once in a CUDA graph, replayed on new tokens [M, h] and new routing written
+    into the captured buffers: rel. error against ref(x, ids, weights) of the new inputs."""
 
     def inputs():
         x = torch.randn(M, h, device="cuda", dtype=dt, generator=gen)
@@ -183,17 +182,24 @@ def moe_graph_check(w1r, w2r, shared, M, num_experts, dt, gen):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        MOE.fused_moe(x, w1r, w2r, ids, w, shared_expert=shared)
+        run(x, ids, w)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = MOE.fused_moe(x, w1r, w2r, ids, w, shared_expert=shared)
+        out = run(x, ids, w)
     new = inputs()
     for buf, val in zip((x, ids, w), new):
         buf.copy_(val)
     g.replay()
     torch.cuda.synchronize()
-    return rel_err(out, MOE.fused_moe_ref(*new[:1], w1r, w2r, *new[1:], shared_expert=shared))
+    return rel_err(out, ref(*new))
+
+
+def moe_graph_check(w1r, w2r, shared, M, num_experts, dt, gen):
+    """fused_moe through `graph_replay_check`."""
+    return graph_replay_check(lambda x, ids, w: MOE.fused_moe(x, w1r, w2r, ids, w, shared_expert=shared),
+                              lambda x, ids, w: MOE.fused_moe_ref(x, w1r, w2r, ids, w, shared_expert=shared),
+                              M, w1r.shape[-1], num_experts, dt, gen)
 
 
 def bench_moe(copy_gbs, mm_tflops, quick, timer, smoke=False):

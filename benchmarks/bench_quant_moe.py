@@ -134,33 +134,13 @@ def run(small: bool = False, json_path: str | None = None) -> int:
 
 def graph_check(gate_up, down, shared, M, dt, h, num_experts, gen) -> float:
     """quant_fused_moe captured once in a CUDA graph, replayed on new tokens and routing written into the captured
-    buffers: rel. error against the reference of the new inputs."""
-    from revolta.kernels import moe as MOE
+    buffers (bench_moe_hc.graph_replay_check): rel. error against the reference of the new inputs."""
     from revolta.kernels.quant import moe as QMOE
 
-    hc = moe_hc()
-    rel_err, routing = hc.rel_err, hc.routing
-
-    def inputs():
-        x = torch.randn(M, h, device="cuda", dtype=dt, generator=gen)
-        logits = routing(M, "uniform", gen, 1, num_experts)[0]
-        return (x, *MOE.moe_route(logits, TOPK, shared_logits=torch.randn(M, device="cuda", generator=gen)))
-
-    x, ids, w = inputs()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared)
-    new = inputs()
-    for buf, val in zip((x, ids, w), new):
-        buf.copy_(val)
-    g.replay()
-    torch.cuda.synchronize()
-    return rel_err(out, QMOE.quant_fused_moe_ref(new[0], gate_up, down, *new[1:], shared_expert=shared))
+    return moe_hc().graph_replay_check(
+        lambda x, ids, w: QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared),
+        lambda x, ids, w: QMOE.quant_fused_moe_ref(x, gate_up, down, ids, w, shared_expert=shared),
+        M, h, num_experts, dt, gen)
 
 
 def print_table(rows, checks, copy_gbs):
