@@ -42,8 +42,8 @@ def test_tp2_preemption_with_mtp_gives_the_tp1_tokens(tmp_path):
         group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=True, timeout_s=30)
         procs = group.procs
         try:
-            # 16 blocks per rank at TP2 with MTP (13 state slots take 240 KiB): the four prompts need ~26 at once;
-            # measured: p2 preempted 6 times: the four prompts need ~26 at once
+            # 16 blocks per rank at TP2 with MTP (13 state slots take 240 KiB): the four prompts need ~26 at
+            # once (measured: p2 was preempted 6 times)
             engine = Engine(group.model, EngineConfig(**kw, kv_cache_gib=0.00045, tensor_parallel_size=2),
                             tp_group=group)
             blocks = engine.plan.num_blocks
