@@ -17,10 +17,11 @@ from revolta.engine.sampling import SamplingParams
 from revolta.parallel.layers import vocab_range
 from revolta.parallel.ple import RankStagedRows
 from revolta.ple.disk import PLEWorkerError
-from test_tp_llm import ARGS, PROMPTS, _run, one_thread  # noqa: F401 (one_thread: a fixture)
+from test_tp_llm import ARGS, PROMPTS, _run, one_thread  # noqa: F401 (one_thread: the fixture pytestmark uses)
 from tp_tiny import tiny, write_fp8_ple_checkpoint
 
 BOUND_S = 10.0  # issue 22: a dead PLE worker fails the requests within ~10 s
+pytestmark = pytest.mark.usefixtures("one_thread")  # 2 shared cores: the ranks must not oversubscribe them
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def _assert_all_gone(procs: list[psutil.Process], bound_s: float = BOUND_S) -> N
     assert not alive, f"still running {bound_s:.0f} s after close(): {[(p.pid, p.cmdline()) for p in alive]}"
 
 
-def test_tp2_disk_gives_the_tp1_device_tokens(ckpt, one_thread):
+def test_tp2_disk_gives_the_tp1_device_tokens(ckpt):
     path, rows = ckpt
     want, _ = _run(LLM(model=path, **ARGS))  # TP1, the FP8 table on the device
     llm = LLM(model=path, tensor_parallel_size=2, ple_placement="disk", **ARGS)
@@ -87,7 +88,7 @@ def test_tp2_disk_gives_the_tp1_device_tokens(ckpt, one_thread):
     _assert_all_gone(started)
 
 
-def test_a_killed_rank_ple_worker_fails_the_stream_within_the_bound(ckpt, one_thread):
+def test_a_killed_rank_ple_worker_fails_the_stream_within_the_bound(ckpt):
     path, _ = ckpt
     llm = LLM(model=path, tensor_parallel_size=2, ple_placement="disk", speculative_config={"method": None}, **ARGS)
     started, workers = _started(llm)
