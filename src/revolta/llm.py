@@ -99,7 +99,7 @@ class LLM(SleepPauseMixin):
         if self.ple_placement.source != "default":
             logger.info("PLE table placement %r from the %s", self.ple_placement.value, self.ple_placement.source)
         # before any weight is read
-        self.parallel = resolve_parallel(engine_args, target, self.device, self.ple_placement.value)
+        self.parallel = resolve_parallel(engine_args, target, self.device)
         with_mtp = self.speculative_config.method == "mtp"
         # at tp > 1 build_engine loads rank 0's shard (its slices only) instead of the full model
         model = None if self.parallel.tp > 1 else load_model(self.model_path, dtype=self.dtype, device=self.device,
@@ -394,7 +394,8 @@ class LLM(SleepPauseMixin):
         self.engine.check_health()
 
     def close(self) -> None:
-        """Stop the engine's worker processes (the tensor-parallel ranks), bounded; generate no more after it."""
+        """Stop the engine's worker processes (the tensor-parallel ranks, PLE workers), bounded; generate no more
+        after it."""
         self.engine.close()
 
     def engine_stats(self) -> EngineStatus:

@@ -82,8 +82,7 @@ def requested_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> tupl
     return int(max_model_len), False
 
 
-def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: torch.device,
-                     ple_placement: str) -> ParallelConfig:
+def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: torch.device) -> ParallelConfig:
     """The parallel layout `LLM(...)` asks for, refused (ParallelConfigError naming the fix) before any weight is
     read when the model cannot be split so or this generation path cannot run it yet."""
     pc = ParallelConfig(engine_args.get("tensor_parallel_size", 1), engine_args.get("decode_context_parallel_size", 1))
@@ -91,9 +90,7 @@ def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: t
     if pc.tp == 1:
         return pc
     why = (f"device={device.type!r}: the ranks run on CPU (gloo) only yet, NCCL with one GPU per rank is not wired; "
-           "pass device='cpu' (serve: --device cpu)" if device.type != "cpu" else
-           f"ple_placement={ple_placement!r}: the ranks hold the PLE table on their device or their rows of it in "
-           "host memory; use 'device' or 'host'" if ple_placement == "disk" else None)
+           "pass device='cpu' (serve: --device cpu)" if device.type != "cpu" else None)
     if why is not None:
         raise ParallelConfigError(f"tensor_parallel_size={pc.tp} with {why}, or tensor_parallel_size=1")
     return pc
@@ -102,8 +99,8 @@ def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: t
 def build_engine(model: FlashNextModel | None, config: EngineConfig, path: Path, cfg: ModelConfig,
                  dtype: torch.dtype, with_mtp: bool, ple_placement: str = "device", **kwargs: Any) -> Engine:
     """Engine(model, config) at tp=1. At tp > 1 (`model` is None): start the TP group (rank 0's shard is loaded
-    here, each worker loads its own; "host" PLE placement: each rank its rows of the table) and run the engine over
-    rank 0's shard; a failed start leaves no worker."""
+    here, each worker loads its own; "host" / "disk" PLE placement: each rank its rows of the table) and run the
+    engine over rank 0's shard; a failed start leaves no worker."""
     if config.tensor_parallel_size == 1:
         return Engine(model, config, **kwargs)
     group = TPGroup.start(cfg, path, config.tensor_parallel_size, with_mtp=with_mtp, dtype=dtype,

@@ -85,7 +85,8 @@ def ple_plan_line(cfg: ModelConfig, tp: int, placement: str, source: str, estima
         where = ("in pinned host memory, read by the GPU through a mapped view; not in the GPU budget, "
                  "so the KV pool above has that memory")
     else:
-        where = ("left in the checkpoint files, read by a PLE worker process (page cache only); not in the GPU "
+        worker = "a PLE worker process" if tp == 1 else "each rank's PLE worker process, which maps only its rows"
+        where = (f"left in the checkpoint files, read by {worker} (page cache only); not in the GPU "
                  "budget, so the KV pool above has that memory")
     return f"  PLE table: placement {placement} [{source}]: {size} {where}\n"
 

@@ -18,7 +18,7 @@ from revolta.model import FlashNextModel
 from revolta.multimodal.media import MediaError
 from revolta.parallel import ParallelConfigError
 from revolta.weights import save_checkpoint
-from tp_tiny import full_model, tiny
+from tp_tiny import full_model, tiny, write_fp8_ple_checkpoint
 
 PROMPTS = [[(7 * i + 3 * n) % 500 for i in range(n)] for n in (21, 9, 50)]
 LATER = PROMPTS[2][:48] + [1, 2, 3]  # after the first batch: the third prompt's 3 full pages are a prefix hit
@@ -108,28 +108,16 @@ def test_llm_tp2_dcp2_gives_the_tp1_tokens(tmp_path, one_thread):
 def test_llm_tp2_with_the_ple_table_on_the_host_gives_the_tp1_tokens(tmp_path, one_thread):
     """An FP8 table in 3 shards (rank 0's rows end inside the second): each rank holds its half in host memory and
     the masked gathers' all-reduce gives TP1's rows (the FP8 table on the device there): the same tokens."""
-    from safetensors.torch import save_file
-
     from revolta.parallel.ple import RankRowsTable
     from revolta.ple.load import ple_memory
-    from revolta.weights import checkpoint_tensors
 
-    cfg = tiny()
-    sd = dict(checkpoint_tensors(full_model(cfg), 1))
-    name = next(n for n in sd if n.endswith("ngram_embedding.shard_0.weight"))
-    base, table = name.removesuffix(".shard_0.weight"), sd.pop(name).float()
-    scale = table.abs().max() / 448
-    for i, part in enumerate((table / scale).to(torch.float8_e4m3fn).chunk(3)):
-        sd[f"{base}.shard_{i}.weight"] = part.contiguous()
-    sd[f"{base}.weight_scale"] = scale.reshape(1)
-    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "model.safetensors")
-    cfg.save(tmp_path)
+    rows = write_fp8_ple_checkpoint(tiny(), tmp_path)
     want, _ = _run(LLM(model=tmp_path, **ARGS))
     llm = LLM(model=tmp_path, tensor_parallel_size=2, ple_placement="host", **ARGS)
     try:
-        rows = [m.table for m in llm.model.modules() if isinstance(getattr(m, "table", None), RankRowsTable)]
-        assert [(t.start_row, t.end_row) for t in rows] == [(0, table.shape[0] // 2)]  # rank 0's half
-        assert ple_memory(llm.model).host_bytes == table.numel() // 2  # FP8: one byte per value
+        tables = [m.table for m in llm.model.modules() if isinstance(getattr(m, "table", None), RankRowsTable)]
+        assert [(t.start_row, t.end_row) for t in tables] == [(0, rows // 2)]  # rank 0's half
+        assert ple_memory(llm.model).host_bytes == rows // 2 * tables[0].weight.shape[1]  # FP8: one byte per value
         got, _ = _run(llm)
     finally:
         llm.close()
@@ -140,7 +128,6 @@ def test_llm_tp2_with_the_ple_table_on_the_host_gives_the_tp1_tokens(tmp_path, o
     (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide text_config\.num_attention_heads"),
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2),  # 2 KV heads at TP2: no copies to remove
      r"decode_context_parallel_size=2 exceeds tensor_parallel_size / num_key_value_heads = 2 / 2.*use at most 1"),
-    (dict(tensor_parallel_size=2, ple_placement="disk"), r"ple_placement='disk'.*use 'device' or 'host'"),
 ])
 def test_layouts_it_cannot_run_are_refused_before_loading(ckpt, args, match, monkeypatch):
     monkeypatch.setattr("revolta.engine.tp_executor.TPGroup.start", lambda *a, **k: pytest.fail("started ranks"))

@@ -74,6 +74,7 @@ def test_the_capacity_report_gives_the_table_memory_to_the_kv_pool():
     report = dry_run_report(*args, ple_placement="disk", ple_source="environment (REVOLTA_PLE_PLACEMENT)")
     assert "PLE table: placement disk [environment (REVOLTA_PLE_PLACEMENT)]: 47.68 GiB (23.84 GiB per TP rank)" in report
     assert "not in the GPU budget" in report
+    assert "read by each rank's PLE worker process, which maps only its rows" in report  # TP 2: the rows are split
 
 
 def test_revolta_info_shows_the_placement(capsys, monkeypatch):

@@ -128,7 +128,7 @@ class Executor(ABC):
         return {}
 
     def close(self) -> None:
-        """Stop the processes this executor started (bounded); the in-process executor has none."""
+        """Stop the processes this executor started (TP ranks, PLE workers), bounded."""
 
     def plan_sleep(self, level: int) -> SleepingMemory:
         """What sleep(level) would free and copy to host memory (sleep.py); nothing changes yet."""
@@ -251,6 +251,11 @@ class UniProcExecutor(Executor):
 
     def check_health(self) -> None:
         self.runner.check_health()
+
+    def close(self) -> None:
+        """End the PLE worker process the runner started for a disk-placed table, if any (bounded)."""
+        if self.runner.ple_feeder is not None:
+            self.runner.ple_feeder.close()
 
     def stats(self) -> dict[str, int]:
         return {"graph_replays": sum(g.num_replays for g in (self.graphs, self.spec_graphs) if g is not None)}

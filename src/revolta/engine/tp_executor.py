@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue as queue_mod
 import shutil
 import tempfile
@@ -64,7 +65,7 @@ class RankSpec:
     dtype: torch.dtype
     store: str  # a FileStore path for the gloo rendezvous (fresh per group)
     timeout_s: float
-    ple_placement: str = "device"  # "host": each rank its rows of the PLE table in host memory
+    ple_placement: str = "device"  # "host" / "disk": each rank its rows of the PLE table (parallel/ple.py)
 
 
 def _init_group(rank: int, rs: RankSpec) -> ParallelContext:
@@ -80,9 +81,27 @@ def _rank_executor(model: FlashNextModel, plan: CachePlan, spec: SpeculativeConf
     return UniProcExecutor(model, plan, spec, config, encoder_cache, media_ctx=ctx)
 
 
+def _report_path(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"rank{rank}.error")
+
+
+def _report(rs: RankSpec, rank: int, e: Exception) -> None:
+    """Leave the error that ends rank `rank` where rank 0 reads it (`TPGroup.reported`), written before the rank
+    leaves the group, so it is there when rank 0's collective fails: a FatalEngineError (e.g. the rank's PLE
+    worker died) keeps its type and message, anything else becomes one naming it."""
+    error = e if isinstance(e, FatalEngineError) else FatalEngineError(f"{type(e).__name__}: {e}")
+    path = _report_path(os.path.dirname(rs.store), rank)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(error, f)
+        os.replace(path + ".tmp", path)
+    except Exception:  # e.g. an unpicklable subclass: rank 0 still sees the rank exit
+        logger.exception("rank %d could not report its error", rank)
+
+
 def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     """Rank `rank` > 0: load the shard, build the executor from rank 0's plan, then run each call rank 0 sends
-    until "stop" or rank 0's process is gone."""
+    until "stop" or rank 0's process is gone. An error ends the rank, reported to rank 0 first."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // rs.tp))  # the ranks share the host's cores
     ready.put(rank)  # about to join the group: rank 0 waits for this before its (blocking) rendezvous
     ctx = _init_group(rank, rs)
@@ -98,6 +117,8 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
                 except queue_mod.Empty:
                     if parent is None or not parent.is_alive():
                         return
+                    if executor is not None:  # an idle rank's dead PLE worker ends the rank (reported below)
+                        executor.check_health()
                     continue
                 if op == "stop":
                     return
@@ -105,7 +126,12 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
                     executor = _rank_executor(model, *args, ctx)
                 else:
                     getattr(executor, op)(*args)
+    except Exception as e:
+        _report(rs, rank, e)
+        raise
     finally:
+        if executor is not None:
+            executor.close()  # the rank's PLE worker, if any (bounded)
         dist.destroy_process_group()
 
 
@@ -177,9 +203,26 @@ class TPGroup:
             time.sleep(0.05)
         return [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
 
+    def reported(self) -> FatalEngineError | None:
+        """The error a worker reported before it exited (`_report`), its rank named; None if none did."""
+        for rank in range(1, self.tp):
+            try:
+                with open(_report_path(self.workdir, rank), "rb") as f:
+                    error = pickle.load(f)
+            except (OSError, EOFError, pickle.UnpicklingError):
+                continue
+            try:
+                return type(error)(f"tensor-parallel rank {rank}: {error}")
+            except TypeError:
+                return FatalEngineError(f"tensor-parallel rank {rank}: {type(error).__name__}: {error}")
+        return None
+
     def check_health(self, hint: str = "; the engine stops") -> None:
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
+            reported = self.reported()
+            if reported is not None:
+                raise reported
             raise FatalEngineError(f"tensor-parallel worker(s) {[p.name for p in dead]} exited (exit codes "
                                    f"{[p.exitcode for p in dead]}){hint}")
 
@@ -226,6 +269,10 @@ class MultiProcExecutor(Executor):
             raise
         except Exception as e:  # a collective that timed out or failed, or a bug on rank 0: out of step for good
             dead = self.group.dead_workers(wait_s=1.0)  # a killed peer is what usually breaks a collective
+            reported = self.group.reported() if dead else None  # e.g. the rank's PLE worker died
+            if reported is not None:
+                self._fail(reported)
+                raise reported from e
             cause = f"worker(s) {dead} exited, so " if dead else ""
             error = FatalEngineError(f"tensor-parallel {cause}{op} failed on rank 0 ({type(e).__name__}: {e}); the "
                                      "ranks are out of step, the engine stops")
@@ -264,6 +311,7 @@ class MultiProcExecutor(Executor):
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.group.close(timeout_s)
+        self.local.close()
 
     # rank 0's pieces, as UniProcExecutor exposes them (the engine's properties reach them)
     runner = forwarded("local", "runner")

@@ -146,16 +146,14 @@ def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *,
     """This rank's model built and filled from the checkpoint, in `dtype`: what each rank of an engine at tp > 1
     runs (with_vision: the vision tower too, replicated, when the checkpoint has one: rank 0's). The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
     same point (its DCP group is created collectively). ple_placement "host": the rank holds its row range of the
-    PLE table in host memory (parallel/ple.py); "device": the whole table, as a replicated weight."""
+    PLE table in host memory; "disk": its PLE worker reads that range from the files (parallel/ple.py); "device":
+    the whole table, as a replicated weight."""
     tp = ctx.size
     model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=with_vision)
     skip = (() if model.model.visual is not None else ("model.visual.",)) + (() if model.mtp is not None else ("mtp.",))
     tables = None
     if ple_placement != "device":
-        if ple_placement != "host":
-            raise ValueError(f"ple_placement={ple_placement!r} at tensor_parallel_size={tp}: the ranks hold the PLE "
-                             "table on the device or their rows of it in host memory; use 'device' or 'host'")
-        tables = PLELoader(model, path, ple_placement)  # checks the table before any weight is read
+        tables = PLELoader(model, path, ple_placement)  # checks the placement and the table before any weight is read
         skip += tables.skip_prefixes
     load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip)
     if tables is not None:

@@ -1,13 +1,17 @@
-"""The PLE n-gram table off the device at tp > 1: each rank holds one range of the table's rows (docs/parallel.md).
+"""The PLE n-gram table off the device at tp > 1: each rank owns one range of the table's rows (docs/parallel.md).
 
-Rank r owns rows [r·⌈R/tp⌉, …) (the vocabulary's rule, `vocab_range`, without padding rows) and keeps them
-where the single-process "host" placement keeps the whole table: page-aligned host memory, pinned in place on
-a GPU run (ordinary memory on CPU). A lookup gathers the rows this rank owns (others read local row 0 and are
-zeroed after dequantising: FP8 x scale of a zeroed row is 0), and one all-reduce adds the ranks' parts: each
-row has exactly one owner, so the sum is the row itself, bit for bit (x + 0 + ... + 0 == x).
-
-Only the rank's rows are read from the checkpoint (`read_table` with a row range), so the host memory of a
-node holds the table once, not once per rank.
+Rank r owns rows [r·⌈R/tp⌉, …) (the vocabulary's rule, `vocab_range`, without padding rows), and a lookup is a
+masked gather plus one all-reduce: each rank fills the rows it owns, zeroes the others (FP8 x scale of a zeroed
+row is 0), and the all-reduce adds the ranks' parts. Each row has exactly one owner, so the sum is the row itself,
+bit for bit (x + 0 + ... + 0 == x). Where a rank keeps its rows follows the single-process placement:
+- "host" (`RankRowsTable`): page-aligned host memory, pinned in place on a GPU run (ordinary memory on CPU);
+  the gather reads local rows (other ids read local row 0 and are zeroed after dequantising). Only the rank's
+  rows are read from the checkpoint (`read_table` with a row range), so a node's host memory holds the table
+  once, not once per rank.
+- "disk" (`RankStagedRows`): the rows stay in the checkpoint's files; each rank starts its own PLE worker
+  process (ple/disk.py, when its ModelRunner is built), which maps only the rank's row range of the shards
+  and writes zero bytes for the rows other ranks own. A worker that dies or stalls fails its rank's step
+  (PLEWorkerError); the rank reports it to rank 0 (engine/tp_executor.py) and the engine stops.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 from torch import Tensor
 
 from ..ple.load import PLELoader, host_tensor, logger, read_scale, read_table
-from ..ple.table import STORAGE_DTYPES, Finish, PLETable
+from ..ple.shards import TableLayout
+from ..ple.table import STORAGE_DTYPES, Finish, PLETable, StagedRows
 from .context import ParallelContext
 from .layers import vocab_range
 
@@ -30,6 +35,10 @@ class RankRowsTable(PLETable):
                  start: int, end: int, ctx: ParallelContext):
         super().__init__(weight, scale, "host", device, staged_min_tokens)
         self.start_row, self.end_row, self.ctx = start, end, ctx
+
+    @property
+    def row_range(self) -> tuple[int, int]:
+        return self.start_row, self.end_row
 
     def start(self, rows: Tensor, dtype: torch.dtype, backend: str) -> Finish:
         """rows [T, H] global row ids -> a function returning [T, H * d] in `dtype`, the same on every rank."""
@@ -43,13 +52,35 @@ class RankRowsTable(PLETable):
         return done
 
 
+class RankStagedRows(StagedRows):
+    """StagedRows whose worker reads rows [start, end) only (the rest are zero): the all-reduce gives every rank
+    the full rows."""
+
+    def __init__(self, layout: TableLayout, scale: Tensor | None, heads: int, device: torch.device, start: int,
+                 end: int, ctx: ParallelContext):
+        super().__init__(layout, scale, heads, device, (start, end))
+        self.ctx = ctx
+
+    def start(self, T: int, dtype: torch.dtype) -> Finish:
+        """-> a function returning the step's [T, H * d] rows in `dtype`, the same on every rank."""
+        finish = super().start(T, dtype)  # this rank's rows, zeros where another rank owns the row
+        return lambda: self.ctx.all_reduce(finish())
+
+
 def load_rank_tables(loader: PLELoader, ctx: ParallelContext, device: str | torch.device = "cpu") -> None:
-    """Read this rank's rows of every planned table into host memory and attach them (see the module docstring)."""
+    """Attach this rank's rows of every planned table (see the module docstring): read into host memory, or, for
+    the disk placement, left in the files for the rank's PLE worker."""
     device = torch.device(device)
     for p in loader.plans if not loader.as_weight else ():
         t0 = time.perf_counter()
         lay = p.layout
         start, end, _ = vocab_range(lay.rows, ctx.rank, ctx.size)
+        if loader.placement == "disk":
+            scale = None if p.scale is None else read_scale(p.scale, device)
+            p.module.attach_table(RankStagedRows(lay, scale, p.module.num_heads, device, start, end, ctx))
+            logger.info("PLE table of layer %d, rank %d: rows [%d, %d) of %d left in the checkpoint files for the "
+                        "rank's PLE worker", p.layer_idx, ctx.rank, start, end, lay.rows)
+            continue
         raw = host_tensor((end - start) * lay.row_bytes)
         read_table(lay, raw, (start, end))
         weight = raw.view(STORAGE_DTYPES[lay.dtype]).view(end - start, lay.width)

@@ -136,7 +136,8 @@ class DiskRowFeeder:
                 "prefault": self.options.prefault,
                 "layers": [{"layout": emb.table.layout, "multipliers": emb.layer_multipliers.tolist(),
                             "sizes": emb.ngram_heads_vocab_sizes.tolist(), "offsets": emb.ngram_heads_offsets.tolist(),
-                            "heads_per_ngram": emb.heads_per_ngram, "response": seg.name}
+                            "heads_per_ngram": emb.heads_per_ngram, "response": seg.name,
+                            "row_range": list(emb.table.row_range)}
                            for (_, emb), seg in zip(layers, self.responses)]}
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")]))
@@ -154,9 +155,10 @@ class DiskRowFeeder:
                 seg.unlink()
         if reply[0] != "ready":
             self._fail(f"the PLE worker could not start:\n{reply[2]}")
-        info = reply[1]
-        logger.info("PLE worker process pid %d: %s of checkpoint shards mapped, %d gather threads%s; buffers for "
-                    "%d tokens", info["pid"], human_bytes(info["mapped_bytes"]), self.options.disk_threads,
+        info, (lo, hi), rows = reply[1], self.tables[0].row_range, self.tables[0].layout.rows
+        share = "" if (lo, hi) == (0, rows) else f" (rows [{lo:,}, {hi:,}) of {rows:,})"
+        logger.info("PLE worker process pid %d: %s of checkpoint shards mapped%s, %d gather threads%s; buffers for "
+                    "%d tokens", info["pid"], human_bytes(info["mapped_bytes"]), share, self.options.disk_threads,
                     ", page release on" if self.options.release_pages else "", capacity)
 
     @property

@@ -234,6 +234,8 @@ class PLEMemory:
 
     unlisted_device_bytes: table bytes on the compute device that are not model parameters (an FP8 table
     kept FP8 there), which the engine adds to the weights; a 16-bit device table is a parameter already.
+    share: (lo, hi, rows) when this process holds or reads only rows [lo, hi) of each table's `rows` (a
+    tensor-parallel rank's, parallel/ple.py; the byte counts are then the rank's), else None.
     """
 
     placement: str
@@ -241,9 +243,13 @@ class PLEMemory:
     unlisted_device_bytes: int
     host_bytes: int
     pinned: bool
+    share: tuple[int, int, int] | None = None
 
     def describe(self) -> str:
         size = human_bytes(self.table_bytes)
+        if self.share is not None:
+            lo, hi, rows = self.share
+            size += f", this rank's rows [{lo:,}, {hi:,}) of {rows:,}"
         if self.placement == "none":
             return "none (the model has no PLE layer)"
         if self.placement == "device":
@@ -251,25 +257,30 @@ class PLEMemory:
         if self.placement == "host":
             where = "pinned host memory" if self.pinned else "host memory"
             return f"host ({size} in {where}, none on the device: the KV pool gets that memory)"
-        return f"disk ({size} left in the checkpoint files, read by the PLE worker process; none on the device)"
+        worker = "the PLE worker process" if self.share is None else "each rank's own PLE worker process"
+        return f"disk ({size} left in the checkpoint files, read by {worker}; none on the device)"
 
 
 def ple_memory(model: nn.Module) -> PLEMemory:
     tables = [emb for _, _, emb in ple_embeddings(model)]
     if not tables:
         return PLEMemory("none", 0, 0, 0, False)
-    placement, total, device, host, pinned = "device", 0, 0, 0, False
+    placement, total, device, host, pinned, share = "device", 0, 0, 0, False, None
     for emb in tables:
         t = emb.table
         if t is None:
             w = emb.ngram_embedding.weight
             total += w.numel() * w.element_size()
-        elif isinstance(t, StagedRows):
-            placement, total = "disk", total + t.layout.nbytes
+            continue
+        if t.row_range != (0, emb.num_rows):
+            share = (*t.row_range, emb.num_rows)
+        if isinstance(t, StagedRows):
+            lo, hi = t.row_range
+            placement, total = "disk", total + (hi - lo) * t.layout.row_bytes
         else:
             placement, total = t.placement, total + t.nbytes
             if t.placement == "host":
                 host, pinned = host + t.nbytes, t.weight.is_pinned() if torch.cuda.is_available() else False
             else:
                 device += t.nbytes
-    return PLEMemory(placement, total, device, host, pinned)
+    return PLEMemory(placement, total, device, host, pinned, share)

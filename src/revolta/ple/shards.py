@@ -70,6 +70,19 @@ class TableLayout:
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
 
+    def restrict(self, start: int, end: int) -> TableLayout:
+        """Rows [start, end) of this table as a table of its own (row 0 = row `start`): the shards that hold
+        them, cut to those rows (a tensor-parallel rank's PLE worker maps only these)."""
+        if not 0 <= start <= end <= self.rows:
+            raise ValueError(f"rows [{start}, {end}) are not inside the {self.rows} rows of {self.name}")
+        shards = []
+        for s in self.shards:
+            lo, hi = max(start, s.row_start), min(end, s.row_start + s.rows)
+            if lo < hi:
+                shards.append(TableShard(s.file, s.name, lo - start, hi - lo,
+                                         s.offset + (lo - s.row_start) * self.row_bytes))
+        return TableLayout(self.name, self.dtype, end - start, self.width, tuple(shards))
+
 
 def _page_range(start: int, end: int) -> tuple[int, int]:
     lo = start // PAGE * PAGE
@@ -87,24 +100,31 @@ class MappedTable:
 
     def __init__(self, layout: TableLayout, threads: int = 1, release_pages: bool = False, prefault: bool = False):
         self.layout, self.release_pages = layout, release_pages
-        self._maps: dict[str, mmap.mmap] = {}
-        for s in layout.shards:
-            if s.file not in self._maps:
-                with open(s.file, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                mm.madvise(mmap.MADV_RANDOM)  # single rows: read-ahead would only waste I/O
-                self._maps[s.file] = mm
-            if prefault:
-                self._maps[s.file].madvise(mmap.MADV_WILLNEED, *_page_range(s.offset, s.offset + s.rows * layout.row_bytes))
         rb = layout.row_bytes
-        self._views = [np.frombuffer(self._maps[s.file], dtype=np.uint8, count=s.rows * rb, offset=s.offset)
-                       .reshape(s.rows, rb) for s in layout.shards]
+        # one mapping per shard, of its rows only (from the page holding its first byte): a tensor-parallel
+        # rank's worker maps its own row range, not the whole files
+        self._maps: list[tuple[mmap.mmap, int] | None] = []  # (mapping, file offset of its first byte)
+        self._views = []
+        for s in layout.shards:
+            if s.rows == 0:
+                self._maps.append(None)
+                self._views.append(np.empty((0, rb), dtype=np.uint8))
+                continue
+            lo = s.offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            with open(s.file, "rb") as f:
+                mm = mmap.mmap(f.fileno(), s.offset + s.rows * rb - lo, access=mmap.ACCESS_READ, offset=lo)
+            mm.madvise(mmap.MADV_RANDOM)  # single rows: read-ahead would only waste I/O
+            if prefault:
+                mm.madvise(mmap.MADV_WILLNEED)
+            self._maps.append((mm, lo))
+            self._views.append(np.frombuffer(mm, dtype=np.uint8, count=s.rows * rb, offset=s.offset - lo)
+                               .reshape(s.rows, rb))
         self._starts = np.array([s.row_start for s in layout.shards] + [layout.rows], dtype=np.int64)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ple-gather") if threads > 1 else None
 
     @property
     def mapped_bytes(self) -> int:
-        return sum(len(m) for m in self._maps.values())
+        return sum(len(m[0]) for m in self._maps if m is not None)
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """rows [N] int64 table rows -> out [N, row_bytes] uint8."""
@@ -127,5 +147,6 @@ class MappedTable:
         np.take(rows_of, inverse.reshape(-1), axis=0, out=out)
 
     def _release(self, s: int, lo: int, hi: int) -> None:
-        shard, rb = self.layout.shards[s], self.layout.row_bytes
-        self._maps[shard.file].madvise(mmap.MADV_DONTNEED, *_page_range(shard.offset + lo * rb, shard.offset + hi * rb))
+        (mm, base), shard, rb = self._maps[s], self.layout.shards[s], self.layout.row_bytes
+        start = shard.offset - base  # the shard's first byte within its mapping
+        mm.madvise(mmap.MADV_DONTNEED, *_page_range(start + lo * rb, start + hi * rb))

@@ -66,6 +66,11 @@ class PLETable:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
+    @property
+    def row_range(self) -> tuple[int, int]:
+        """The table rows [lo, hi) this object holds (all of them here; one rank's in parallel/ple.RankRowsTable)."""
+        return 0, self.weight.shape[0]
+
     def start(self, rows: Tensor, dtype: torch.dtype, backend: str) -> Finish:
         """rows [T, H] on the compute device -> a function returning [T, H * d] in `dtype`."""
         T, H = rows.shape
@@ -108,10 +113,14 @@ class PLETable:
 
 class StagedRows:
     """The disk placement's rows of the current step: [capacity, H * d] storage-dtype buffer on the device,
-    filled by disk.DiskRowFeeder before every forward or graph replay (allocated when the feeder starts)."""
+    filled by disk.DiskRowFeeder before every forward or graph replay (allocated when the feeder starts).
+    row_range: the rows [lo, hi) the worker reads (the whole table by default; a tensor-parallel rank's share,
+    the other rows zero, in parallel/ple.RankStagedRows)."""
 
-    def __init__(self, layout: TableLayout, scale: Tensor | None, heads: int, device: torch.device):
+    def __init__(self, layout: TableLayout, scale: Tensor | None, heads: int, device: torch.device,
+                 row_range: tuple[int, int] | None = None):
         self.layout, self.scale, self.heads, self.device = layout, scale, heads, torch.device(device)
+        self.row_range = (0, layout.rows) if row_range is None else row_range
         self.dtype = STORAGE_DTYPES[layout.dtype]
         self.buffer: Tensor | None = None
 

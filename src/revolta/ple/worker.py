@@ -2,7 +2,8 @@
 memory-mapped checkpoint shards (the "disk" placement, spec/engine.md §6.3). It imports numpy, not torch.
 
 Protocol over the connection on file descriptor FD (multiprocessing.connection, pickled tuples):
-  GPU process -> worker: the init dict (see `disk.DiskRowFeeder`), then ("gather", step, T, B) or ("stop",)
+  GPU process -> worker: the init dict (see `disk.DiskRowFeeder`; a layer's `row_range` [lo, hi), when given,
+                         limits it to those rows: parallel/ple.py), then ("gather", step, T, B) or ("stop",)
   worker -> GPU process: ("ready", info) | ("error", None, text) at start; ("done", step) |
                          ("error", step, text) per gather; ("beat",) every HEARTBEAT_S while gathering.
 A gather reads, from the request segment, the step's token ids [T] (graph padding included), its
@@ -41,8 +42,14 @@ def map_segment(name: str) -> mmap.mmap:
 
 
 class _Layer:
+    """One PLE layer's table, or only rows [lo, hi) of it (`row_range`: a tensor-parallel rank's share, whose
+    other rows come back as zero bytes, which dequantise to 0: the ranks' all-reduce adds the owner's row)."""
+
     def __init__(self, spec: dict, threads: int, release_pages: bool, prefault: bool):
-        self.table = MappedTable(spec["layout"], threads, release_pages, prefault)
+        layout = spec["layout"]
+        self.lo, self.hi = spec.get("row_range") or (0, layout.rows)
+        self.whole = (self.lo, self.hi) == (0, layout.rows)
+        self.table = MappedTable(layout.restrict(self.lo, self.hi), threads, release_pages, prefault)
         self.multipliers = np.array(spec["multipliers"], dtype=np.int64)
         self.sizes = np.array(spec["sizes"], dtype=np.int64)
         self.offsets = np.array(spec["offsets"], dtype=np.int64)
@@ -52,9 +59,18 @@ class _Layer:
 
     def gather(self, contexts: np.ndarray) -> None:
         rows = row_ids(contexts, self.multipliers, self.sizes, self.offsets, self.heads_per_ngram, np.stack)
+        rows = rows.reshape(-1)
         n = rows.size
         out = np.frombuffer(self.response, dtype=np.uint8, count=n * self.row_bytes).reshape(n, self.row_bytes)
-        self.table.gather(rows.reshape(-1), out)
+        if self.whole:
+            self.table.gather(rows, out)
+            return
+        mine = np.flatnonzero((rows >= self.lo) & (rows < self.hi))
+        out[...] = 0
+        if mine.size:
+            part = np.empty((mine.size, self.row_bytes), dtype=np.uint8)
+            self.table.gather(rows[mine] - self.lo, part)
+            out[mine] = part
 
 
 class Worker:
