@@ -18,6 +18,7 @@ from revolta.model import FlashNextModel
 from revolta.multimodal.media import MediaError
 from revolta.parallel import ParallelConfigError
 from revolta.weights import save_checkpoint
+from revolta.ple.load import ple_memory
 from tp_tiny import full_model, tiny, write_fp8_ple_checkpoint
 
 PROMPTS = [[(7 * i + 3 * n) % 500 for i in range(n)] for n in (21, 9, 50)]
@@ -70,6 +71,8 @@ def test_llm_tp2_gives_the_tp1_tokens(ckpt, spec, one_thread, monkeypatch):
     try:
         assert llm2.engine.plan.layout.tp == 2 and llm2.model.lm_head.weight.shape[0] == llm2.cfg.text.vocab_size // 2
         assert ("tensor_parallel_size", 2, "argument") in llm2.effective_config()
+        share = ple_memory(llm2.model).share  # the device PLE table: rank 0 holds the first half of its rows
+        assert share is not None and share[:2] == (0, -(-share[2] // 2)), ple_memory(llm2.model)
         got = _run(llm2)
         with pytest.raises(MediaError, match="this model has no vision tower"):
             llm2.engine.check_media(None)  # a text-only checkpoint: refused before anything is queued

@@ -146,18 +146,16 @@ def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *,
     """This rank's model built and filled from the checkpoint, in `dtype`: what each rank of an engine at tp > 1
     runs (with_vision: the vision tower too, replicated, when the checkpoint has one: rank 0's). The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
     same point (its DCP group is created collectively). ple_placement "host": the rank holds its row range of the
-    PLE table in host memory; "disk": its PLE worker reads that range from the files (parallel/ple.py); "device":
-    the whole table, as a replicated weight."""
+    PLE table in host memory; "disk": its PLE worker reads that range from the files; "device": that range on the
+    rank's device (parallel/ple.py: each row has one owner, a lookup is a masked gather and one all-reduce)."""
     tp = ctx.size
     model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=with_vision)
     skip = (() if model.model.visual is not None else ("model.visual.",)) + (() if model.mtp is not None else ("mtp.",))
-    tables = None
-    if ple_placement != "device":
-        tables = PLELoader(model, path, ple_placement)  # checks the placement and the table before any weight is read
-        skip += tables.skip_prefixes
+    # checks the placement and the table before any weight is read; every placement splits the rows by rank
+    tables = PLELoader(model, path, ple_placement, split_rows=True)
+    skip += tables.skip_prefixes
     load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip)
-    if tables is not None:
-        load_rank_tables(tables, ctx)
+    load_rank_tables(tables, ctx)
     model.to_dtype(dtype)  # as load_model casts (GDN decay parameters stay fp32)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration (cache metadata), as load_model sets it
     model.checkpoint_dir = Path(path)

@@ -4,6 +4,8 @@ Rank r owns rows [r·⌈R/tp⌉, …) (the vocabulary's rule, `vocab_range`, wit
 masked gather plus one all-reduce: each rank fills the rows it owns, zeroes the others (FP8 x scale of a zeroed
 row is 0), and the all-reduce adds the ranks' parts. Each row has exactly one owner, so the sum is the row itself,
 bit for bit (x + 0 + ... + 0 == x). Where a rank keeps its rows follows the single-process placement:
+- "device" (`RankRowsTable` on the rank's device): the rank's rows only, as a vocabulary-parallel embedding
+  holds its rows, so each GPU carries 1/tp of the table (what the capacity dry run plans with);
 - "host" (`RankRowsTable`): page-aligned host memory, pinned in place on a GPU run (ordinary memory on CPU);
   the gather reads local rows (other ids read local row 0 and are zeroed after dequantising). Only the rank's
   rows are read from the checkpoint (`read_table` with a row range), so a node's host memory holds the table
@@ -32,8 +34,8 @@ class RankRowsTable(PLETable):
     """A PLETable of rows [start, end) of the full table; `start` gives every rank the full rows (all-reduce)."""
 
     def __init__(self, weight: Tensor, scale: Tensor | None, device: torch.device, staged_min_tokens: int,
-                 start: int, end: int, ctx: ParallelContext):
-        super().__init__(weight, scale, "host", device, staged_min_tokens)
+                 start: int, end: int, ctx: ParallelContext, placement: str = "host"):
+        super().__init__(weight, scale, placement, device, staged_min_tokens)
         self.start_row, self.end_row, self.ctx = start, end, ctx
 
     @property
@@ -68,8 +70,8 @@ class RankStagedRows(StagedRows):
 
 
 def load_rank_tables(loader: PLELoader, ctx: ParallelContext, device: str | torch.device = "cpu") -> None:
-    """Attach this rank's rows of every planned table (see the module docstring): read into host memory, or, for
-    the disk placement, left in the files for the rank's PLE worker."""
+    """Attach this rank's rows of every planned table (see the module docstring): read onto `device` or into host
+    memory, or, for the disk placement, left in the files for the rank's PLE worker."""
     device = torch.device(device)
     for p in loader.plans if not loader.as_weight else ():
         t0 = time.perf_counter()
@@ -81,10 +83,13 @@ def load_rank_tables(loader: PLELoader, ctx: ParallelContext, device: str | torc
             logger.info("PLE table of layer %d, rank %d: rows [%d, %d) of %d left in the checkpoint files for the "
                         "rank's PLE worker", p.layer_idx, ctx.rank, start, end, lay.rows)
             continue
-        raw = host_tensor((end - start) * lay.row_bytes)
+        nbytes = (end - start) * lay.row_bytes
+        on_device = loader.placement == "device"
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=device) if on_device else host_tensor(nbytes)
         read_table(lay, raw, (start, end))
         weight = raw.view(STORAGE_DTYPES[lay.dtype]).view(end - start, lay.width)
         scale = None if p.scale is None else read_scale(p.scale, device)
-        p.module.attach_table(RankRowsTable(weight, scale, device, loader.options.staged_min_tokens, start, end, ctx))
-        logger.info("PLE table of layer %d, rank %d: rows [%d, %d) of %d in host memory (%.1f s)", p.layer_idx,
-                    ctx.rank, start, end, lay.rows, time.perf_counter() - t0)
+        p.module.attach_table(RankRowsTable(weight, scale, device, loader.options.staged_min_tokens, start, end, ctx,
+                                            loader.placement))
+        logger.info("PLE table of layer %d, rank %d: rows [%d, %d) of %d %s (%.1f s)", p.layer_idx, ctx.rank, start,
+                    end, lay.rows, f"on {device}" if on_device else "in host memory", time.perf_counter() - t0)

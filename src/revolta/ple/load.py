@@ -175,11 +175,14 @@ class PLELoader:
     """Checks the PLE tables for `placement` at construction; `skip_prefixes` is what the weight loader must
     leave alone; `load(device)` brings the tables in afterwards (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, path: str | Path, placement: str, options: PLEOptions | None = None):
+    def __init__(self, model: nn.Module, path: str | Path, placement: str, options: PLEOptions | None = None,
+                 split_rows: bool = False):
         self.placement, self.options = check_placement(placement), options or PLEOptions.from_env()
         self.plans = plan_tables(model, path) if ple_embeddings(model) else []
         fp8 = any(p.layout.dtype == "F8_E4M3" for p in self.plans)
-        self.as_weight = placement == "device" and not fp8  # a 16-bit device table is an ordinary weight
+        # a 16-bit device table is an ordinary weight, unless each tensor-parallel rank keeps only its rows
+        # (split_rows: parallel/ple.load_rank_tables reads them)
+        self.as_weight = placement == "device" and not fp8 and not split_rows
         if not self.as_weight:
             for p in self.plans:
                 p.module.attach_table(None)  # no weight to materialise: the table comes in `load`
