@@ -109,7 +109,8 @@ def _json_flag(name: str):
 
 def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
-                        help="split the text model across N ranks (CPU/gloo prototype; docs/parallel.md)")
+                        help="split the text model across N ranks (one per GPU over NCCL, or CPU processes over "
+                             "gloo; docs/parallel.md)")
     parser.add_argument("-dcp", "--decode-context-parallel-size", type=int, metavar="N",
                         help="stripe the full-attention K/V over N ranks that share a KV head (divides tp / "
                              "kv_heads; docs/parallel.md)")

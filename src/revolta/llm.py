@@ -123,7 +123,8 @@ class LLM(SleepPauseMixin):
         self.engine = build_engine(model, engine_config(engine_args, self.device, planned_len, self.speculative_config,
                                                         fit_max_model_len=fit_len), self.model_path, target,
                                    self.dtype, with_mtp, tokenizer=self.tokenizer, eos_token_ids=frozenset(eos),
-                                   num_text_ids=num_text_ids, ple_placement=self.ple_placement.value)
+                                   num_text_ids=num_text_ids, ple_placement=self.ple_placement.value,
+                                   device=self.device)
         self.model: FlashNextModel = self.engine.model  # at tp > 1: rank 0's shard
         self.max_model_len = self.engine.config.max_model_len  # the checkpoint's may be lowered to fit the cache
         self._structured: StructuredDecoding | None = None  # built by the first structured request

@@ -152,7 +152,9 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
         what = "speculative rounds (MTP draft steps, verify, commit)" if engine.spec_graphs else "decode steps"
         rows.append(("cuda graphs", f"{what}, {graphs.used_bytes / 2**20:,.0f} MiB", "captured at start-up"))
     else:
-        why = "enforce_eager" if ec.enforce_eager else "no CUDA" if llm.device.type != "cuda" else "torch kernels"
+        why = "enforce_eager" if ec.enforce_eager else "no CUDA" if llm.device.type != "cuda" else \
+            "torch kernels" if ec.kernels != "triton" else \
+            "tensor_parallel_size > 1 runs eager on CUDA (bounded collective waits cannot be captured)"
         rows.append(("cuda graphs", "off", why))
     mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
         "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else \

@@ -20,7 +20,8 @@ from .config import ModelConfig
 from .engine import Engine, EngineConfig
 from .engine.tp_executor import TPGroup
 from .model import FlashNextModel
-from .parallel import ParallelConfig, ParallelConfigError, validate_parallel
+from .parallel import ParallelConfig, validate_parallel
+from .parallel.devices import check_rank_devices, visible_gpus
 from .spec.config import DFLASH2_METHODS, SpeculativeConfig
 from .spec.resolve import resolve_speculative
 
@@ -89,22 +90,20 @@ def resolve_parallel(engine_args: Mapping[str, Any], cfg: ModelConfig, device: t
     validate_parallel(pc, cfg)
     if pc.tp == 1:
         return pc
-    why = (f"device={device.type!r}: the ranks run on CPU (gloo) only yet, NCCL with one GPU per rank is not wired; "
-           "pass device='cpu' (serve: --device cpu)" if device.type != "cpu" else None)
-    if why is not None:
-        raise ParallelConfigError(f"tensor_parallel_size={pc.tp} with {why}, or tensor_parallel_size=1")
+    check_rank_devices(device, pc, visible_gpus() if device.type == "cuda" else [])  # rank r on cuda:r, alike GPUs
     return pc
 
 
 def build_engine(model: FlashNextModel | None, config: EngineConfig, path: Path, cfg: ModelConfig,
-                 dtype: torch.dtype, with_mtp: bool, ple_placement: str = "device", **kwargs: Any) -> Engine:
+                 dtype: torch.dtype, with_mtp: bool, ple_placement: str = "device",
+                 device: torch.device = torch.device("cpu"), **kwargs: Any) -> Engine:
     """Engine(model, config) at tp=1. At tp > 1 (`model` is None): start the TP group (rank 0's shard is loaded
     here, each worker loads its own; "host" / "disk" PLE placement: each rank its rows of the table) and run the
-    engine over rank 0's shard; a failed start leaves no worker."""
+    engine over rank 0's shard, rank r on `device`'s kind (cuda: cuda:r, NCCL); a failed start leaves no worker."""
     if config.tensor_parallel_size == 1:
         return Engine(model, config, **kwargs)
     group = TPGroup.start(cfg, path, config.tensor_parallel_size, with_mtp=with_mtp, dtype=dtype,
-                          dcp=config.decode_context_parallel_size, ple_placement=ple_placement)
+                          dcp=config.decode_context_parallel_size, ple_placement=ple_placement, device=device)
     try:
         return Engine(group.model, config, tp_group=group, **kwargs)
     except BaseException:

@@ -58,7 +58,7 @@ class EngineConfig:
     Cache size: `kv_cache_gib` when given; else on CUDA `gpu_memory_utilization` of the device's
     memory minus the weights, the activation peak of one `max_num_batched_tokens` forward, the
     CUDA-graph reserve and a fixed allowance; on CPU 0.5 GiB.
-    CUDA graphs (CUDA + Triton kernels, unless `enforce_eager`): decode steps replay graphs
+    CUDA graphs (CUDA + Triton kernels, unless `enforce_eager`; tp = 1 only): decode steps replay graphs
     captured for `cudagraph_capture_sizes` (default 1, 2, 4, 8, 16, ... up to max_num_seqs).
     `cudagraph_mem_mib` is the memory kept for them before the cache is sized (default: env
     REVOLTA_CUDAGRAPH_MEM_MIB, else by speculative method: 1200 MiB for DFlash2, 700 MiB for MTP
@@ -125,8 +125,9 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        """Graphs need the Triton path: the torch references read values on the host mid-forward."""
-        return not self.enforce_eager and self.kernels == "triton"
+        """Graphs need the Triton path: the torch references read values on the host mid-forward. At tp > 1 the
+        ranks run eager: every collective's wait is bounded (parallel/context.py), and a graph cannot hold one."""
+        return not self.enforce_eager and self.kernels == "triton" and self.tensor_parallel_size == 1
 
 
 @dataclass(frozen=True)

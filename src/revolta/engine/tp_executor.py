@@ -1,14 +1,22 @@
-"""MultiProcExecutor: tensor parallelism behind the executor seam (issue 23). A CPU/gloo prototype.
+"""MultiProcExecutor: tensor parallelism behind the executor seam (issue 23). gloo on CPU, NCCL on CUDA.
 
 Rank 0 lives in the engine's process; ranks 1.. are spawned worker processes. Start-up is two phases, because
-the engine sizes its cache from rank 0's shard: `TPGroup.start` spawns the workers, joins the gloo group as
+the engine sizes its cache from rank 0's shard: `TPGroup.start` spawns the workers, joins the group as
 rank 0 and loads rank 0's shard (parallel/load.py `load_rank_model`: only its slices are read) while every
 worker loads its own; the engine then plans its cache (per rank: `plan_cache(..., tp=tp)`, the budget counts
 the rank's own weights) and `TPGroup.executor(plan, ...)` hands the plan to every rank, each of which builds an
 ordinary `UniProcExecutor` over its shard. Every call that changes rank state (execute, finish, drop) is put on
 each worker's queue first and then run locally, so all ranks run the same step; the forward's collectives keep
 them in lock step, and rank 0's logits (gathered over the vocabulary) go back to the engine, which samples.
-can_draft is answered from rank 0's copy.
+can_draft is answered from rank 0's copy. Each call is pickled when it is sent (`_send`), not later by the
+queue's feeder thread: rank 0 goes on to run the same step, which attaches tensors to it (media rows, on its
+device), and a worker must get the step as it was sent, host data only.
+
+Devices (parallel/devices.py): on CPU every rank uses gloo; on CUDA rank r uses cuda:r of the visible GPUs and NCCL.
+Each rank makes its GPU the current device before it joins the group and before it loads its shard, and the NCCL
+environment defaults (NVLink multicast off, the watchdog's error mode) are set in rank 0's process before the
+workers are spawned, so every rank has them. CUDA graphs stay off at tp > 1 (EngineConfig.use_cuda_graphs):
+every collective's wait is bounded, and a bounded wait cannot be captured.
 
 Nothing hangs: the collectives wait at most `timeout_s` (a ParallelTimeout names the stalled collective);
 a dead worker or any error on rank 0 mid-step (the ranks are then out of step) is a FatalEngineError, after
@@ -16,7 +24,8 @@ which the workers are stopped and the executor refuses further steps; workers ex
 gone (and are daemons, so an interpreter exit without `close` ends them too); `close` joins them with a bound
 and kills what is left.
 
-Not yet: NCCL/CUDA devices; one broadcast per step instead of a queue per worker.
+Not yet: run on GPUs (the NCCL path is written, tests/gpu/test_tp_nccl.py awaits a multi-GPU machine); one
+broadcast per step instead of a queue per worker; CUDA graphs at tp > 1.
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ from ..cache.capacity import CachePlan
 from ..config import ModelConfig
 from ..errors import FatalEngineError
 from ..model import FlashNextModel
-from ..parallel import ParallelContext
+from ..parallel import ParallelConfig, ParallelContext
+from ..parallel.devices import apply_nccl_env, check_rank_devices, group_timeout, rank_placement, visible_gpus
 from ..parallel.load import load_rank_model
 from ..spec.config import SpeculativeConfig
 from .executor import Executor, ModelStep, StepResult, UniProcExecutor, forwarded
@@ -63,15 +73,35 @@ class RankSpec:
     dcp: int
     with_mtp: bool
     dtype: torch.dtype
-    store: str  # a FileStore path for the gloo rendezvous (fresh per group)
+    store: str  # a FileStore path for the rendezvous (fresh per group)
     timeout_s: float
     ple_placement: str = "device"  # "host" / "disk": each rank its rows of the PLE table (parallel/ple.py)
+    device: str = "cpu"  # rank 0's device type: "cpu" (gloo) or "cuda" (rank r on cuda:r, NCCL)
 
 
-def _init_group(rank: int, rs: RankSpec) -> ParallelContext:
-    dist.init_process_group("gloo", store=dist.FileStore(rs.store, rs.tp), rank=rank, world_size=rs.tp,
-                            timeout=timedelta(seconds=rs.timeout_s))
-    return ParallelContext.from_group(dist.group.WORLD, timeout=timedelta(seconds=rs.timeout_s))
+def _init_group(rank: int, rs: RankSpec) -> tuple[ParallelContext, torch.device]:
+    """Join the group as `rank`: on CUDA its GPU becomes the current device first (NCCL binds the communicator to
+    it, and Triton launches on the current device). Returns the context and the rank's device."""
+    place = rank_placement(rs.device, rank)
+    if place.device.type == "cuda":
+        torch.cuda.set_device(place.device)
+    wait = timedelta(seconds=rs.timeout_s)
+    dist.init_process_group(place.backend, store=dist.FileStore(rs.store, rs.tp), rank=rank, world_size=rs.tp,
+                            timeout=group_timeout(place.backend, wait),
+                            device_id=place.device if place.device.type == "cuda" else None)
+    return ParallelContext.from_group(dist.group.WORLD, timeout=wait), place.device
+
+
+def _send(inboxes: list, op: str, args: tuple) -> None:
+    """Put `(op, args)` on every worker's queue, pickled now (module docstring: the step as it is at this moment)."""
+    message = pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL)
+    for inbox in inboxes:
+        inbox.put(message)
+
+
+def _receive(inbox, timeout_s: float) -> tuple[str, tuple]:
+    """The next `(op, args)` `_send` put on `inbox` (queue.Empty after `timeout_s`)."""
+    return pickle.loads(inbox.get(timeout=timeout_s))
 
 
 def _rank_executor(model: FlashNextModel, plan: CachePlan, spec: SpeculativeConfig, config, ctx: ParallelContext,
@@ -104,16 +134,16 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     until "stop" or rank 0's process is gone. An error ends the rank, reported to rank 0 first."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // rs.tp))  # the ranks share the host's cores
     ready.put(rank)  # about to join the group: rank 0 waits for this before its (blocking) rendezvous
-    ctx = _init_group(rank, rs)
+    ctx, device = _init_group(rank, rs)  # the NCCL environment came with rank 0's (TPGroup.start)
     parent = mp.parent_process()
-    executor = None
+    executor, clean = None, False
     try:
         model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype, dcp=rs.dcp,
-                                ple_placement=rs.ple_placement)
+                                ple_placement=rs.ple_placement, device=device)
         with torch.no_grad():
             while True:
                 try:
-                    op, args = inbox.get(timeout=1.0)
+                    op, args = _receive(inbox, timeout_s=1.0)
                 except queue_mod.Empty:
                     if parent is None or not parent.is_alive():
                         return
@@ -121,6 +151,7 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
                         executor.check_health()
                     continue
                 if op == "stop":
+                    clean = True
                     return
                 if op == "build":
                     executor = _rank_executor(model, *args, ctx)
@@ -132,6 +163,17 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     finally:
         if executor is not None:
             executor.close()  # the rank's PLE worker, if any (bounded)
+        _leave_group(failed=not clean)
+
+
+def _leave_group(failed: bool) -> None:
+    """Leave this process's group. After a failure an NCCL group is aborted: a graceful destroy first flushes the
+    communicator, which would wait on a collective that a dead or stalled peer left unfinished. (gloo: destroy.)"""
+    if not dist.is_initialized():
+        return
+    if failed and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()  # the WORLD group and the DCP subgroups
+    else:
         dist.destroy_process_group()
 
 
@@ -147,12 +189,18 @@ class TPGroup:
     @classmethod
     def start(cls, cfg: ModelConfig, checkpoint: str | Path, tp: int, *, with_mtp: bool,
               dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S, dcp: int = 1,
-              start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ple_placement: str = "device") -> "TPGroup":
-        """Spawn ranks 1..tp-1, join the gloo group as rank 0 and load rank 0's shard here (at dcp > 1 the ranks
-        also form their DCP groups while building their shards)."""
+              start_timeout_s: float = DEFAULT_START_TIMEOUT_S, ple_placement: str = "device",
+              device: str | torch.device = "cpu") -> "TPGroup":
+        """Spawn ranks 1..tp-1, join the group as rank 0 and load rank 0's shard here (at dcp > 1 the ranks also
+        form their DCP groups while building their shards). device "cpu": gloo; "cuda": rank r on cuda:r, NCCL."""
+        device = torch.device(device)
+        check_rank_devices(device, ParallelConfig(tp, dcp), visible_gpus() if device.type == "cuda" else [])
+        if device.type == "cuda":  # before any communicator or spawn
+            for name, value in apply_nccl_env(os.environ).items():
+                logger.info("tensor parallel: %s=%s (not set by the user)", name, value)
         workdir = tempfile.mkdtemp(prefix="revolta-tp-")
         rs = RankSpec(cfg, str(checkpoint), tp, dcp, with_mtp, dtype, os.path.join(workdir, "store"), timeout_s,
-                      ple_placement)
+                      ple_placement, device.type)
         ctx = mp.get_context("spawn")
         inboxes, ready = [ctx.Queue() for _ in range(1, tp)], ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, rs, inboxes[r - 1], ready), name=f"revolta-tp-rank{r}",
@@ -161,16 +209,17 @@ class TPGroup:
         try:
             for p in procs:
                 p.start()
-            logger.info("tensor parallel: %d ranks (gloo); worker pids %s", tp, [p.pid for p in procs])
+            logger.info("tensor parallel: %d ranks (%s); worker pids %s", tp, rank_placement(device, 0).backend,
+                        [p.pid for p in procs])
             group._wait_ready(ready, max(timeout_s, start_timeout_s))
-            group.ctx = _init_group(0, rs)  # waits for every worker at most timeout_s
+            group.ctx, rank0 = _init_group(0, rs)  # waits for every worker at most timeout_s
             # rank 0 alone holds the vision tower (replicated weights): it encodes media, the rows go to the rest
             group.model = load_rank_model(cfg, checkpoint, group.ctx, with_mtp=with_mtp, dtype=dtype, dcp=dcp,
-                                          ple_placement=ple_placement, with_vision=True)
+                                          ple_placement=ple_placement, with_vision=True, device=rank0)
             group.check_health()
             return group
         except BaseException:
-            group.close(timeout_s=5)  # no worker outlives a failed start
+            group.close(timeout_s=5, failed=True)  # no worker outlives a failed start
             raise
 
     def _wait_ready(self, ready, timeout_s: float) -> None:
@@ -192,8 +241,7 @@ class TPGroup:
         """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp); rank 0's
         encodes media into `encoder_cache` (the engine's; None: no vision tower)."""
         self.check_health()
-        for inbox in self.inboxes:
-            inbox.put(("build", (plan, spec, config)))
+        _send(self.inboxes, "build", (plan, spec, config))
         return MultiProcExecutor(_rank_executor(self.model, plan, spec, config, self.ctx, encoder_cache), self)
 
     def dead_workers(self, wait_s: float = 0.0) -> list[str]:
@@ -226,11 +274,12 @@ class TPGroup:
             raise FatalEngineError(f"tensor-parallel worker(s) {[p.name for p in dead]} exited (exit codes "
                                    f"{[p.exitcode for p in dead]}){hint}")
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the workers (bounded), kill what does not exit, leave the process group. Idempotent."""
+    def close(self, timeout_s: float = 10.0, failed: bool = False) -> None:
+        """Stop the workers (bounded), kill what does not exit, leave the process group (`failed`: the ranks are
+        out of step, abort it). Idempotent."""
         for p, inbox in zip(self.procs, self.inboxes):
             if p.is_alive():
-                inbox.put(("stop", ()))
+                _send([inbox], "stop", ())
         for p in self.procs:
             if p.pid is None:  # never started
                 continue
@@ -239,8 +288,7 @@ class TPGroup:
                 logger.warning("tensor-parallel %s did not stop within %.0f s; killing it", p.name, timeout_s)
                 p.kill()
                 p.join(timeout_s)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group(failed)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -261,8 +309,7 @@ class MultiProcExecutor(Executor):
             raise self.failed
         try:
             self.group.check_health()
-            for inbox in self.group.inboxes:
-                inbox.put((op, args))
+            _send(self.group.inboxes, op, args)
             return getattr(self.local, op)(*args)
         except FatalEngineError as e:
             self._fail(e)
@@ -281,7 +328,7 @@ class MultiProcExecutor(Executor):
 
     def _fail(self, error: FatalEngineError) -> None:
         self.failed = error
-        self.group.close(timeout_s=2)
+        self.group.close(timeout_s=2, failed=True)
 
     def execute(self, step: ModelStep) -> StepResult:
         return self._run("execute", step)

@@ -3,6 +3,7 @@ group, and the full-attention K/V of each sequence across the ranks that share a
 
 config.py   ParallelConfig(tp, dcp) and its validation against a ModelConfig (before weights load)
 context.py  ParallelContext: this rank's place in the group and the bounded-wait collectives
+devices.py  where each rank runs (cuda:r + NCCL, or CPU + gloo), the refusals, the NCCL environment defaults
 layers.py   row-parallel (packed) linear, vocab-parallel embedding / LM head, the reducing MoE
 dcp.py      DCPAttention: a trunk QSA layer over this rank's stripe of the K/V, partial outputs merged by lse
 shard.py    which slice of each checkpoint tensor a rank holds; building a rank's model

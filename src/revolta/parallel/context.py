@@ -4,6 +4,18 @@ Passed explicitly to every layer that communicates (no module-level state): a te
 one process, and a layer built without one is the single-process layer. Every wait is bounded: a rank
 that died or hangs turns into a `ParallelTimeout` on the others instead of a hang.
 
+How the bound holds. Every collective is issued async and waited with `work.wait(timeout)`:
+- gloo (CPU): the wait returns when the collective is done and raises when `timeout` passes or a peer's
+  connection closes (a killed peer fails the others at once).
+- NCCL (CUDA): a wait *with a timeout* blocks the host until the collective's kernel has finished (polling its
+  CUDA event, and NCCL's asynchronous error, e.g. a peer gone); past `timeout` torch aborts the communicator
+  (freeing the stuck kernel) and raises DistBackendError. So each collective is a host sync (the price of the
+  bound; tp > 1 runs eager on CUDA, where a wait inside a CUDA graph is impossible: engine.EngineConfig).
+  Behind it, the process group's watchdog (timeout `devices.group_timeout`: longer than this one) with
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=2 aborts a communicator whose collective nobody waits on, without killing
+  the process (devices.NCCL_ENV).
+Either way the waiting rank gets a `ParallelTimeout`; the engine turns it into a FatalEngineError.
+
 On gloo (CPU) 16-bit tensors travel and reduce as fp32 and come back in the caller's dtype: older gloo
 builds have no bf16 reduction (pytorch issue 111131; the torch 2.x installed here has one), and the fp32
 sum is the more exact one. NCCL reduces in the tensor's own dtype.
@@ -18,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .devices import group_timeout
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
@@ -54,7 +68,7 @@ class ParallelContext:
     def _wait(self, work, what: str, shape) -> None:
         try:
             ok = work.wait(self.timeout)
-        except RuntimeError as e:  # gloo raises on timeout or a peer's closed connection
+        except RuntimeError as e:  # gloo: timeout or a peer's closed connection; NCCL: DistBackendError (timeout, abort)
             raise ParallelTimeout(f"rank {self.rank}/{self.size}: {what} of {tuple(shape)} failed within "
                                   f"{self.timeout.total_seconds():.0f} s ({e}); another rank died or diverged") from e
         if ok is False:
@@ -100,7 +114,7 @@ def subgroup_context(ctx: ParallelContext, size: int) -> ParallelContext:
     backend = dist.get_backend(ctx.group)
     mine = None
     for g in range(ctx.size // size):
-        pg = dist.new_group(ranks[g * size:(g + 1) * size], timeout=ctx.timeout, backend=backend)
+        pg = dist.new_group(ranks[g * size:(g + 1) * size], timeout=group_timeout(backend, ctx.timeout), backend=backend)
         if ctx.rank // size == g:
             mine = pg
     return ParallelContext(rank=ctx.rank % size, size=size, group=mine, timeout=ctx.timeout)

@@ -28,7 +28,8 @@ from ..config import ModelConfig
 from ..model import FlashNextModel
 from ..ple.load import PLELoader
 from ..weights import (_OPTIONAL_ON_DISK, CheckpointError, _coverage_errors, _disk_dtype_names, _disk_dtypes, _Piece,
-                       _plan, _read_headers, _targets, checkpoint_files, materialize, read_kv_scales)
+                       _plan, _read_headers, _targets, checkpoint_files, materialize, read_kv_scales,
+                       read_vocab_mask)
 from .config import ParallelConfig
 from .context import ParallelContext
 from .packed import localise_weight_shapes, packed_tensors
@@ -82,9 +83,10 @@ def _copy_sliced(f, p: _Piece, region, sl: Slices, dst: Tensor, stats: ReadStats
 
 
 def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp: int,
-                         skip_prefixes: tuple[str, ...] = ()) -> ReadStats:
-    """Materialise the `build_rank_model` model `model` on CPU and fill it from the checkpoint at `path`,
-    reading rank `rank`'s slices only. Returns what was read."""
+                         skip_prefixes: tuple[str, ...] = (), device: str | torch.device = "cpu") -> ReadStats:
+    """Materialise the `build_rank_model` model `model` on `device` and fill it from the checkpoint at `path`,
+    reading rank `rank`'s slices only (each slice goes from the memory map straight to the device). Returns what
+    was read."""
     cfg = model.cfg
     with torch.device("meta"):  # the full shapes the checkpoint is planned against
         full = FlashNextModel(cfg, with_mtp=model.mtp is not None, with_vision=model.model.visual is not None)
@@ -112,7 +114,7 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
         raise CheckpointError(f"checkpoint {path} does not match the model:\n" + "\n".join(errors))
     slices = {p.target: rank_slices(p.target, cfg.text, rank, tp, packed) for p in pieces}  # refuses cut groups
 
-    materialize(model, "cpu", None, disk_dtypes)  # packed tensors in the checkpoint's dtypes, as at TP1
+    materialize(model, device, None, disk_dtypes)  # packed tensors in the checkpoint's dtypes, as at TP1
     own = _targets(model)
     stats = ReadStats()
     by_file: dict[Path, list[_Piece]] = defaultdict(list)
@@ -142,21 +144,23 @@ def load_rank_checkpoint(model: FlashNextModel, path: str | Path, rank: int, tp:
 
 def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *, with_mtp: bool,
                     dtype: torch.dtype = torch.float32, dcp: int = 1, ple_placement: str = "device",
-                    with_vision: bool = False) -> FlashNextModel:
+                    with_vision: bool = False, device: str | torch.device = "cpu") -> FlashNextModel:
     """This rank's model built and filled from the checkpoint, in `dtype`: what each rank of an engine at tp > 1
     runs (with_vision: the vision tower too, replicated, when the checkpoint has one: rank 0's). The MTP layer is loaded only `with_mtp`. dcp > 1: every rank calls this at the
     same point (its DCP group is created collectively). ple_placement "host": the rank holds its row range of the
     PLE table in host memory; "disk": its PLE worker reads that range from the files; "device": that range on the
-    rank's device (parallel/ple.py: each row has one owner, a lookup is a masked gather and one all-reduce)."""
+    rank's device (parallel/ple.py: each row has one owner, a lookup is a masked gather and one all-reduce).
+    device: this rank's (parallel/devices.py `rank_placement`; on CUDA the caller has made it the current device)."""
     tp = ctx.size
     model = build_rank_model(cfg, ParallelConfig(tp, dcp), ctx, with_mtp=with_mtp, with_vision=with_vision)
     skip = (() if model.model.visual is not None else ("model.visual.",)) + (() if model.mtp is not None else ("mtp.",))
     # checks the placement and the table before any weight is read; every placement splits the rows by rank
     tables = PLELoader(model, path, ple_placement, split_rows=True)
     skip += tables.skip_prefixes
-    load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip)
-    load_rank_tables(tables, ctx)
+    load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip, device=device)
+    load_rank_tables(tables, ctx, device)  # device rows, host rows (pinned when the lookups run on a GPU) or the disk worker
     model.to_dtype(dtype)  # as load_model casts (GDN decay parameters stay fp32)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration (cache metadata), as load_model sets it
+    model.logit_mask = read_vocab_mask(path, cfg.text.vocab_size, device)  # the gathered logits: full vocabulary
     model.checkpoint_dir = Path(path)
     return model.eval()
