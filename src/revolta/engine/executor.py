@@ -186,12 +186,15 @@ class UniProcExecutor(Executor):
     def _make_drafter(self) -> MTPDrafter | DFlash2Drafter | None:
         """The configured drafter: the checkpoint's MTP head, or a DFlash2 drafter loaded from
         speculative_config["model"] in the target's dtype on its device (its config was checked
-        against the target before anything was allocated)."""
+        against the target before anything was allocated; its selector codebooks split over the
+        TP group when sharded_selector_codebook resolved true)."""
         if not self.spec.enabled:
             return None
         if not self.spec.is_dflash2:
             return MTPDrafter(self.runner, self.spec.num_speculative_tokens)
-        draft = load_draft_model(self.spec.model, dtype=self.model.dtype, device=self.model.device)
+        # at tp > 1 media_ctx is the rank's TP group; with sharded_selector_codebook the drafter holds its codebook rows
+        shard = self.media_ctx if self.spec.sm70_dflash2.sharded_selector_codebook else None
+        draft = load_draft_model(self.spec.model, dtype=self.model.dtype, device=self.model.device, ctx=shard)
         return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
                               sampled=self.spec.draft_sample_method == "probabilistic")
 
