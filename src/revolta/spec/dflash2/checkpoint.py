@@ -8,7 +8,7 @@ a missing, unexpected or wrongly shaped tensor raises one `CheckpointError` list
 At tensor_parallel_size > 1 with `sharded_selector_codebook` (`ctx` given), each rank reads only its
 vocabulary rows of both codebooks (their header shapes checked first, sharded_codebook.py) and its
 selector holds those; the whole tables are never read or allocated. `rank_weight_bytes` is what one rank
-holds, computed from config.json before anything loads (the engine's memory budget, the dry run).
+holds, computed from config.json before anything loads (the engine adds it to its memory budget).
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ from ...parallel.context import ParallelContext
 from ...weights import load_weights, save_checkpoint
 from .draft_config import DFlash2DraftConfig
 from .model import DFlash2DraftModel
-from .sharded_codebook import CODEBOOKS, PREFIX, ShardedCodebooks, codebook_bytes_per_gpu, load_codebook_shards
+from .sharded_codebook import (
+    CODEBOOKS,
+    PREFIX,
+    ShardedCodebooks,
+    codebook_bytes_per_gpu,
+    load_codebook_shards,
+)
 
 # the released layout's codebook names -> the module's parameter names
 CODEBOOK_RENAMES = {f"candidate_selector.{n}": f"candidate_selector.{n}.weight"
