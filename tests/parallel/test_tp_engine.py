@@ -230,11 +230,12 @@ def _record_drafts(engine: Engine) -> list:
 
 
 def test_tp2_engine_with_dflash2_equals_tp1(tmp_path):
-    """A DFlash2 drafter (random weights) at TP2: it reads the tapped layer boundaries (whole on every rank) and
-    embeds / projects through the target's vocabulary-parallel layers, so both ranks draft the same tokens; greedy
-    output equals TP1's, drafts proposed and verified. With sharded_selector_codebook (the default at TP2) rank 0's
-    selector holds its half of the vocabulary rows of both codebooks and the drafts are those of the replicated
-    codebooks (false, the second engine over the same ranks); the engine's budget counts what the rank holds."""
+    """A DFlash2 drafter (random weights) at TP2, its layers split like a decoder layer: it reads the tapped layer
+    boundaries (whole on every rank) and embeds / projects through the target's vocabulary-parallel layers, so both
+    ranks draft the same tokens; greedy output equals TP1's, drafts proposed and verified. With
+    sharded_selector_codebook (the default at TP2) rank 0's selector holds its half of the vocabulary rows of both
+    codebooks and the drafts are those of the replicated codebooks (false, the second engine over the same ranks);
+    the engine's budget counts what the rank holds."""
     import json
 
     from revolta.presets.default_drafter import init_drafter_weights
@@ -272,9 +273,11 @@ def test_tp2_engine_with_dflash2_equals_tp1(tmp_path):
                 engine = _engine(group.model, {"method": "dflash2", "model": path,
                                                "sm70_dflash2": {"sharded_selector_codebook": sharded}}, group)
                 drafts = _record_drafts(engine)
-                selector = engine.drafter.drafter.candidate_selector
-                held = sum(p.numel() * p.element_size() for p in engine.drafter.drafter.parameters())
-                runs[sharded] = (_generate(engine), drafts, engine.spec_stats, selector, held,
+                mine = engine.drafter.drafter
+                assert mine.layers[0].self_attn.q_proj.weight.shape[0] == 2 * 16  # 2 of the 4 query heads
+                assert mine.layers[1].mlp.down_proj.weight.shape[1] == cfg.text.hidden_size  # half of 2 H channels
+                held = sum(p.numel() * p.element_size() for p in mine.parameters())
+                runs[sharded] = (_generate(engine), drafts, engine.spec_stats, mine.candidate_selector, held,
                                  engine.drafter_weights_bytes)
         finally:
             group.close()
@@ -292,6 +295,6 @@ def test_tp2_engine_with_dflash2_equals_tp1(tmp_path):
             assert not hasattr(selector, "predecessor_codebook")  # the whole tables are not held
         else:
             assert selector.codebook_shards is None and selector.predecessor_codebook.weight.shape == (V, 16)
-            assert held == full_bytes
-    assert runs[True][4] == full_bytes - 2 * (V - -(-V // 2)) * 16 * 4  # fp32: the other half's rows of both books
+            assert held < full_bytes  # the layers are split in both runs
+    assert runs[False][4] - runs[True][4] == 2 * (V - -(-V // 2)) * 16 * 4  # fp32: the other half's rows of both books
     assert runs[True][1] == runs[False][1] and any(any(d) for d in runs[True][1])  # the same drafts every step

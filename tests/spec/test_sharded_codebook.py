@@ -1,9 +1,12 @@
 """sharded_selector_codebook (spec/engine.md §2.7): vocabulary-row shards of both selector codebooks,
 combined by one all-reduce, are bitwise the replicated lookup except that -0 becomes +0. Two CPU
-processes over gloo; the vocabulary does not divide evenly, so the last shard is shorter. A drafter
-loaded with the TP context holds only its rank's rows and its selector's lattice is the replicated one's."""
+processes over gloo; the vocabulary does not divide evenly, so the last shard is shorter. A rank's
+drafter (rank_drafter.py) holds only its rows of the books and its part of the layers (split like a
+decoder layer), and drafts what the whole drafter drafts."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,8 +65,9 @@ def drafter_dir(path) -> str:
     from revolta.spec.dflash2.model import DFlash2DraftModel
 
     raw = {"architectures": ["DFlash2DraftModel"], "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-           "rms_norm_eps": 1e-6, "num_target_layers": 4,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "rms_norm_eps": 1e-6, "num_target_layers": 4, "attention_bias": True,
+           "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "use_sliding_window": True,
            "dflash_config": {"block_size": DRAFTS + 1, "mask_token_id": 3, "selector_rank": RANK,
                              "selector_top_k": TOP_K, "conv_kernel_size": 2, "conv_group_size": 16,
                              "target_layer_ids": [0, 3]}}
@@ -72,21 +76,31 @@ def drafter_dir(path) -> str:
     with torch.no_grad():
         model.candidate_selector.predecessor_codebook.weight.normal_()
         model.candidate_selector.successor_codebook.weight.normal_()
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # o_proj's bias must be added once, not once per rank
+                p.normal_()
     return str(save_draft_model(model, path))
 
 
-def check_drafter_shards(rank: int, world: int, path: str) -> None:
-    """Rank `rank`'s drafter loaded with the TP context: its rows of both books, and the replicated lattice."""
+def check_rank_drafter(rank: int, world: int, path: str) -> None:
+    """Rank `rank`'s drafter: its heads / MLP channels and its rows of both books; the whole drafter's drafts."""
     from revolta.spec.dflash2.checkpoint import load_draft_model
+    from revolta.spec.dflash2.model import DraftKVCache
+    from revolta.spec.dflash2.rank_drafter import load_rank_drafter
 
-    full = load_draft_model(path).candidate_selector
-    sharded = load_draft_model(path, ctx=ParallelContext.from_group(dist.group.WORLD)).candidate_selector
+    whole = load_draft_model(path)
+    mine = load_rank_drafter(path, ParallelContext.from_group(dist.group.WORLD))
+    full, sharded = whole.candidate_selector, mine.candidate_selector
     start, end = vocab_shard(VOCAB, rank, world)
     books = sharded.codebook_shards
     assert books.predecessor_codebook.shape == books.successor_codebook.shape == (end - start, RANK)
     assert end - start == (501 if rank == 0 else 500)
     assert torch.equal(books.successor_codebook, full.successor_codebook.weight[start:end])
     assert not hasattr(sharded, "successor_codebook")  # the whole table is not held
+    attn, mlp = mine.layers[1].self_attn, mine.layers[1].mlp
+    assert attn.q_proj.weight.shape == (2 * 16, 32) and attn.k_proj.weight.shape == (16, 32)  # 2 of 4 heads, 1 of 2
+    assert torch.equal(attn.k_proj.weight, whole.layers[1].self_attn.k_proj.weight[rank * 16:(rank + 1) * 16])
+    assert attn.o_proj.weight.shape == (32, 32) and mlp.down_proj.weight.shape == (32, 32)  # 64 -> 32 channels
     gen = torch.Generator().manual_seed(4)  # the same inputs on both ranks
     hidden = torch.randn(3, DRAFTS, 32, generator=gen)
     unary, candidates = torch.randn(3, DRAFTS, VOCAB, generator=gen).topk(TOP_K, dim=-1)
@@ -94,12 +108,24 @@ def check_drafter_shards(rank: int, world: int, path: str) -> None:
     for got, want in zip(sharded.lattice(hidden, unary, candidates, anchors),
                          full.lattice(hidden, unary, candidates, anchors)):
         assert torch.equal(got, want)
+    embed, head = torch.randn(VOCAB, 32, generator=gen), torch.randn(VOCAB, 32, generator=gen)
+    context = [torch.randn(n, 64, generator=gen) for n in (5, 12, 1)]
+    out = [drafter(context, [DraftKVCache() for _ in context], anchors, lambda ids: embed[ids],
+                   lambda h: h @ head.T) for drafter in (mine, whole)]
+    assert torch.equal(out[0].tokens, out[1].tokens)
+    hidden = []
+    for drafter in (mine, whole):  # the split layers' output (their all-reduces) is the whole layers', to rounding
+        caches = [DraftKVCache() for _ in context]
+        for cache, rows in zip(caches, context):
+            drafter.extend_context(cache, rows)
+        hidden.append(drafter.block_hidden(embed[drafter.block_ids(anchors)], caches))
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-5, atol=1e-5)
 
 
 def _worker(rank: int, world: int, rendezvous: str, drafter: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        check_drafter_shards(rank, world, drafter)
+        check_rank_drafter(rank, world, drafter)
         for dtype in (torch.float32, torch.float16):
             pred, succ = tables(dtype)
             books = ShardedCodebooks.from_full(pred, succ, ParallelContext.from_group(dist.group.WORLD))
@@ -159,3 +185,22 @@ def test_checkpoint_shapes_are_checked_before_slicing(tmp_path):
         check_codebook_shape("x", (VOCAB, RANK + 1), VOCAB, RANK)
     with pytest.raises(ValueError, match="expected"):
         ShardedCodebooks.from_full(pred, succ[:, :8], ParallelContext())
+
+
+def test_rank_drafter_checks_every_name_and_shape_first(tmp_path):
+    from safetensors.torch import load_file
+
+    from revolta.spec.dflash2.rank_drafter import load_rank_drafter
+    from revolta.weights import CheckpointError
+
+    path = Path(drafter_dir(tmp_path / "drafter"))
+    (file,) = path.glob("*.safetensors")
+    state = load_file(str(file))
+    state["layers.0.self_attn.k_proj.weight"] = state["layers.0.self_attn.k_proj.weight"][:16]
+    state["layers.9.mlp.up_proj.weight"] = state.pop("layers.1.mlp.up_proj.weight")
+    save_file(state, str(file))
+    with pytest.raises(CheckpointError) as e:
+        load_rank_drafter(path, ParallelContext(), shard_codebooks=False)
+    for what in ("unexpected tensor layers.9.mlp.up_proj.weight", "missing tensor layers.1.mlp.up_proj.weight",
+                 "layers.0.self_attn.k_proj.weight: shape [16, 32] in the file, [32, 32] in the model"):
+        assert what in str(e.value)

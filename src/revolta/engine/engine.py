@@ -34,7 +34,7 @@ from ..multimodal.media import MediaError
 from ..multimodal.processor import MultimodalPrompt
 from ..ple.load import ple_memory
 from ..spec.config import SpeculativeConfig, speculative_method
-from ..spec.dflash2.checkpoint import rank_weight_bytes
+from ..spec.dflash2.rank_drafter import rank_weight_bytes
 from ..spec.resolve import resolve_speculative
 from ..spec.stats import SpecStats
 from ..tokenizer import Tokenizer
@@ -254,8 +254,8 @@ class Engine:
         return plan
 
     def _drafter_weights_bytes(self) -> int:
-        """A DFlash2 drafter's weights on rank 0 (its codebook rows when sharded), by the dry run's rule
-        (`codebook_bytes_per_gpu`); 0 without one (the MTP layer is part of the target's weights)."""
+        """A DFlash2 drafter's weights on rank 0 (its part of the layers; its codebook rows when sharded, by the dry
+        run's rule `codebook_bytes_per_gpu`); 0 without one (the MTP layer is part of the target's weights)."""
         if not self.spec.is_dflash2:
             return 0
         sharded = self.tp > 1 and bool(self.spec.sm70_dflash2.sharded_selector_codebook)
