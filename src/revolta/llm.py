@@ -94,7 +94,8 @@ class LLM(SleepPauseMixin):
         self.speculative_config = resolve_llm_speculation(
             engine_args.get("speculative_config"), target, self.model_path, is_default=self.is_default_model,
             mtp_weights=self.mtp_weights, dtype=str(self.dtype).removeprefix("torch."),
-            kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"))
+            kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"),
+            tensor_parallel_size=engine_args.get("tensor_parallel_size", 1))
         self.ple_placement = resolve_ple_placement(engine_args.get("ple_placement"))
         if self.ple_placement.source != "default":
             logger.info("PLE table placement %r from the %s", self.ple_placement.value, self.ple_placement.source)

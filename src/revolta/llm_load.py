@@ -34,7 +34,7 @@ NO_MTP_WEIGHTS = ("its config declares an MTP layer but the checkpoint ships no 
 
 def resolve_llm_speculation(raw: Mapping[str, Any] | SpeculativeConfig | None, cfg: ModelConfig, path: Path, *,
                             is_default: bool, mtp_weights: bool, dtype: str,
-                            kv_cache_dtype: str) -> SpeculativeConfig:
+                            kv_cache_dtype: str, tensor_parallel_size: int = 1) -> SpeculativeConfig:
     """`LLM(speculative_config=raw)` parsed and checked before any weight loads; logs its warnings.
 
     None: MTP4 when the checkpoint ships its MTP weights, else off (an info line says why when the config declares
@@ -50,7 +50,8 @@ def resolve_llm_speculation(raw: Mapping[str, Any] | SpeculativeConfig | None, c
         logger.info("speculative decoding off: %s; MTP4 is the default only for checkpoints that ship them",
                     NO_MTP_WEIGHTS)
         raw = {"method": None}
-    spec, warnings = resolve_speculative(raw, cfg, has_mtp=declared, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    spec, warnings = resolve_speculative(raw, cfg, has_mtp=declared, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                         tensor_parallel_size=tensor_parallel_size)  # sm70_dflash2 defaults read tp
     if spec.method == "mtp" and not mtp_weights:
         raise ValueError(f"speculative_config method='mtp' needs the MTP head's weights, but {path}: {NO_MTP_WEIGHTS}; "
                          "leave speculative_config unset or pass {'method': None} to decode without speculation")

@@ -216,22 +216,39 @@ def test_tp2_engine_with_image_prompts_equals_tp1(tmp_path):
     assert got == want and all(len(t) == 6 for t in got)
 
 
+def _record_drafts(engine: Engine) -> list:
+    """Every step's drafts as rank 0's executor returns them (appended to the returned list)."""
+    seen, execute = [], engine.executor.execute
+
+    def recording(step):
+        result = execute(step)
+        seen.append(result.drafts)
+        return result
+
+    engine.executor.execute = recording
+    return seen
+
+
 def test_tp2_engine_with_dflash2_equals_tp1(tmp_path):
-    """A DFlash2 drafter (random weights) replicated on both ranks: it reads the tapped layer boundaries (whole on
-    every rank) and embeds / projects through the target's vocabulary-parallel layers, so both ranks draft the
-    same tokens; greedy output equals TP1's, drafts proposed and verified."""
+    """A DFlash2 drafter (random weights) at TP2, its layers split like a decoder layer: it reads the tapped layer
+    boundaries (whole on every rank) and embeds / projects through the target's vocabulary-parallel layers, so both
+    ranks draft the same tokens; greedy output equals TP1's, drafts proposed and verified. With
+    sharded_selector_codebook (the default at TP2) rank 0's selector holds its half of the vocabulary rows of both
+    codebooks and the drafts are those of the replicated codebooks (false, the second engine over the same ranks);
+    the engine's budget counts what the rank holds."""
     import json
 
     from revolta.presets.default_drafter import init_drafter_weights
     from revolta.spec.dflash2.checkpoint import save_draft_model
     from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
     from revolta.spec.dflash2.model import DFlash2DraftModel
+    from revolta.spec.dflash2.sharded_codebook import vocab_shard
 
     cfg = tiny()
     model = full_model(cfg)
     save_checkpoint(model, tmp_path / "ckpt", progress=False)
-    L = cfg.text.num_hidden_layers
-    raw = {"architectures": ["DFlash2DraftModel"], "vocab_size": cfg.text.vocab_size, "hidden_size": cfg.text.hidden_size,
+    L, V = cfg.text.num_hidden_layers, cfg.text.vocab_size
+    raw = {"architectures": ["DFlash2DraftModel"], "vocab_size": V, "hidden_size": cfg.text.hidden_size,
            "intermediate_size": 2 * cfg.text.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "num_target_layers": L,
            "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64, "use_sliding_window": True,
@@ -239,18 +256,45 @@ def test_tp2_engine_with_dflash2_equals_tp1(tmp_path):
                              "conv_kernel_size": 2, "conv_group_size": 16, "target_layer_ids": [0, L // 2, L - 1]}}
     draft = DFlash2DraftModel(DFlash2DraftConfig.from_dict(json.loads(json.dumps(raw)), source="test drafter"))
     init_drafter_weights(draft, seed=4)
-    spec = {"method": "dflash2", "model": str(save_draft_model(draft, tmp_path / "drafter"))}
+    with torch.no_grad():  # codebook terms that move the walk off the top-1 candidates, so wrong rows change drafts
+        for table in (draft.candidate_selector.predecessor_codebook, draft.candidate_selector.successor_codebook):
+            table.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(5))
+        draft.candidate_selector.hidden_projection.weight.mul_(20.0)
+    path = str(save_draft_model(draft, tmp_path / "drafter"))
+    full_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    runs = {}
     try:
         want = _generate(_engine(model))
         group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
         try:
-            engine = _engine(group.model, spec, group)
-            got = _generate(engine)
+            for sharded in (True, False):  # the first engine's ranks build the second's executors over the same shards
+                engine = _engine(group.model, {"method": "dflash2", "model": path,
+                                               "sm70_dflash2": {"sharded_selector_codebook": sharded}}, group)
+                drafts = _record_drafts(engine)
+                mine = engine.drafter.drafter
+                assert mine.layers[0].self_attn.q_proj.weight.shape[0] == 2 * 16  # 2 of the 4 query heads
+                assert mine.layers[1].mlp.down_proj.weight.shape[1] == cfg.text.hidden_size  # half of 2 H channels
+                held = sum(p.numel() * p.element_size() for p in mine.parameters())
+                runs[sharded] = (_generate(engine), drafts, engine.spec_stats, mine.candidate_selector, held,
+                                 engine.drafter_weights_bytes)
         finally:
             group.close()
     finally:
         torch.set_num_threads(threads)
-    assert got == want
-    assert engine.spec_stats.num_rounds > 0 and engine.spec_stats.num_draft_tokens > 0, engine.spec_stats
+    for sharded, (got, drafts, stats, selector, held, planned) in runs.items():
+        assert got == want, sharded
+        assert stats.num_rounds > 0 and stats.num_draft_tokens > 0, stats
+        assert held == planned, (sharded, held, planned)  # the budget counts what rank 0 holds
+        if sharded:
+            start, end = vocab_shard(V, 0, 2)
+            books = selector.codebook_shards
+            assert (books.start, books.end) == (start, end) and end - start == -(-V // 2)
+            assert books.predecessor_codebook.shape == books.successor_codebook.shape == (end - start, 16)
+            assert not hasattr(selector, "predecessor_codebook")  # the whole tables are not held
+        else:
+            assert selector.codebook_shards is None and selector.predecessor_codebook.weight.shape == (V, 16)
+            assert held < full_bytes  # the layers are split in both runs
+    assert runs[False][4] - runs[True][4] == 2 * (V - -(-V // 2)) * 16 * 4  # fp32: the other half's rows of both books
+    assert runs[True][1] == runs[False][1] and any(any(d) for d in runs[True][1])  # the same drafts every step

@@ -233,3 +233,21 @@ def test_dry_run_reserve_by_method(tmp_path):
     assert dry_run_plan(cfg, 32.0, 4, 8192, "fp8_e4m3").budget.cudagraph_reserve_bytes == 700 * MiB
     assert dry_run_plan(cfg, 32.0, 4, 8192, "fp8_e4m3", cudagraph_reserve_mib=1500, **fields
                         ).budget.cudagraph_reserve_bytes == 1500 * MiB
+
+
+def test_llm_resolves_the_codebook_option_at_its_tensor_parallel_size(drafter, tmp_path):
+    """LLM(tensor_parallel_size=2) resolves sm70_dflash2 at tp 2: sharded codebooks by default, an explicit true
+    accepted (at tp 1 it is refused: nothing to split)."""
+    from dflash2_fixtures import tiny_target
+    from revolta.llm_load import resolve_llm_speculation
+
+    def llm_spec(raw, tp):
+        return resolve_llm_speculation(raw, tiny_target(), tmp_path, is_default=False, mtp_weights=False,
+                                       dtype="float32", kv_cache_dtype="auto", tensor_parallel_size=tp)
+
+    assert llm_spec({"method": "dflash2", "model": drafter}, 2).sm70_dflash2.sharded_selector_codebook is True
+    assert llm_spec({"method": "dflash2", "model": drafter}, 1).sm70_dflash2.sharded_selector_codebook is False
+    explicit = {"method": "dflash2", "model": drafter, "sm70_dflash2": {"sharded_selector_codebook": True}}
+    assert llm_spec(explicit, 2).sm70_dflash2.source("sharded_selector_codebook") == "config"
+    with pytest.raises(ValueError, match="needs a tensor-parallel group"):
+        llm_spec(explicit, 1)

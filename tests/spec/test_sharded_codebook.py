@@ -1,8 +1,12 @@
 """sharded_selector_codebook (spec/engine.md §2.7): vocabulary-row shards of both selector codebooks,
 combined by one all-reduce, are bitwise the replicated lookup except that -0 becomes +0. Two CPU
-processes over gloo; the vocabulary does not divide evenly, so the last shard is shorter."""
+processes over gloo; the vocabulary does not divide evenly, so the last shard is shorter. A rank's
+drafter (rank_drafter.py) holds only its rows of the books and its part of the layers (split like a
+decoder layer), and drafts what the whole drafter drafts."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
+from revolta.parallel.context import ParallelContext
 from revolta.spec.dflash2.sharded_codebook import (ShardedCodebooks, check_codebook_shape, load_codebook_shards,
                                                    vocab_shard)
 
@@ -50,12 +55,80 @@ def assert_bitwise_but_negative_zero(got: torch.Tensor, want: torch.Tensor) -> i
     return int(neg_zero.sum())
 
 
-def _worker(rank: int, world: int, rendezvous: str) -> None:
+def drafter_dir(path) -> str:
+    """A small DFlash2 drafter checkpoint over VOCAB ids (random weights, codebooks of std 1)."""
+    import json
+
+    from revolta.presets.default_drafter import init_drafter_weights
+    from revolta.spec.dflash2.checkpoint import save_draft_model
+    from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
+    from revolta.spec.dflash2.model import DFlash2DraftModel
+
+    raw = {"architectures": ["DFlash2DraftModel"], "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "rms_norm_eps": 1e-6, "num_target_layers": 4, "attention_bias": True,
+           "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "use_sliding_window": True,
+           "dflash_config": {"block_size": DRAFTS + 1, "mask_token_id": 3, "selector_rank": RANK,
+                             "selector_top_k": TOP_K, "conv_kernel_size": 2, "conv_group_size": 16,
+                             "target_layer_ids": [0, 3]}}
+    model = DFlash2DraftModel(DFlash2DraftConfig.from_dict(json.loads(json.dumps(raw)), source="test drafter"))
+    init_drafter_weights(model, seed=2)
+    with torch.no_grad():
+        model.candidate_selector.predecessor_codebook.weight.normal_()
+        model.candidate_selector.successor_codebook.weight.normal_()
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # o_proj's bias must be added once, not once per rank
+                p.normal_()
+    return str(save_draft_model(model, path))
+
+
+def check_rank_drafter(rank: int, world: int, path: str) -> None:
+    """Rank `rank`'s drafter: its heads / MLP channels and its rows of both books; the whole drafter's drafts."""
+    from revolta.spec.dflash2.checkpoint import load_draft_model
+    from revolta.spec.dflash2.model import DraftKVCache
+    from revolta.spec.dflash2.rank_drafter import load_rank_drafter
+
+    whole = load_draft_model(path)
+    mine = load_rank_drafter(path, ParallelContext.from_group(dist.group.WORLD))
+    full, sharded = whole.candidate_selector, mine.candidate_selector
+    start, end = vocab_shard(VOCAB, rank, world)
+    books = sharded.codebook_shards
+    assert books.predecessor_codebook.shape == books.successor_codebook.shape == (end - start, RANK)
+    assert end - start == (501 if rank == 0 else 500)
+    assert torch.equal(books.successor_codebook, full.successor_codebook.weight[start:end])
+    assert not hasattr(sharded, "successor_codebook")  # the whole table is not held
+    attn, mlp = mine.layers[1].self_attn, mine.layers[1].mlp
+    assert attn.q_proj.weight.shape == (2 * 16, 32) and attn.k_proj.weight.shape == (16, 32)  # 2 of 4 heads, 1 of 2
+    assert torch.equal(attn.k_proj.weight, whole.layers[1].self_attn.k_proj.weight[rank * 16:(rank + 1) * 16])
+    assert attn.o_proj.weight.shape == (32, 32) and mlp.down_proj.weight.shape == (32, 32)  # 64 -> 32 channels
+    gen = torch.Generator().manual_seed(4)  # the same inputs on both ranks
+    hidden = torch.randn(3, DRAFTS, 32, generator=gen)
+    unary, candidates = torch.randn(3, DRAFTS, VOCAB, generator=gen).topk(TOP_K, dim=-1)
+    anchors = torch.tensor([500, 501, VOCAB - 1])  # rank 0's last row, rank 1's first and last
+    for got, want in zip(sharded.lattice(hidden, unary, candidates, anchors),
+                         full.lattice(hidden, unary, candidates, anchors)):
+        assert torch.equal(got, want)
+    embed, head = torch.randn(VOCAB, 32, generator=gen), torch.randn(VOCAB, 32, generator=gen)
+    context = [torch.randn(n, 64, generator=gen) for n in (5, 12, 1)]
+    out = [drafter(context, [DraftKVCache() for _ in context], anchors, lambda ids: embed[ids],
+                   lambda h: h @ head.T) for drafter in (mine, whole)]
+    assert torch.equal(out[0].tokens, out[1].tokens)
+    hidden = []
+    for drafter in (mine, whole):  # the split layers' output (their all-reduces) is the whole layers', to rounding
+        caches = [DraftKVCache() for _ in context]
+        for cache, rows in zip(caches, context):
+            drafter.extend_context(cache, rows)
+        hidden.append(drafter.block_hidden(embed[drafter.block_ids(anchors)], caches))
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-5, atol=1e-5)
+
+
+def _worker(rank: int, world: int, rendezvous: str, drafter: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
+        check_rank_drafter(rank, world, drafter)
         for dtype in (torch.float32, torch.float16):
             pred, succ = tables(dtype)
-            books = ShardedCodebooks.from_full(pred, succ, rank, world)
+            books = ShardedCodebooks.from_full(pred, succ, ParallelContext.from_group(dist.group.WORLD))
             assert books.predecessor_codebook.shape[0] == (501 if rank == 0 else 500)
             gen = torch.Generator().manual_seed(9)  # same ids on both ranks, as the selector's are
             for _ in range(3):
@@ -70,7 +143,7 @@ def _worker(rank: int, world: int, rendezvous: str) -> None:
 
 
 def test_sharded_lookup_matches_replicated_on_two_gloo_ranks(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), drafter_dir(tmp_path / "drafter")), nprocs=2, join=True)
 
 
 def test_shards_cover_every_row_once():
@@ -85,7 +158,7 @@ def test_shards_cover_every_row_once():
 
 def test_single_rank_is_the_replicated_lookup():
     pred, succ = tables(torch.float32)
-    books = ShardedCodebooks.from_full(pred, succ, 0, 1)
+    books = ShardedCodebooks.from_full(pred, succ, ParallelContext())
     p_ids, s_ids = ids(torch.Generator().manual_seed(1))
     got_p, got_s = books.lookup(p_ids, s_ids)
     assert torch.equal(got_p.view(torch.int32), pred[p_ids].view(torch.int32))  # no collective: even -0 survives
@@ -111,4 +184,23 @@ def test_checkpoint_shapes_are_checked_before_slicing(tmp_path):
     with pytest.raises(ValueError, match="expected"):
         check_codebook_shape("x", (VOCAB, RANK + 1), VOCAB, RANK)
     with pytest.raises(ValueError, match="expected"):
-        ShardedCodebooks.from_full(pred, succ[:, :8], 0, 2)
+        ShardedCodebooks.from_full(pred, succ[:, :8], ParallelContext())
+
+
+def test_rank_drafter_checks_every_name_and_shape_first(tmp_path):
+    from safetensors.torch import load_file
+
+    from revolta.spec.dflash2.rank_drafter import load_rank_drafter
+    from revolta.weights import CheckpointError
+
+    path = Path(drafter_dir(tmp_path / "drafter"))
+    (file,) = path.glob("*.safetensors")
+    state = load_file(str(file))
+    state["layers.0.self_attn.k_proj.weight"] = state["layers.0.self_attn.k_proj.weight"][:16]
+    state["layers.9.mlp.up_proj.weight"] = state.pop("layers.1.mlp.up_proj.weight")
+    save_file(state, str(file))
+    with pytest.raises(CheckpointError) as e:
+        load_rank_drafter(path, ParallelContext(), shard_codebooks=False)
+    for what in ("unexpected tensor layers.9.mlp.up_proj.weight", "missing tensor layers.1.mlp.up_proj.weight",
+                 "layers.0.self_attn.k_proj.weight: shape [16, 32] in the file, [32, 32] in the model"):
+        assert what in str(e.value)

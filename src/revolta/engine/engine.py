@@ -34,6 +34,7 @@ from ..multimodal.media import MediaError
 from ..multimodal.processor import MultimodalPrompt
 from ..ple.load import ple_memory
 from ..spec.config import SpeculativeConfig, speculative_method
+from ..spec.dflash2.rank_drafter import rank_weight_bytes
 from ..spec.resolve import resolve_speculative
 from ..spec.stats import SpecStats
 from ..tokenizer import Tokenizer
@@ -169,11 +170,13 @@ class Engine:
             self.spec = config.speculative_config
         else:
             self.spec, warnings = resolve_speculative(config.speculative_config, cfg, has_mtp=model.mtp is not None,
-                                                      dtype=dtype, kv_cache_dtype=config.kv_cache_dtype)
+                                                      dtype=dtype, kv_cache_dtype=config.kv_cache_dtype,
+                                                      tensor_parallel_size=self.tp)
             for warning in warnings:
                 logger.warning(warning)
         if self.spec.enabled and not self.spec.is_dflash2:
             check_draft_kv_dtype(self.spec, config.kv_cache_dtype, kv_scales_from_state_dict(model.kv_scales), dtype)
+        self.drafter_weights_bytes = self._drafter_weights_bytes()  # loaded after the plan, so counted here
         cache = CacheConfig(max_model_len=config.max_model_len, kv_cache_dtype=config.kv_cache_dtype,
                             block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -189,6 +192,11 @@ class Engine:
             self.plan = self._fit_max_model_len(cache, dtype)
             config = self.config
         logger.info("speculative decoding: %s", self.spec.describe())
+        if self.drafter_weights_bytes:
+            sharded = self.tp > 1 and self.spec.sm70_dflash2.sharded_selector_codebook
+            books = f"sharded over TP {self.tp}" if sharded else "replicated"
+            logger.info("DFlash2 drafter weights: %s per GPU (selector codebooks %s)",
+                        human_bytes(self.drafter_weights_bytes), books)
         for line in self.plan.capacity_lines(on_gpu=model.device.type == "cuda"):
             logger.info(line)
         logger.info("PLE table: %s", ple_memory(model).describe())
@@ -245,11 +253,20 @@ class Engine:
                        "or is an error when it does not fit", f"{full:,}", cache_is, f"{fit:,}", human_bytes(more), how)
         return plan
 
+    def _drafter_weights_bytes(self) -> int:
+        """A DFlash2 drafter's weights on rank 0 (its part of the layers; its codebook rows when sharded, by the dry
+        run's rule `codebook_bytes_per_gpu`); 0 without one (the MTP layer is part of the target's weights)."""
+        if not self.spec.is_dflash2:
+            return 0
+        sharded = self.tp > 1 and bool(self.spec.sm70_dflash2.sharded_selector_codebook)
+        return rank_weight_bytes(self.spec.model, self.model.dtype.itemsize, self.tp, sharded)
+
     def _budget(self) -> MemoryBudget:
         # an FP8 PLE table on the device is not a parameter; one off the device frees its bytes for the KV pool.
-        # At tp > 1 `model` is rank 0's shard: these are the rank's own weights, and the budget is per rank
+        # At tp > 1 `model` is rank 0's shard: these are the rank's own weights, and the budget is per rank; the
+        # DFlash2 drafter is loaded by the executor after the plan, so its rank's bytes are added here
         weights = (sum(p.numel() * p.element_size() for p in self.model.parameters())
-                   + ple_memory(self.model).unlisted_device_bytes)
+                   + ple_memory(self.model).unlisted_device_bytes + self.drafter_weights_bytes)
         cfg = self.config
         if self.model.device.type == "cuda" and cfg.kv_cache_gib is None:
             total = torch.cuda.get_device_properties(self.model.device).total_memory

@@ -41,6 +41,7 @@ from ..spec.commit import check_replay_slots, commit_verified
 from ..spec.config import SpeculativeConfig
 from ..spec.dflash2.checkpoint import load_draft_model
 from ..spec.dflash2.drafter import DFlash2Drafter
+from ..spec.dflash2.rank_drafter import load_rank_drafter
 from ..spec.graphs import SpecGraphs
 from ..spec.measured import slower_warning
 from ..spec.mtp import DraftItem, MTPDrafter
@@ -186,12 +187,18 @@ class UniProcExecutor(Executor):
     def _make_drafter(self) -> MTPDrafter | DFlash2Drafter | None:
         """The configured drafter: the checkpoint's MTP head, or a DFlash2 drafter loaded from
         speculative_config["model"] in the target's dtype on its device (its config was checked
-        against the target before anything was allocated)."""
+        against the target before anything was allocated). At tp > 1 each rank holds its part of the
+        drafter's layers, and its rows of the selector codebooks when sharded_selector_codebook is on."""
         if not self.spec.enabled:
             return None
         if not self.spec.is_dflash2:
             return MTPDrafter(self.runner, self.spec.num_speculative_tokens)
-        draft = load_draft_model(self.spec.model, dtype=self.model.dtype, device=self.model.device)
+        model, ctx = self.model, self.media_ctx  # at tp > 1 media_ctx is the rank's TP group: the drafter is split too
+        if ctx is None:
+            draft = load_draft_model(self.spec.model, dtype=model.dtype, device=model.device)
+        else:
+            draft = load_rank_drafter(self.spec.model, ctx, dtype=model.dtype, device=model.device,
+                                      shard_codebooks=bool(self.spec.sm70_dflash2.sharded_selector_codebook))
         return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
                               sampled=self.spec.draft_sample_method == "probabilistic")
 

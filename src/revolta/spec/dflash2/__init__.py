@@ -5,6 +5,7 @@ model.py         the drafter: context K/V from tapped target states, one non-cau
 conv.py          the grouped dynamic causal convolutions around every sublayer
 selector.py      the candidate selector: top-K lattice and the greedy or sampled walk
 checkpoint.py    load a dflash-format drafter directory, every name and shape checked first
+rank_drafter.py  a tensor-parallel rank's drafter: layers split like a decoder layer, its codebook rows
 taps.py          the context features from a HyperConnection target (tap_reduction), captured per forward
 drafter.py       DFlash2Drafter: the engine's drafter interface (has_pending / keep / drop / propose), as MTPDrafter
 """

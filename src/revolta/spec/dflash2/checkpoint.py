@@ -4,6 +4,7 @@ In-memory names are the `dflash` package's state-dict names. Released DFlash2 ch
 selector codebooks without the `.weight` suffix (`candidate_selector.predecessor_codebook`); both spellings
 load. Every name and shape is checked from the file headers before any data is read (`revolta.weights`):
 a missing, unexpected or wrongly shaped tensor raises one `CheckpointError` listing them all.
+At tensor_parallel_size > 1 each rank loads its part instead (rank_drafter.py `load_rank_drafter`).
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ of t - 1. All positions' K x K lattices are computed at once, then a left-to-rig
 anchor reads the row of the candidate chosen at t - 1 and picks the next one: the argmax (greedy),
 or a draw from softmax(S / temperature) over the K candidates (sampled; those rows are the sparse
 proposal distribution q of rejection sampling). It is a walk, not Viterbi.
+
+At tensor_parallel_size > 1 with `sharded_selector_codebook` each rank holds only its vocabulary
+rows of A and B (`shard_codebooks`, spec/dflash2/sharded_codebook.py): the lattice's rows of both
+tables are then one lookup pair completed by one all-reduce, and every rank gets the same rows.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from .sharded_codebook import ShardedCodebooks
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,18 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(vocab_size, rank)
         self.successor_codebook = nn.Embedding(vocab_size, rank)
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.codebook_shards: ShardedCodebooks | None = None  # set by shard_codebooks (tp > 1)
+
+    def shard_codebooks(self, shards: ShardedCodebooks) -> None:
+        """Hold this rank's rows of both codebooks instead of the whole tables (which are dropped)."""
+        del self.predecessor_codebook, self.successor_codebook
+        self.codebook_shards = shards
+
+    def lookup(self, predecessor_ids: Tensor, successor_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(A rows [*predecessor_ids.shape, R], B rows [*successor_ids.shape, R])."""
+        if self.codebook_shards is not None:
+            return self.codebook_shards.lookup(predecessor_ids, successor_ids)
+        return self.predecessor_codebook(predecessor_ids), self.successor_codebook(successor_ids)
 
     def lattice(self, hidden: Tensor, unary: Tensor, candidates: Tensor, anchor_ids: Tensor) -> tuple[Tensor, Tensor]:
         """Edge scores: (first [B, K] from the anchor, rest [B, D - 1, K, K] indexed [t - 1, a, b]).
@@ -46,10 +64,12 @@ class CandidateSelector(nn.Module):
         hidden: [B, D, H] draft hidden states; unary: [B, D, K] candidate logits; candidates: [B, D, K].
         """
         h = self.hidden_projection(hidden)  # [B, D, R]
-        succ = self.successor_codebook(candidates)  # [B, D, K, R]
-        anchor = self.predecessor_codebook(anchor_ids) * h[:, 0]  # [B, R]
+        D, K = candidates.shape[1:]
+        predecessors = torch.cat([anchor_ids[:, None], candidates[:, :-1].flatten(1)], dim=1)  # [B, 1 + (D-1)K]
+        pred_rows, succ = self.lookup(predecessors, candidates)  # [B, 1 + (D-1)K, R], [B, D, K, R]
+        anchor = pred_rows[:, 0] * h[:, 0]  # [B, R]
         first = unary[:, 0] + (succ[:, 0] @ anchor.unsqueeze(-1)).squeeze(-1)  # [B, K]
-        pred = self.predecessor_codebook(candidates[:, :-1]) * h[:, 1:, None]  # [B, D-1, K(a), R]
+        pred = pred_rows[:, 1:].unflatten(1, (D - 1, K)) * h[:, 1:, None]  # [B, D-1, K(a), R]
         rest = unary[:, 1:, None, :] + pred @ succ[:, 1:].transpose(-1, -2)  # [B, D-1, K(a), K(b)]
         return first, rest
 

@@ -9,12 +9,14 @@ both [vocab, rank]. Replicated, every rank holds both tables (242.5 MiB at vocab
 one owner. A lookup takes the owned rows and zeros for the others, and one sum all-reduce over
 the group completes both lookups at once. For every finite value x, x + 0 + ... + 0 == x
 bitwise; the one exception is -0, which becomes +0 (the release note's "negative zero can lose
-its sign").
+its sign"). The all-reduce is the ParallelContext's, so its wait is bounded like every other
+collective of the split model (a dead rank is a ParallelTimeout, not a hang).
 
 The checkpoint stores the tables as `candidate_selector.{predecessor,successor}_codebook`
 (the dflash package's names; `.weight` suffixes are accepted too). `load_codebook_shards` reads
 each shape from the safetensors header and checks it is [vocab, rank] before reading a rank's
-rows, so a rank never materialises the whole table.
+rows, so a rank never materialises the whole table. `checkpoint.load_draft_model(..., ctx=)`
+loads a drafter that way and hands the shards to its selector (`CandidateSelector.shard_codebooks`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+
+from ...parallel.context import ParallelContext
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 PREFIX = "candidate_selector."
@@ -84,31 +87,29 @@ def load_codebook_shards(checkpoint: str | Path, vocab_size: int, selector_rank:
 class ShardedCodebooks(nn.Module):
     """This rank's rows of both codebooks; `lookup` returns full rows on every rank.
 
-    predecessor, successor: [end - start, rank] rows [start, end) of each table (`vocab_shard`).
-    group: the tensor-parallel process group (None: the default group); with world size 1 this
-    is a plain replicated lookup with no collective.
+    predecessor, successor: [end - start, rank] rows [start, end) of each table (`vocab_shard` for
+    ctx.rank of ctx.size). ctx: the tensor-parallel group; of size 1 this is a plain replicated
+    lookup with no collective.
     """
 
-    def __init__(self, predecessor: Tensor, successor: Tensor, vocab_size: int, rank: int, world_size: int,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(self, predecessor: Tensor, successor: Tensor, vocab_size: int, ctx: ParallelContext):
         super().__init__()
-        self.start, self.end = vocab_shard(vocab_size, rank, world_size)
+        self.start, self.end = vocab_shard(vocab_size, ctx.rank, ctx.size)
         for name, t in zip(CODEBOOKS, (predecessor, successor)):
             if t.dim() != 2 or t.shape[0] != self.end - self.start:
                 raise ValueError(f"{name} shard has shape {list(t.shape)}, expected [{self.end - self.start}, rank] "
                                  f"(rows {self.start}..{self.end} of {vocab_size})")
         self.predecessor_codebook = nn.Parameter(predecessor, requires_grad=False)  # [V_local, R]
         self.successor_codebook = nn.Parameter(successor, requires_grad=False)  # [V_local, R]
-        self.vocab_size, self.world_size, self.group = vocab_size, world_size, group
+        self.vocab_size, self.ctx = vocab_size, ctx
 
     @classmethod
-    def from_full(cls, predecessor: Tensor, successor: Tensor, rank: int, world_size: int,
-                  group: dist.ProcessGroup | None = None) -> "ShardedCodebooks":
+    def from_full(cls, predecessor: Tensor, successor: Tensor, ctx: ParallelContext) -> "ShardedCodebooks":
         """Shard full [vocab, rank] tables already in memory (shapes checked first)."""
         vocab, r = predecessor.shape
         check_codebook_shape(PREFIX + CODEBOOKS[1], successor.shape, vocab, r)
-        start, end = vocab_shard(vocab, rank, world_size)
-        return cls(predecessor[start:end].clone(), successor[start:end].clone(), vocab, rank, world_size, group)
+        start, end = vocab_shard(vocab, ctx.rank, ctx.size)
+        return cls(predecessor[start:end].clone(), successor[start:end].clone(), vocab, ctx)
 
     def _owned(self, table: Tensor, ids: Tensor) -> Tensor:
         """[*ids.shape, R]: the rows this rank owns, +0 elsewhere."""
@@ -122,9 +123,7 @@ class ShardedCodebooks(nn.Module):
         bitwise the replicated lookup except -0 -> +0, with one all-reduce for both."""
         a = self._owned(self.predecessor_codebook, predecessor_ids)
         b = self._owned(self.successor_codebook, successor_ids)
-        both = torch.cat([a, b])  # [N + M, R]
-        if self.world_size > 1:
-            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.group)
+        both = self.ctx.all_reduce(torch.cat([a, b]))  # [N + M, R]; identity at size 1
         r = both.shape[-1]
         return (both[:a.shape[0]].reshape(*predecessor_ids.shape, r),
                 both[a.shape[0]:].reshape(*successor_ids.shape, r))
