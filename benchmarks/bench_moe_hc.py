@@ -14,7 +14,8 @@ MoE: hidden 2560, ffn 640, top-10 of 512 experts (bf16: M = 1, 8, 40, 64, 8192, 
   variants (moe_variants) are timed beside the default config; a fused_moe CUDA graph is replayed on new
   inputs and checked. GB/s counts the distinct touched experts' weights (plus the shared expert).
 HC: d 2560, h 4, r 320, M = 1, 2, 4, 5, 8, 16, 64, 8192 (--hc-ms): ours = hc_read's default config, beside
-  the K7 kernel ("tiles") and variants of the small-M rows kernels (hc_variants), torch = HyperConnection.read
+  the K7 kernel ("tiles"), variants of the small-M rows kernels and of the tl.dot passes ("dot*", issue 19:
+  each weight tile multiplied once against a 16-row tile) (hc_variants), torch = HyperConnection.read
   (graph and eager); one row per config with its % of the copy bandwidth measured in the same run.
   hc_combine (the write: x_b + inject_b * out) vs its torch reference.
 Norms: the (1+w) RMSNorm over d 2560 (zc_rms_norm) and the GDN gated RMSNorm over 48 heads x 128
@@ -329,7 +330,9 @@ HC_MS = (1, 2, 4, 5, 8, 16, 64, 8192)
 def hc_variants(M, arch):
     """name -> hc_read config timed beside the default (`hc_config`'s choice, "ours"); change the default
     in the one dict of revolta.kernels.hc.hc_rows_default. "tiles" is the kernel K7 measured (three
-    launches, GEMV tiles at M <= 8); the rest are variants of `hc_rows_default()` (all M <= 64)."""
+    launches, GEMV tiles at M <= 8); the rest are variants of `hc_rows_default()` (all M <= 64) and of
+    `hc_dot_default()` ("dot*": the tl.dot passes of kernels/hc_dot.py, at every M <= 64 here; hc_config
+    picks them for M = 4-8 only once their ENABLED flag is set on a measurement)."""
     if M > 64:
         return {}
     rows = dict(HC.hc_rows_default(arch), MAX_M=64)
@@ -342,8 +345,17 @@ def hc_variants(M, arch):
         "spb10": dict(SPLITS_PER_BRANCH=10, BLOCK_R=32, BLOCK_K=256),
         "bc4": dict(BLOCK_C=4, WARPS_UP=4), "bc16": dict(BLOCK_C=16),
         "bm4": dict(BLOCK_M=4), "bm16": dict(BLOCK_M=16)}
+    dot = dict(HC.hc_dot_default(arch), MAX_M=64)
+    dot_delta = {
+        "dot": {}, "dot-nopdl": dict(PDL=False),
+        "dot-rowsup": dict(UP="rows", BLOCK_C=4), "dot-rowsdown": dict(DOWN="rows", BLOCK_R=16, BLOCK_K=512),  # one pass each
+        "dot-bk128": dict(BLOCK_K=128), "dot-bk512": dict(BLOCK_K=512),
+        "dot-br16": dict(BLOCK_R=16), "dot-br64": dict(BLOCK_R=64), "dot-spb10": dict(SPLITS_PER_BRANCH=10),
+        "dot-w8": dict(WARPS_DOWN=8, WARPS_UP=8), "dot-bc4": dict(BLOCK_C=4), "dot-bc16": dict(BLOCK_C=16),
+        "dot-kc64": dict(UP_BLOCK_K=64)}
     v = {"tiles": HC.hc_config_tiles(M, D, R, NH, arch)}
     v.update({name: HC.rows_config(dict(rows, **dv), M, D, R, NH) for name, dv in delta.items()})
+    v.update({name: HC.rows_config(dict(dot, **dv), M, D, R, NH) for name, dv in dot_delta.items()})
     return v
 
 
@@ -382,6 +394,17 @@ def bench_hc(Ms, copy_gbs, mm_tflops, variant_names=None):
         u70, _ = HC.hc_read(xh, *wh, NH, 1e-6, path="triton", config=cfg70)
         checks.append(dict(what=f"hc_read sm70 config fp16 M={M}",
                            rel_err_u=rel_err(u70, HC.hc_read_ref(xh, *wh, NH, 1e-6)[0])))
+        if 1 < M <= 16:  # the dot passes: sm70's config (K chunks) in fp16, a row alone vs among M rows (bitwise)
+            dot = dict(HC.hc_dot_default(arch), MAX_M=16)
+            dot70 = HC.rows_config(dict(HC.hc_dot_default(70), MAX_M=16), M, D, R, NH)
+            u70, _ = HC.hc_read(xh, *wh, NH, 1e-6, config=dot70)
+            checks.append(dict(what=f"hc_read dot sm70 config fp16 M={M}",
+                               rel_err_u=rel_err(u70, HC.hc_read_ref(xh, *wh, NH, 1e-6)[0])))
+            ud, idot = HC.hc_read(xs[0], *weights[0], NH, 1e-6, config=HC.rows_config(dot, M, D, R, NH))
+            u1, i1 = HC.hc_read(xs[0][M // 2:M // 2 + 1].contiguous(), *weights[0], NH, 1e-6,
+                                config=HC.rows_config(dot, 1, D, R, NH))
+            checks.append(dict(what=f"hc_read dot row invariance M={M} vs 1",
+                               bitwise=bool(torch.equal(u1[0], ud[M // 2]) and torch.equal(i1[0], idot[M // 2]))))
         touched = wbytes + xs[0].numel() * 2 + M * D * 2
         res = dict(M=M, weight_MB=wbytes / 1e6, x_MB=xs[0].numel() * 2 / 1e6, bytes=touched,
                    floor_us=touched / copy_gbs / 1e3, config=HC.hc_config(M, D, R, NH, arch))
@@ -427,7 +450,8 @@ def print_hc_table(rows):
         print(f"{r['M']:>6} {'torch eager':>12} {r['torch_eager_us']:>8.1f}   floor {r['floor_us']:.2f} us "
               f"(bytes at the copy bandwidth); ours = {r['config']}")
     print("  ours = hc_read's default (hc_config); tiles = the K7 kernel (three launches); rows = hc_rows_default() "
-          "at every M (= ours up to its MAX_M); rows-nopdl / fused* / br* / spb* / bc* / bm* = variants of it "
+          "at every M (= ours up to its MAX_M); rows-nopdl / fused* / br* / spb* / bc* / bm* = variants of it; "
+          "dot = hc_dot_default() (tl.dot down and up passes over 16-row tiles), dot-* = variants of it "
           "(benchmarks/bench_moe_hc.py hc_variants); torch graph = HyperConnection.read under a CUDA graph")
 
 

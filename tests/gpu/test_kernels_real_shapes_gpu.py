@@ -74,26 +74,28 @@ def test_moe_real_shapes(M):
     assert rel_err(MOE.fused_moe(x16, w1h, w2h, ids, w, path="triton", config=cfg70), ref16) < 2e-3
 
 
-def test_hc_read_rows_in_a_graph_real_shapes():
-    """The small-M HC read (rows kernels; on sm90 the mix and up launches wait on the previous grid
-    through programmatic dependent launch) captured in a CUDA graph and replayed on new inputs: a
-    missing wait reads the previous replay's partial sums (bench_moe_hc.py reports whether a row alone
-    is bitwise the same row among 8)."""
+@pytest.mark.parametrize("dot", [False, True], ids=["rows", "dot"])
+def test_hc_read_rows_in_a_graph_real_shapes(dot):
+    """The small-M HC read (rows kernels, or their tl.dot passes of kernels/hc_dot.py; on sm90 the mix and
+    up launches wait on the previous grid through programmatic dependent launch) captured in a CUDA graph
+    and replayed on new inputs: a missing wait reads the previous replay's partial sums (bench_moe_hc.py
+    reports whether a row alone is bitwise the same row among 8)."""
     from revolta.kernels import hc as HC
     D, NH, R, M = 2560, 4, 320, 8
+    cfg = HC.hc_config(M, D, R, NH, arch=HC._arch(torch.empty(0, device="cuda")), dot=dot)
+    assert cfg["KIND"] == "rows" and cfg["DOWN"] == cfg["UP"] == ("dot" if dot else "rows")
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16) * s[-1] ** -0.5
           for s in ((NH * D,), (R, NH * D), (NH * D, R), (NH, NH * D))]
-    assert HC.hc_config(M, D, R, NH)["KIND"] == "rows"
     x = torch.randn(M, NH * D, device="cuda", generator=g, dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        HC.hc_read(x, *ws, NH, 1e-6)
+        HC.hc_read(x, *ws, NH, 1e-6, config=cfg)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        u, inj = HC.hc_read(x, *ws, NH, 1e-6)
+        u, inj = HC.hc_read(x, *ws, NH, 1e-6, config=cfg)
     for _ in range(3):
         x.copy_(torch.randn(M, NH * D, device="cuda", generator=g, dtype=torch.bfloat16) * 3)
         graph.replay()

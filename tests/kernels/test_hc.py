@@ -61,6 +61,16 @@ ROWS_CASES = [(1, torch.float32, True), (1, torch.bfloat16, False), (1, torch.fl
               (16, torch.float32, True), (16, torch.bfloat16, False)]
 
 
+def _check_read(mod, x, cfg, with_inject):
+    """hc_read(config=cfg) against the reference at the dtype's tolerance, inject gates present or not."""
+    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, config=cfg)
+    ref_out, ref_inj = K.hc_read_ref(x, *_weights(mod), h, 1e-6)
+    torch.testing.assert_close(out, ref_out, **TOL[x.dtype])
+    assert (inj is None) == (ref_inj is None) == (not with_inject)
+    if with_inject:
+        torch.testing.assert_close(inj, ref_inj, **TOL[x.dtype])
+
+
 @pytest.mark.parametrize("M,dtype,with_inject", ROWS_CASES,
                          ids=[f"M{m}-{str(t)[6:]}-{'inj' if i else 'noinj'}" for m, t, i in ROWS_CASES])
 def test_hc_read_rows(M, dtype, with_inject):
@@ -73,12 +83,7 @@ def test_hc_read_rows(M, dtype, with_inject):
         cfg = K.rows_config(dict(K.hc_rows_default(), MAX_M=M), M, D_ROWS, R_ROWS, h)
     else:
         assert K.hc_config(M, D_ROWS, R_ROWS, h)["KIND"] == "rows"
-    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, config=cfg)
-    ref_out, ref_inj = K.hc_read_ref(x, *_weights(mod), h, 1e-6)
-    torch.testing.assert_close(out, ref_out, **TOL[dtype])
-    assert (inj is None) == (ref_inj is None) == (not with_inject)
-    if with_inject:
-        torch.testing.assert_close(inj, ref_inj, **TOL[dtype])
+    _check_read(mod, x, cfg, with_inject)
 
 
 @pytest.mark.parametrize("M,with_inject", [(3, True), (9, False)])
@@ -142,3 +147,56 @@ def test_hc_combine_bitwise(M, dtype):
     y = x.clone()
     K.hc_combine(y, inj, u, inplace=True)
     assert torch.equal(y, ref)
+
+
+# the dot passes (kernels/hc_dot.py) at the verify / decode row counts they serve (4-8) and past them (13, one
+# partial 16-row tile); "90" = the H200 config (W_up in two K pieces loaded at once), "70" = the V100 one (K chunks)
+DOT_CASES = [(4, torch.float16, True, 90), (4, torch.bfloat16, False, 70), (5, torch.bfloat16, True, 90),
+             (5, torch.float16, False, 70), (8, torch.bfloat16, False, 90), (8, torch.float16, True, 70),
+             (13, torch.float16, False, 90), (13, torch.bfloat16, True, 70)]
+
+
+def _dot_config(M, arch, **over):
+    return K.rows_config(dict(K.hc_dot_default(arch), MAX_M=16, **over), M, D_ROWS, R_ROWS, h)
+
+
+@pytest.mark.parametrize("M,dtype,with_inject,arch", DOT_CASES,
+                         ids=[f"M{m}-{str(t)[6:]}-{'inj' if i else 'noinj'}-sm{a}" for m, t, i, a in DOT_CASES])
+def test_hc_read_dot(M, dtype, with_inject, arch):
+    """Both passes on tl.dot against the reference (bf16 under the interpreter through fp32 operands of the
+    same values: its tl.dot multiplies bf16 storage as integers)."""
+    mod = _module(dtype, with_inject, d=D_ROWS, r=R_ROWS)
+    x = (torch.randn(M, h * D_ROWS) * 2).to(dtype)
+    cfg = _dot_config(M, arch)
+    assert (cfg["DOWN"], cfg["UP"]) == ("dot", "dot") and (cfg["UP_BLOCK_K"] > 0) == (arch == 70)
+    _check_read(mod, x, cfg, with_inject)
+
+
+@pytest.mark.parametrize("down,up", [("dot", "rows"), ("rows", "dot")])
+def test_hc_read_dot_one_pass(down, up):
+    """One pass on tl.dot, the other on the rows kernels (the benchmark's dot-rowsup / dot-rowsdown): the
+    two share the workspaces."""
+    mod = _module(torch.float16, d=D_ROWS, r=R_ROWS)
+    _check_read(mod, (torch.randn(6, h * D_ROWS) * 2).half(), _dot_config(6, 90, DOWN=down, UP=up), True)
+
+
+def test_hc_dot_config_and_row_invariance():
+    """hc_config: the dot passes only when asked (off by default until measured) and only for MIN_M..MAX_M
+    (rows 1-3 stay on the rows kernels, 9+ on the tiles); within the dot config a row's result does not
+    depend on the rows beside it or their number; configs tl.dot cannot run are refused by name."""
+    dot = K.hc_dot_default(90)
+    assert not dot["ENABLED"] and (dot["MIN_M"], dot["MAX_M"]) == (4, 8)
+    for M in range(1, 12):
+        kinds = (K.hc_config(M, 2560, 320, 4, arch=90)["DOWN"] if M <= 8 else "tiles",
+                 K.hc_config(M, 2560, 320, 4, arch=90, dot=True).get("DOWN", "tiles"))
+        assert kinds == (("rows", "dot") if 4 <= M <= 8 else ("rows", "rows") if M < 4 else ("tiles", "tiles")), M
+    mod = _module(torch.float16, d=D_ROWS, r=R_ROWS)
+    x = (torch.randn(13, h * D_ROWS) * 2).half()
+    out, inj = K.hc_read(x, *_weights(mod), h, 1e-6, config=_dot_config(13, 90))
+    for lo, hi in ((5, 10), (3, 7)):
+        part, part_inj = K.hc_read(x[lo:hi].contiguous(), *_weights(mod), h, 1e-6, config=_dot_config(hi - lo, 90))
+        assert torch.equal(part, out[lo:hi]) and torch.equal(part_inj, inj[lo:hi]), (lo, hi)
+    for bad, what in ((dict(BLOCK_R=8), "BLOCK_R=8"), (dict(BLOCK_C=2), "BLOCK_C"), (dict(UP_BLOCK_K=8), "UP_BLOCK_K=8"),
+                      (dict(FUSED_MIX=True), "FUSED_MIX")):
+        with pytest.raises(ValueError, match=what):
+            K.hc_read(x, *_weights(mod), h, 1e-6, config=_dot_config(13, 90, **bad))

@@ -25,7 +25,8 @@ from unittest import mock
 import pytest
 
 SM70_SPILL_BUDGET = 0
-GEMM_BUILDS = ("moe_grouped_", "moe_gate_up_", "moe_down_")  # built with the run-time alignment specialisation
+GEMM_BUILDS = ("moe_grouped_", "moe_gate_up_", "moe_down_", "hc_down_dot", "hc_up_dot")  # built with the run-time
+# alignment specialisation
 ACT = {70: "*fp16", 90: "*bf16"}
 
 
@@ -39,14 +40,33 @@ def _sig(names, types, act):
 
 
 
+def _hc_dot_builds(hc, cfg, d, r, h, arch):
+    """The tl.dot down and up passes (kernels/hc_dot.py) in the config `cfg` picks for them."""
+    from revolta.kernels import hc_dot
+
+    pdl, ksplit = arch >= 90, d // cfg["SPLITS_PER_BRANCH"]
+    k1, k2 = hc_dot.dot_k_pieces(r, cfg["UP_BLOCK_K"])
+    return {
+        "hc_down_dot": (hc_dot._hc_down_dot_kernel, "x norm_w w_down w_inject partial sumsq M R RH stride_x stride_wd "
+                        "stride_wi stride_p KSPLIT BLOCK_M BLOCK_R BLOCK_K DOT_F32 PDL", "aaaaffnnnnnnncccccc",
+                        dict(KSPLIT=ksplit, BLOCK_M=hc_dot.DOT_M, BLOCK_R=cfg["BLOCK_R"],
+                             BLOCK_K=hc_dot.down_dot_block_k(cfg, ksplit), DOT_F32=False, PDL=pdl),
+                        cfg["WARPS_DOWN"], 2),
+        "hc_up_dot": (hc_dot._hc_up_dot_kernel, "x norm_w w_up mix rstd out M R D stride_x stride_wu stride_o NH "
+                      "BLOCK_M BLOCK_C BLOCK_K1 BLOCK_K2 BLOCK_KC DOT_F32 PDL", "aaaafannnnnncccccccc",
+                      dict(NH=h, BLOCK_M=hc_dot.DOT_M, BLOCK_C=cfg["BLOCK_C"], BLOCK_K1=k1, BLOCK_K2=k2,
+                           BLOCK_KC=cfg["UP_BLOCK_K"], DOT_F32=False, PDL=pdl), cfg["WARPS_UP"], 2)}
+
+
 def _hc_builds(hc, M, cfg, d, r, h, arch):
     """The HyperConnection read's launches for M rows: the rows kernels (with programmatic dependent launch
-    on sm_90) or the tiled down / up kernels."""
+    on sm_90; their DOWN / UP "dot" passes from kernels/hc_dot.py) or the tiled down / up kernels."""
     if cfg["KIND"] == "rows":
         pdl = arch >= 90
         S = h * cfg["SPLITS_PER_BRANCH"]
         ksplit, bs = d // cfg["SPLITS_PER_BRANCH"], 1 << (S - 1).bit_length()
         k1, k2 = hc.up_k_pieces(r)
+        dots = _hc_dot_builds(hc, cfg, d, r, h, arch)
         b = {
             f"hc_down_rows_M{M}": (
                 hc._hc_down_rows_kernel, "x norm_w w_down w_inject partial sumsq M R RH stride_x stride_wd stride_wi "
@@ -64,6 +84,10 @@ def _hc_builds(hc, M, cfg, d, r, h, arch):
             b["hc_mix_rows"] = (hc._hc_mix_rows_kernel, "partial sumsq mix rstd inject M R RH D eps stride_p NH S "
                                 "BLOCK_K BLOCK_S HAS_INJECT PDL", "ffafannnnsncccccc",
                                 dict(NH=h, S=S, BLOCK_K=128, BLOCK_S=bs, HAS_INJECT=True, PDL=pdl), 4, 2)
+        for what in ("down", "up"):
+            if cfg[what.upper()] == "dot":
+                del b[f"hc_{what}_rows_M{M}"]
+                b[f"hc_{what}_dot"] = dots[f"hc_{what}_dot"]
         return b
     w = cfg["num_warps"]
     return {
@@ -133,8 +157,9 @@ def _builds(arch):
                            "aaaannnnnsccc", dict(ROWS=rows, BLOCK=128, SILU=False), min(8, max(1, rows * 128 // 256)), 2)
     d, r, h = 2560, 320, 4
     seen = set()
-    for M in (1, 5, 8, 16, 64, 8192):
-        cfg = hc.hc_config(M, d, r, h, arch)
+    # the dot passes at M = 5 (off by default: `hc_dot_default()["ENABLED"]`, built either way)
+    for M, cfg in [(M, hc.hc_config(M, d, r, h, arch)) for M in (1, 5, 8, 16, 64, 8192)] + [
+            (5, hc.hc_config(5, d, r, h, arch, dot=True))]:
         key = tuple(sorted(cfg.items()))
         if key in seen:
             continue

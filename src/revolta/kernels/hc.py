@@ -31,6 +31,9 @@ Small M (decode / verify, M <= 8 by default; `hc_config`), the "rows" kernels, b
   computed by the same instructions on the same tiles whatever rows share its program, so a row's
   result does not depend on the batch (checked bitwise under the interpreter; the benchmark checks
   it on the GPU).
+4 <= M <= 16, the "dot" variant of the same three launches (kernels/hc_dot.py): the down and up passes
+multiply each weight tile once against a 16-row tile with tl.dot (config `hc_dot_default`; keys DOWN / UP
+pick "rows" or "dot" per pass). Off by default (ENABLED) until measured on the GPU.
 Larger M, the "tiles" kernels (`hc_config_tiles`), three launches: `_hc_down_kernel` (tl.dot tiles
 over (M, rows, K splits)), `_hc_mix_kernel` (one program per row), `_hc_up_kernel` (tl.dot over
 (M, columns c of d) for all branches). They also have GEMV tiles for M <= 8, the kernel measured in
@@ -55,6 +58,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import hc_dot
 from .norm import zc_rms_norm_ref as zc_rms_norm
 
 
@@ -191,9 +195,6 @@ def _hc_down_rows_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
     i_r = tl.program_id(1)
     i_s = tl.program_id(2)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    # rows [0, R) come from W_dn, rows [R, RH) from W_inj (RH = R without it)
-    m_dn = o_r < R
-    m_w = o_r < RH
     o_i = tl.arange(0, BLOCK_M)
     b_acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     b_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -201,11 +202,8 @@ def _hc_down_rows_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
         o_kk = k0 + tl.arange(0, BLOCK_K)
         m_k = o_kk < KSPLIT
         o_k = i_s * KSPLIT + o_kk
-        # one load of [BR, BK] through a per-row choice of matrix (two masked loads would hold twice the
-        # registers for the same bytes)
-        p_w = tl.where(m_dn[:, None], w_down + o_r[:, None].to(tl.int64) * stride_wd + o_k[None, :],
-                       w_inject + (o_r[:, None] - R).to(tl.int64) * stride_wi + o_k[None, :])
-        b_w = tl.load(p_w, mask=m_w[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        # rows [0, R) of W_dn, [R, RH) of W_inj (RH = R without it)
+        b_w = hc_dot.load_w_tile(w_down, w_inject, o_r, o_k, m_k, R, RH, stride_wd, stride_wi).to(tl.float32)
         b_nw = 1.0 + tl.load(norm_w + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
         # one row at a time with the same [BR, BK] tile: a row's sums do not depend on how many rows
         # share the program (the where() selects, it adds nothing to other rows)
@@ -322,12 +320,17 @@ def _hc_up_rows_kernel(x, norm_w, w_up, partial, sumsq, mix, rstd, out, inject, 
         tl.store(out + m.to(tl.int64) * stride_o + o_c, b_u.to(out.dtype.element_ty), mask=o_c < n_c)
 
 
-def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None) -> dict:
+def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None, dot: bool | None = None) -> dict:
     """Launch config for M tokens (also used by the AOT compile tests and the benchmark).
 
     M <= MAX_M of `hc_rows_default()` (decode / verify): the rows kernels, one config for every such M
     apart from BLOCK_M, so a row's arithmetic does not depend on the batch. Above: the tl.dot tiles.
+    dot: the dot passes for MIN_M <= M <= MAX_M of `hc_dot_default()` (None: its ENABLED, off until
+    measured; on, rows 1-3 and 4-8 round differently, so a row's result then depends on the batch size).
     """
+    small = hc_dot_default(arch)
+    if (small["ENABLED"] if dot is None else dot) and small["MIN_M"] <= M <= small["MAX_M"]:
+        return rows_config(small, M, d, r, hc_count)
     rows = hc_rows_default(arch)
     if M <= rows["MAX_M"]:
         return rows_config(rows, M, d, r, hc_count)
@@ -342,15 +345,33 @@ def hc_rows_default(arch: int | None = None) -> dict:
     [W_dn; W_inj] per down program; SPLITS_PER_BRANCH: K splits of each branch's d columns; BLOCK_K:
     the down pass's K chunk; FUSED_MIX: no mix launch (the up programs reduce the splits themselves);
     BLOCK_C: columns of d (times h branches of W_up rows) per up program; WARPS_*: warps per launch;
-    PDL: programmatic dependent launch of the mix and up kernels (sm90+ only).
+    PDL: programmatic dependent launch of the mix and up kernels (sm90+ only); DOWN / UP: "rows" (these
+    kernels) or "dot" (kernels/hc_dot.py, `hc_dot_default`); UP_BLOCK_K: the dot up pass's K chunk (0: two
+    pieces loaded at once).
     """
     # H200, 2026-12-04 (RESULTS.md K7c): BLOCK_C=4 with 4 warps beat 8/8 by 12% at M=5 and 11% at M=8 (tied
     # at M=1); from M=16 the tiled kernels win (27 vs 41 us), so the rows kernels stop at 8
     rows = dict(KIND="rows", MAX_M=8, BLOCK_M=8, BLOCK_R=16, SPLITS_PER_BRANCH=5, BLOCK_K=512, WARPS_DOWN=4,
-                FUSED_MIX=False, BLOCK_C=4, WARPS_UP=4, PDL=True)
+                FUSED_MIX=False, BLOCK_C=4, WARPS_UP=4, PDL=True, DOWN="rows", UP="rows",
+                UP_BLOCK_K=0)
     if arch == 70:  # ptxas for sm_70 holds the down kernel's 512-wide chunk in 80 registers and spills
         rows["BLOCK_K"] = 256
     return rows
+
+
+def hc_dot_default(arch: int | None = None) -> dict:
+    """The tl.dot passes for MIN_M <= M <= MAX_M (kernels/hc_dot.py), ENABLED in `hc_config` or not.
+
+    Same keys as `hc_rows_default` (rows past M in a 16-row tile are masked, so BLOCK_M is not used):
+    down grid (row tiles of BLOCK_R, h·SPLITS_PER_BRANCH K splits) = 11 x 20 = 220 programs of 32 KB of
+    W_dn at the real shapes, up grid d / BLOCK_C = 320 programs of 20 KB of W_up (h·BLOCK_C = 32 rows).
+    ENABLED is False until bench_moe_hc.py (variant "dot") measures it on the GPU against the rows kernels.
+    """
+    dot = dict(hc_rows_default(arch), DOWN="dot", UP="dot", ENABLED=False, MIN_M=4, MAX_M=8, BLOCK_R=32,
+               BLOCK_K=256, BLOCK_C=8, UP_BLOCK_K=0)
+    if arch == 70:  # tl.dot is FMA on sm_70 (no Volta MMA in Triton) and holds a whole K chunk per thread:
+        dot.update(BLOCK_R=16, BLOCK_K=64, UP_BLOCK_K=32)  # 168 / 141 registers; K = 128 / 256 chunks spill
+    return dot
 
 
 def rows_config(base: dict, M: int, d: int, r: int, hc_count: int) -> dict:
@@ -437,7 +458,8 @@ def up_k_pieces(r: int) -> tuple[int, int]:
 
 def _read_rows(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch):
     """The down pass writes per-split partial sums; the up pass reduces them itself (FUSED_MIX, two
-    launches) or reads `a` and rstd from a small mix launch between the two."""
+    launches) or reads `a` and rstd from a small mix launch between the two. DOWN / UP "dot": that pass
+    on tl.dot over 16-row tiles (kernels/hc_dot.py; the same workspaces)."""
     M, wide = x.shape
     d, r = wide // h, w_down.shape[0]
     rh = r + (h if w_inject is not None else 0)
@@ -456,20 +478,36 @@ def _read_rows(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch
     has_inj = w_inject is not None
     inj = inject if has_inj else out
     k1, k2 = up_k_pieces(r)
-    _hc_down_rows_kernel[(triton.cdiv(M, bm), triton.cdiv(rh, cfg["BLOCK_R"]), S)](
-        x, norm_w, w_down, w_inject if has_inj else w_down, partial, sumsq, M, r, rh,
-        x.stride(0), w_down.stride(0), w_inject.stride(0) if has_inj else 0, stride_p,
-        KSPLIT=ksplit, BLOCK_M=bm, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(ksplit)),
-        PDL=pdl, num_warps=cfg["WARPS_DOWN"])
+    hc_dot.check_dot_config(cfg, h)
+    # the interpreter's tl.dot multiplies bf16 storage as integers: hand it fp32 operands of the same values
+    dot_f32 = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if cfg["DOWN"] == "dot":
+        hc_dot.launch_down_dot(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, dot_f32,
+                               pdl)
+    else:
+        _launch_down_rows(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, pdl)
     if not fused:
         _hc_mix_rows_kernel[(M, triton.cdiv(rh, 128))](
             partial, sumsq, mix, rstd, inj, M, r, rh, d, eps, stride_p, NH=h, S=S, BLOCK_K=128,
             BLOCK_S=triton.next_power_of_2(S), HAS_INJECT=has_inj, PDL=pdl, num_warps=4, **extra)
+    if cfg["UP"] == "dot":
+        hc_dot.launch_up_dot(x, norm_w, w_up, mix, rstd, out, h, cfg, dot_f32, pdl)
+        return
     _hc_up_rows_kernel[(triton.cdiv(M, bm), triton.cdiv(d, cfg["BLOCK_C"]))](
         x, norm_w, w_up, partial, sumsq, mix, rstd, out, inj, M, r, rh, d, eps,
         x.stride(0), w_up.stride(0), stride_p, out.stride(0),
         NH=h, S=S, BLOCK_M=bm, BLOCK_C=cfg["BLOCK_C"], BLOCK_K1=k1, BLOCK_K2=k2, BLOCK_S=triton.next_power_of_2(S), FUSED_MIX=fused, HAS_INJECT=has_inj, PDL=pdl, num_warps=cfg["WARPS_UP"],
         **extra)
+
+
+def _launch_down_rows(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, pdl):
+    M, bm = x.shape[0], cfg["BLOCK_M"]
+    has_inj = w_inject is not None
+    _hc_down_rows_kernel[(triton.cdiv(M, bm), triton.cdiv(rh, cfg["BLOCK_R"]), S)](
+        x, norm_w, w_down, w_inject if has_inj else w_down, partial, sumsq, M, r, rh,
+        x.stride(0), w_down.stride(0), w_inject.stride(0) if has_inj else 0, stride_p,
+        KSPLIT=ksplit, BLOCK_M=bm, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(ksplit)),
+        PDL=pdl, num_warps=cfg["WARPS_DOWN"])
 
 
 def _read_tiles(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch):
