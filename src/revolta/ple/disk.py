@@ -206,7 +206,8 @@ class DiskRowFeeder:
     def _send(self, msg: tuple) -> None:
         try:
             self.conn.send(msg)
-        except OSError:
+        except OSError:  # the worker's end is closed: it is exiting (its exit status names why)
+            self._reap()
             self._fail(self._exited("receiving a request"))
 
     def _wait(self, timeout: float, what: str) -> tuple:
@@ -217,11 +218,7 @@ class DiskRowFeeder:
                 ready = self.conn.poll(POLL_S)
                 msg = self.conn.recv() if ready else None
             except (EOFError, OSError):  # the worker closed its end: it is exiting
-                try:
-                    self.proc.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+                self._reap()
                 self._fail(self._exited(what))
             if msg is not None and msg[0] == "beat":
                 deadline = time.monotonic() + timeout
@@ -233,6 +230,14 @@ class DiskRowFeeder:
                 self.proc.kill()
                 self._fail(f"the PLE worker process (pid {self.proc.pid}) sent nothing for {timeout:g} s while "
                            f"{what} (REVOLTA_PLE_WORKER_TIMEOUT_S); it was killed")
+
+    def _reap(self) -> None:
+        """Wait (2 s at most, then kill) for the exiting worker, so its exit status is known for the message."""
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def _exited(self, what: str) -> str:
         code = self.proc.returncode
