@@ -200,7 +200,8 @@ class UniProcExecutor(Executor):
             draft = load_rank_drafter(self.spec.model, ctx, dtype=model.dtype, device=model.device,
                                       shard_codebooks=bool(self.spec.sm70_dflash2.sharded_selector_codebook))
         return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
-                              sampled=self.spec.draft_sample_method == "probabilistic")
+                              sampled=self.spec.draft_sample_method == "probabilistic",
+                              max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len)
 
     def _capture_graphs(self, spec: bool = False, hidden: bool = False) -> DecodeGraphs | SpecGraphs:
         cfg = self.config
