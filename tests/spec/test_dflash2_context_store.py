@@ -19,11 +19,14 @@ from revolta.engine.runner import ModelRunner, StepSequence
 from revolta.model import FlashNextModel, init_random_weights
 from revolta.presets.default_drafter import init_drafter_weights
 from revolta.spec.dflash2 import DraftKVCache
+from revolta.spec.dflash2.checkpoint import save_draft_model
 from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
 from revolta.spec.dflash2.drafter import DFlash2Drafter
 from revolta.spec.dflash2.model import DFlash2DraftModel
 from revolta.spec.mtp import DraftItem
+from test_engine import Req, ids
 from test_paged_model import TINY
+from test_spec_engine import make_engine, run
 
 WINDOW, MAX_LEN = 8, 64
 
@@ -142,3 +145,21 @@ def test_a_context_past_max_model_len_is_refused(parts):
     reqs.add("a", 11)
     with pytest.raises(ValueError, match="past max_model_len=10"):
         drafter.propose([reqs.item("a")])
+
+
+@torch.no_grad()
+def test_sleep_frees_the_store_and_drafting_resumes_after_wake_up(parts, tmp_path):
+    target, draft, _ = parts
+    engine = make_engine(target, {"method": "dflash2", "model": str(save_draft_model(draft, tmp_path / "d"))},
+                         max_model_len=MAX_LEN)
+    reqs = [Req("a", ids(20, seed=1), 6)]
+    run(engine, reqs)
+    store = engine.drafter.store
+    assert engine.spec_stats.num_draft_tokens > 0 and not engine.drafter.caches
+    engine.sleep(level=1)
+    assert sum(t.untyped_storage().nbytes() for t in store.tensors()) == 0
+    engine.wake_up()
+    again = [Req("a", reqs[0].prompt_token_ids, 6)]
+    drafted = engine.spec_stats.num_draft_tokens
+    run(engine, again)
+    assert again[0].token_ids == reqs[0].token_ids and engine.spec_stats.num_draft_tokens > drafted

@@ -231,7 +231,9 @@ class UniProcExecutor(Executor):
             check_reloadable(self.model)
         draft = getattr(self.drafter, "drafter", None)  # DFlash2's own model (MTP shares the target's weights)
         weights = weight_tensors(self.model, [draft] if isinstance(draft, torch.nn.Module) else [])
-        return SleepingMemory(level, weights, self.storage.block_tensors() + self.storage.slot_tensors(),
+        store = getattr(self.drafter, "store", None)  # DFlash2's context K/V: empty once every request is gone
+        contexts = [] if store is None else store.tensors()
+        return SleepingMemory(level, weights, self.storage.block_tensors() + self.storage.slot_tensors() + contexts,
                               self.model.device)
 
     def sleep(self, memory: SleepingMemory) -> None:

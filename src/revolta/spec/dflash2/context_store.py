@@ -85,6 +85,10 @@ class DraftContextStore:
     def num_slots(self) -> int:
         return len(self.host_end)
 
+    def tensors(self) -> list[Tensor]:
+        """The per-layer K/V (what sleep frees: with no request left no row is read, and acquire empties a slot)."""
+        return [*self.keys, *self.values]
+
     def length(self, slot: int) -> int:
         """Context rows the slot covers (its span; a sliding layer keeps only the last C_l of them)."""
         return self.host_end[slot] - self.host_start[slot]
