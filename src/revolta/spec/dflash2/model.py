@@ -6,7 +6,8 @@ token, sits at p; the target has computed positions 0 .. p - 1):
 1. Context. The target's tapped hidden states of the positions the drafter has not consumed yet,
    concatenated per position ([n, taps * H], in `target_layer_ids` order), go through `fc` and
    `hidden_norm`; every layer's k_proj / v_proj (+ k_norm, RoPE at their positions) turn them into
-   that layer's context K/V, appended to the request's `DraftKVCache`. They stay for later rounds.
+   that layer's context K/V, appended to the request's `DraftKVCache` (the engine's drafter: its slot of a
+   preallocated `DraftContextStore`, context_store.py). They stay for later rounds.
 2. Block. [anchor, mask x (block_size - 1)] at positions p .. p + block_size - 1, embedded with the
    target's input embeddings (times `input_embedding_scale`), runs through the layers: each attends
    to [context K/V ; the block's own K/V] (causal only on sliding layers by default, sliding layers
@@ -220,22 +221,21 @@ class DFlash2DraftModel(nn.Module):
         store.commit(plan)
 
     # ---- block -----------------------------------------------------------------------------
-    def _run_block(self, block_embeds: Tensor, q_start: Tensor,
-                   context: Callable[[int], tuple[Tensor, Tensor, Tensor, Tensor]], shapes: list[tuple]) -> Tensor:
-        """The block through every layer. q_start: [B] the block's first position; context(l) -> layer l's
-        (K, V [B, N_l, Hkv, D], positions [B, N_l], valid [B, N_l]); shapes[l]: a key of the layer's mask (layers
-        with equal keys share one) -> final-normed [B, S, H]."""
+    def _run_block(self, block_embeds: Tensor, q_start: Tensor, context: Callable[[int], tuple[Tensor, Tensor]],
+                   where: Callable[[int], tuple[Tensor, Tensor]], shapes: list[tuple]) -> Tensor:
+        """The block through every layer. q_start: [B] the block's first position; context(l) -> layer l's context
+        (K, V) [B, N_l, Hkv, D]; where(l) -> their (positions, valid) [B, N_l]; shapes[l]: what fixes the layer's
+        context rows (layers with equal shapes and attention share one mask) -> final-normed [B, S, H]."""
         S = block_embeds.shape[1]
         cos, sin = self._rope((q_start[:, None] + torch.arange(S, device=q_start.device)).flatten())
         x = block_embeds.to(self.fc.weight.dtype)
         masks: dict[tuple, Tensor] = {}
         for l, layer in enumerate(self.layers):
-            ctx_k, ctx_v, pos, valid = context(l)
             attn = layer.self_attn
             key = (shapes[l], attn.causal, attn.window)
             if key not in masks:
-                masks[key] = block_visibility(pos, valid, q_start, S, attn.causal, attn.window)
-            x = layer(x, cos, sin, ctx_k, ctx_v, masks[key])
+                masks[key] = block_visibility(*where(l), q_start, S, attn.causal, attn.window)
+            x = layer(x, cos, sin, *context(l), masks[key])
         return self.norm(x)
 
     def block_hidden(self, block_embeds: Tensor, caches: list[DraftKVCache]) -> Tensor:
@@ -254,11 +254,10 @@ class DFlash2DraftModel(nn.Module):
         pos = (ends - lens)[:, None] + rows  # [B, n]: row i of a context sits at its start + i
         valid = rows < lens[:, None]  # padding rows are never visible
 
-        def context(l: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-            return (_pad_stack([c.keys[l] for c in caches], n), _pad_stack([c.values[l] for c in caches], n),
-                    pos, valid)
+        def context(l: int) -> tuple[Tensor, Tensor]:
+            return _pad_stack([c.keys[l] for c in caches], n), _pad_stack([c.values[l] for c in caches], n)
 
-        return self._run_block(block_embeds, ends, context, [n] * len(self.layers))
+        return self._run_block(block_embeds, ends, context, lambda l: (pos, valid), [n] * len(self.layers))
 
     def block_hidden_slots(self, block_embeds: Tensor, store: DraftContextStore, slots: list[int]) -> Tensor:
         """block_hidden for blocks starting at the ends of the store's `slots` (one per block row)."""
@@ -269,11 +268,9 @@ class DFlash2DraftModel(nn.Module):
                              "states (the prompt's, at least) before drafting")
         batch = store.batch(slots)
 
-        def context(l: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-            return (*store.read(l, batch), *store.positions(l, batch))
-
         shapes = [(c, v) for c, v in zip(store.capacities, batch.views)]
-        return self._run_block(block_embeds, batch.ends, context, shapes)
+        return self._run_block(block_embeds, batch.ends, lambda l: store.read(l, batch),
+                               lambda l: store.positions(l, batch), shapes)
 
     def compute_logits(self, hidden: Tensor, lm_head: Callable[[Tensor], Tensor]) -> Tensor:
         """hidden: [..., H] -> the target head's logits [..., V] times output_multiplier, then the softcap."""
