@@ -92,11 +92,13 @@ def _storage(drafter: DFlash2Drafter) -> list[tuple[int, tuple[int, ...]]]:
     return [(t.data_ptr(), tuple(t.shape)) for t in (*s.keys, *s.values, s.starts, s.ends)]
 
 
+@pytest.mark.parametrize("static_view", [False, True], ids=["eager-views", "whole-rings"])
 @torch.no_grad()
-def test_store_stays_put_and_reuses_slots(parts):
+def test_store_stays_put_and_reuses_slots(parts, static_view):
     target, draft, runner = parts
     drafter = DFlash2Drafter(runner, draft, 7, max_num_seqs=2, max_model_len=MAX_LEN)
     store = drafter.store
+    store.static_view = static_view  # whole rings: the shapes a CUDA graph of the drafter would fix
     assert store.capacities == (WINDOW, WINDOW, MAX_LEN)  # sliding rings of one window, the full layer max_model_len
     before = _storage(drafter)
     reqs = Requests(drafter, draft.fc.in_features)

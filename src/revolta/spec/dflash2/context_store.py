@@ -151,10 +151,10 @@ class DraftContextStore:
 
     def commit(self, plan: AppendPlan) -> None:
         """Move the slots' ends past the appended rows (after every layer's write read the old ends)."""
-        slots = [s for s, _ in plan.counts]
         for slot, n in plan.counts:
             self.host_end[slot] += n
-        self.ends.index_add_(0, to_device(slots, self.device), to_device([n for _, n in plan.counts], self.device))
+        both = to_device([s for s, _ in plan.counts] + [n for _, n in plan.counts], self.device).view(2, -1)
+        self.ends.index_copy_(0, both[0], self.ends.index_select(0, both[0]) + both[1])  # one entry per slot
 
     # ---- reads -------------------------------------------------------------------------------
     def batch(self, slots: list[int]) -> SlotBatch:
