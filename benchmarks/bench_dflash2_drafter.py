@@ -30,7 +30,12 @@ from standin import DrafterShape, standin_config  # noqa: E402
 from standin import drafter_config as standin_drafter_config  # noqa: E402
 
 from revolta.presets.default_drafter import init_drafter_weights  # noqa: E402
-from revolta.spec.dflash2 import DFlash2DraftConfig, DFlash2DraftModel, DraftContextStore, DraftKVCache  # noqa: E402
+from revolta.spec.dflash2 import (  # noqa: E402
+    DFlash2DraftConfig,
+    DFlash2DraftModel,
+    DraftContextStore,
+    DraftKVCache,
+)
 from revolta.spec.dflash2.context_store import to_device  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dflash2_fixtures import drafter_config
+from test_engine import Req, ids
+from test_paged_model import TINY
+from test_spec_engine import make_engine, run
+
 from revolta.cache.capacity import CacheLayout
 from revolta.cache.storage import CacheStorage
 from revolta.config import ModelConfig
@@ -24,9 +27,6 @@ from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
 from revolta.spec.dflash2.drafter import DFlash2Drafter
 from revolta.spec.dflash2.model import DFlash2DraftModel
 from revolta.spec.mtp import DraftItem
-from test_engine import Req, ids
-from test_paged_model import TINY
-from test_spec_engine import make_engine, run
 
 WINDOW, MAX_LEN = 8, 64
 
@@ -141,7 +141,7 @@ def test_store_stays_put_and_reuses_slots(parts, static_view):
 
 @torch.no_grad()
 def test_a_context_past_max_model_len_is_refused(parts):
-    target, draft, runner = parts
+    _, draft, runner = parts
     drafter = DFlash2Drafter(runner, draft, 7, max_num_seqs=1, max_model_len=10)
     reqs = Requests(drafter, draft.fc.in_features)
     reqs.add("a", 11)

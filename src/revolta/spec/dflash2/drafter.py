@@ -5,12 +5,13 @@ the hidden rows of the request's committed positions (a prefill chunk, or the de
 accepted drafts of a verify). With the runner's `hidden_taps` set to this drafter's (`__init__` sets
 it), those rows are the drafter's context features [m, taps * H], so they are exactly the context
 the drafter still lacks. At the request's next step, `propose` appends them to the request's slot of
-the preallocated `DraftContextStore` (all requests, prefill chunks included, one batched write) and, for a request about to verify, drafts
-one block from its anchor: the step's first token, whose position is where the context ends.
+the preallocated `DraftContextStore` (all requests, prefill chunks included, one batched write) and,
+for a request about to verify, drafts one block from its anchor: the step's first token, whose
+position is where the context ends.
 
 A request whose pending rows do not continue its slot's context (it was preempted, or its first rows
-came after a prefix-cache hit) restarts the slot's context at its pending rows' first position: the drafter then
-sees less context, which can only lower acceptance, never change the output. A request verifying
+came after a prefix-cache hit) restarts the slot's context at its pending rows' first position: the
+drafter then sees less context, which can only lower acceptance, never change the output. A request verifying
 fewer drafts than the block holds takes the walk's first ones.
 
 Drafts are the greedy walk by default ("greedy" draft_sample_method: q is one-hot in rejection

@@ -240,7 +240,7 @@ class DFlash2DraftModel(nn.Module):
 
     def block_hidden(self, block_embeds: Tensor, caches: list[DraftKVCache]) -> Tensor:
         """block_embeds: [B, S, H] for blocks starting right after each cache's context -> final-normed [B, S, H]."""
-        B, S, _ = block_embeds.shape
+        B = block_embeds.shape[0]
         if len(caches) != B:
             raise ValueError(f"{B} blocks but {len(caches)} context caches")
         if any(c.length == 0 for c in caches):
