@@ -123,8 +123,8 @@ def main() -> None:
     print("| C | context | dense ms / round | store ms / round | store-static ms / round | dense / store |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['context']} | {r['dense']:.2f} | {r['store']:.2f} | {r['store-static']:.2f} | "
-              f"{r['dense'] / r['store']:.2f}x |")
+        print(f"| {r['concurrency']} | {r['context']} | {r['dense']:.2f} | {r['store']:.2f} | "
+              f"{r['store-static']:.2f} | {r['dense'] / r['store']:.2f}x |")
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_dflash2_drafter.json").write_text(json.dumps({"device": DEVICE, "tiny": args.tiny, "rows": rows},
