@@ -65,7 +65,8 @@ class DraftContextStore:
     """Per-layer K/V [num_slots, C_l, Hkv, D] (K after k_norm and RoPE) plus each slot's context span."""
 
     def __init__(self, cfg: DFlash2DraftConfig, num_slots: int, max_model_len: int, device: torch.device | str,
-                 dtype: torch.dtype, static_view: bool = False):
+                 dtype: torch.dtype, static_view: bool = False, num_kv_heads: int | None = None):
+        """num_kv_heads: the KV heads the drafter's layers hold (a tensor-parallel rank's share; None: the config's)."""
         if num_slots < 1 or max_model_len < 1:
             raise ValueError(f"a drafter context store needs num_slots >= 1 and max_model_len >= 1 (got {num_slots}, "
                              f"{max_model_len}); pass the engine's max_num_seqs and max_model_len")
@@ -73,7 +74,7 @@ class DraftContextStore:
         self.max_model_len, self.static_view = max_model_len, static_view
         self.capacities = tuple(min(cfg.layer_window(i) or max_model_len, max_model_len)
                                 for i in range(cfg.num_hidden_layers))
-        hk, d = cfg.num_key_value_heads, cfg.head_dim
+        hk, d = num_kv_heads or cfg.num_key_value_heads, cfg.head_dim
         self.keys = [torch.zeros(num_slots, c, hk, d, device=self.device, dtype=dtype) for c in self.capacities]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.starts = torch.zeros(num_slots, dtype=torch.long, device=self.device)

@@ -59,7 +59,8 @@ class DFlash2Drafter(PendingRowsDrafter):
         layout = runner.storage.layout
         self.store = DraftContextStore(cfg, max_num_seqs or layout.num_slots,
                                        max_model_len or layout.num_blocks * layout.block_size,
-                                       drafter.fc.weight.device, drafter.fc.weight.dtype)
+                                       drafter.fc.weight.device, drafter.fc.weight.dtype,
+                                       num_kv_heads=drafter.num_kv_heads)
         # request -> (its slot in `store`, its num_preemptions), least recently drafted first
         self.caches: dict[str, tuple[int, int]] = {}
         self.sampled = sampled

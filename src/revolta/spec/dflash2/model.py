@@ -182,6 +182,12 @@ class DFlash2DraftModel(nn.Module):
                           mrope_section=(cfg.head_dim // 2, 0, 0), mrope_interleaved=False)
         self.rotary = RotaryEmbedding(rope, cfg.head_dim)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads the layers hold: the config's, or a tensor-parallel rank's share (rank_drafter.py keeps the
+        full config on a rank's model)."""
+        return self.layers[0].self_attn.k_proj.out_features // self.cfg.head_dim
+
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions: [T] long -> cos, sin [T, head_dim] fp32."""
         return self.rotary(positions.unsqueeze(0).expand(3, -1))
