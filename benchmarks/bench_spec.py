@@ -10,7 +10,13 @@ greedy and a sampling target (sampling rows: the cost of a round at the acceptan
 per-layer widths (hidden 2560, GDN 16/48 heads of 128, QSA 32/2 heads of 256) with 4 layers and
 64 experts, so one step is bandwidth-shaped like a slice of the real model; `slice` is the engine
 benchmark's real-width slice (bench_e2e.py: real layer shapes, 512 experts, vocab 248,320, --layers
-layers) with the real MTP layer, weights drawn on the GPU. Speculative rounds replay the
+layers) with the real MTP layer, weights drawn on the GPU (`--widths tiny --experts 8`: the same layer pattern at
+the embedded default's widths, with a tiny DFlash2 drafter: the CPU smoke run of the slice rows,
+
+    python benchmarks/bench_spec.py --model slice --widths tiny --experts 8 --layers 4 --tokens 6 --prompt 16 \
+        --methods mtp,dflash2 --rates 0.0,0.8 --concurrency 1
+
+). Speculative rounds replay the
 spec/graphs.py CUDA graphs (captured for the run's concurrency; `--eager`: none). Times are wall clock
 around `engine.step`, with a device sync.
 """
@@ -33,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_timing import Req, drive, gpu_ms, random_prompts, time_graphs  # noqa: E402
 from forced_drafts import force_drafts  # noqa: E402
-from standin import build_model, standin_config, write_drafter  # noqa: E402
+from standin import DrafterShape, build_model, standin_config, write_drafter  # noqa: E402
 
 from revolta.config import ModelConfig  # noqa: E402
 from revolta.engine import Engine, EngineConfig  # noqa: E402
@@ -86,6 +92,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="small", choices=["small", "wide", "slice"])
     ap.add_argument("--layers", type=int, default=4, help="slice depth")
+    ap.add_argument("--widths", default="real", choices=["real", "tiny"], help="slice widths (tiny: a CPU smoke run)")
+    ap.add_argument("--experts", type=int, default=None, help="experts per slice layer (default: the real 512)")
+    ap.add_argument("--concurrency", default="1,8", help="comma-separated concurrencies")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="speculative rounds without CUDA graphs (the old rows)")
@@ -97,7 +106,8 @@ def main() -> None:
     rates = tuple(float(r) for r in args.rates.split(","))
     dtype = torch.float16 if DEVICE == "cuda" else torch.float32
     if args.model == "slice":
-        model = build_model(standin_config(args.layers, with_mtp=True), DEVICE, dtype, seed=3, with_mtp=True)
+        cfg = standin_config(args.layers, args.experts, with_mtp=True, widths=args.widths)
+        model = build_model(cfg, DEVICE, dtype, seed=3, with_mtp=True)
     else:
         model = FlashNextModel(ModelConfig.from_dict(model_config(args.model))).eval()
         init_random_weights(model, seed=3)
@@ -108,9 +118,11 @@ def main() -> None:
             raise SystemExit("--methods dflash2 needs --model slice (the drafter is shaped for the real width)")
         import tempfile
 
-        drafter_dir = write_drafter(model.cfg, Path(tempfile.mkdtemp()) / "drafter", device=DEVICE)
+        shape = DrafterShape.tiny() if args.widths == "tiny" else DrafterShape()
+        drafter_dir = write_drafter(model.cfg, Path(tempfile.mkdtemp()) / "drafter", device=DEVICE, dtype=dtype,
+                                    shape=shape)
     rows = []
-    for c in (1, 8):
+    for c in (int(x) for x in args.concurrency.split(",")):
         for temperature in (0.0, 1.0):
             base_reqs, base = run(model, c, args.tokens, {"method": None}, temperature, prompt=args.prompt)
             refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base_reqs}

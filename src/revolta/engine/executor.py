@@ -200,7 +200,8 @@ class UniProcExecutor(Executor):
             draft = load_rank_drafter(self.spec.model, ctx, dtype=model.dtype, device=model.device,
                                       shard_codebooks=bool(self.spec.sm70_dflash2.sharded_selector_codebook))
         return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
-                              sampled=self.spec.draft_sample_method == "probabilistic")
+                              sampled=self.spec.draft_sample_method == "probabilistic",
+                              max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len)
 
     def _capture_graphs(self, spec: bool = False, hidden: bool = False) -> DecodeGraphs | SpecGraphs:
         cfg = self.config
@@ -230,7 +231,9 @@ class UniProcExecutor(Executor):
             check_reloadable(self.model)
         draft = getattr(self.drafter, "drafter", None)  # DFlash2's own model (MTP shares the target's weights)
         weights = weight_tensors(self.model, [draft] if isinstance(draft, torch.nn.Module) else [])
-        return SleepingMemory(level, weights, self.storage.block_tensors() + self.storage.slot_tensors(),
+        store = getattr(self.drafter, "store", None)  # DFlash2's context K/V: empty once every request is gone
+        contexts = [] if store is None else store.tensors()
+        return SleepingMemory(level, weights, self.storage.block_tensors() + self.storage.slot_tensors() + contexts,
                               self.model.device)
 
     def sleep(self, memory: SleepingMemory) -> None:

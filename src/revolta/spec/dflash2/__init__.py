@@ -2,6 +2,7 @@
 
 draft_config.py  DFlash2DraftConfig, the drafter's config.json (dflash 0.1.0 field names, tap_reduction)
 model.py         the drafter: context K/V from tapped target states, one non-causal block, DraftKVCache
+context_store.py DraftContextStore: the engine's drafter context K/V, preallocated per request slot
 conv.py          the grouped dynamic causal convolutions around every sublayer
 selector.py      the candidate selector: top-K lattice and the greedy or sampled walk
 checkpoint.py    load a dflash-format drafter directory, every name and shape checked first
@@ -15,10 +16,10 @@ from .draft_config import DFlash2DraftConfig, DraftConfigError
 # The torch modules load on first use, so the pure-Python siblings (config and option checks) can be
 # imported from anywhere (e.g. the cache planner) without pulling in the runner and the model.
 _LAZY = {"load_draft_model": "checkpoint", "DFlash2Drafter": "drafter", "DFlash2DraftModel": "model",
-         "DraftKVCache": "model", "Selection": "selector"}
+         "DraftKVCache": "model", "DraftContextStore": "context_store", "Selection": "selector"}
 
-__all__ = ["DFlash2DraftConfig", "DFlash2DraftModel", "DFlash2Drafter", "DraftConfigError", "DraftKVCache",
-           "Selection", "load_draft_model"]
+__all__ = ["DFlash2DraftConfig", "DFlash2DraftModel", "DFlash2Drafter", "DraftConfigError", "DraftContextStore",
+           "DraftKVCache", "Selection", "load_draft_model"]
 
 
 def __getattr__(name: str):

@@ -109,7 +109,7 @@ def check_dflash2(spec: SpeculativeConfig, cfg: ModelConfig, *, kv_cache_dtype: 
     check_tail_cudagraphs(env)
     warnings = []
     if draft_kv in QUANTIZED_KV:
-        # revolta's drafter context cache (spec/dflash2/model.py DraftKVCache) stores K/V at the activation dtype
+        # revolta's drafter context cache (spec/dflash2/context_store.py) stores K/V at the activation dtype
         if spec.kv_cache_dtype is not None:
             raise ValueError(f"speculative_config kv_cache_dtype={spec.kv_cache_dtype!r}: revolta keeps the DFlash2 "
                              f"drafter's context K/V at the activation dtype ({dtype}); a {draft_kv} drafter cache is "

@@ -4,13 +4,14 @@ Pairing with the engine's step (engine.py `_spec_step`): after every forward the
 the hidden rows of the request's committed positions (a prefill chunk, or the definite token and the
 accepted drafts of a verify). With the runner's `hidden_taps` set to this drafter's (`__init__` sets
 it), those rows are the drafter's context features [m, taps * H], so they are exactly the context
-the drafter still lacks. At the request's next step, `propose` appends them to the request's
-`DraftKVCache` (all requests, prefill chunks included) and, for a request about to verify, drafts
-one block from its anchor: the step's first token, whose position is where the context ends.
+the drafter still lacks. At the request's next step, `propose` appends them to the request's slot of
+the preallocated `DraftContextStore` (all requests, prefill chunks included, one batched write) and,
+for a request about to verify, drafts one block from its anchor: the step's first token, whose
+position is where the context ends.
 
-A request whose pending rows do not continue its cache (it was preempted, or its first rows came
-after a prefix-cache hit) starts a new cache at its pending rows' first position: the drafter then
-sees less context, which can only lower acceptance, never change the output. A request verifying
+A request whose pending rows do not continue its slot's context (it was preempted, or its first rows
+came after a prefix-cache hit) restarts the slot's context at its pending rows' first position: the
+drafter then sees less context, which can only lower acceptance, never change the output. A request verifying
 fewer drafts than the block holds takes the walk's first ones.
 
 Drafts are the greedy walk by default ("greedy" draft_sample_method: q is one-hot in rejection
@@ -29,17 +30,22 @@ import torch
 from ...engine.runner import ModelRunner
 from ..mtp import DraftItem, PendingRowsDrafter
 from ..verify import DraftTokens
-from .model import DFlash2DraftModel, DraftKVCache
+from .context_store import DraftContextStore, to_device
+from .model import DFlash2DraftModel
+from .selector import Selection
 from .taps import hidden_taps
 
 
 class DFlash2Drafter(PendingRowsDrafter):
-    """Keeps each request's pending context rows and drafter cache; proposes blocks with the drafter."""
+    """Keeps each request's pending context rows and drafter context slot; proposes blocks with the drafter."""
 
     rows_name = "DFlash2 context"
 
     def __init__(self, runner: ModelRunner, drafter: DFlash2DraftModel, num_speculative_tokens: int,
-                 sampled: bool = False):
+                 sampled: bool = False, max_num_seqs: int | None = None, max_model_len: int | None = None):
+        """max_num_seqs / max_model_len: the engine's, which size the context store (slots x rows per layer, as the
+        cache plan budgets it). Without them (a runner driven directly) the runner's cache bounds both: no more
+        requests than state slots, no request longer than the cache's pages."""
         super().__init__()
         cfg = drafter.cfg
         if not 1 <= num_speculative_tokens <= cfg.num_drafts:
@@ -50,61 +56,86 @@ class DFlash2Drafter(PendingRowsDrafter):
         self.runner, self.drafter, self.k = runner, drafter, num_speculative_tokens
         self.text = runner.model.model.language_model
         runner.hidden_taps = hidden_taps(self.text, cfg)
-        self.caches: dict[str, tuple[DraftKVCache, int]] = {}  # request -> (cache, its num_preemptions)
+        layout = runner.storage.layout
+        self.store = DraftContextStore(cfg, max_num_seqs or layout.num_slots,
+                                       max_model_len or layout.num_blocks * layout.block_size,
+                                       drafter.fc.weight.device, drafter.fc.weight.dtype,
+                                       num_kv_heads=drafter.num_kv_heads)
+        # request -> (its slot in `store`, its num_preemptions), least recently drafted first
+        self.caches: dict[str, tuple[int, int]] = {}
         self.sampled = sampled
         self.generator = torch.Generator(runner.model.device).manual_seed(0) if sampled else None
 
     def drop(self, request_id: str) -> None:
         super().drop(request_id)
-        self.caches.pop(request_id, None)
+        entry = self.caches.pop(request_id, None)
+        if entry is not None:
+            self.store.release(entry[0])
 
-    def _cache_for(self, request_id: str, start: int, num_preemptions: int) -> DraftKVCache:
-        """The request's cache if it ends at `start`, else a new one starting there."""
-        cache, preemptions = self.caches.get(request_id, (None, -1))
-        if cache is None or preemptions != num_preemptions or cache.end != start:
-            cache = DraftKVCache(start=start)
-            self.caches[request_id] = (cache, num_preemptions)
-        return cache
+    def _slot_for(self, request_id: str, start: int, num_preemptions: int, batch: set[str]) -> int:
+        """The request's slot, its context kept if it ends at `start`, else emptied to start there. A new request
+        takes a free slot, or the least recently drafted one outside this batch: a preempted request waiting to
+        run again (or, rarely, a running one this step skipped) then restarts its context, which costs it
+        acceptance, never output."""
+        slot, preemptions = self.caches.pop(request_id, (None, -1))
+        if slot is None:
+            slot = self.store.acquire(start)
+            if slot is None:
+                slot = self.caches.pop(self._victim(batch))[0]
+                self.store.reset(slot, start)
+        elif preemptions != num_preemptions or self.store.host_end[slot] != start:
+            self.store.reset(slot, start)
+        self.caches[request_id] = (slot, num_preemptions)  # re-inserted: the most recently drafted last
+        return slot
+
+    def _victim(self, batch: set[str]) -> str:
+        for request_id in self.caches:
+            if request_id not in batch:
+                return request_id
+        raise ValueError(f"{len(batch)} requests draft in one step but the DFlash2 context store has "
+                         f"{self.store.num_slots} slots; build the drafter with the engine's max_num_seqs")
 
     @torch.no_grad()
     def propose(self, items: list[DraftItem]) -> list[list[int]]:
-        """Extend every item's drafter cache with its pending rows and draft `num_drafts` tokens for each.
+        """Extend every item's drafter context with its pending rows and draft `num_drafts` tokens for each.
 
         Returns one list of draft token ids per item (empty where num_drafts is 0).
         """
         drafts: list[list[int]] = [[] for _ in items]
-        want, caches = [], []
+        batch = {it.request_id for it in items}
+        rows, want = [], []
         for i, it in enumerate(items):
             p = self.take(it)  # the rows [m, taps * H] `keep` got
             if p is None:
                 continue
-            cache = self._cache_for(it.request_id, p.start, it.num_preemptions)
-            self.drafter.extend_context(cache, p.hidden)
+            if it.num_drafts > self.k:
+                raise ValueError(f"request {it.request_id!r} was scheduled with {it.num_drafts} drafts; this "
+                                 f"drafter proposes at most {self.k}")
+            slot = self._slot_for(it.request_id, p.start, it.num_preemptions, batch)
+            rows.append((slot, p.hidden))
             if it.num_drafts:
-                if it.num_drafts > self.k:
-                    raise ValueError(f"request {it.request_id!r} was scheduled with {it.num_drafts} drafts; this "
-                                     f"drafter proposes at most {self.k}")
-                want.append(i)
-                caches.append(cache)
+                want.append((i, slot))
+        self.drafter.extend_slots(self.store, rows)
         if not want:
             return drafts
-        device = self.runner.model.device
-        anchors = torch.tensor([items[i].all_token_ids[items[i].step.num_computed] for i in want], device=device)
-        sel = self._draft(caches, anchors)
+        anchors = to_device([items[i].all_token_ids[items[i].step.num_computed] for i, _ in want],
+                            self.runner.model.device)
+        sel = self._draft([slot for _, slot in want], anchors)
         probs = None if sel.q is None else self._dense_q(sel)  # [B, D, V]
-        for b, (i, row) in enumerate(zip(want, sel.tokens.tolist())):
+        for b, ((i, _), row) in enumerate(zip(want, sel.tokens.tolist())):  # the round's one host sync
             n = items[i].num_drafts
             drafts[i] = DraftTokens(row[:n], None if probs is None else probs[b, :n])
         return drafts
 
-    def _draft(self, caches: list[DraftKVCache], anchors: torch.Tensor):
-        """The selector's walk (tokens [B, num_drafts], q when sampled) from caches that already hold
-        each request's whole context."""
-        empty = [anchors.new_zeros(0, self.drafter.fc.in_features, dtype=self.drafter.fc.weight.dtype)] * len(caches)
-        return self.drafter(empty, caches, anchors, self.text.embed_tokens, self.runner.model.compute_logits,
-                            temperature=1.0 if self.sampled else 0.0, generator=self.generator)
+    def _draft(self, slots: list[int], anchors: torch.Tensor) -> Selection:
+        """The selector's walk (tokens [B, num_drafts], q when sampled) from slots that already hold each
+        request's whole context."""
+        hidden = self.drafter.block_hidden_slots(self.drafter.block_embeds(anchors, self.text.embed_tokens),
+                                                 self.store, slots)
+        return self.drafter.select(hidden, anchors, self.runner.model.compute_logits,
+                                   temperature=1.0 if self.sampled else 0.0, generator=self.generator)
 
-    def _dense_q(self, sel) -> torch.Tensor:
+    def _dense_q(self, sel: Selection) -> torch.Tensor:
         """q [B, D, K] over candidates [B, D, K] -> [B, D, V] (zero off the candidates)."""
         vocab = self.runner.model.cfg.text.vocab_size
         q = sel.q.new_zeros(*sel.q.shape[:2], vocab)
