@@ -1,7 +1,7 @@
 """Every QSA kernel compiles for sm_70 and sm_90 at the real shapes (no GPU needed).
 
 Real shapes: D = 256, Di = 128, R = 64, Hq = 24 (TP1) / 6 (TP4), KVH = 2 / 1, 4 index heads, c = 4,
-budget 512 groups, page 64 tokens. sm_70 budgets: <= 96 KiB shared memory, no Ampere/Hopper
+budget 512 groups, page 64 tokens; the DCP2 partial-attention variants (dcp.py) at TP4. sm_70 budgets: <= 96 KiB shared memory, no Ampere/Hopper
 instructions, no fp8 conversions (E4M3 is decoded with integer ops), register spills <= SPILL_BUDGET.
 """
 
@@ -64,22 +64,32 @@ def _cases():
     types = dict(score_ptr="*fp32", out_ptr="*i32", seq_lens_ptr="*i32", row_req_ptr="*i32", row_pos_ptr="*i32")
     cases.append(("topk", "topk", _topk_kernel, _sig(names, types, consts), consts, 8))
     attn_names = ["q_ptr", "gate_ptr", "out_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "bt_ptr", "seq_lens_ptr",
-                  "sel_ptr", "row_req_ptr", "row_pos_ptr", "m_ws", "l_ws", "acc_ws", "qk_scale", "budget",
+                  "sel_ptr", "row_req_ptr", "row_pos_ptr", "m_ws", "l_ws", "acc_ws", "lse_ptr", "qk_scale", "budget",
                   "num_splits", "stride_qr", "stride_qh", "stride_gr", "stride_gh", "stride_or", "stride_oh",
                   "stride_kb", "stride_ko", "stride_kh", "stride_vb", "stride_vo", "stride_vh", "stride_btb",
-                  "stride_selr", "KVH", "Q", "EXPLICIT", "FMT", "C", "BLOCK_SIZE", "G", "BG", "D", "BN", "SPLIT"]
+                  "stride_selr", "KVH", "Q", "EXPLICIT", "FMT", "C", "BLOCK_SIZE", "G", "BG", "D", "BN", "SPLIT",
+                  "PARTIAL", "DCP", "RANK"]
+    # single process (G 12: TP1's 24 heads / 2 KV heads; 6: TP4), and DCP2 partials at TP4 (the group's 2 x 6 heads
+    # on one KV head, explicit rows, a 64-token block as 32-token pages; rank 1, the one with a non-zero offset)
     for fmt, kv_t in ((0, "*fp16"), (1, "*u8"), (2, "*i8")):
-        for G, split in ((12, True), (6, False)):
-            consts = dict(Q=1, EXPLICIT=False, FMT=fmt, C=4, BLOCK_SIZE=64, G=G, BG=16, D=256, BN=32, SPLIT=split)
-            types = dict(q_ptr="*fp16", gate_ptr="*fp16", out_ptr="*fp16", k_ptr=kv_t, v_ptr=kv_t, ks_ptr="*fp32",
+        for G, split, dcp in ((12, True, 1), (6, False, 1), (12, fmt != 1, 2)):  # DCP: both output paths covered
+            consts = dict(Q=1, EXPLICIT=dcp > 1, FMT=fmt, C=4, BLOCK_SIZE=64, G=G, BG=16, D=256, BN=32, SPLIT=split,
+                          PARTIAL=dcp > 1, DCP=dcp, RANK=dcp - 1)
+            out_t = "*fp32" if dcp > 1 else "*fp16"
+            types = dict(q_ptr="*fp16", gate_ptr="*fp16", out_ptr=out_t, k_ptr=kv_t, v_ptr=kv_t, ks_ptr="*fp32",
                          vs_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", sel_ptr="*i32", row_req_ptr="*i32",
-                         row_pos_ptr="*i32", m_ws="*fp32", l_ws="*fp32", acc_ws="*fp32", qk_scale="fp32")
-            cases.append((f"attn-fmt{fmt}-G{G}", "attn", _qsa_attn_kernel, _sig(attn_names, types, consts), consts, 8))
-    names = ["gate_ptr", "out_ptr", "m_ws", "l_ws", "acc_ws", "num_splits", "stride_gr", "stride_gh", "stride_or",
-             "stride_oh", "H", "D", "SP"]
-    consts = dict(D=256, SP=64)
-    types = dict(gate_ptr="*fp16", out_ptr="*fp16", m_ws="*fp32", l_ws="*fp32", acc_ws="*fp32")
-    cases.append(("combine", "combine", _combine_kernel, _sig(names, types, consts), consts, 4))
+                         row_pos_ptr="*i32", m_ws="*fp32", l_ws="*fp32", acc_ws="*fp32", lse_ptr="*fp32",
+                         qk_scale="fp32")
+            label = f"attn-fmt{fmt}-G{G}" + (f"-dcp{dcp}{'-split' if split else ''}" if dcp > 1 else "")
+            cases.append((label, "attn", _qsa_attn_kernel, _sig(attn_names, types, consts), consts, 8))
+    names = ["gate_ptr", "out_ptr", "m_ws", "l_ws", "acc_ws", "lse_ptr", "num_splits", "stride_gr", "stride_gh",
+             "stride_or", "stride_oh", "H", "D", "SP", "PARTIAL"]
+    for partial in (False, True):
+        consts = dict(D=256, SP=64, PARTIAL=partial)
+        types = dict(gate_ptr="*fp16", out_ptr="*fp32" if partial else "*fp16", m_ws="*fp32", l_ws="*fp32",
+                     acc_ws="*fp32", lse_ptr="*fp32")
+        cases.append(("combine-partial" if partial else "combine", "combine", _combine_kernel,
+                      _sig(names, types, consts), consts, 4))
     return cases
 
 

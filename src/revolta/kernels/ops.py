@@ -30,6 +30,7 @@ class KernelOps:
     qsa_prefill: Callable
     qsa_select_decode: Callable
     qsa_sparse_decode: Callable
+    qsa_partial: Callable  # DCP: a rank's un-gated partial attention + lse (kernels/qsa/dcp.py)
     hc_read: Callable | None  # None: the layer's own torch code
     hc_combine: Callable | None  # bitwise equal to the layer's torch code, one launch instead of two
     moe_route: Callable | None
@@ -57,7 +58,8 @@ def kernel_ops(backend: str) -> KernelOps:
         ("gdn.recurrent" if sfx == "" else "gdn.ref", "gdn_replay_commit"),
         ("conv1d", "causal_conv1d_commit"),
         ("qsa.store_kv", "store_kv"), ("qsa.index_compress", "index_compress"), ("qsa.prefill", "qsa_prefill"),
-        ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"))}
+        ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"),
+        ("qsa.dcp", "qsa_partial"))}
     fused = dict.fromkeys(("hc_read", "hc_combine", "moe_route", "fused_moe", "quant_fused_moe", "gated_rms_norm",
                            "apply_rope"))
     if backend == "triton":

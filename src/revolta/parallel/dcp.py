@@ -8,7 +8,8 @@ the GDN / PLE state and the MTP layer's K/V stay replicated, so the sparse selec
 Per trunk QSA layer and step (prefill, decode and verify alike; two all-gathers in the DCP group):
   1. store only this rank's stripe of the new K/V (`local_slot_mapping`; every rank computed the same K/V);
   2. all-gather the queries of the group's heads [T, dcp * H, D] (they all read this rank's KV head);
-  3. attend every row's selected groups + tail over the local stripe: un-gated out and log-sum-exp per head;
+  3. attend every row's selected groups + tail over the local stripe: un-gated out and log-sum-exp per head
+     (`ops.qsa_partial`: the torch reference, or the Triton row kernel with no host sync);
   4. all-gather (out, lse), merge this rank's heads exactly (`merge_partials`), apply the output gate.
 The all-gather in 4 moves every head's partial output where each rank needs only its own (vLLM reduce-scatters
 or all-to-alls them): simpler, and gloo has no all-to-all for uneven shapes; a GPU version would use one.
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..config import TextConfig
-from ..kernels.qsa.dcp import local_slot_mapping, merge_partials, qsa_partial_ref
+from ..kernels.qsa.dcp import local_slot_mapping, merge_partials
 from ..layers.qsa import QSAttention
 from .context import ParallelContext
 
@@ -43,9 +44,9 @@ class DCPAttention(QSAttention):
         T, H, D = q.shape
         r, n = self.dcp.rank, self.dcp.size
         group_q = self.dcp.all_gather(q.contiguous(), dim=1)  # [T, n * H, D], group rank order = head order
-        out, lse = qsa_partial_ref(group_q, cache.k_cache, cache.v_cache, pm.block_table, pm.cu_seqlens, pm.seq_lens,
-                                   D**-0.5, self.block_budget, iq.contiguous(), cache.index_cache, n, r, kv_dtype,
-                                   cache.k_scale, cache.v_scale, self.ratio)
+        out, lse = pm.ops.qsa_partial(group_q, cache.k_cache, cache.v_cache, pm.block_table, pm.cu_seqlens,
+                                      pm.seq_lens, D**-0.5, self.block_budget, iq.contiguous(), cache.index_cache, n,
+                                      r, kv_dtype, cache.k_scale, cache.v_scale, self.ratio)
         parts = self.dcp.all_gather(torch.cat([out, lse[..., None]], dim=-1)[None], dim=0)  # [n, T, n * H, D + 1]
         mine = parts[:, :, r * H:(r + 1) * H]
         att = merge_partials(mine[..., :D], mine[..., D])  # [T, H, D] fp32

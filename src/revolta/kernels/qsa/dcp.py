@@ -12,8 +12,11 @@ holds, and returns the un-gated output normalised over them with their log-sum-e
 out = sum_r exp(lse_r - M) o_r / sum_r exp(lse_r - M), M = max_r lse_r, which is the softmax over the union of the
 ranks' tokens (exact up to fp32 rounding: every token is on exactly one rank).
 
-Torch only (the CPU path, and the numerics contract); a Triton version would be the row kernel of sparse_attn.py
-writing its split workspace (m, l, acc) for the merge instead of combining it.
+`attend_rows_partial` / `qsa_partial` are the Triton forms (the row kernel of sparse_attn.py with its DCP
+constexprs: it walks only this rank's C / dcp tokens of each group and of the tail, so ratio % dcp == 0); the
+`_ref` functions are the CPU path and the numerics contract. `merge_partials` stays torch on both paths: a handful
+of element-wise ops and reductions, no host sync (graph-capturable), over [dcp, T, H, D] that is small next to the
+attention itself.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import dequant_cache_ref
-from .prefill import request_row_blocks
-from .sparse_attn import request_row_tokens
+from .common import check, dequant_cache_ref, varlen_rows
+from .prefill import request_row_blocks, select_step_rows
+from .sparse_attn import check_attn, launch_rows, request_row_tokens
 
 
 def local_slot_mapping(slot_mapping: Tensor, block_size: int, dcp: int, rank: int) -> Tensor:
@@ -73,6 +76,36 @@ def qsa_partial_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         out[r0:r1], lse[r0:r1] = attend_partial_rows_ref(q[r0:r1], kf, vf, block_table[b], sel, pos, scale, ratio, dcp,
                                                          rank)
     return out, lse
+
+
+def attend_rows_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                        selected: Tensor, row_req: Tensor | None, row_pos: Tensor | None, scale: float, kv_dtype: str,
+                        k_scale: Tensor | None, v_scale: Tensor | None, ratio: int, Q: int, explicit: bool, dcp: int,
+                        rank: int, num_splits: int | None = None, block_n: int | None = None) -> tuple[Tensor, Tensor]:
+    """`attend_rows` (same rows: explicit row_req / row_pos, or Q uniform rows per request) over DCP rank `rank`'s
+    stripe: k_cache, v_cache (+ int8 scales) are its pages [NB, block_size / dcp, KVH, D]. Returns (out fp32
+    [R, Hq, D] un-gated, normalised over the rank's tokens, zero where it holds none; lse fp32 [R, Hq], -inf there)."""
+    check(dcp >= 1 and 0 <= rank < dcp and ratio % dcp == 0,
+          f"dcp={dcp}, rank={rank}, ratio={ratio}: the kernel needs 0 <= rank < dcp and dcp dividing the group size "
+          f"(each group then has ratio / dcp tokens per rank); use qsa_partial_ref otherwise")
+    check_attn(q, q, k_cache, v_cache, block_table, seq_lens, selected, kv_dtype, k_scale, v_scale)  # no gate: q's
+    out = q.new_empty(q.shape, dtype=torch.float32)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+    launch_rows(q, q, out, lse, k_cache, v_cache, block_table, seq_lens, selected, row_req, row_pos, scale, kv_dtype,
+                k_scale, v_scale, ratio, Q, explicit, num_splits, block_n, dcp, rank)
+    return out, lse
+
+
+def qsa_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,
+                seq_lens: Tensor, scale: float, budget_blocks: int, index_q: Tensor, index_cache: Tensor,
+                dcp: int, rank: int, kv_dtype: str = "auto", k_scale: Tensor | None = None,
+                v_scale: Tensor | None = None, ratio: int = 4) -> tuple[Tensor, Tensor]:
+    """Triton form of `qsa_partial_ref` (same arguments and results), without a host sync: rows from cu_seqlens on
+    the device, the selection by `qsa_select_rows` (the single-process rule), then `attend_rows_partial`."""
+    row_req, row_pos = varlen_rows(cu_seqlens, seq_lens, q.shape[0])
+    selected = select_step_rows(index_q, index_cache, block_table, seq_lens, row_req, row_pos, budget_blocks, ratio)
+    return attend_rows_partial(q, k_cache, v_cache, block_table, seq_lens, selected, row_req, row_pos, scale, kv_dtype,
+                               k_scale, v_scale, ratio, 1, True, dcp, rank)
 
 
 def merge_partials(out: Tensor, lse: Tensor) -> Tensor:

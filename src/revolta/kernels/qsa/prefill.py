@@ -75,6 +75,23 @@ def request_row_blocks(q: Tensor, k_cache: Tensor, block_table: Tensor, cu_seqle
             yield b, r0, r1, pos, sel
 
 
+def select_step_rows(index_q: Tensor, index_cache: Tensor, block_table: Tensor, seq_lens: Tensor, row_req: Tensor,
+                     row_pos: Tensor, budget_blocks: int, ratio: int) -> Tensor:
+    """`qsa_select_rows` over a step's T rows (index_q [T, Hi, Di]) in chunks whose score workspace stays within
+    SELECT_WORKSPACE_BYTES -> int32 [T, budget_blocks]."""
+    T = row_req.shape[0]
+    check(index_q.dim() == 3 and index_q.shape[0] == T,
+          f"index_q: expected [T={T}, Hi, Di], got {tuple(index_q.shape)}")
+    selected = torch.empty(T, budget_blocks, dtype=torch.int32, device=index_q.device)
+    max_groups = block_table.shape[1] * index_cache.shape[1]
+    chunk = max(1, SELECT_WORKSPACE_BYTES // (4 * max(1, max_groups)))
+    for r0 in range(0, T, chunk):
+        r1 = min(T, r0 + chunk)
+        selected[r0:r1] = qsa_select_rows(index_q[r0:r1], index_cache, block_table, seq_lens, row_req[r0:r1],
+                                          row_pos[r0:r1], budget_blocks, ratio)
+    return selected
+
+
 def qsa_prefill(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,
                 seq_lens: Tensor, scale: float, budget_blocks: int, index_q: Tensor | None = None,
                 index_cache: Tensor | None = None, selected: Tensor | None = None, kv_dtype: str = "auto",
@@ -88,17 +105,10 @@ def qsa_prefill(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, block
     Returns [T, Hq, D] in q's dtype, gated.
     """
     row_req, row_pos = _rows(q, cu_seqlens, seq_lens)
-    T = q.shape[0]
     if selected is None:
         check(index_q is not None and index_cache is not None, "qsa_prefill needs `selected` or index_q + index_cache")
-        check(index_q.dim() == 3 and index_q.shape[0] == T, f"index_q: expected [T={T}, Hi, Di]")
-        selected = torch.empty(T, budget_blocks, dtype=torch.int32, device=q.device)
-        max_groups = block_table.shape[1] * index_cache.shape[1]
-        chunk = max(1, SELECT_WORKSPACE_BYTES // (4 * max(1, max_groups)))
-        for r0 in range(0, T, chunk):
-            r1 = min(T, r0 + chunk)
-            selected[r0:r1] = qsa_select_rows(index_q[r0:r1], index_cache, block_table, seq_lens, row_req[r0:r1],
-                                              row_pos[r0:r1], budget_blocks, ratio)
+        selected = select_step_rows(index_q, index_cache, block_table, seq_lens, row_req, row_pos, budget_blocks,
+                                    ratio)
     check_attn(q, gate, k_cache, v_cache, block_table, seq_lens, selected, kv_dtype, k_scale, v_scale)
     return attend_rows(q, gate, k_cache, v_cache, block_table, seq_lens, selected, row_req, row_pos, scale, kv_dtype,
                        k_scale, v_scale, ratio, 1, True)

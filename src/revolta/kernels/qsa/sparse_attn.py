@@ -12,6 +12,10 @@ row and one KV head with its Hq / KVH query heads (padded to 16 rows for tl.dot)
 row's virtual token list; flash-decoding splits are merged by `_combine_kernel`, which applies the gate.
 K/V are dequantised in the loop: E4M3 through integer bit ops (scale folded into the logits / output),
 int8 with per-token scales (K scale on the logits, V dequantised to the compute dtype).
+
+The same kernel, with PARTIAL / DCP / RANK constexprs (dcp.py's `attend_rows_partial`), attends a row's token list
+restricted to one DCP rank's stripe and writes the un-gated fp32 output with its log-sum-exp instead; at the
+defaults (PARTIAL False, DCP 1) those branches compile away and the single-process kernel is unchanged.
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _qsa_attn_kernel(q_ptr, gate_ptr, out_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                     bt_ptr, seq_lens_ptr, sel_ptr, row_req_ptr, row_pos_ptr, m_ws, l_ws, acc_ws,
+                     bt_ptr, seq_lens_ptr, sel_ptr, row_req_ptr, row_pos_ptr, m_ws, l_ws, acc_ws, lse_ptr,
                      qk_scale, budget, num_splits,
                      stride_qr, stride_qh, stride_gr, stride_gh, stride_or, stride_oh,
                      stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                      stride_btb, stride_selr, KVH,
                      Q: tl.constexpr, EXPLICIT: tl.constexpr, FMT: tl.constexpr, C: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
-                     BN: tl.constexpr, SPLIT: tl.constexpr):
+                     BN: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr, DCP: tl.constexpr,
+                     RANK: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -45,8 +50,12 @@ def _qsa_attn_kernel(q_ptr, gate_ptr, out_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     r64 = r.to(tl.int64)
     n = (t + 1) // C
     ns = tl.minimum(n, budget)
-    sel_len = ns * C
-    L = sel_len + (t + 1 - n * C)  # selected tokens, then the tail
+    if DCP == 1:
+        sel_len = ns * C
+        L = sel_len + (t + 1 - n * C)  # selected tokens, then the tail
+    else:  # this rank's C / DCP tokens of each group, then its tokens of the tail
+        sel_len = ns * (C // DCP)
+        L = sel_len + tl.maximum(t + 1 - n * C - RANK + DCP - 1, 0) // DCP
     per = tl.cdiv(tl.cdiv(L, num_splits), BN) * BN
     lo = s * per
     hi = tl.minimum(lo + per, L)
@@ -76,14 +85,17 @@ def _qsa_attn_kernel(q_ptr, gate_ptr, out_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         p = start + tl.arange(0, BN)
         valid = p < hi
         in_sel = p < sel_len
-        slot = p // C
+        slot = p // (C // DCP)
         gid = tl.load(sel_ptr + r64 * stride_selr + slot, mask=valid & in_sel & ~dense, other=-1)
         gid = tl.where(dense, slot, gid)
-        tok = tl.where(in_sel, gid * C + p % C, n * C + p - sel_len)
+        if DCP == 1:
+            tok = tl.where(in_sel, gid * C + p % C, n * C + p - sel_len)
+        else:  # local list index -> global token (t % DCP == RANK); gid -1 still gives tok < 0
+            tok = tl.where(in_sel, gid * C + (p % (C // DCP)) * DCP + RANK, n * C + (p - sel_len) * DCP + RANK)
         valid = valid & (tok >= 0)
         tok = tl.maximum(tok, 0)
         page = tl.load(bt_ptr + b * stride_btb + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = tok % BLOCK_SIZE
+        off = (tok % BLOCK_SIZE) // DCP  # a rank's page holds BLOCK_SIZE / DCP tokens
         kv_mask = valid[:, None] & (d[None, :] < D)
         kt = tl.load(k_ptr + page[:, None] * stride_kb + off[:, None] * stride_ko + kvh * stride_kh + d[None, :],
                      mask=kv_mask, other=0)
@@ -93,7 +105,7 @@ def _qsa_attn_kernel(q_ptr, gate_ptr, out_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             kt = e4m3_decode(kt).to(cdt)
             vt = e4m3_decode(vt).to(cdt)
         elif FMT == 2:
-            sidx = (page * BLOCK_SIZE + off) * KVH + kvh  # scales: contiguous [num_blocks, block_size, KVH]
+            sidx = (page * (BLOCK_SIZE // DCP) + off) * KVH + kvh  # scales: contiguous [num_blocks, page, KVH]
             kst = tl.load(ks_ptr + sidx, mask=valid, other=0.0)
             vst = tl.load(vs_ptr + sidx, mask=valid, other=0.0)
             kt = kt.to(cdt)
@@ -118,6 +130,12 @@ def _qsa_attn_kernel(q_ptr, gate_ptr, out_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         tl.store(m_ws + wrow, m_i, mask=hmask)
         tl.store(l_ws + wrow, l_i, mask=hmask)
         tl.store(acc_ws + wrow[:, None] * D + d[None, :], acc, mask=omask)
+    elif PARTIAL:  # un-gated fp32 output normalised over this rank's tokens, and their natural-log lse
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+        tl.store(out_ptr + r64 * stride_or + heads[:, None] * stride_oh + d[None, :], o, mask=omask)
+        tl.store(lse_ptr + r64 * KVH * G + heads, lse, mask=hmask)
     else:
         gate = tl.load(gate_ptr + r64 * stride_gr + heads[:, None] * stride_gh + d[None, :], mask=omask,
                        other=0.0).to(tl.float32)
@@ -127,8 +145,8 @@ def _qsa_attn_kernel(q_ptr, gate_ptr, out_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
 
 
 @triton.jit
-def _combine_kernel(gate_ptr, out_ptr, m_ws, l_ws, acc_ws, num_splits, stride_gr, stride_gh, stride_or, stride_oh,
-                    H, D: tl.constexpr, SP: tl.constexpr):
+def _combine_kernel(gate_ptr, out_ptr, m_ws, l_ws, acc_ws, lse_ptr, num_splits, stride_gr, stride_gh, stride_or,
+                    stride_oh, H, D: tl.constexpr, SP: tl.constexpr, PARTIAL: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SP)
@@ -144,9 +162,16 @@ def _combine_kernel(gate_ptr, out_ptr, m_ws, l_ws, acc_ws, num_splits, stride_gr
     for i in range(0, num_splits):
         wi = tl.sum(tl.where(sp == i, w, 0.0), axis=0)
         o += wi * tl.load(acc_ws + (base + i) * D + d)
-    o = o / denom
-    gate = tl.load(gate_ptr + r * stride_gr + h * stride_gh + d).to(tl.float32)
-    tl.store(out_ptr + r * stride_or + h * stride_oh + d, (o * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
+    if PARTIAL:  # un-gated, and the lse of the row's tokens (-inf, zero output where there are none)
+        has = denom > 0.0
+        o = o / tl.where(has, denom, 1.0)
+        tl.store(out_ptr + r * stride_or + h * stride_oh + d, o)
+        tl.store(lse_ptr + r * H + h, tl.where(has, (mx + tl.log2(tl.where(has, denom, 1.0))) / 1.4426950408889634,
+                                               float("-inf")))
+    else:
+        o = o / denom
+        gate = tl.load(gate_ptr + r * stride_gr + h * stride_gh + d).to(tl.float32)
+        tl.store(out_ptr + r * stride_or + h * stride_oh + d, (o * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
 
 
 def attend_rows_ref(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, selected: Tensor,
@@ -235,18 +260,28 @@ def num_splits_for(rows: int, kv_heads: int, max_tokens: int, block_n: int, num_
 
 def attend_rows(q, gate, k_cache, v_cache, block_table, seq_lens, selected, row_req, row_pos, scale, kv_dtype,
                 k_scale, v_scale, ratio, Q, explicit, num_splits=None, block_n=None):
-    """Launch the row kernel (+ combine). Shapes validated by the caller."""
+    """Launch the row kernel (+ combine): gated output [R, Hq, D] in q's dtype. Shapes validated by the caller."""
+    out = torch.empty_like(q)
+    launch_rows(q, gate, out, None, k_cache, v_cache, block_table, seq_lens, selected, row_req, row_pos, scale,
+                kv_dtype, k_scale, v_scale, ratio, Q, explicit, num_splits, block_n)
+    return out
+
+
+def launch_rows(q, gate, out, lse, k_cache, v_cache, block_table, seq_lens, selected, row_req, row_pos, scale,
+                kv_dtype, k_scale, v_scale, ratio, Q, explicit, num_splits=None, block_n=None, dcp=1, rank=0):
+    """The row kernel (+ combine) into `out`: gated (lse None), or with lse fp32 [R, Hq] the partial form over DCP
+    rank `rank`'s stripe (dcp.py; k_cache, v_cache are its pages of block_size / dcp tokens; out fp32 un-gated)."""
     fmt = kv_format(kv_dtype)
     R, Hq, D = q.shape
     KVH = k_cache.shape[2]
     G = Hq // KVH
     budget = selected.shape[1]
-    out = torch.empty_like(q)
     if R == 0:
-        return out
+        return
+    partial = lse is not None
     BN = block_n or (32 if D >= 128 else 16)
     if num_splits is None:
-        num_splits = num_splits_for(R, KVH, budget * ratio + ratio - 1, BN,
+        num_splits = num_splits_for(R, KVH, (budget * ratio + ratio - 1) // dcp, BN,
                                     torch.cuda.get_device_properties(q.device).multi_processor_count
                                     if q.is_cuda else 132)
     split = num_splits > 1
@@ -257,21 +292,22 @@ def attend_rows(q, gate, k_cache, v_cache, block_table, seq_lens, selected, row_
     else:
         m_ws = l_ws = acc_ws = q.new_empty(1, dtype=torch.float32)
     dummy = seq_lens
+    lse_arg = lse if partial else m_ws
     _qsa_attn_kernel[(R, KVH, num_splits)](
         q, gate, out, k_cache, v_cache, scale_arg(k_scale, q), scale_arg(v_scale, q),
         block_table, seq_lens, selected, row_req if explicit else dummy, row_pos if explicit else dummy,
-        m_ws, l_ws, acc_ws, scale * LOG2E, budget, num_splits,
+        m_ws, l_ws, acc_ws, lse_arg, scale * LOG2E, budget, num_splits,
         q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_table.stride(0), selected.stride(0), KVH,
-        Q=Q, EXPLICIT=explicit, FMT=fmt, C=ratio, BLOCK_SIZE=k_cache.shape[1], G=G,
-        BG=max(16, triton.next_power_of_2(G)), D=D, BN=BN, SPLIT=split, num_warps=8 if D >= 128 else 4, num_stages=2,
+        Q=Q, EXPLICIT=explicit, FMT=fmt, C=ratio, BLOCK_SIZE=k_cache.shape[1] * dcp, G=G,
+        BG=max(16, triton.next_power_of_2(G)), D=D, BN=BN, SPLIT=split, PARTIAL=partial, DCP=dcp, RANK=rank,
+        num_warps=8 if D >= 128 else 4, num_stages=2,
     )
     if split:
-        _combine_kernel[(R, Hq)](gate, out, m_ws, l_ws, acc_ws, num_splits, gate.stride(0), gate.stride(1),
+        _combine_kernel[(R, Hq)](gate, out, m_ws, l_ws, acc_ws, lse_arg, num_splits, gate.stride(0), gate.stride(1),
                                  out.stride(0), out.stride(1), Hq, D=D, SP=triton.next_power_of_2(num_splits),
-                                 num_warps=4)
-    return out
+                                 PARTIAL=partial, num_warps=4)
 
 
 def _decode_rows(q, gate, selected):
