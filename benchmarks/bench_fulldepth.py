@@ -223,8 +223,9 @@ def plain_stage(model, args, bw_gbs: float, log: Log, out: dict) -> dict:
 
 
 def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, out: dict) -> None:
-    spec = {"method": method} if args.state == "default" else {"method": method,
-                                                                "spec_state_replay": args.state == "replay"}
+    spec = {"method": method, "draft_policy": "always"}  # every step a round: rounds are what is timed
+    if args.state != "default":
+        spec["spec_state_replay"] = args.state == "replay"
     capture = tuple(args.spec_concurrency) if args.cuda else None
     drafter_bytes = 0
     if method == "mtp":

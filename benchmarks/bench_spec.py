@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--methods", default="mtp", help="comma-separated: mtp, dflash2 (a released-shape drafter, "
                     "benchmarks/standin.py; --model slice only)")
     ap.add_argument("--rates", default="0.0,0.5,0.8", help="synthetic acceptance rates of the greedy rows")
+    ap.add_argument("--draft-policy", default="always", choices=("always", "adaptive"),
+                    help="the engine's draft policy (always: every decode step drafts, as the rates assume)")
     args = ap.parse_args()
     methods = args.methods.split(",")
     rates = tuple(float(r) for r in args.rates.split(","))
@@ -128,7 +130,9 @@ def main() -> None:
             refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base_reqs}
             rows.append(dict(concurrency=c, temperature=temperature, mode="off", **base))
             for method, replay in ((m, r) for m in methods for r in (False, True)):
-                spec = {"method": method, "spec_state_replay": replay}
+                # forced drafts measure a round at a given acceptance: every decode step must draft, so the
+                # engine's adaptive policy (which stops drafting where it does not pay, e.g. on a CPU) is off
+                spec = {"method": method, "spec_state_replay": replay, "draft_policy": args.draft_policy}
                 if method == "dflash2":
                     spec["model"] = drafter_dir
                 # a sampling target accepts a forced draft x with probability p(x), so synthetic rates
