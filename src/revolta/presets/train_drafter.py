@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..spec.dflash2.draft_config import DFlash2DraftConfig
-from ..spec.dflash2.model import DFlash2DraftModel
+from ..spec.dflash2.model import DFlash2DraftModel, block_visibility
 from ..spec.dflash2.taps import context_features
 from .train_data import batches
 from .train_loop import autocast, lr_at, LoopConfig
@@ -95,9 +95,14 @@ class DrafterTrainer(nn.Module):
         x = torch.cat([emb[:, None], self.mask_embedding.expand(p.shape[0], bs - 1, -1).to(emb.dtype)], 1)
         x = x * cfg.input_embedding_scale
         bcos, bsin = m._rope((p[:, None] + torch.arange(bs, device=ids.device)).flatten())
+        ctx_pos = torch.arange(S, device=ids.device).expand(p.shape[0], S)  # [B*A, S] context key positions
+        masks: dict[tuple, Tensor] = {}  # one visibility mask per (causal, window) kind of layer
         for layer, (k, v) in zip(m.layers, kv):
             ck, cv = k.view(B, S, *k.shape[1:])[rows], v.view(B, S, *v.shape[1:])[rows]  # [B*A, S, Hkv, D]
-            x = layer(x, bcos, bsin, ck, cv, p)  # context rows 0 .. p - 1
+            kind = (layer.self_attn.causal, layer.self_attn.window)
+            if kind not in masks:  # context rows 0 .. p - 1, then the block at p
+                masks[kind] = block_visibility(ctx_pos, ctx_pos < p[:, None], p, bs, *kind)
+            x = layer(x, bcos, bsin, ck, cv, masks[kind])
         hidden = m.norm(x)[:, 1:]  # [B*A, D, H]
         logits = net.net.lm_head(hidden).float() * cfg.output_multiplier
         return hidden, logits
