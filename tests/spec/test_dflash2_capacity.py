@@ -6,9 +6,12 @@ from __future__ import annotations
 from revolta.plan import dry_run_plan
 from revolta.cli import main
 from revolta.config import ModelConfig
+from revolta.parallel.context import ParallelContext
 from revolta.spec.config import SpeculativeConfig
+from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
+from revolta.spec.dflash2.rank_drafter import build_rank_drafter
 from revolta.spec.dflash2.sharded_codebook import codebook_bytes_per_gpu
-from dflash2_fixtures import REAL, write_drafter
+from dflash2_fixtures import REAL, drafter_config, tiny_target, write_drafter
 
 # the released drafter's shape (spec §2.1: 5 sliding-window layers, window 2048, at the target width)
 RELEASED = dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -91,3 +94,21 @@ def test_codebook_sharding_in_the_report(tmp_path, capsys):
         tokens[shard] = int(out.split("GPU KV cache size: ")[1].split(" tokens")[0].replace(",", ""))
         assert ("60.62 MiB per GPU (sharded over TP 4" if shard == "true" else "242.50 MiB per GPU (replicated") in out
     assert tokens["true"] > tokens["false"]  # sharding frees ~182 MiB per GPU for the KV pool
+
+
+def test_the_plan_budgets_the_kv_heads_a_rank_drafter_holds(tmp_path):
+    """The drafter KV group's bytes per rank follow the rank drafter (rank_drafter.py): heads / tp when tp divides
+    the KV heads and the MLP width, else every head (the layers stay whole). The plan used to count heads / tp (at
+    least 1) whatever the MLP width, under-budgeting the context store of a drafter whose layers stay whole."""
+    target = tiny_target()
+    h = target.text.hidden_size
+    # (KV heads, MLP width, tp): split; more ranks than KV heads; an MLP width tp does not divide; 3 of 4 heads
+    for i, (kv, inter, tp) in enumerate([(2, 2 * h, 2), (2, 2 * h, 4), (2, 2 * h + 1, 2), (4, 3 * h, 3)]):
+        raw = drafter_config(target, num_key_value_heads=kv, num_attention_heads=4, intermediate_size=inter)
+        path = write_drafter(tmp_path / str(i), target, num_key_value_heads=kv, num_attention_heads=4,
+                             intermediate_size=inter)
+        spec = SpeculativeConfig.resolve({"method": "dflash2", "model": path}, has_mtp=False, tensor_parallel_size=tp,
+                                         env={})
+        group = spec.cache_fields("auto", "float32")["draft_kv_group"]
+        held = build_rank_drafter(DFlash2DraftConfig.from_dict(raw), ParallelContext(0, tp, object())).num_kv_heads
+        assert group.bytes_per_token(tp) == 2 * held * 16 * 4, (kv, inter, tp)  # K + V, head_dim 16, fp32

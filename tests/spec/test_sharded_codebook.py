@@ -204,3 +204,14 @@ def test_rank_drafter_checks_every_name_and_shape_first(tmp_path):
     for what in ("unexpected tensor layers.9.mlp.up_proj.weight", "missing tensor layers.1.mlp.up_proj.weight",
                  "layers.0.self_attn.k_proj.weight: shape [16, 32] in the file, [32, 32] in the model"):
         assert what in str(e.value)
+
+
+def test_a_rank_past_the_vocabularys_end_looks_up_zeros():
+    """5 rows over 4 ranks split 2, 2, 1, 0: the last rank owns no row, so its part of every lookup is zero (it
+    indexed its empty shard before)."""
+    pred, succ = torch.randn(5, 3), torch.randn(5, 3)
+    ctx = ParallelContext(rank=3, size=4, group=object())  # no collective runs: only the local part is checked
+    books = ShardedCodebooks.from_full(pred, succ, ctx)
+    assert (books.start, books.end) == (5, 5)
+    part = books._owned(books.predecessor_codebook, torch.tensor([[0, 4], [2, 3]]))
+    assert torch.equal(part, torch.zeros(4, 3))

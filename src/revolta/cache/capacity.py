@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
 from ..units import human_bytes
-from .sizes import KV_DTYPES, fixed_state_breakdown, kv_bytes_breakdown, kv_heads_per_rank
+from .sizes import KV_DTYPES, fixed_state_breakdown, kv_bytes_breakdown
 
 GiB, MiB = 2**30, 2**20
 KERNEL_PAGE = 16  # attention / int8-scale kernels address 16-token pages inside a block
@@ -80,10 +80,14 @@ class DraftKVGroup:
     num_kv_heads: int
     head_dim: int
     kv_cache_dtype: str  # resolved: fp16 | bf16 | fp32 | fp8_e4m3 | int8
+    intermediate_size: int = 0  # the drafter's MLP width (0: unknown, the KV heads alone decide the split)
 
     def bytes_per_token(self, tp: int = 1) -> int:
-        """K and V (+ int8 per-token scales) of one draft layer for one token, per GPU."""
-        heads = kv_heads_per_rank(self.num_kv_heads, tp)
+        """K and V (+ int8 per-token scales) of one draft layer for one token, per GPU. A rank holds num_kv_heads / tp
+        heads when tp divides the KV heads and the MLP width, else all of them: the rank drafter's rule
+        (spec/dflash2/rank_drafter.py `splits_layers`), whose context store holds the layers' heads."""
+        split = tp > 1 and self.num_kv_heads % tp == 0 and self.intermediate_size % tp == 0
+        heads = self.num_kv_heads // tp if split else self.num_kv_heads
         elt = 4 if self.kv_cache_dtype == "fp32" else KV_DTYPES[self.kv_cache_dtype]
         return 2 * heads * self.head_dim * elt + (2 * heads * 4 if self.kv_cache_dtype == "int8" else 0)
 

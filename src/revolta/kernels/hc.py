@@ -31,7 +31,8 @@ Small M (decode / verify, M <= 8 by default; `hc_config`), the "rows" kernels, b
   computed by the same instructions on the same tiles whatever rows share its program, so a row's
   result does not depend on the batch (checked bitwise under the interpreter; the benchmark checks
   it on the GPU).
-4 <= M <= 16, the "dot" variant of the same three launches (kernels/hc_dot.py): the down and up passes
+MIN_M <= M <= MAX_M of `hc_dot_default` (4-8; the kernels take up to 16 rows per tile, `hc_config` hands
+them 4-8), the "dot" variant of the same three launches (kernels/hc_dot.py): the down and up passes
 multiply each weight tile once against a 16-row tile with tl.dot (config `hc_dot_default`; keys DOWN / UP
 pick "rows" or "dot" per pass). Off by default (ENABLED) until measured on the GPU.
 Larger M, the "tiles" kernels (`hc_config_tiles`), three launches: `_hc_down_kernel` (tl.dot tiles

@@ -44,6 +44,9 @@ class RankRowsTable(PLETable):
 
     def start(self, rows: Tensor, dtype: torch.dtype, backend: str) -> Finish:
         """rows [T, H] global row ids -> a function returning [T, H * d] in `dtype`, the same on every rank."""
+        if self.end_row == self.start_row:  # a rank past the table's end (5 rows over 4 ranks: 2, 2, 1, 0) owns none
+            part = torch.zeros(rows.shape[0], rows.shape[1] * self.weight.shape[1], dtype=dtype, device=rows.device)
+            return lambda: self.ctx.all_reduce(part)
         mine = (rows >= self.start_row) & (rows < self.end_row)  # [T, H]
         finish = super().start((rows - self.start_row).masked_fill(~mine, 0), dtype, backend)
         T, H = rows.shape

@@ -88,7 +88,8 @@ class SpeculativeConfig:
             out["draft_kv_group"] = DraftKVGroup(
                 num_layers=d.num_layers, num_sliding_layers=d.num_sliding_layers, sliding_window=d.sliding_window,
                 num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
-                kv_cache_dtype=_drafter_kv_dtype(resolve_kv_dtype(self.kv_cache_dtype or kv_cache_dtype, dtype), dtype))
+                kv_cache_dtype=_drafter_kv_dtype(resolve_kv_dtype(self.kv_cache_dtype or kv_cache_dtype, dtype), dtype),
+                intermediate_size=d.intermediate_size)
         return out
 
     def drafts_at(self, num_running: int) -> int:

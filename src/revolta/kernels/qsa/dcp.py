@@ -87,7 +87,8 @@ def attend_rows_partial(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     [R, Hq, D] un-gated, normalised over the rank's tokens, zero where it holds none; lse fp32 [R, Hq], -inf there)."""
     check(dcp >= 1 and 0 <= rank < dcp and ratio % dcp == 0,
           f"dcp={dcp}, rank={rank}, ratio={ratio}: the kernel needs 0 <= rank < dcp and dcp dividing the group size "
-          f"(each group then has ratio / dcp tokens per rank); use qsa_partial_ref otherwise")
+          f"(each group then has ratio / dcp tokens per rank); use a decode_context_parallel_size that divides the "
+          f"indexer's compress ratio {ratio}, or kernels='torch' (qsa_partial_ref takes any stripe)")
     check_attn(q, q, k_cache, v_cache, block_table, seq_lens, selected, kv_dtype, k_scale, v_scale)  # no gate: q's
     out = q.new_empty(q.shape, dtype=torch.float32)
     lse = q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -37,6 +37,7 @@ class DrafterFacts:
     selector_top_k: int
     target_layer_ids: tuple[int, ...]  # tapped target layers
     num_target_layers: int | None = None  # layers of the target it was trained on, when declared
+    intermediate_size: int = 0  # MLP width (with the KV heads it decides whether tp splits the layers)
 
     @property
     def num_full_layers(self) -> int:
@@ -77,4 +78,4 @@ class DrafterFacts:
                    num_sliding_layers=sliding, sliding_window=cfg.sliding_window if sliding else None,
                    has_attention_sinks=bool(value("attention_sink_bias")), selector_rank=cfg.selector_rank,
                    selector_top_k=cfg.selector_top_k, target_layer_ids=cfg.target_layer_ids,
-                   num_target_layers=cfg.num_target_layers)
+                   num_target_layers=cfg.num_target_layers, intermediate_size=cfg.intermediate_size)

@@ -114,6 +114,8 @@ class ShardedCodebooks(nn.Module):
     def _owned(self, table: Tensor, ids: Tensor) -> Tensor:
         """[*ids.shape, R]: the rows this rank owns, +0 elsewhere."""
         flat = ids.reshape(-1)
+        if self.end == self.start:  # a rank past the vocabulary's end (e.g. 5 rows over 4 ranks: 2, 2, 1, 0) owns none
+            return torch.zeros(flat.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
         mine = (flat >= self.start) & (flat < self.end)
         rows = table[(flat - self.start).clamp(0, self.end - self.start - 1)]  # [N, R]
         return torch.where(mine[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
