@@ -64,6 +64,9 @@ def test_device_layouts_that_cannot_run_are_refused_with_the_fix():
     with pytest.raises(ParallelConfigError, match=r"mixed GPUs \(cuda:0 NVIDIA H200 \(140 GiB\), cuda:1 NVIDIA V100 "
                                                   r"\(32 GiB\)\).*alike GPUs"):
         check_rank_devices("cuda", ParallelConfig(2), [H200, ("NVIDIA V100", 32 << 30)])
+    with pytest.raises(ParallelConfigError, match="mixed GPUs"):  # same model, a quarter less memory (e.g. a MIG slice)
+        check_rank_devices("cuda", ParallelConfig(2), [H200, (H200[0], H200[1] * 3 // 4)])
+    check_rank_devices("cuda", ParallelConfig(2), [H200, (H200[0], H200[1] - (64 << 20))])  # 64 MiB less: alike
 
 
 def test_llm_refuses_a_gpu_layout_before_loading(monkeypatch):

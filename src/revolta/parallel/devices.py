@@ -84,7 +84,10 @@ def check_rank_devices(device: torch.device | str, pc: ParallelConfig, gpus: Seq
             f"(e.g. CUDA_VISIBLE_DEVICES={','.join(str(device.index + r) for r in range(tp))})")
     check_world_size(pc, len(gpus))
     used = list(gpus[:tp])
-    if len(set(used)) > 1:
+    # alike: one model, and no rank with less memory than rank 0 plans for (1% slack: the same model can report a
+    # few MiB less, e.g. with ECC or a driver reservation)
+    name0, mem0 = used[0]
+    if any(name != name0 or mem < 0.99 * mem0 for name, mem in used[1:]):
         listed = ", ".join(f"cuda:{i} {name} ({mem / 2**30:.0f} GiB)" for i, (name, mem) in enumerate(used))
         raise ParallelConfigError(
             f"tensor_parallel_size={tp} runs on mixed GPUs ({listed}): rank 0 sizes every rank's cache from its own "
