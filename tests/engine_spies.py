@@ -20,6 +20,18 @@ def greedy_request(request_id: str, prompt_token_ids: list[int], max_tokens: int
     return Request(request_id, list(prompt_token_ids), params, mm_prompt=mm_prompt)
 
 
+def run_to_completion(engine, requests: list[Request], max_steps: int = 1000) -> int:
+    """Add `requests`, step the engine until none is unfinished; returns the steps taken (fails past max_steps)."""
+    for r in requests:
+        engine.add_request(r)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert steps < max_steps, "the engine stopped making progress"
+    return steps
+
+
 def spy_rows(engine, on_rows: Callable[[Request, Tensor, int], None]) -> None:
     """Call on_rows(request, rows [n, V], emitted) after each sampling: the rows request owned this step
     (its next token's, then one per draft) and how many tokens it gained from them."""

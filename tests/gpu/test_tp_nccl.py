@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_spies import greedy_request, record_gaps  # tests/, on sys.path
+from engine_spies import greedy_request, record_gaps, run_to_completion  # tests/, on sys.path
 from revolta.engine import Engine, EngineConfig
 from revolta.engine.tp_executor import TPGroup
 from revolta.errors import FatalEngineError
@@ -65,14 +65,8 @@ def _engine(model, spec=None, group: TPGroup | None = None) -> Engine:
 
 def _generate(engine: Engine, tokens: int = 8) -> list:
     reqs = [greedy_request(f"r{i}", p, max_tokens=tokens) for i, p in enumerate(PROMPTS)]
-    for batch in (reqs[:3], reqs[3:]):
-        for r in batch:
-            engine.add_request(r)
-        for _ in range(500):
-            if not engine.has_unfinished():
-                break
-            engine.step()
-    assert not engine.has_unfinished()
+    for batch in (reqs[:3], reqs[3:]):  # the last prompt once the others (and their pages) are done
+        run_to_completion(engine, batch, max_steps=500)
     return reqs
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from engine_spies import greedy_request  # tests/, on sys.path
+from engine_spies import greedy_request, run_to_completion  # tests/, on sys.path
 from revolta.cache.capacity import plan_cache
 from revolta.engine import Engine, EngineConfig
 from revolta.engine.tp_executor import TPGroup
@@ -190,12 +190,7 @@ def test_tp2_engine_with_image_prompts_equals_tp1(tmp_path):
                            {"image": [image(32, 48, 1), image(40, 24, 2)]}),
                 mm_request(model, "one", text(6, 4) + [VS, IMG, VE] + text(2, 5), {"image": [image(24, 32, 3)]}),
                 greedy_request("text", text(9, 6), max_tokens=6)]
-        for r in reqs:
-            engine.add_request(r)
-        for _ in range(500):
-            if not engine.has_unfinished():
-                break
-            engine.step()
+        run_to_completion(engine, reqs, max_steps=500)
         return [r.token_ids for r in reqs]
 
     kw = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=20, block_size=16, kv_cache_gib=0.004,

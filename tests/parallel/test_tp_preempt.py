@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_spies import greedy_request  # tests/, on sys.path
+from engine_spies import greedy_request, run_to_completion  # tests/, on sys.path
 from revolta.engine import Engine, EngineConfig
 from revolta.engine.tp_executor import TPGroup
 from revolta.weights import save_checkpoint
@@ -19,13 +19,7 @@ SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 
 def _run(engine: Engine) -> list[list[int]]:
     reqs = [greedy_request(f"p{i}", p, max_tokens=8) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-    assert not engine.has_unfinished()
+    run_to_completion(engine, reqs)
     return [r.token_ids for r in reqs]
 
 
