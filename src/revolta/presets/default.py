@@ -162,10 +162,14 @@ def preset_hash() -> str:
     return h.hexdigest()[:12]
 
 
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """`cache_dir` (user-expanded) when given, else `default_cache_root()`: where the presets build their dirs."""
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+
+
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the default checkpoint lives (whether or not it was built yet)."""
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    return root / f"default-{preset_hash()}"
+    return cache_root(cache_dir) / f"default-{preset_hash()}"
 
 
 def is_complete(directory: Path) -> bool:

@@ -75,8 +75,7 @@ def drafter_hash() -> str:
 
 def default_drafter_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the default drafter lives (whether or not it was built yet)."""
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default.default_cache_root()
-    return root / f"default-dflash2-{drafter_hash()}"
+    return default.cache_root(cache_dir) / f"default-dflash2-{drafter_hash()}"
 
 
 def ensure_default_drafter(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -73,13 +73,11 @@ def trained_hash() -> str:
 
 
 def trained_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default.default_cache_root()
-    return root / f"trained-{trained_hash()}"
+    return default.cache_root(cache_dir) / f"trained-{trained_hash()}"
 
 
 def trained_drafter_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default.default_cache_root()
-    return root / f"trained-dflash2-{trained_hash()}"
+    return default.cache_root(cache_dir) / f"trained-dflash2-{trained_hash()}"
 
 
 def ensure_trained_model(cache_dir: str | os.PathLike | None = None) -> Path:
