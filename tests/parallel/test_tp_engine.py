@@ -22,6 +22,8 @@ from revolta.errors import FatalEngineError
 from revolta.weights import save_checkpoint
 from tp_tiny import full_model, tiny
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/parallel/conftest.py
+
 PROMPTS = [[(7 * i + 3 * n) % 500 for i in range(n)] for n in (21, 9, 50)]
 PROMPTS.append(PROMPTS[2][:48] + [1, 2, 3])  # the third prompt's 3 full pages (its snapshot at 48): a prefix hit
 
@@ -51,25 +53,20 @@ def _generate(engine: Engine) -> tuple[list[list[int]], int | None]:
 
 @pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "mtp"])
 def test_tp2_engine_equals_tp1(tmp_path, spec):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared cores: see test_tp_forward
+    cfg = tiny()
+    model = full_model(cfg)
+    save_checkpoint(model, tmp_path / "ckpt", progress=False)
+    want = _generate(_engine(model, spec))
+    group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=spec is not None, timeout_s=30)
+    procs = group.procs
     try:
-        cfg = tiny()
-        model = full_model(cfg)
-        save_checkpoint(model, tmp_path / "ckpt", progress=False)
-        want = _generate(_engine(model, spec))
-        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=spec is not None, timeout_s=30)
-        procs = group.procs
-        try:
-            engine = _engine(group.model, spec, group)
-            assert engine.executor.local.model.lm_head.weight.shape[0] == cfg.text.vocab_size // 2  # rank 0's half
-            assert engine.plan.layout.tp == 2
-            assert engine.plan.budget.weights_bytes == 0  # kv_cache_gib: a fixed allowance (see test_tp_llm)
-            got = _generate(engine)
-        finally:
-            group.close()
+        engine = _engine(group.model, spec, group)
+        assert engine.executor.local.model.lm_head.weight.shape[0] == cfg.text.vocab_size // 2  # rank 0's half
+        assert engine.plan.layout.tp == 2
+        assert engine.plan.budget.weights_bytes == 0  # kv_cache_gib: a fixed allowance (see test_tp_llm)
+        got = _generate(engine)
     finally:
-        torch.set_num_threads(threads)
+        group.close()
     assert got == want
     assert all(len(t) == 5 for t in got[0]) and got[1] == 48, got[1]  # 3 pages came from the prefix cache
     assert not any(p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
@@ -85,27 +82,22 @@ def test_dcp_engine_equals_tp1(tmp_path, tp, dcp, text, spec):
     """DCP through the engine: chunked prefill, a prefix hit (its pages' stripes on every rank), decode and (TP2)
     MTP verify rows all attend the striped K/V; the greedy tokens are TP1's, and a DCP2 rank's cache plan holds
     more blocks than TP alone in the same allowance (each page is half the trunk K/V)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    cfg = tiny(**text)
+    model = full_model(cfg)
+    save_checkpoint(model, tmp_path / "ckpt", progress=False)
+    want = _generate(_engine(model, spec))
+    group = TPGroup.start(cfg, tmp_path / "ckpt", tp, with_mtp=spec is not None, timeout_s=30, dcp=dcp)
+    procs = group.procs
     try:
-        cfg = tiny(**text)
-        model = full_model(cfg)
-        save_checkpoint(model, tmp_path / "ckpt", progress=False)
-        want = _generate(_engine(model, spec))
-        group = TPGroup.start(cfg, tmp_path / "ckpt", tp, with_mtp=spec is not None, timeout_s=30, dcp=dcp)
-        procs = group.procs
-        try:
-            engine = _engine(group.model, spec, group)
-            layout = engine.plan.layout
-            assert (layout.tp, layout.dcp) == (tp, dcp)
-            assert engine.storage.qsa[3].k_cache.shape[1] == 16 // dcp  # rank 0's stripe of each block
-            tp_alone = plan_cache(cfg, engine.plan.cache, engine.plan.budget, tp=tp, dtype="float32")
-            assert engine.plan.num_blocks > tp_alone.num_blocks, (engine.plan.num_blocks, tp_alone.num_blocks)
-            got = _generate(engine)
-        finally:
-            group.close()
+        engine = _engine(group.model, spec, group)
+        layout = engine.plan.layout
+        assert (layout.tp, layout.dcp) == (tp, dcp)
+        assert engine.storage.qsa[3].k_cache.shape[1] == 16 // dcp  # rank 0's stripe of each block
+        tp_alone = plan_cache(cfg, engine.plan.cache, engine.plan.budget, tp=tp, dtype="float32")
+        assert engine.plan.num_blocks > tp_alone.num_blocks, (engine.plan.num_blocks, tp_alone.num_blocks)
+        got = _generate(engine)
     finally:
-        torch.set_num_threads(threads)
+        group.close()
     assert got == want
     assert got[1] == 48, got[1]
     assert not any(p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
@@ -115,57 +107,47 @@ def test_dcp_engine_equals_tp1(tmp_path, tp, dcp, text, spec):
 
 @pytest.mark.parametrize("dcp", [1, 2], ids=["tp2", "tp2-dcp2"])
 def test_a_killed_rank_is_a_fatal_engine_error(tmp_path, dcp):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    cfg = tiny(num_key_value_heads=1) if dcp > 1 else tiny()
+    model = full_model(cfg)
+    save_checkpoint(model, tmp_path / "ckpt", progress=False)
+    group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30, dcp=dcp)
+    worker = group.procs[0]
     try:
-        cfg = tiny(num_key_value_heads=1) if dcp > 1 else tiny()
-        model = full_model(cfg)
-        save_checkpoint(model, tmp_path / "ckpt", progress=False)
-        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30, dcp=dcp)
-        worker = group.procs[0]
-        try:
-            engine = _engine(group.model, None, group)
-            engine.add_request(greedy_request("r", PROMPTS[2], max_tokens=5))
-            engine.step()  # mid-request: the prompt is half prefilled
-            worker.kill()
-            worker.join(10)
-            t0 = time.monotonic()
-            with pytest.raises(FatalEngineError, match=r"worker\(s\) \['revolta-tp-rank1'\] exited"):
-                engine.step()
-            assert time.monotonic() - t0 < 5
-            with pytest.raises(FatalEngineError):  # out of step for good: the health check stays failed
-                engine.check_health()
-            engine.abort("r")  # what a server does with the running requests: frees them, raises nothing
-        finally:
-            group.close(timeout_s=5)
+        engine = _engine(group.model, None, group)
+        engine.add_request(greedy_request("r", PROMPTS[2], max_tokens=5))
+        engine.step()  # mid-request: the prompt is half prefilled
+        worker.kill()
+        worker.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(FatalEngineError, match=r"worker\(s\) \['revolta-tp-rank1'\] exited"):
+            engine.step()
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(FatalEngineError):  # out of step for good: the health check stays failed
+            engine.check_health()
+        engine.abort("r")  # what a server does with the running requests: frees them, raises nothing
     finally:
-        torch.set_num_threads(threads)
+        group.close(timeout_s=5)
     assert not worker.is_alive()
 
 
 def test_a_stalled_rank_is_a_parallel_timeout_then_a_fatal_engine_error(tmp_path):
     """A worker that stops answering (SIGSTOP) mid-request: rank 0's collective gives up after timeout_s, the
     step raises FatalEngineError naming the ParallelTimeout, and the stalled worker is killed (no orphan)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    cfg = tiny()
+    save_checkpoint(full_model(cfg), tmp_path / "ckpt", progress=False)
+    group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=3)
+    worker = group.procs[0]
     try:
-        cfg = tiny()
-        save_checkpoint(full_model(cfg), tmp_path / "ckpt", progress=False)
-        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=3)
-        worker = group.procs[0]
-        try:
-            engine = _engine(group.model, None, group)
-            engine.add_request(greedy_request("r", PROMPTS[2], max_tokens=5))
+        engine = _engine(group.model, None, group)
+        engine.add_request(greedy_request("r", PROMPTS[2], max_tokens=5))
+        engine.step()
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(FatalEngineError, match="ParallelTimeout"):
             engine.step()
-            os.kill(worker.pid, signal.SIGSTOP)
-            t0 = time.monotonic()
-            with pytest.raises(FatalEngineError, match="ParallelTimeout"):
-                engine.step()
-            took = time.monotonic() - t0
-        finally:
-            group.close(timeout_s=5)
+        took = time.monotonic() - t0
     finally:
-        torch.set_num_threads(threads)
+        group.close(timeout_s=5)
     assert 2.5 < took < 10, took  # the 3 s collective timeout, plus stopping the group
     assert not worker.is_alive()
 
@@ -195,19 +177,14 @@ def test_tp2_engine_with_image_prompts_equals_tp1(tmp_path):
 
     kw = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=20, block_size=16, kv_cache_gib=0.004,
               max_num_encoder_input_tokens=48, encoder_cache_size=64)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    want = run(Engine(model, EngineConfig(**kw)))
+    group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
     try:
-        want = run(Engine(model, EngineConfig(**kw)))
-        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
-        try:
-            engine = Engine(group.model, EngineConfig(**kw, tensor_parallel_size=2), tp_group=group)
-            assert group.model.model.visual is not None and engine.encoder_cache is not None
-            got = run(engine)
-        finally:
-            group.close()
+        engine = Engine(group.model, EngineConfig(**kw, tensor_parallel_size=2), tp_group=group)
+        assert group.model.model.visual is not None and engine.encoder_cache is not None
+        got = run(engine)
     finally:
-        torch.set_num_threads(threads)
+        group.close()
     assert got == want and all(len(t) == 6 for t in got)
 
 
@@ -257,27 +234,22 @@ def test_tp2_engine_with_dflash2_equals_tp1(tmp_path):
         draft.candidate_selector.hidden_projection.weight.mul_(20.0)
     path = str(save_draft_model(draft, tmp_path / "drafter"))
     full_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     runs = {}
+    want = _generate(_engine(model))
+    group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
     try:
-        want = _generate(_engine(model))
-        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=False, timeout_s=30)
-        try:
-            for sharded in (True, False):  # the first engine's ranks build the second's executors over the same shards
-                engine = _engine(group.model, {"method": "dflash2", "model": path,
-                                               "sm70_dflash2": {"sharded_selector_codebook": sharded}}, group)
-                drafts = _record_drafts(engine)
-                mine = engine.drafter.drafter
-                assert mine.layers[0].self_attn.q_proj.weight.shape[0] == 2 * 16  # 2 of the 4 query heads
-                assert mine.layers[1].mlp.down_proj.weight.shape[1] == cfg.text.hidden_size  # half of 2 H channels
-                held = sum(p.numel() * p.element_size() for p in mine.parameters())
-                runs[sharded] = (_generate(engine), drafts, engine.spec_stats, mine.candidate_selector, held,
-                                 engine.drafter_weights_bytes)
-        finally:
-            group.close()
+        for sharded in (True, False):  # the first engine's ranks build the second's executors over the same shards
+            engine = _engine(group.model, {"method": "dflash2", "model": path,
+                                           "sm70_dflash2": {"sharded_selector_codebook": sharded}}, group)
+            drafts = _record_drafts(engine)
+            mine = engine.drafter.drafter
+            assert mine.layers[0].self_attn.q_proj.weight.shape[0] == 2 * 16  # 2 of the 4 query heads
+            assert mine.layers[1].mlp.down_proj.weight.shape[1] == cfg.text.hidden_size  # half of 2 H channels
+            held = sum(p.numel() * p.element_size() for p in mine.parameters())
+            runs[sharded] = (_generate(engine), drafts, engine.spec_stats, mine.candidate_selector, held,
+                             engine.drafter_weights_bytes)
     finally:
-        torch.set_num_threads(threads)
+        group.close()
     for sharded, (got, drafts, stats, selector, held, planned) in runs.items():
         assert got == want, sharded
         assert stats.num_rounds > 0 and stats.num_draft_tokens > 0, stats

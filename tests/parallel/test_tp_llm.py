@@ -36,14 +36,6 @@ def ckpt(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: the ranks must not oversubscribe them
-    yield
-    torch.set_num_threads(threads)
-
-
 def _run(llm: LLM) -> tuple[list[list[int]], int]:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)

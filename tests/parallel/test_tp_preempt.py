@@ -5,7 +5,6 @@ state slot is free again at the end."""
 
 from __future__ import annotations
 
-import torch
 
 from engine_spies import greedy_request, run_to_completion  # tests/, on sys.path
 from revolta.engine import Engine, EngineConfig
@@ -23,34 +22,29 @@ def _run(engine: Engine) -> list[list[int]]:
     return [r.token_ids for r in reqs]
 
 
-def test_tp2_preemption_with_mtp_gives_the_tp1_tokens(tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared cores: see test_tp_forward
+def test_tp2_preemption_with_mtp_gives_the_tp1_tokens(tmp_path, one_thread):
     kw = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
               enable_prefix_caching=False, speculative_config=SPEC)
+    cfg = tiny()
+    model = full_model(cfg)
+    save_checkpoint(model, tmp_path / "ckpt", progress=False)
+    want = _run(Engine(model, EngineConfig(**kw, kv_cache_gib=0.004)))
+    group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=True, timeout_s=30)
+    procs = group.procs
     try:
-        cfg = tiny()
-        model = full_model(cfg)
-        save_checkpoint(model, tmp_path / "ckpt", progress=False)
-        want = _run(Engine(model, EngineConfig(**kw, kv_cache_gib=0.004)))
-        group = TPGroup.start(cfg, tmp_path / "ckpt", 2, with_mtp=True, timeout_s=30)
-        procs = group.procs
-        try:
-            # 16 blocks per rank at TP2 with MTP (13 state slots take 240 KiB): the four prompts need ~26 at
-            # once (measured: p2 was preempted 6 times)
-            engine = Engine(group.model, EngineConfig(**kw, kv_cache_gib=0.00045, tensor_parallel_size=2),
-                            tp_group=group)
-            blocks = engine.plan.num_blocks
-            preempted: list[str] = []
-            orig = engine.scheduler._preempt
-            engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))
-            got = _run(engine)
-            free_blocks, free_slots = engine.allocator.blocks.num_free, engine.allocator.slots.num_free
-            slots = engine.allocator.config.num_slots
-        finally:
-            group.close()
+        # 16 blocks per rank at TP2 with MTP (13 state slots take 240 KiB): the four prompts need ~26 at
+        # once (measured: p2 was preempted 6 times)
+        engine = Engine(group.model, EngineConfig(**kw, kv_cache_gib=0.00045, tensor_parallel_size=2),
+                        tp_group=group)
+        blocks = engine.plan.num_blocks
+        preempted: list[str] = []
+        orig = engine.scheduler._preempt
+        engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))
+        got = _run(engine)
+        free_blocks, free_slots = engine.allocator.blocks.num_free, engine.allocator.slots.num_free
+        slots = engine.allocator.config.num_slots
     finally:
-        torch.set_num_threads(threads)
+        group.close()
     assert preempted, f"{blocks} blocks per rank held every request: the test did not preempt"
     assert got == want
     assert (free_blocks, free_slots) == (blocks - 1, slots - 1)  # all but the null block / slot are free again

@@ -115,7 +115,7 @@ def test_split_that_cuts_a_group_is_refused_naming_the_tensor(ckpts):
     assert packed_slices(name, ok, cfg.text, 1, 2).ranges == ((1, 2),)  # the second of the two groups
 
 
-def test_llm_tp2_on_an_awq_checkpoint_gives_the_tp1_tokens(ckpts):
+def test_llm_tp2_on_an_awq_checkpoint_gives_the_tp1_tokens(ckpts, one_thread):
     from revolta import LLM
     from revolta.engine.sampling import SamplingParams
 
@@ -123,18 +123,13 @@ def test_llm_tp2_on_an_awq_checkpoint_gives_the_tp1_tokens(ckpts):
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     args = dict(model=str(ckpts / "awq"), device="cpu", max_model_len=64, max_num_seqs=2, block_size=16,
                 kv_cache_gib=0.004, speculative_config={"method": None})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: the ranks must not oversubscribe them
+    want = [o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tensor_parallel_size=2, **args)
     try:
-        want = [o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params, use_tqdm=False)]
-        llm = LLM(tensor_parallel_size=2, **args)
-        try:
-            assert isinstance(llm.model.model.language_model.layers[3].self_attn.o_proj, RowParallelQuantLinear)
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        finally:
-            llm.close()
+        assert isinstance(llm.model.model.language_model.layers[3].self_attn.o_proj, RowParallelQuantLinear)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
-        torch.set_num_threads(threads)
+        llm.close()
     assert got == want and all(len(t) == 5 for t in got)
 
 
