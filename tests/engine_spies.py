@@ -65,3 +65,24 @@ def record_gaps(engine) -> None:
         r.__dict__.setdefault("gaps", []).extend((top2[:, 0] - top2[:, 1]).tolist())
 
     spy_rows(engine, on_rows)
+
+
+def kill_rank_and_expect_fatal(engine, group, request_id: str, bound_s: float) -> None:
+    """Kill rank 1's worker mid-request: the next step raises FatalEngineError naming it within `bound_s`, the
+    health check stays failed, and aborting the running request (what a server does) raises nothing."""
+    import time
+
+    import pytest
+
+    from revolta.errors import FatalEngineError
+
+    worker = group.procs[0]
+    worker.kill()
+    worker.join(10)
+    t0 = time.monotonic()
+    with pytest.raises(FatalEngineError, match=r"worker\(s\) \['revolta-tp-rank1'\] exited"):
+        engine.step()
+    assert time.monotonic() - t0 < bound_s
+    with pytest.raises(FatalEngineError):  # out of step for good
+        engine.check_health()
+    engine.abort(request_id)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_spies import greedy_request, record_gaps, run_to_completion  # tests/, on sys.path
+from engine_spies import greedy_request, kill_rank_and_expect_fatal, record_gaps, run_to_completion  # tests/, on sys.path
 from revolta.engine import Engine, EngineConfig
 from revolta.engine.tp_executor import TPGroup
 from revolta.errors import FatalEngineError
@@ -157,15 +157,7 @@ def test_a_killed_rank_fails_the_engine_at_once(tmp_path):
     group, engine = _started(tmp_path, timeout_s=30)
     worker = group.procs[0]
     try:
-        worker.kill()
-        worker.join(10)
-        t0 = time.monotonic()
-        with pytest.raises(FatalEngineError, match=r"worker\(s\) \['revolta-tp-rank1'\] exited"):
-            engine.step()
-        assert time.monotonic() - t0 < 10
-        with pytest.raises(FatalEngineError):
-            engine.check_health()
-        engine.abort("r")
+        kill_rank_and_expect_fatal(engine, group, "r", bound_s=10)
     finally:
         group.close(timeout_s=5)
     assert not worker.is_alive()

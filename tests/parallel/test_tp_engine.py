@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from engine_spies import greedy_request, run_to_completion  # tests/, on sys.path
+from engine_spies import greedy_request, kill_rank_and_expect_fatal, run_to_completion  # tests/, on sys.path
 from revolta.cache.capacity import plan_cache
 from revolta.engine import Engine, EngineConfig
 from revolta.engine.tp_executor import TPGroup
@@ -116,15 +116,7 @@ def test_a_killed_rank_is_a_fatal_engine_error(tmp_path, dcp):
         engine = _engine(group.model, None, group)
         engine.add_request(greedy_request("r", PROMPTS[2], max_tokens=5))
         engine.step()  # mid-request: the prompt is half prefilled
-        worker.kill()
-        worker.join(10)
-        t0 = time.monotonic()
-        with pytest.raises(FatalEngineError, match=r"worker\(s\) \['revolta-tp-rank1'\] exited"):
-            engine.step()
-        assert time.monotonic() - t0 < 5
-        with pytest.raises(FatalEngineError):  # out of step for good: the health check stays failed
-            engine.check_health()
-        engine.abort("r")  # what a server does with the running requests: frees them, raises nothing
+        kill_rank_and_expect_fatal(engine, group, "r", bound_s=5)
     finally:
         group.close(timeout_s=5)
     assert not worker.is_alive()
