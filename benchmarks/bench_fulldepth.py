@@ -4,6 +4,13 @@ rounds, where the GPU time goes, and how far each step is from its memory roofli
     python benchmarks/bench_fulldepth.py              # one H200 (~5 min cold); JSON in $OUT (or --json PATH)
     python benchmarks/bench_fulldepth.py --quick      # C1/C8 only, fewer steps
     python benchmarks/bench_fulldepth.py --device cpu --layers 4 --experts 8   # smoke run: tiny widths, torch path
+    python benchmarks/bench_fulldepth.py --fullsize   # the real model: 512 experts, AWQ int4, PLE table on the host
+
+--fullsize (issues 21 and 22) is the full-size model on one H200: the real config (48 layers, 512 experts,
+the real 47.7 GiB n-gram table) with random AWQ int4 weights (group 32) drawn on the GPU
+(quantized.random_quantized_model, 72.6 GiB) and the PLE table as random FP8 rows in pinned host memory
+(ple_placement "host", ple/random_table.py); its roofline counts the packed bytes. --weights awq and
+--ple host also apply to the 64-expert stand-in.
 
 The stand-in (benchmarks/standin.py): the real config (48 layers, real widths, top-10 routing, vocab
 248,320, the MTP layer) with --experts experts per layer (64 instead of 512 so fp16 weights fit one
@@ -58,7 +65,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from engine_timing import Req, copy_bandwidth_gbs, drive, gpu_ms, random_prompts, step_once, sync, time_graphs  # noqa: E402
 from forced_drafts import force_drafts  # noqa: E402
 from kernel_families import FAMILIES, breakdown, count_routing  # noqa: E402
-from standin import DrafterShape, build_model, mtp_draft_bytes, standin_config, step_bytes, write_drafter  # noqa: E402
+from standin import (DrafterShape, build_model, mtp_draft_bytes, standin_config, step_bytes, weight_tensors,  # noqa: E402
+                     write_drafter)
 
 from revolta.engine import Engine, EngineConfig  # noqa: E402
 from revolta.spec.graphs import SpecGraphs  # noqa: E402
@@ -425,6 +433,13 @@ def parse_args(argv):
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the prompt + tokens rounded up to 256 (graph block tables are this wide)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="default: 16 on CUDA, 0.05 on CPU")
+    ap.add_argument("--weights", choices=("16bit", "awq"), default="16bit",
+                    help="awq: random AWQ int4 weights (group 32) drawn on the device")
+    ap.add_argument("--ple", choices=("device", "host"), default="device",
+                    help="host: the n-gram table as random FP8 rows in pinned host memory")
+    ap.add_argument("--real-ngram-table", action="store_true", help="the real 47.7 GiB n-gram table size")
+    ap.add_argument("--fullsize", action="store_true",
+                    help="the real model: --experts 512 --weights awq --ple host --real-ngram-table, 48 layers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="C1 and C8 only, 12 timed steps")
     ap.add_argument("--json", default=None, help="default: $OUT/bench_fulldepth.json")
@@ -435,6 +450,8 @@ def parse_args(argv):
                  "to hold a full-attention layer")
     if args.quick:
         args.concurrency, args.steps = "1,8", min(args.steps, 12)
+    if args.fullsize:
+        args.layers, args.experts, args.weights, args.ple, args.real_ngram_table = 48, 512, "awq", "host", True
     args.cuda = args.device.startswith("cuda")
     args.widths = args.widths or ("real" if args.cuda else "tiny")
     args.kv_cache_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (16.0 if args.cuda else 0.05)
@@ -460,14 +477,28 @@ def main(argv: list[str] | None = None) -> dict:
     bw = copy_bandwidth_gbs(args.device, gib=1.0 if args.cuda else 1 / 64)
     out["copy_GBps"] = bw
     log(f"copy bandwidth {bw:,.0f} GB/s")
-    cfg = standin_config(args.layers, args.experts, with_mtp=True, widths=args.widths)
-    model = build_model(cfg, args.device, dtype, seed=args.seed, with_mtp=True)
-    params = sum(p.numel() for p in model.parameters())
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    out["model"] = {"layers": args.layers, "experts": args.experts, "widths": args.widths, "params": params,
-                    "weight_GiB": weights / 2**30}
-    log(f"stand-in built: {args.layers} layers, {args.experts} experts, {params / 1e9:.2f} B parameters, "
-        f"{weights / 2**30:.1f} GiB {str(dtype).removeprefix('torch.')}")
+    cfg = standin_config(args.layers, args.experts, with_mtp=True, widths=args.widths,
+                         real_ngram_table=args.real_ngram_table)
+    ple_table = "host" if args.ple == "host" else None
+    if args.weights == "awq":
+        from revolta.quantized import random_quantized_model
+
+        model = random_quantized_model(cfg, args.device, dtype, seed=args.seed, with_mtp=True, ple_table=ple_table)
+    else:
+        model = build_model(cfg, args.device, dtype, seed=args.seed, with_mtp=True)
+        if ple_table is not None:
+            from revolta.ple.random_table import attach_random_tables
+
+            attach_random_tables(model, ple_table, args.device, seed=args.seed)
+    from revolta.ple.load import ple_memory
+
+    weights = sum(t.numel() * t.element_size() for _, t in weight_tensors(model))
+    ple = ple_memory(model)
+    out["model"] = {"layers": args.layers, "experts": args.experts, "widths": args.widths, "weights": args.weights,
+                    "weight_GiB": weights / 2**30, "ple": ple.describe()}
+    log(f"model built: {args.layers} layers, {args.experts} experts, {args.weights} weights "
+        f"({str(dtype).removeprefix('torch.')} activations), {weights / 2**30:.1f} GiB on the device; "
+        f"PLE table: {ple.describe()}")
     args.prompts = random_prompts(max(args.concurrency), args.prompt_len, min(cfg.text.vocab_size, 248_044), args.seed)
     refs = plain_stage(model, args, bw, log, out)
     release()

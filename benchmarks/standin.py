@@ -29,12 +29,14 @@ STANDIN_NGRAM_BASE = 65_537  # hash-table size base of the stand-in's n-gram tab
 
 
 def standin_config(num_layers: int, num_experts: int | None = None, with_mtp: bool = False,
-                   widths: str = "real") -> ModelConfig:
+                   widths: str = "real", real_ngram_table: bool = False) -> ModelConfig:
     """The real model's layer pattern and widths (`widths="tiny"`: the embedded default's widths) with
-    `num_layers` layers, `num_experts` experts per layer (None: the config's) and its MTP layer when asked."""
+    `num_layers` layers, `num_experts` experts per layer (None: the config's) and its MTP layer when asked;
+    real_ngram_table: the real config's n-gram table size (47.7 GiB in FP8) instead of the stand-in's."""
     if widths == "real":
         raw = json.loads(REAL_CONFIG.read_text())
-        raw["text_config"].update(ngram_vocab_size_base=STANDIN_NGRAM_BASE, split_ngram_parts=1)
+        if not real_ngram_table:
+            raw["text_config"].update(ngram_vocab_size_base=STANDIN_NGRAM_BASE, split_ngram_parts=1)
     elif widths == "tiny":
         from revolta.presets.default import DEFAULT_CONFIG
 
@@ -135,6 +137,27 @@ def uniform_distinct(num_experts: int, top_k: int, rows: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** rows)
 
 
+def weight_tensors(model: torch.nn.Module):
+    """(name, tensor) of every weight a forward reads: the parameters and the packed tensors (buffers) of
+    quantized linears and expert banks."""
+    from revolta.layers.linear import QuantLinear
+    from revolta.layers.quant_moe import QuantExperts
+
+    yield from model.named_parameters()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, (QuantLinear, QuantExperts)):
+            for name, buf in mod.named_buffers():
+                yield f"{mod_name}.{name}", buf
+
+
+def table_row_bytes(emb: NGramEmbedding, dtype: torch.dtype) -> int:
+    """Bytes one token's lookup reads from an n-gram table: num_heads rows in the table's storage dtype (FP8
+    when it sits in host memory or is FP8 on the device), else in the model's dtype."""
+    table = getattr(emb.table, "weight", None)
+    itemsize = table.element_size() if table is not None else dtype.itemsize
+    return emb.num_heads * emb.head_dim * itemsize
+
+
 @dataclass(frozen=True)
 class WeightBytes:
     """The model's parameter bytes by how a decode step reads them."""
@@ -151,7 +174,7 @@ class WeightBytes:
     def of(cls, model: FlashNextModel) -> "WeightBytes":
         t = model.cfg.text
         dense = lm_head = experts = mtp_dense = 0
-        for name, p in model.named_parameters():
+        for name, p in weight_tensors(model):
             n = p.numel() * p.element_size()
             if ".mlp.experts." in name:
                 experts += 0 if name.startswith("mtp.") else n
@@ -162,8 +185,7 @@ class WeightBytes:
             elif "embed_tokens" not in name and "ngram_embedding" not in name:
                 dense += n  # gathered tables: only the looked-up rows count (below)
         ab = model.dtype.itemsize
-        ngram = sum(m.num_heads * m.ngram_embedding.weight.shape[1] * ab for m in model.modules()
-                    if isinstance(m, NGramEmbedding))
+        ngram = sum(table_row_bytes(m, model.dtype) for m in model.modules() if isinstance(m, NGramEmbedding))
         return cls(dense=dense, lm_head=lm_head, expert=experts / max(1, t.num_hidden_layers) / t.num_experts,
                    num_experts=t.num_experts, mtp_dense=mtp_dense, ngram_row=ngram, embed_row=t.hidden_size * ab)
 

@@ -106,3 +106,28 @@ def test_align_skips_what_one_side_lacks():
     assert align(list("abcd"), list("aYbcd")) == [0, 2, 3, 4]
     assert align(list("aQcd"), list("aRcd")) == [0, 1, 2, 3]  # a different kernel at the same place
     assert align(list("abc"), list("ab")) == [0, 1, None]
+
+
+def test_fulldepth_awq_weights_and_host_ple_table(tmp_path):
+    """The --fullsize path at tiny widths: random AWQ weights, the n-gram table as FP8 rows in host memory, and a
+    roofline that counts the packed bytes (measured 0.51x of the same model's fp32 weights at these widths, where
+    the unquantized routers, norms and HyperConnections weigh more than at the real ones) and one FP8 byte per
+    table value."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_fulldepth
+    from standin import WeightBytes, build_model, standin_config
+
+    out = bench_fulldepth.main(["--device", "cpu", "--layers", "4", "--experts", "8", "--prompt-len", "8",
+                                "--steps", "2", "--warmup", "0", "--concurrency", "1", "--methods=",
+                                "--profile-concurrency=", "--weights", "awq", "--ple", "host", "--strict",
+                                "--json", str(tmp_path / "fd.json")])
+    assert out["model"]["weights"] == "awq" and out["model"]["ple"].startswith("host (")
+    plain = out["decode"][0]
+    assert plain["step_ms"] > 0 and plain["roofline_ms"] > 0
+    dense32 = WeightBytes.of(build_model(standin_config(4, 8, with_mtp=True, widths="tiny"), "cpu",
+                                         __import__("torch").float32, seed=0, with_mtp=True))
+    packed = plain["bytes"]["dense_weights"]
+    assert packed < 0.6 * dense32.dense, (packed, dense32.dense)
+    cfg = standin_config(4, 8, with_mtp=True, widths="tiny").text
+    per_token = plain["bytes"]["table_rows"] - cfg.hidden_size * 4  # fp32 embedding row on CPU
+    assert per_token == len(cfg.ple_layer_ids) * cfg.num_ngram_heads * cfg.ngram_head_dim  # FP8: one byte each

@@ -15,6 +15,7 @@ from .layers.linear import QuantLinear
 from .layers.quant_moe import QuantExperts
 from .layers.quantize import init_random_packed, packed_modules, quantize_modules, weight_bytes_per_gpu
 from .model import FlashNextModel, init_random_weights
+from .ple.random_table import attach_random_tables
 from .quant.config import parse_quant_config
 from .weights import materialize
 
@@ -70,23 +71,27 @@ def format_quantization(cfg, tps: tuple[int, ...] = (1, 2, 4)) -> str:
 
 @torch.no_grad()
 def random_quantized_model(cfg, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16,
-                           group_size: int = 32, seed: int = 0, with_mtp: bool = True) -> nn.Module:
+                           group_size: int = 32, seed: int = 0, with_mtp: bool = True,
+                           ple_table: str | None = None) -> nn.Module:
     """The model of `cfg` (e.g. the real 48-layer, 512-expert config) with AWQ int4 weights (group
     `group_size`) drawn on `device`, no checkpoint file: for GPU benchmarks. A config that already names a
     quantization keeps it. Never on the CPU first: packed tensors are drawn where they live.
 
     AWQ covers the decoder and MTP layers except the routers, the shared-expert gate and the GDN b/a
     projections (16-bit, as released AWQ checkpoints keep them); dense weights are drawn like
-    `init_random_weights` on `device`.
+    `init_random_weights` on `device`. ple_table "host" / "device": the PLE n-gram tables as random FP8
+    tables in pinned host memory / on `device` (ple/random_table.py; the real model's is 47.7 GiB, so its
+    16-bit weight is never materialised); None: a 16-bit weight on `device` like every other dense weight.
     """
     from dataclasses import replace
-
 
     if cfg.quantization is None:
         awq = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
                "modules_to_not_convert": ["mlp.gate", "shared_expert_gate", "in_proj_b", "in_proj_a"]}
         cfg = replace(cfg, quantization=parse_quant_config({"quantization_config": awq}, source="random AWQ"))
     model = meta_model(cfg, with_mtp=with_mtp, with_vision=False)
+    if ple_table is not None:
+        attach_random_tables(model, ple_table, device, seed=seed)
     materialize(model, device, dtype)
     init_random_weights(model, seed=seed, device=str(device))
     init_random_packed(model, seed=seed)

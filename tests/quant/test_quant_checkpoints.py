@@ -190,6 +190,27 @@ def test_random_quantized_model_for_benchmarks():
     assert logits.isfinite().all() and logits.std() > 0
 
 
+
+def test_random_quantized_model_with_a_random_fp8_ple_table_in_host_memory():
+    from revolta.ple.load import ple_embeddings
+    from revolta.ple.random_table import attach_random_tables
+    from revolta.ple.table import PLETable
+    from revolta.quantized import random_quantized_model
+
+    model = random_quantized_model(ModelConfig.from_dict(TINY_MTP), device="cpu", dtype=torch.float32,
+                                   ple_table="host")
+    embs = [e for _, _, e in ple_embeddings(model)]
+    assert embs and not any("ngram_embedding" in n for n in model.state_dict())  # the 16-bit weight never existed
+    for emb in embs:
+        t = emb.table
+        assert isinstance(t, PLETable) and t.placement == "host" and t.weight.dtype == torch.float8_e4m3fn
+        assert t.weight.shape == (emb.num_rows, emb.head_dim) and float(t.scale) == 1.0
+        assert 0.8 < t.weight.float().std() < 1.2  # ~N(0, 1) like init_random_weights' embeddings
+    logits = model(torch.tensor([[1, 2, 3, 4, 5]]))
+    assert logits.isfinite().all() and logits.std() > 0
+    with pytest.raises(ValueError, match="needs table shards on disk"):
+        attach_random_tables(model, "disk", "cpu")
+
 def test_awq_layout_agrees_with_autoawq_and_the_description():
     import awq_reference
 
