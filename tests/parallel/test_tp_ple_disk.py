@@ -17,11 +17,11 @@ from revolta.engine.sampling import SamplingParams
 from revolta.parallel.layers import vocab_range
 from revolta.parallel.ple import RankStagedRows
 from revolta.ple.disk import PLEWorkerError
-from test_tp_llm import ARGS, PROMPTS, _run, one_thread  # noqa: F401 (one_thread: the fixture pytestmark uses)
+from test_tp_llm import ARGS, PROMPTS, _run
 from tp_tiny import tiny, write_fp8_ple_checkpoint
 
 BOUND_S = 10.0  # issue 22: a dead PLE worker fails the requests within ~10 s
-pytestmark = pytest.mark.usefixtures("one_thread")  # 2 shared cores: the ranks must not oversubscribe them
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/parallel/conftest.py
 
 
 @pytest.fixture(scope="module")
