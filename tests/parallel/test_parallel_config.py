@@ -44,13 +44,28 @@ def test_kv_heads_and_tp_must_divide_one_another(real):
 
 
 def test_a_dcp_group_shares_one_kv_head(real):
-    # 4 KV heads at TP12: 3 ranks per head; DCP2 would pair a rank of head 0 with one of head 1
+    # 4 KV heads at TP12: 3 ranks per head; DCP2 would pair a rank of head 0 with one of head 1 (a compress ratio of 6
+    # so that DCP3 also stripes whole index groups)
     cfg = replace(real, text=replace(real.text, num_key_value_heads=4, linear_num_key_heads=12,
                                      linear_num_value_heads=48, moe_intermediate_size=648,
-                                     shared_expert_intermediate_size=648))
+                                     shared_expert_intermediate_size=648, indexer_compress_ratio=6,
+                                     indexer_budget=2046))
     validate_parallel(ParallelConfig(12, 3), cfg)
     with pytest.raises(ParallelConfigError, match="does not divide tensor_parallel_size / num_key_value_heads = 3"):
         validate_parallel(ParallelConfig(12, 2), cfg)
+
+
+def test_dcp_must_divide_the_indexer_compress_ratio(real):
+    """The DCP kernel gives each rank ratio / dcp tokens of every compressed index group: a dcp that does not divide
+    the ratio is refused here, before weights load, naming the sizes that work (not at the first forward)."""
+    validate_parallel(ParallelConfig(8, 4), real)  # ratio 4: DCP4 stripes one token of each group per rank
+    cfg = replace(real, text=replace(real.text, indexer_compress_ratio=6, indexer_budget=2046))
+    validate_parallel(ParallelConfig(8, 2), cfg)
+    with pytest.raises(ParallelConfigError) as e:
+        validate_parallel(ParallelConfig(8, 4), cfg)
+    msg = str(e.value)
+    assert "decode_context_parallel_size=4 does not divide" in msg and "indexer_compress_ratio=6" in msg
+    assert msg.endswith("use a decode_context_parallel_size among 1, 2")
 
 
 @pytest.mark.parametrize("kw,needle", [

@@ -7,11 +7,14 @@ Every rule is checked before a byte of weights is read, and each error names the
   across the tp / kv_heads ranks that share it);
 - tp % dcp == 0 and dcp <= max(1, tp / kv_heads) (DCP removes the K/V duplication, no more), dcp dividing
   tp / kv_heads (a DCP group is consecutive ranks that share one KV head);
+- dcp divides the QSA indexer's compress ratio (the DCP attention kernel gives each rank ratio / dcp tokens of every
+  compressed group; the Triton path would refuse it only at the first forward, after the weights loaded);
 - packed (int4 / fp4) weights split along their input only at whole quantization groups.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -84,6 +87,14 @@ def validate_parallel(pc: ParallelConfig, cfg: ModelConfig) -> None:
         raise ParallelConfigError(
             f"decode_context_parallel_size={dcp} does not divide tensor_parallel_size / num_key_value_heads = "
             f"{tp // kv}: a DCP group must be ranks that share one KV head; use a divisor of {tp // kv}")
+    ratio = t.indexer_compress_ratio
+    if dcp > 1 and ratio % dcp:
+        fits = math.gcd(ratio, max_dcp)
+        raise ParallelConfigError(
+            f"decode_context_parallel_size={dcp} does not divide the QSA indexer's compress ratio "
+            f"(text_config.indexer_compress_ratio={ratio}): the DCP attention kernel stripes every compressed group of "
+            f"{ratio} tokens over the DCP ranks, ratio / dcp tokens each; use a decode_context_parallel_size among "
+            f"{_divisors(fits)}")
     _check_groups(cfg, tp)
 
 

@@ -33,7 +33,7 @@ from ..weights import (_OPTIONAL_ON_DISK, CheckpointError, _coverage_errors, _di
 from .config import ParallelConfig
 from .context import ParallelContext
 from .packed import localise_weight_shapes, packed_tensors
-from .ple import load_rank_tables
+from .ple import RankRows
 from .shard import Slices, build_rank_model, rank_slices
 
 
@@ -158,7 +158,7 @@ def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *,
     tables = PLELoader(model, path, ple_placement, split_rows=True)
     skip += tables.skip_prefixes
     load_rank_checkpoint(model, path, ctx.rank, tp, skip_prefixes=skip, device=device)
-    load_rank_tables(tables, ctx, device)  # device rows, host rows (pinned when the lookups run on a GPU) or the disk worker
+    tables.load(device, RankRows(ctx))  # device rows, host rows (pinned when the lookups run on a GPU) or the disk worker
     model.to_dtype(dtype)  # as load_model casts (GDN decay parameters stay fp32)
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration (cache metadata), as load_model sets it
     model.logit_mask = read_vocab_mask(path, cfg.text.vocab_size, device)  # the gathered logits: full vocabulary

@@ -8,7 +8,7 @@ bit for bit (x + 0 + ... + 0 == x). Where a rank keeps its rows follows the sing
   holds its rows, so each GPU carries 1/tp of the table (what the capacity dry run plans with);
 - "host" (`RankRowsTable`): page-aligned host memory, pinned in place on a GPU run (ordinary memory on CPU);
   the gather reads local rows (other ids read local row 0 and are zeroed after dequantising). Only the rank's
-  rows are read from the checkpoint (`read_table` with a row range), so a node's host memory holds the table
+  rows are read from the checkpoint (`PLELoader.load` with `RankRows`), so a node's host memory holds the table
   once, not once per rank.
 - "disk" (`RankStagedRows`): the rows stay in the checkpoint's files; each rank starts its own PLE worker
   process (ple/disk.py, when its ModelRunner is built), which maps only the rank's row range of the shards
@@ -18,14 +18,11 @@ bit for bit (x + 0 + ... + 0 == x). Where a rank keeps its rows follows the sing
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import Tensor
 
-from ..ple.load import PLELoader, host_tensor, logger, read_scale, read_table
 from ..ple.shards import TableLayout
-from ..ple.table import STORAGE_DTYPES, Finish, PLETable, StagedRows
+from ..ple.table import Finish, PLETable, StagedRows, TableRows
 from .context import ParallelContext
 from .layers import vocab_range
 
@@ -72,27 +69,21 @@ class RankStagedRows(StagedRows):
         return lambda: self.ctx.all_reduce(finish())
 
 
-def load_rank_tables(loader: PLELoader, ctx: ParallelContext, device: str | torch.device = "cpu") -> None:
-    """Attach this rank's rows of every planned table (see the module docstring): read onto `device` or into host
-    memory, or, for the disk placement, left in the files for the rank's PLE worker."""
-    device = torch.device(device)
-    for p in loader.plans if not loader.as_weight else ():
-        t0 = time.perf_counter()
-        lay = p.layout
-        start, end, _ = vocab_range(lay.rows, ctx.rank, ctx.size)
-        if loader.placement == "disk":
-            scale = None if p.scale is None else read_scale(p.scale, device)
-            p.module.attach_table(RankStagedRows(lay, scale, p.module.num_heads, device, start, end, ctx))
-            logger.info("PLE table of layer %d, rank %d: rows [%d, %d) of %d left in the checkpoint files for the "
-                        "rank's PLE worker", p.layer_idx, ctx.rank, start, end, lay.rows)
-            continue
-        nbytes = (end - start) * lay.row_bytes
-        on_device = loader.placement == "device"
-        raw = torch.empty(nbytes, dtype=torch.uint8, device=device) if on_device else host_tensor(nbytes)
-        read_table(lay, raw, (start, end))
-        weight = raw.view(STORAGE_DTYPES[lay.dtype]).view(end - start, lay.width)
-        scale = None if p.scale is None else read_scale(p.scale, device)
-        p.module.attach_table(RankRowsTable(weight, scale, device, loader.options.staged_min_tokens, start, end, ctx,
-                                            loader.placement))
-        logger.info("PLE table of layer %d, rank %d: rows [%d, %d) of %d %s (%.1f s)", p.layer_idx, ctx.rank, start,
-                    end, lay.rows, f"on {device}" if on_device else "in host memory", time.perf_counter() - t0)
+class RankRows(TableRows):
+    """What `PLELoader.load(device, RankRows(ctx))` reads on rank ctx.rank: its row range of every table, held by
+    `RankRowsTable` (device or host rows) or `RankStagedRows` (disk: the rank's PLE worker reads the range)."""
+
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+
+    def range(self, rows: int) -> tuple[int, int]:
+        start, end, _ = vocab_range(rows, self.ctx.rank, self.ctx.size)
+        return start, end
+
+    def table(self, weight: Tensor, scale: Tensor | None, placement: str, device: torch.device,
+              staged_min_tokens: int, rows: tuple[int, int]) -> PLETable:
+        return RankRowsTable(weight, scale, device, staged_min_tokens, *rows, self.ctx, placement)
+
+    def staged(self, layout: TableLayout, scale: Tensor | None, heads: int, device: torch.device,
+               rows: tuple[int, int]) -> StagedRows:
+        return RankStagedRows(layout, scale, heads, device, *rows, self.ctx)

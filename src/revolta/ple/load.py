@@ -33,7 +33,7 @@ from ..units import human_bytes
 from ..weights import CheckpointError, checkpoint_files
 from .placement import PLEOptions, check_placement
 from .shards import ITEMSIZE, TableLayout, TableShard, read_header
-from .table import STORAGE_DTYPES, PLETable, StagedRows
+from .table import STORAGE_DTYPES, PLETable, StagedRows, TableRows
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class PLELoader:
         self.plans = plan_tables(model, path) if ple_embeddings(model) else []
         fp8 = any(p.layout.dtype == "F8_E4M3" for p in self.plans)
         # a 16-bit device table is an ordinary weight, unless each tensor-parallel rank keeps only its rows
-        # (split_rows: parallel/ple.load_rank_tables reads them)
+        # (split_rows: `load` with parallel/ple.RankRows reads them)
         self.as_weight = placement == "device" and not fp8 and not split_rows
         if not self.as_weight:
             for p in self.plans:
@@ -191,20 +191,25 @@ class PLELoader:
     def skip_prefixes(self) -> tuple[str, ...]:
         return () if self.as_weight else tuple(f"{p.layout.name}." for p in self.plans)
 
-    def load(self, device: str | torch.device) -> None:
-        device = torch.device(device)
+    def load(self, device: str | torch.device, rows: TableRows | None = None) -> None:
+        """Bring every planned table in (module docstring). rows: which rows to read and the tables that hold them
+        (default: whole tables; parallel/ple.RankRows: a tensor-parallel rank's row range, read alone)."""
+        device, rows = torch.device(device), rows or TableRows()
         for p in self.plans if not self.as_weight else ():
             start = time.perf_counter()
             scale = None if p.scale is None else read_scale(p.scale, device)
             lay = p.layout
+            lo, hi = rows.range(lay.rows)
             if self.placement == "disk":
-                p.module.attach_table(StagedRows(lay, scale, p.module.num_heads, device))
+                p.module.attach_table(rows.staged(lay, scale, p.module.num_heads, device, (lo, hi)))
             else:
-                raw = host_tensor(lay.nbytes) if self.placement == "host" else \
-                    torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
-                read_table(lay, raw)
-                weight = raw.view(STORAGE_DTYPES[lay.dtype]).view(lay.rows, lay.width)
-                p.module.attach_table(PLETable(weight, scale, self.placement, device, self.options.staged_min_tokens))
+                nbytes = (hi - lo) * lay.row_bytes
+                raw = host_tensor(nbytes) if self.placement == "host" else \
+                    torch.empty(nbytes, dtype=torch.uint8, device=device)
+                read_table(lay, raw, (lo, hi))
+                weight = raw.view(STORAGE_DTYPES[lay.dtype]).view(hi - lo, lay.width)
+                p.module.attach_table(rows.table(weight, scale, self.placement, device, self.options.staged_min_tokens,
+                                                 (lo, hi)))
             logger.info("PLE table of layer %d: %s (%.1f s)", p.layer_idx, describe_table(p.module.table, lay),
                         time.perf_counter() - start)
         if self.plans and self.placement == "host":
@@ -212,10 +217,12 @@ class PLELoader:
 
 
 def describe_table(table: PLETable | StagedRows, layout: TableLayout) -> str:
-    what = f"{layout.rows:,} rows x {layout.width} {layout.dtype}{' + global scale' if layout.dtype == 'F8_E4M3' else ''}"
+    lo, hi = table.row_range
+    rows = f"{layout.rows:,} rows" if (lo, hi) == (0, layout.rows) else f"rows [{lo:,}, {hi:,}) of {layout.rows:,}"
+    what = f"{rows} x {layout.width} {layout.dtype}{' + global scale' if layout.dtype == 'F8_E4M3' else ''}"
     if isinstance(table, StagedRows):
-        return (f"disk placement, {human_bytes(layout.nbytes)} ({what}) left in {len(layout.shards)} checkpoint "
-                "shards, read through memory maps by the PLE worker")
+        return (f"disk placement, {human_bytes((hi - lo) * layout.row_bytes)} ({what}) left in {len(layout.shards)} "
+                "checkpoint shards, read through memory maps by the PLE worker")
     where = "pinned host memory" if table.placement == "host" and table.device.type == "cuda" else \
         "host memory" if table.placement == "host" else f"{table.device}"
     return f"{table.placement} placement, {human_bytes(table.nbytes)} ({what}) in {where}"

@@ -138,3 +138,23 @@ class StagedRows:
             raise RuntimeError(f"a forward of {T} tokens needs more PLE rows than the {self.buffer.shape[0]} the "
                                "worker's buffers hold; raise max_num_batched_tokens when the engine is built")
         return _done(dequantize_rows(self.buffer[:T], self.scale, dtype))
+
+
+class TableRows:
+    """Which rows of each table this process reads, and the objects that hold them: the whole table here
+    (PLETable, StagedRows); a tensor-parallel rank's row range and its all-reducing tables in parallel/ple.RankRows.
+    `PLELoader.load` asks it, so one loading path serves both."""
+
+    def range(self, rows: int) -> tuple[int, int]:
+        """The rows [lo, hi) of a table of `rows` rows to read."""
+        return 0, rows
+
+    def table(self, weight: Tensor, scale: Tensor | None, placement: str, device: torch.device,
+              staged_min_tokens: int, rows: tuple[int, int]) -> PLETable:
+        """The table over `weight` [hi - lo, d], the rows `rows` read onto the device or into host memory."""
+        return PLETable(weight, scale, placement, device, staged_min_tokens)
+
+    def staged(self, layout: TableLayout, scale: Tensor | None, heads: int, device: torch.device,
+               rows: tuple[int, int]) -> StagedRows:
+        """The disk placement's rows, `rows` of the table read by the PLE worker."""
+        return StagedRows(layout, scale, heads, device, rows)
