@@ -65,8 +65,9 @@ def time_graphs(engine) -> dict[str, list]:
     cuda = engine.model.device.type == "cuda"
     if engine.spec_graphs is not None:
         for B, rnd in engine.spec_graphs.graphs.items():
+            names = [n for n in ("draft", "verify", "commit") if getattr(rnd, n) is not None]  # DFlash2: no draft
             engine.spec_graphs.graphs[B] = replace(rnd, **{
-                name: Timed(getattr(rnd, name), parts.setdefault(name, []), cuda) for name in ("draft", "verify", "commit")})
+                name: Timed(getattr(rnd, name), parts.setdefault(name, []), cuda) for name in names})
     elif engine.graphs is not None:
         for g in engine.graphs.graphs.values():
             g.graph = Timed(g.graph.replay, parts.setdefault("decode", []), cuda)

@@ -149,11 +149,14 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     graphs = engine.graphs or engine.spec_graphs
     if graphs is not None:
         rows.append(("cudagraph_capture_sizes", graphs.batch_sizes, arg("cudagraph_capture_sizes")))
-        what = "speculative rounds (MTP draft steps, verify, commit)" if engine.spec_graphs else "decode steps"
+        sg = engine.spec_graphs
+        what = "decode steps" if sg is None else \
+            f"speculative rounds ({'MTP draft steps, ' if sg.draft_graph else 'eager drafts, '}verify, commit)"
         rows.append(("cuda graphs", f"{what}, {graphs.used_bytes / 2**20:,.0f} MiB", "captured at start-up"))
     else:
         why = "enforce_eager" if ec.enforce_eager else "no CUDA" if llm.device.type != "cuda" else \
             "torch kernels" if ec.kernels != "triton" else \
+            "DFlash2 rounds run eager (dflash2_graph_rounds off)" if ec.tensor_parallel_size == 1 else \
             "tensor_parallel_size > 1 runs eager on CUDA (bounded collective waits cannot be captured)"
         rows.append(("cuda graphs", "off", why))
     mem_source = "argument" if ec.cudagraph_mem_mib is not None else \

@@ -6,17 +6,31 @@ verify rows handed to sampling agree within rounding round after round (so the d
 verify and the commit all match the eager path), the tokens are identical, and most rounds really
 replayed a graph, padded from 3 requests to the captured 4. The graphs' memory is counted against
 the reserve.
+
+DFlash2 (EngineConfig.dflash2_graph_rounds; off by default, benchmarks/RESULTS.md S2b) drafts eagerly into the
+verify and commit graphs, 1 + 7 = 8 rows per request, at C1 and C8: the earlier attempt hit a CUDA illegal memory
+access in the replay-mode round on cold whole-directory runs; benchmarks/sanitize_dflash2.sh runs these tests under
+compute-sanitizer memcheck.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from revolta.engine import Engine, EngineConfig
+from revolta.presets.default_drafter import init_drafter_weights
+from revolta.spec.dflash2.checkpoint import save_draft_model
+from revolta.spec.dflash2.draft_config import DFlash2DraftConfig
+from revolta.spec.dflash2.model import DFlash2DraftModel
 from test_spec_gpu import Req, force, model  # noqa: F401  (the MTP test model)
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "spec"))  # the DFlash2 drafter fixture of the CPU tests
+from dflash2_fixtures import drafter_config  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -37,12 +51,15 @@ def record_calls(engine, calls):
     sampler.sample, sampler.verify = sample_spy, verify_spy
 
 
-def spec_run(model, prompts, refs, eager, replay):  # noqa: F811
-    engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
+def spec_run(model, prompts, refs, eager, replay, spec=None, size=4):  # noqa: F811
+    spec = {"method": "mtp", **(spec or {}), "spec_state_replay": replay}
+    engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=max(4, size), max_num_batched_tokens=256,
                                         kv_cache_gib=0.5, kernels="triton", enforce_eager=eager,
-                                        cudagraph_capture_sizes=(4,),
-                                        speculative_config={"method": "mtp", "spec_state_replay": replay}))
-    force(engine, refs, lambda rid: int(rid[1:]) % 5)
+                                        cudagraph_capture_sizes=(size,), speculative_config=spec,
+                                        dflash2_graph_rounds=spec["method"] == "dflash2"))
+    # MTP4: request i's draft i % 5 wrong; DFlash2 (7 drafts): draft (i + 3) % 8 (7: all right), so C1 accepts too
+    mod, shift = (5, 0) if spec["method"] == "mtp" else (8, 3)
+    force(engine, refs, lambda rid: (int(rid[1:]) + shift) % mod)
     calls = []
     reqs = [Req(f"r{i}", p, 21 + 3 * i) for i, p in enumerate(prompts)]
     for r in reqs:
@@ -54,11 +71,28 @@ def spec_run(model, prompts, refs, eager, replay):  # noqa: F811
     return engine, reqs, calls
 
 
+@pytest.fixture(scope="module")
+def drafter_dir(model, tmp_path_factory):  # noqa: F811
+    """A 3-layer DFlash2 drafter (two sliding layers) for the test model, random weights, on disk."""
+    d = DFlash2DraftModel(DFlash2DraftConfig.from_dict(drafter_config(model.cfg), source="gpu test drafter"))
+    init_drafter_weights(d, seed=4)
+    return str(save_draft_model(d, tmp_path_factory.mktemp("dflash2")))
+
+
+CASES = [("mtp", 3, 4), ("dflash2", 1, 1), ("dflash2", 8, 8)]  # (method, requests, captured size)
+
+
 @pytest.mark.parametrize("replay", [False, True], ids=["per-draft-slots", "replay"])
-def test_graph_rounds_equal_eager_rounds(model, replay):  # noqa: F811
+@pytest.mark.parametrize("method,num_reqs,size", CASES, ids=["mtp-C3", "dflash2-C1", "dflash2-C8"])
+def test_graph_rounds_equal_eager_rounds(model, replay, method, num_reqs, size, request):  # noqa: F811
+    """MTP rounds replay draft + verify + commit graphs; DFlash2 rounds draft eagerly and replay verify + commit."""
+    # every decode step drafts (the adaptive policy may pause a drafter its measured rows call slower)
+    spec = {"method": "dflash2", "model": request.getfixturevalue("drafter_dir"), "draft_policy": "always"} \
+        if method == "dflash2" else None
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (9, 70, 33)]
-    plain = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=4, kv_cache_gib=0.5, kernels="triton",
+    lens = (9, 70, 33, 140, 17, 64, 8, 111)[:num_reqs]
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in lens]
+    plain = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=8, kv_cache_gib=0.5, kernels="triton",
                                        speculative_config={"method": None}))
     base = [Req(f"r{i}", p, 21 + 3 * i) for i, p in enumerate(prompts)]
     for r in base:
@@ -67,10 +101,12 @@ def test_graph_rounds_equal_eager_rounds(model, replay):  # noqa: F811
         while plain.has_unfinished():
             plain.step()
     refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base}
-    eager, ref_reqs, ref_calls = spec_run(model, prompts, refs, True, replay)
-    graph, got_reqs, got_calls = spec_run(model, prompts, refs, False, replay)
-    assert eager.spec_graphs is None and graph.spec_graphs.batch_sizes == [4]
-    assert graph.spec_graphs.num_replays >= 8, graph.spec_graphs.num_replays
+    eager, ref_reqs, ref_calls = spec_run(model, prompts, refs, True, replay, spec, size)
+    graph, got_reqs, got_calls = spec_run(model, prompts, refs, False, replay, spec, size)
+    assert eager.spec_graphs is None and graph.spec_graphs.batch_sizes == [size]
+    assert graph.spec_graphs.draft_graph == (method == "mtp")
+    assert graph.spec_graphs.rows == (5 if method == "mtp" else 8)
+    assert graph.spec_graphs.num_replays >= (8 if method == "mtp" else 5), graph.spec_graphs.num_replays
     assert graph.spec_stats.num_accepted_tokens > 0
     for r, g_ in zip(ref_reqs, got_reqs):
         assert g_.token_ids == r.token_ids, r.request_id
@@ -79,7 +115,7 @@ def test_graph_rounds_equal_eager_rounds(model, replay):  # noqa: F811
     for (dl, a), (dl2, b) in zip(got_calls, ref_calls):
         assert dl == dl2
         worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
-    print(f"graph vs eager rounds: worst relative logit difference {worst:.3g}")
+    print(f"{method} C{num_reqs} graph vs eager rounds: worst relative logit difference {worst:.3g}")
     assert worst <= 1e-4
 
 

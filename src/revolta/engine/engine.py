@@ -89,6 +89,10 @@ class EngineConfig:
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     enforce_eager: bool = False
+    # DFlash2 rounds through the speculative verify and commit CUDA graphs (the drafter still drafts eagerly); off
+    # by default: the earlier attempt hit a CUDA illegal memory access on cold whole-directory GPU runs whose cause
+    # was not found (benchmarks/RESULTS.md S2b; tests/gpu/test_spec_graphs_gpu.py, benchmarks/sanitize_dflash2.sh)
+    dflash2_graph_rounds: bool = False
     cudagraph_mem_mib: float | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     # ranks the text model is split across (vLLM's name; parallel/, engine/tp_executor.py): the engine then runs

@@ -173,8 +173,10 @@ class UniProcExecutor(Executor):
         model, spec, config = self.model, self.spec, self.config
         if model.device.type == "cuda" and config.use_cuda_graphs:
             if spec.enabled:  # every decoding step is a verify round, unless the adaptive policy paused drafting
-                # the round graphs run the MTP drafter (spec/graphs.py); another drafter drafts eagerly
-                self.spec_graphs = self._capture_graphs(spec=True) if spec.method == "mtp" else None
+                # the round graphs run the MTP drafter (spec/graphs.py); DFlash2 drafts eagerly, into the verify and
+                # commit graphs only when dflash2_graph_rounds is on
+                if round_graphs(spec.method, config.dflash2_graph_rounds):
+                    self.spec_graphs = self._capture_graphs(spec=True)
                 if spec.method == "mtp" and spec.draft_policy == "adaptive":  # paused steps replay decode graphs
                     self.graphs = self._capture_graphs(hidden=True)
                 # as long as a benchmark row (spec/measured_speedup.json) says speculation is slower
@@ -211,9 +213,11 @@ class UniProcExecutor(Executor):
                              "drop them or raise max_num_seqs")
         width = -(-(cfg.max_model_len + self.plan.cache.num_speculative_tokens) // self.plan.layout.block_size)
         if spec:
+            mtp = self.spec.method == "mtp"
             graphs = SpecGraphs(self.runner, sizes, self.spec.num_speculative_tokens, self.spec.spec_state_replay,
-                                width)
-            what = f"speculative round (MTP draft steps, verify of 1 + {self.spec.num_speculative_tokens} rows, commit)"
+                                width, draft_graph=mtp)
+            what = (f"speculative round ({'MTP draft steps, ' if mtp else ''}verify of 1 + "
+                    f"{self.spec.num_speculative_tokens} rows, commit)")
         else:
             graphs = DecodeGraphs(self.runner, sizes, width, return_hidden=hidden)
             what = "decode (with hidden rows, for steps while drafting is paused)" if hidden else "decode"
@@ -393,7 +397,10 @@ class UniProcExecutor(Executor):
                        for it, st in zip(items, steps)]
         graphed = (self.spec_graphs is not None and all(it.verify for it in items)
                    and self.spec_graphs.can_run(steps, [d.num_drafts for d in draft_items]))
-        drafts = self.drafter.propose(draft_items, self.spec_graphs) if graphed else self.drafter.propose(draft_items)
+        if graphed and self.spec_graphs.draft_graph:  # MTP: the seed and draft steps replay the draft graph
+            drafts = self.drafter.propose(draft_items, self.spec_graphs)
+        else:
+            drafts = self.drafter.propose(draft_items)
         pre = [i for i, it in enumerate(items) if not it.verify]
         ver = [i for i, it in enumerate(items) if it.verify]
         rows: dict[int, tuple[Tensor, Tensor]] = {}  # item -> (logits rows, wide rows)
@@ -417,7 +424,9 @@ class UniProcExecutor(Executor):
         paged = None
         if graphed:  # spec/graphs.py: replay the verify graph; the drafts reach the host here
             num_drafts = [d.num_drafts for d in draft_items]
-            logits, wide, drafts = self.spec_graphs.verify(steps, drafts, num_drafts, self._slot_rows(items))
+            logits, wide, verified = self.spec_graphs.verify(steps, drafts, num_drafts, self._slot_rows(items))
+            if isinstance(drafts, Tensor):  # drafted on the device: they reach the host here
+                drafts = verified  # host drafts (DFlash2's DraftTokens, with their q) stay what the drafter proposed
             R = self.spec_graphs.rows
             for i, n in enumerate(num_drafts):
                 rows[i] = (logits[i * R:i * R + n + 1], wide[i * R:i * R + n + 1])
@@ -453,6 +462,12 @@ class UniProcExecutor(Executor):
         """The slot holding each request's committed state after `accepted` drafts."""
         return [it.alloc.draft_slots[a - 1] if a and it.alloc.draft_slots else it.alloc.state_slot
                 for it, a in zip(items, accepted)]
+
+
+def round_graphs(method: str | None, dflash2_graph_rounds: bool) -> bool:
+    """Whether speculative rounds replay CUDA graphs (on CUDA with graphs on): MTP's always (draft, verify and
+    commit graphs); DFlash2's verify and commit graphs only behind EngineConfig.dflash2_graph_rounds."""
+    return method == "mtp" or (method == "dflash2" and dflash2_graph_rounds)
 
 
 @dataclass

@@ -17,6 +17,10 @@ step plus k - 1 small MTP steps instead of k + 1 eager forwards.
   kept row counts (known after sampling); with replay this is the replay kernels of every GDN layer
   in one launch instead of a few hundred.
 
+A drafter other than MTP (DFlash2) drafts eagerly and hands host drafts to the verify graph:
+`SpecGraphs(..., draft_graph=False)` captures the verify and commit graphs only (the engine does so
+behind `EngineConfig.dflash2_graph_rounds`, off by default: benchmarks/RESULTS.md S2b).
+
 Padding (as cuda_graphs.DecodeGraphs): rows past b are R-token sequences on the dummy state slot 0
 and the null block 0, which no request owns; their draft-slot rows, kept slots and draft steps point
 there too, so they change nothing a request reads. The block table is captured at the decode graphs'
@@ -77,7 +81,7 @@ class _Round:
     """What one batch size replays: CUDA graphs' `replay`, or the same code run eagerly on the same
     static buffers (`capture(graphs=False)`)."""
 
-    draft: Callable[[], None]
+    draft: Callable[[], None] | None  # None: no draft graph (the drafter drafts eagerly)
     verify: Callable[[], None]
     commit: Callable[[], None]
 
@@ -90,29 +94,33 @@ def _upload(dst: Tensor, host: Tensor) -> None:
 class SpecGraphs:
     """Captured draft, verify and commit graphs of `runner` for `batch_sizes` (see the module docstring).
 
-    num_drafts: k; replay: spec_state_replay (no per-draft slots); max_blocks_per_seq: the table width.
+    num_drafts: k; replay: spec_state_replay (no per-draft slots); max_blocks_per_seq: the table width;
+    draft_graph: capture the MTP draft graph too (False: the drafter drafts eagerly, as DFlash2's does).
     """
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int], num_drafts: int, replay: bool,
-                 max_blocks_per_seq: int):
+                 max_blocks_per_seq: int, draft_graph: bool = True):
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"cudagraph batch sizes must be >= 1, got {batch_sizes}")
         self.runner, self.k, self.replay, self.width = runner, num_drafts, replay, max_blocks_per_seq
+        self.draft_graph = draft_graph
         self.rows = num_drafts + 1  # R: definite token + k drafts
         self.batch_sizes = sorted(set(batch_sizes))
         B, R, W = self.batch_sizes[-1], self.rows, self.width
         device = runner.model.device
         i32 = dict(dtype=torch.int32, device=device)
         self.verify_in = torch.zeros(sum(section_sizes(B, B * R, W)), dtype=torch.int64, device=device)
-        self.seed_in = torch.zeros(sum(section_sizes(B, B * R, W)), dtype=torch.int64, device=device)
-        self.draft_in = torch.zeros(max(1, num_drafts - 1) * sum(section_sizes(B, B, W)), dtype=torch.int64,
-                                    device=device)
+        # the MTP draft graph's inputs (empty without one)
+        self.seed_in = torch.zeros(sum(section_sizes(B, B * R, W)) if draft_graph else 0, dtype=torch.int64,
+                                   device=device)
+        self.draft_in = torch.zeros(max(1, num_drafts - 1) * sum(section_sizes(B, B, W)) if draft_graph else 0,
+                                    dtype=torch.int64, device=device)
         self.draft_table = torch.zeros(B, R, **i32)  # per-draft state slots (unused with replay)
         self.flat_index = torch.arange(B * R, device=device)  # every request has exactly R rows
         self.keep = torch.zeros(B, **i32)
         self.num_kept = torch.ones(B, **i32)
-        self.seed_hidden = torch.zeros(B * R, runner.model.cfg.text.wide_size, dtype=runner.model.dtype,
-                                       device=device)  # [B * R, h*d] pending target rows, R per request
+        self.seed_hidden = torch.zeros(B * R if draft_graph else 0, runner.model.cfg.text.wide_size,
+                                       dtype=runner.model.dtype, device=device)  # [B * R, h*d] pending target rows
         self.seed_last = torch.arange(B, device=device) * R  # [B] the last pending row of each request
         self.drafts = torch.zeros(B, num_drafts, dtype=torch.int64, device=device)
         self.shared: dict[str, Tensor] = {}  # the layers' records, the logits and wide rows (by name)
@@ -194,7 +202,7 @@ class SpecGraphs:
         if not graphs:
             for B in self.batch_sizes:
                 self.graphs[B] = _Round(
-                    lambda B=B: self._draft(B),
+                    (lambda B=B: self._draft(B)) if self.draft_graph else None,
                     lambda B=B: self._paged.__setitem__(B, self._verify(B)[2]),
                     lambda B=B: self._commit(B, self._paged[B]))
             return
@@ -212,6 +220,11 @@ class SpecGraphs:
             verify, (_, _, paged) = capture_graph(lambda: self._verify(B), pool, device)
             verify.replay()  # the commit's warm-up runs read the verify's outputs: make them the padding's
             commit, _ = capture_graph(lambda: self._commit(B, paged), pool, device)
+            self._paged[B] = paged  # the commit graph reads these verify outputs: keep their memory
+            self._captured += [verify, commit]
+            if not self.draft_graph:
+                self.graphs[B] = _Round(None, verify.replay, commit.replay)
+                continue
             flat = self.runner.pack_step(pad_verify([], None, B, R, bs), width=self.width)
             self.seed_in[: flat.numel()].copy_(flat)
             self.seed_last.copy_(torch.arange(self.seed_last.shape[0], device=device) * R)
@@ -220,9 +233,8 @@ class SpecGraphs:
                                  * (self.k - 1))
                 self.draft_in[: flat.numel()].copy_(flat)
             draft, _ = capture_graph(lambda: self._draft(B), pool, device)
-            self._paged[B] = paged  # the commit graph reads these verify outputs: keep their memory
             self.graphs[B] = _Round(draft.replay, verify.replay, commit.replay)
-            self._captured += [draft, verify, commit]
+            self._captured.append(draft)
         torch.cuda.synchronize(device)
         self.used_bytes = max(pool_bytes(pool), free_before - torch.cuda.mem_get_info(device)[0])
 
@@ -241,7 +253,8 @@ class SpecGraphs:
 
     def can_seed(self, seeds: list[StepSequence]) -> bool:
         """Whether the seed graph takes these seed sequences (at most R pending rows each)."""
-        return len(seeds) <= self.batch_sizes[-1] and all(len(s.token_ids) <= self.rows for s in seeds)
+        return (self.draft_graph and len(seeds) <= self.batch_sizes[-1]
+                and all(len(s.token_ids) <= self.rows for s in seeds))
 
     @torch.no_grad()
     def draft(self, seeds: list[StepSequence], hidden: list[Tensor], steps: list[StepSequence]) -> Tensor:
