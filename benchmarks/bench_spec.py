@@ -18,7 +18,8 @@ the embedded default's widths, with a tiny DFlash2 drafter: the CPU smoke run of
 
 ). Speculative rounds replay the
 spec/graphs.py CUDA graphs (captured for the run's concurrency; `--eager`: none); DFlash2 rounds only with
-`--dflash2-graph-rounds` (then the verify and commit graphs, the drafter eager), else eagerly. Times are wall clock
+`--dflash2-graph-rounds` (then the verify and commit graphs, the drafter eager unless `--dflash2-draft-graph`),
+else eagerly. Times are wall clock
 around `engine.step`, with a device sync.
 """
 
@@ -65,12 +66,13 @@ def model_config(name: str) -> dict:
 
 
 def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed=0, prompt=128, eager=False,
-        dflash2_graphs=False):
+        dflash2_graphs=False, dflash2_draft_graph=False):
     engine = Engine(model, EngineConfig(max_model_len=4096, max_num_seqs=max(8, concurrency),
                                         max_num_batched_tokens=4096, kv_cache_gib=4.0 if DEVICE == "cuda" else 0.5,
                                         kernels="triton" if DEVICE == "cuda" else "torch",
                                         enforce_eager=eager, cudagraph_capture_sizes=(concurrency,),
-                                        speculative_config=spec, dflash2_graph_rounds=dflash2_graphs))
+                                        speculative_config=spec, dflash2_graph_rounds=dflash2_graphs,
+                                        dflash2_draft_graph=dflash2_draft_graph))
     rng = random.Random(seed)
     if refs is not None:  # the MTP head still runs (its cost is part of the round), its drafts replaced
         vocab = model.cfg.text.vocab_size
@@ -105,6 +107,9 @@ def main() -> None:
     ap.add_argument("--dflash2-graph-rounds", action="store_true",
                     help="DFlash2 rounds through the verify and commit graphs (EngineConfig.dflash2_graph_rounds, "
                          "off by default: RESULTS S2b); without it DFlash2 rounds run eager")
+    ap.add_argument("--dflash2-draft-graph", action="store_true",
+                    help="DFlash2's drafter forward (block and greedy walk) from CUDA graphs too "
+                         "(EngineConfig.dflash2_draft_graph, off by default)")
     ap.add_argument("--rates", default="0.0,0.5,0.8", help="synthetic acceptance rates of the greedy rows")
     ap.add_argument("--draft-policy", default="always", choices=("always", "adaptive"),
                     help="the engine's draft policy (always: every decode step drafts, as the rates assume)")
@@ -144,7 +149,8 @@ def main() -> None:
                 # only apply to greedy; sampling rows measure the round's cost at the acceptance it gets
                 for rate in (rates if temperature == 0 else (0.0,)):
                     _, m = run(model, c, args.tokens, spec, temperature, refs, rate, prompt=args.prompt,
-                               eager=args.eager, dflash2_graphs=args.dflash2_graph_rounds)
+                               eager=args.eager, dflash2_graphs=args.dflash2_graph_rounds,
+                               dflash2_draft_graph=args.dflash2_draft_graph)
                     rows.append(dict(concurrency=c, temperature=temperature, method=method,
                                      mode="replay" if replay else "per-draft",
                                      rate=rate, speedup=m["tokens_per_s"] / base["tokens_per_s"], **m))

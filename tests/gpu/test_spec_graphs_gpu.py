@@ -51,12 +51,13 @@ def record_calls(engine, calls):
     sampler.sample, sampler.verify = sample_spy, verify_spy
 
 
-def spec_run(model, prompts, refs, eager, replay, spec=None, size=4):  # noqa: F811
+def spec_run(model, prompts, refs, eager, replay, spec=None, size=4, draft_graph=False):  # noqa: F811
     spec = {"method": "mtp", **(spec or {}), "spec_state_replay": replay}
     engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=max(4, size), max_num_batched_tokens=256,
                                         kv_cache_gib=0.5, kernels="triton", enforce_eager=eager,
                                         cudagraph_capture_sizes=(size,), speculative_config=spec,
-                                        dflash2_graph_rounds=spec["method"] == "dflash2"))
+                                        dflash2_graph_rounds=spec["method"] == "dflash2",
+                                        dflash2_draft_graph=draft_graph))
     # MTP4: request i's draft i % 5 wrong; DFlash2 (7 drafts): draft (i + 3) % 8 (7: all right), so C1 accepts too
     mod, shift = (5, 0) if spec["method"] == "mtp" else (8, 3)
     force(engine, refs, lambda rid: (int(rid[1:]) + shift) % mod)
@@ -79,13 +80,16 @@ def drafter_dir(model, tmp_path_factory):  # noqa: F811
     return str(save_draft_model(d, tmp_path_factory.mktemp("dflash2")))
 
 
-CASES = [("mtp", 3, 4), ("dflash2", 1, 1), ("dflash2", 8, 8)]  # (method, requests, captured size)
+# (method, requests, captured size, DFlash2's drafter forward in a graph too)
+CASES = [("mtp", 3, 4, False), ("dflash2", 1, 1, False), ("dflash2", 8, 8, False), ("dflash2", 8, 8, True)]
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["per-draft-slots", "replay"])
-@pytest.mark.parametrize("method,num_reqs,size", CASES, ids=["mtp-C3", "dflash2-C1", "dflash2-C8"])
-def test_graph_rounds_equal_eager_rounds(model, replay, method, num_reqs, size, request):  # noqa: F811
-    """MTP rounds replay draft + verify + commit graphs; DFlash2 rounds draft eagerly and replay verify + commit."""
+@pytest.mark.parametrize("method,num_reqs,size,draft_graph", CASES,
+                         ids=["mtp-C3", "dflash2-C1", "dflash2-C8", "dflash2-C8-draft-graph"])
+def test_graph_rounds_equal_eager_rounds(model, replay, method, num_reqs, size, draft_graph, request):  # noqa: F811
+    """MTP rounds replay draft + verify + commit graphs; DFlash2 rounds draft eagerly (or replay the drafter's
+    graph) and replay verify + commit. The forced drafts replace the drafter's, so every run verifies the same."""
     # every decode step drafts (the adaptive policy may pause a drafter its measured rows call slower)
     spec = {"method": "dflash2", "model": request.getfixturevalue("drafter_dir"), "draft_policy": "always"} \
         if method == "dflash2" else None
@@ -102,7 +106,10 @@ def test_graph_rounds_equal_eager_rounds(model, replay, method, num_reqs, size, 
             plain.step()
     refs = {r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in base}
     eager, ref_reqs, ref_calls = spec_run(model, prompts, refs, True, replay, spec, size)
-    graph, got_reqs, got_calls = spec_run(model, prompts, refs, False, replay, spec, size)
+    graph, got_reqs, got_calls = spec_run(model, prompts, refs, False, replay, spec, size, draft_graph)
+    if method == "dflash2":
+        assert (graph.drafter.graphs is not None) == draft_graph and eager.drafter.graphs is None
+        assert not draft_graph or graph.drafter.graphs.num_replays >= 5
     assert eager.spec_graphs is None and graph.spec_graphs.batch_sizes == [size]
     assert graph.spec_graphs.draft_graph == (method == "mtp")
     assert graph.spec_graphs.rows == (5 if method == "mtp" else 8)

@@ -93,6 +93,9 @@ class EngineConfig:
     # by default: the earlier attempt hit a CUDA illegal memory access on cold whole-directory GPU runs whose cause
     # was not found (benchmarks/RESULTS.md S2b; tests/gpu/test_spec_graphs_gpu.py, benchmarks/sanitize_dflash2.sh)
     dflash2_graph_rounds: bool = False
+    # DFlash2's drafter forward (the block through its layers and the greedy walk) replays one CUDA graph per captured
+    # batch size, its context store read as whole rings (spec/dflash2/draft_graph.py); off by default until measured
+    dflash2_draft_graph: bool = False
     cudagraph_mem_mib: float | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     # ranks the text model is split across (vLLM's name; parallel/, engine/tp_executor.py): the engine then runs

@@ -177,6 +177,10 @@ class UniProcExecutor(Executor):
                 # commit graphs only when dflash2_graph_rounds is on
                 if round_graphs(spec.method, config.dflash2_graph_rounds):
                     self.spec_graphs = self._capture_graphs(spec=True)
+                if self._draft_graphs_on():  # DFlash2's block forward and walk (spec/dflash2/draft_graph.py)
+                    g = self.drafter.capture_graphs(self._capture_sizes())
+                    logger.info("CUDA graphs: captured the DFlash2 drafter's block forward and walk, batch sizes %s "
+                                "in %.0f MiB", g.batch_sizes, g.used_bytes / 2**20)
                 if spec.method == "mtp" and spec.draft_policy == "adaptive":  # paused steps replay decode graphs
                     self.graphs = self._capture_graphs(hidden=True)
                 # as long as a benchmark row (spec/measured_speedup.json) says speculation is slower
@@ -203,14 +207,25 @@ class UniProcExecutor(Executor):
                                       shard_codebooks=bool(self.spec.sm70_dflash2.sharded_selector_codebook))
         return DFlash2Drafter(self.runner, draft, self.spec.num_speculative_tokens,
                               sampled=self.spec.draft_sample_method == "probabilistic",
-                              max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len)
+                              max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
+                              static_view=self._draft_graphs_on())
 
-    def _capture_graphs(self, spec: bool = False, hidden: bool = False) -> DecodeGraphs | SpecGraphs:
+    def _draft_graphs_on(self) -> bool:
+        """DFlash2's drafter forward replays CUDA graphs: opted in (dflash2_draft_graph), graphs on, greedy walk."""
+        return (self.spec.is_dflash2 and self.config.dflash2_draft_graph and self.model.device.type == "cuda"
+                and self.config.use_cuda_graphs and self.spec.draft_sample_method == "greedy")
+
+    def _capture_sizes(self) -> list[int]:
         cfg = self.config
         sizes = list(cfg.cudagraph_capture_sizes or default_capture_sizes(cfg.max_num_seqs))
         if max(sizes) > cfg.max_num_seqs:
             raise ValueError(f"cudagraph_capture_sizes={sizes} has sizes above max_num_seqs={cfg.max_num_seqs}; "
                              "drop them or raise max_num_seqs")
+        return sizes
+
+    def _capture_graphs(self, spec: bool = False, hidden: bool = False) -> DecodeGraphs | SpecGraphs:
+        cfg = self.config
+        sizes = self._capture_sizes()
         width = -(-(cfg.max_model_len + self.plan.cache.num_speculative_tokens) // self.plan.layout.block_size)
         if spec:
             mtp = self.spec.method == "mtp"
@@ -242,6 +257,8 @@ class UniProcExecutor(Executor):
 
     def sleep(self, memory: SleepingMemory) -> None:
         self.graphs = self.spec_graphs = None  # their memory pools go with them; the addresses they baked in too
+        if isinstance(self.drafter, DFlash2Drafter):
+            self.drafter.graphs = None  # they read the store's K/V, whose storage the sleep frees
         memory.free()
         self._asleep = memory
 

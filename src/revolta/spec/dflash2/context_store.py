@@ -158,6 +158,12 @@ class DraftContextStore:
         self.ends.index_copy_(0, both[0], self.ends.index_select(0, both[0]) + both[1])  # one entry per slot
 
     # ---- reads -------------------------------------------------------------------------------
+    def check_drafting(self, slots: list[int]) -> None:
+        """Every slot must hold context before a block drafts from it."""
+        if any(self.length(s) == 0 for s in slots):
+            raise ValueError("a request has no drafter context yet: call extend_slots with its tapped target "
+                             "states (the prompt's, at least) before drafting")
+
     def batch(self, slots: list[int]) -> SlotBatch:
         """The batch's slot indices, spans and per-layer views."""
         longest = max(self.host_end[s] for s in slots)  # positions < longest: a layer with C_l >= longest never wrapped
@@ -165,6 +171,11 @@ class DraftContextStore:
         views = tuple(c if self.static_view or longest > c else min(c, bucket) for c in self.capacities)
         index = to_device(slots, self.device)
         return SlotBatch(index, self.starts.index_select(0, index), self.ends.index_select(0, index), views)
+
+    def ring_batch(self, slots: Tensor) -> SlotBatch:
+        """`batch` of device slot indices [B] long with whole-ring views, from device values only (no host list):
+        every shape depends on B alone, what a CUDA graph of the block forward needs (draft_graph.py)."""
+        return SlotBatch(slots, self.starts.index_select(0, slots), self.ends.index_select(0, slots), self.capacities)
 
     def read(self, layer: int, batch: SlotBatch) -> tuple[Tensor, Tensor]:
         """The batch's rows of the layer: (K, V) [B, view, Hkv, D]."""

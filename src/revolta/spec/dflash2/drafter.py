@@ -31,6 +31,7 @@ from ...engine.runner import ModelRunner
 from ..mtp import DraftItem, PendingRowsDrafter
 from ..verify import DraftTokens
 from .context_store import DraftContextStore, to_device
+from .draft_graph import DraftGraphs
 from .model import DFlash2DraftModel
 from .selector import Selection
 from .taps import hidden_taps
@@ -42,10 +43,12 @@ class DFlash2Drafter(PendingRowsDrafter):
     rows_name = "DFlash2 context"
 
     def __init__(self, runner: ModelRunner, drafter: DFlash2DraftModel, num_speculative_tokens: int,
-                 sampled: bool = False, max_num_seqs: int | None = None, max_model_len: int | None = None):
+                 sampled: bool = False, max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 static_view: bool = False):
         """max_num_seqs / max_model_len: the engine's, which size the context store (slots x rows per layer, as the
         cache plan budgets it). Without them (a runner driven directly) the runner's cache bounds both: no more
-        requests than state slots, no request longer than the cache's pages."""
+        requests than state slots, no request longer than the cache's pages. static_view: the store's reads are
+        whole rings (one shape per batch size), what `capture_graphs` needs."""
         super().__init__()
         cfg = drafter.cfg
         if not 1 <= num_speculative_tokens <= cfg.num_drafts:
@@ -59,12 +62,25 @@ class DFlash2Drafter(PendingRowsDrafter):
         layout = runner.storage.layout
         self.store = DraftContextStore(cfg, max_num_seqs or layout.num_slots,
                                        max_model_len or layout.num_blocks * layout.block_size,
-                                       drafter.fc.weight.device, drafter.fc.weight.dtype,
+                                       drafter.fc.weight.device, drafter.fc.weight.dtype, static_view=static_view,
                                        num_kv_heads=drafter.num_kv_heads)
         # request -> (its slot in `store`, its num_preemptions), least recently drafted first
         self.caches: dict[str, tuple[int, int]] = {}
         self.sampled = sampled
         self.generator = torch.Generator(runner.model.device).manual_seed(0) if sampled else None
+        self.graphs: DraftGraphs | None = None  # the block forward and walk per batch size (capture_graphs)
+
+    def capture_graphs(self, batch_sizes: list[int], graphs: bool = True) -> DraftGraphs:
+        """Replay the block forward and the greedy walk from CUDA graphs (draft_graph.py) for rounds of up to
+        max(batch_sizes) drafting requests; graphs=False runs the captured code eagerly (CPU tests)."""
+        if self.sampled:
+            raise ValueError("the drafter graphs run the greedy walk; draft_sample_method='probabilistic' drafts "
+                             "eagerly (leave dflash2_draft_graph off)")
+        g = DraftGraphs(self.drafter, self.store, self.text.embed_tokens, self.runner.model.compute_logits,
+                        batch_sizes)
+        g.capture(graphs)
+        self.graphs = g
+        return g
 
     def drop(self, request_id: str) -> None:
         super().drop(request_id)
@@ -120,9 +136,13 @@ class DFlash2Drafter(PendingRowsDrafter):
             return drafts
         anchors = to_device([items[i].all_token_ids[items[i].step.num_computed] for i, _ in want],
                             self.runner.model.device)
-        sel = self._draft([slot for _, slot in want], anchors)
-        probs = None if sel.q is None else self._dense_q(sel)  # [B, D, V]
-        for b, ((i, _), row) in enumerate(zip(want, sel.tokens.tolist())):  # the round's one host sync
+        slots = [slot for _, slot in want]
+        if self.graphs is not None and self.graphs.can_run(len(want)):
+            tokens, probs = self.graphs.run(slots, anchors), None
+        else:
+            sel = self._draft(slots, anchors)
+            tokens, probs = sel.tokens, None if sel.q is None else self._dense_q(sel)  # [B, D, V]
+        for b, ((i, _), row) in enumerate(zip(want, tokens.tolist())):  # the round's one host sync
             n = items[i].num_drafts
             drafts[i] = DraftTokens(row[:n], None if probs is None else probs[b, :n])
         return drafts

@@ -33,7 +33,7 @@ from ...config import RopeConfig
 from ...layers.moe import SwiGLU
 from ...layers.norm import RMSNorm
 from ...layers.rope import RotaryEmbedding, apply_rope
-from .context_store import DraftContextStore
+from .context_store import DraftContextStore, SlotBatch
 from .conv import GroupedDynamicCausalConv
 from .draft_config import DFlash2DraftConfig
 from .selector import CandidateSelector, Selection
@@ -269,11 +269,11 @@ class DFlash2DraftModel(nn.Module):
         """block_hidden for blocks starting at the ends of the store's `slots` (one per block row)."""
         if len(slots) != block_embeds.shape[0]:
             raise ValueError(f"{block_embeds.shape[0]} blocks but {len(slots)} context slots")
-        if any(store.length(s) == 0 for s in slots):
-            raise ValueError("a request has no drafter context yet: call extend_slots with its tapped target "
-                             "states (the prompt's, at least) before drafting")
-        batch = store.batch(slots)
+        store.check_drafting(slots)
+        return self.block_hidden_batch(block_embeds, store, store.batch(slots))
 
+    def block_hidden_batch(self, block_embeds: Tensor, store: DraftContextStore, batch: SlotBatch) -> Tensor:
+        """block_hidden for blocks starting at the ends of `batch`'s slots (store.batch or store.ring_batch)."""
         shapes = [(c, v) for c, v in zip(store.capacities, batch.views)]
         return self._run_block(block_embeds, batch.ends, lambda l: store.read(l, batch),
                                lambda l: store.positions(l, batch), shapes)
