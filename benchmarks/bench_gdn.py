@@ -12,10 +12,14 @@ an H200, most of it Triton compiling ours and autotuning fla):
    and fp16, vs fla `chunk_gated_delta_rule` (Triton path; one sequence in fla's batch form,
    varlen with cu_seqlens); µs per layer eager and CUDA-graph for both, fla / ours ratios (> 1:
    ours faster), chunk-form TFLOP/s (180 k FLOP/token/v-head), output and state difference to fla;
-3. k1_variants: the launch-configuration variants in VARIANTS at the three shapes (bf16, graph),
-   so one run shows which configuration to make the default;
+3. k1_variants: the sm_90 launch-configuration candidates of kernels/gdn/chunk_variants.py
+   (GDN_VARIANTS=a,b selects) at the three shapes, bf16 and fp16, CUDA graph, beside the default
+   and fla's µs from k1_prefill, each with its per-stage GPU µs (profiler) and its output's
+   difference to the default's, so one run shows which configuration to make the default;
 4. k1_profile: per-kernel GPU time (torch.profiler) of ours (default, no split) and fla at 1x8K
-   and 1x32K bf16, and the shared memory / registers / spills of every compiled chunk kernel;
+   and 1x32K, bf16 and fp16, grouped into stages (gdn_k1.py: prep, intra, walk, out) with each
+   stage's growth from 8K to 32K and its ratio to fla's; fla's autotuned configurations; the
+   shared memory / registers / spills of every compiled chunk kernel;
 5. k2_decode: batch 1/8/64/256 (fp32 state pool) vs fla `fused_recurrent_gated_delta_rule` on
    the same states; µs/layer, state GB/s (read + write), output difference to fla, a BV sweep;
 6. v100_configs: the sm70 launch configurations (plain and split walk), fp16, correctness only;
@@ -40,8 +44,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from gdn_k1 import (FLA_TUNED, autotuned_configs, kernel_times, print_stage_table,  # noqa: E402
+                    print_variant_table, stage_times)
 from revolta.kernels.gdn import recurrent as rec_mod  # noqa: E402
 from revolta.kernels.gdn.chunk import chunk_config, gdn_chunk_prefill  # noqa: E402
+from revolta.kernels.gdn.chunk_variants import chunk_variants, variant_overrides  # noqa: E402
 from revolta.kernels.gdn.recurrent import gdn_commit, gdn_recurrent_update, gdn_replay_commit, gdn_verify  # noqa: E402
 from revolta.kernels.gdn.ref import (gdn_chunk_prefill_ref, gdn_recurrent_update_ref,  # noqa: E402
                                      gdn_verify_ref)
@@ -53,18 +60,9 @@ DEV = "cuda"
 RESULTS: dict = {"rows": [], "errors": [], "checks": [], "profiles": []}
 T_START = time.time()
 
-# Prefill launch configurations timed side by side in k1_variants: overrides of chunk_config(K, V, 90).
-# Edit (or select with GDN_VARIANTS=a,b) to try others; the JSON keeps every row.
-VARIANTS = {
-    "default": {},  # walk split from 16K tokens (segments chosen from T), serial walk BV32 / 3 stages below
-    "no_split": dict(cp_min_tokens=0),  # one serial walk per sequence at every length
-    "split_from_8k": dict(cp_min_tokens=8192),
-    "walk_bv64": dict(cp_min_tokens=0, walk_bv=64, walk_stages=3),  # serial walk, 96 programs of 64 columns
-    "walk_2stages": dict(cp_min_tokens=0, walk_stages=2),
-    "split_wide": dict(cp_min_tokens=8192, cp_walk_bv=128, cp_walk_warps=8, prescan_bv=128, prescan_warps=8),
-    "split_seg16": dict(cp_min_tokens=8192, seg_chunks=16),
-    "out_vp64": dict(out_vp=64),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
-}
+# Prefill launch configurations timed side by side in k1_variants: kernels/gdn/chunk_variants.py
+# (GDN_VARIANTS=a,b selects); the JSON keeps every row.
+VARIANTS = chunk_variants(K, V)
 
 try:
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # the Triton path, as in the peer table
@@ -74,10 +72,6 @@ try:
 except Exception as e:  # noqa: BLE001
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
     PEER = f"peer unavailable ({type(e).__name__}: {e})"
-
-
-def variant(name: str):
-    return dataclasses.replace(chunk_config(K, V, 90), **VARIANTS[name])
 
 
 def log(*a):
@@ -221,6 +215,11 @@ def correctness():
         check_prefill("1x8K", [8192], dtype)
         if dtype == torch.bfloat16:
             check_prefill("1x32K default", [32768], dtype)  # the split walk at its default length
+        for vname, cfg in VARIANTS.items():  # every candidate, serial and split (bf16 only runs here)
+            if vname != "default":
+                check_prefill(f"varlen {vname}", [1, 100, 0, 199], dtype, config=cfg, init=[True, False, True, True])
+                check_prefill(f"varlen {vname} split1", [1, 100, 0, 199], dtype, init=[True, False, True, True],
+                              config=dataclasses.replace(cfg, cp_min_tokens=1, seg_chunks=1))
 
         B = 3
         pool = torch.randn(8, HV, K, V, device=DEV) * 0.1
@@ -313,44 +312,30 @@ def k1_prefill():
 def k1_variants():
     wanted = os.environ.get("GDN_VARIANTS")
     names = wanted.split(",") if wanted else list(VARIANTS)
-    dtype = torch.bfloat16
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, lens in PREFILL_CASES:
-        B = len(lens)
-        sets = _prefill_sets(lens, dtype)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-        pool = torch.randn(B + 1, HV, K, V, device=DEV) * 0.1
-        slots = torch.arange(1, B + 1, dtype=torch.int32, device=DEV)
-        init = torch.ones(B, dtype=torch.bool, device=DEV)
-        for vname in names:
-            cfg = variant(vname)
-            calls = [lambda s=s, cfg=cfg: gdn_chunk_prefill(*s, cu, pool, slots, init, config=cfg) for s in sets]
-            t, how = time_best(calls)
-            peer = PEER_US.get((name, "bfloat16"))
-            row(kernel="K1 variant", variant=vname, shape=name, dtype="bfloat16", us=t, timing=how,
-                split_segments=cfg.segment_chunks(sum(lens), HV, num_sms),
-                ratio_peer_over_ours=(peer / t) if peer else None, overrides=VARIANTS[vname])
-        del sets
-        torch.cuda.empty_cache()
-
-
-def _kernel_times(fn, reps: int = 3) -> dict:
-    """GPU µs per call of each kernel `fn` launches (torch.profiler over `reps` eager calls)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = getattr(e, "self_cuda_time_total", 0)
-        if us > 0:
-            out[e.key[:90]] = us / reps
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    for dtype in (torch.bfloat16, torch.float16):
+        dt = str(dtype).split(".")[-1]
+        for name, lens in PREFILL_CASES:
+            B = len(lens)
+            sets = _prefill_sets(lens, dtype)
+            cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+            pool = torch.randn(B + 1, HV, K, V, device=DEV) * 0.1
+            slots = torch.arange(1, B + 1, dtype=torch.int32, device=DEV)
+            init = torch.ones(B, dtype=torch.bool, device=DEV)
+            o_default = gdn_chunk_prefill(*sets[0], cu, pool.clone(), slots, init, config=VARIANTS["default"])
+            for vname in names:
+                cfg = VARIANTS[vname]
+                calls = [lambda s=s, cfg=cfg: gdn_chunk_prefill(*s, cu, pool, slots, init, config=cfg) for s in sets]
+                t, how = time_best(calls)
+                stages = stage_times(kernel_times(calls[0]))
+                o_v = gdn_chunk_prefill(*sets[0], cu, pool.clone(), slots, init, config=cfg)
+                peer = PEER_US.get((name, dt))
+                row(kernel="K1 variant", variant=vname, shape=name, dtype=dt, us=t, timing=how,
+                    split_segments=cfg.segment_chunks(sum(lens), HV, num_sms), stages_us=stages,
+                    rel_diff_to_default=rel_err(o_v, o_default),
+                    ratio_peer_over_ours=(peer / t) if peer else None, overrides=variant_overrides(vname))
+            del sets
+            torch.cuda.empty_cache()
 
 
 def _compiled_resources() -> list:
@@ -375,22 +360,28 @@ def _compiled_resources() -> list:
 
 @section
 def k1_profile():
-    dtype = torch.bfloat16
-    for name, lens in PREFILL_CASES[:2]:
-        x, cu, pool, slots = _prefill_case(lens, dtype, 50)
-        init = torch.ones(len(lens), dtype=torch.bool, device=DEV)
-        runs = {"ours default": lambda: gdn_chunk_prefill(*x, cu, pool, slots, init),
-                "ours no_split": lambda: gdn_chunk_prefill(*x, cu, pool, slots, init, config=variant("no_split"))}
-        if chunk_gated_delta_rule is not None:
-            runs["fla"] = _fla_prefill_calls([x], lens, pool)[0]
-        for who, fn in runs.items():
-            times = _kernel_times(fn)
-            RESULTS["profiles"].append(dict(shape=name, who=who, kernels_us=times, total_us=sum(times.values())))
-            log(f"  profile {name} {who}: total {sum(times.values()):.1f} µs")
-            for kname, us in times.items():
-                log(f"      {us:9.1f} µs  {kname}")
-        del x
-        torch.cuda.empty_cache()
+    for dtype in (torch.bfloat16, torch.float16):
+        dt = str(dtype).split(".")[-1]
+        for name, lens in PREFILL_CASES[:2]:
+            x, cu, pool, slots = _prefill_case(lens, dtype, 50)
+            init = torch.ones(len(lens), dtype=torch.bool, device=DEV)
+            runs = {"ours default": lambda: gdn_chunk_prefill(*x, cu, pool, slots, init),
+                    "ours no_split": lambda: gdn_chunk_prefill(*x, cu, pool, slots, init,
+                                                               config=VARIANTS["no_split"])}
+            if chunk_gated_delta_rule is not None:
+                runs["fla"] = _fla_prefill_calls([x], lens, pool)[0]
+            for who, fn in runs.items():
+                times = kernel_times(fn)
+                RESULTS["profiles"].append(dict(shape=name, dtype=dt, who=who, kernels_us=times,
+                                                stages_us=stage_times(times), total_us=sum(times.values())))
+                log(f"  profile {name} {dt} {who}: total {sum(times.values()):.1f} µs")
+                for kname, us in times.items():
+                    log(f"      {us:9.1f} µs  {kname}")
+            del x
+            torch.cuda.empty_cache()
+    if chunk_gated_delta_rule is not None:
+        RESULTS["fla_autotuned"] = autotuned_configs(FLA_TUNED)
+        log("  fla autotuned:", RESULTS["fla_autotuned"])
     RESULTS["kernel_resources"] = _compiled_resources()
     for r in RESULTS["kernel_resources"]:
         log("  ", r)
@@ -511,9 +502,7 @@ def _print_summary(path):
                   f"{r.get('ratio_eager', nan):5.2f} graph {r.get('ratio_graph', nan):5.2f} best "
                   f"{r.get('ratio_best', nan):5.2f} | diff to fla {r.get('peer_rel_diff', nan):.1e}")
         elif r["kernel"] == "K1 variant":
-            walk = f"split, {r['split_segments']} chunks/segment" if r["split_segments"] else "serial walk"
-            print(f"K1 variant {r['variant']:14s} {r['shape']:6s} {r['us']:8.1f} µs ({r['timing']}, {walk})  "
-                  f"fla(best)/ours {r['ratio_peer_over_ours'] or nan:5.2f}")
+            continue  # the variant table below
         elif r["kernel"] == "K2 decode":
             print(f"K2 B={r['batch']:<4d} ours {r['ours_us']:8.2f} {r['ours_state_GBps']:7.0f} GB/s {r['ours_config']:8s}"
                   f" fla {r.get('peer_us', nan):8.2f} fla/ours {r.get('ratio_peer_over_ours', nan):5.2f}"
@@ -525,7 +514,11 @@ def _print_summary(path):
                   f"  fla(T tokens) {r.get('peer_recurrent_T_tokens_us', nan):8.2f}")
     for p in RESULTS["profiles"]:
         top = ", ".join(f"{k.split('(')[0][:40]} {v:.0f}" for k, v in list(p["kernels_us"].items())[:6])
-        print(f"profile {p['shape']:6s} {p['who']:14s} {p['total_us']:8.1f} µs: {top}")
+        print(f"profile {p['shape']:6s} {p['dtype']:9s} {p['who']:14s} {p['total_us']:8.1f} µs: {top}")
+    print_stage_table(RESULTS["profiles"])
+    print_variant_table(RESULTS["rows"])
+    if "fla_autotuned" in RESULTS:
+        print("fla autotuned:", RESULTS["fla_autotuned"])
     bad = [c for c in RESULTS["checks"] if not c["ok"]]
     for c in bad:
         print(f"FAILED check {c['check']}: {c}")

@@ -14,6 +14,7 @@ kernels (conv, recurrent decode/verify, commit) must not spill at all; the chunk
 tl.dot on FMA units on Volta (no tensor cores) and may spill up to SPILL_BUDGET_CHUNK[arch].
 """
 
+import dataclasses
 import multiprocessing
 import os
 
@@ -23,6 +24,7 @@ from revolta.kernels import aot
 from revolta.kernels import conv1d as conv
 from revolta.kernels.aot import compile_report
 from revolta.kernels.gdn import chunk, chunk_index, chunk_intra, chunk_out, chunk_state, recurrent
+from revolta.kernels.gdn.chunk_variants import chunk_variants
 
 H, HV, K, V, C_GDN, C_PLE = 16, 48, 128, 128, 10240, 10240
 # sm_70: tl.dot is FMA-only (Triton has no Volta MMA) and spills; the V100 fast path for chunked
@@ -49,6 +51,48 @@ def _recurrent(draft_mode, store_output, store_final, limit):
     consts = dict(H=H, HV=HV, K=K, V=V, BK=K, BV=bv, USE_L2NORM=True, STORE_OUTPUT=store_output,
                   STORE_FINAL=store_final, DRAFT_MODE=draft_mode, LIMIT_STEPS=limit)
     return (recurrent._gdn_recurrent_fwd_kernel, names, "aaaffafifii" + "s" + "n" * 11 + "c" * 11, consts, warps)
+
+
+WALK_NAMES = ("k w u gcum k_rstd h v_new ssm_state slots has_initial_state h_start cu_seqlens cu_chunks cu_segs "
+              "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES")
+PRESCAN_NAMES = ("k w u gcum k_rstd hm cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_CHUNKS stride_k "
+                 "H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES")
+
+
+def _walk_builds(cfg, prefix):
+    """The state-walk kernels at cfg's tiles: the serial walk, the split walk and the prescan."""
+    halves = cfg.walk_k_halves
+    for name, bv, warps, stages in (("walk", cfg.walk_bv, cfg.walk_warps, cfg.walk_stages),
+                                    ("walk_split", cfg.cp_walk_bv, cfg.cp_walk_warps, cfg.cp_stages)):
+        yield prefix + name, (chunk_state._gdn_chunk_walk_kernel, WALK_NAMES, "aaaffaafibfiii" + "nnn" + "c" * 8,
+                              dict(H=H, HV=HV, K=K, V=V, BV=bv, DOT_PREC="ieee", LOG_NUM_SEQ=3, K_HALVES=halves),
+                              warps, stages)
+    yield prefix + "prescan", (chunk_state._gdn_chunk_prescan_kernel, PRESCAN_NAMES, "aaafffiii" + "nnn" + "c" * 8,
+                               dict(H=H, HV=HV, K=K, V=V, BV=cfg.prescan_bv, DOT_PREC="ieee", LOG_NUM_SEQ=3,
+                                    K_HALVES=halves), cfg.prescan_warps, cfg.cp_stages)
+
+
+def _variant_builds(arch):
+    """sm_90: the walk kernels of every candidate in chunk_variants.py that the default builds do
+    not already cover; sm_70: the K-halves walk at the sm_70 tiles (the sm_70 default stays as it
+    is; this checks the kernel code builds there). Each distinct compile once."""
+    default = chunk.chunk_config(K, V, arch)
+    if arch < 80:
+        candidates = {"sm70_khalves": dataclasses.replace(default, walk_k_halves=True)}
+    else:
+        candidates = chunk_variants(K, V)
+    seen = {_compile_key(b) for _, b in _walk_builds(default, "")}
+    for vname, cfg in candidates.items():
+        for name, b in _walk_builds(cfg, f"{vname}:"):
+            if _compile_key(b) not in seen:
+                seen.add(_compile_key(b))
+                yield name, b
+
+
+def _compile_key(b):
+    kernel, _, _, consts, warps, *stages = b
+    return kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), tuple(sorted(consts.items())), warps, \
+        tuple(stages)
 
 
 def _builds(arch):
@@ -80,17 +124,7 @@ def _builds(arch):
                           "aaffiiaaff" + "n" * 5 + "c" * 10,
                           dict(H=H, HV=HV, K=K, V=V, BK=cfg.intra_bk, BV=cfg.intra_bv, USE_L2NORM=True,
                                DOT_PREC="ieee", SOLVE_PREC=solve_prec, LOG_NUM_SEQ=3), cfg.intra_warps)
-    walk_names = ("k w u gcum k_rstd h v_new ssm_state slots has_initial_state h_start cu_seqlens cu_chunks cu_segs "
-                  "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ")
-    for name, bv, warps, stages in (("chunk_walk", cfg.walk_bv, cfg.walk_warps, cfg.walk_stages),
-                                    ("chunk_walk_split", cfg.cp_walk_bv, cfg.cp_walk_warps, cfg.cp_stages)):
-        yield name, (chunk_state._gdn_chunk_walk_kernel, walk_names, "aaaffaafibfiii" + "nnn" + "c" * 7,
-                     dict(H=H, HV=HV, K=K, V=V, BV=bv, DOT_PREC="ieee", LOG_NUM_SEQ=3), warps, stages)
-    yield "chunk_prescan", (chunk_state._gdn_chunk_prescan_kernel,
-                            "k w u gcum k_rstd hm cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_CHUNKS stride_k "
-                            "H HV K V BV DOT_PREC LOG_NUM_SEQ", "aaafffiii" + "nnn" + "c" * 7,
-                            dict(H=H, HV=HV, K=K, V=V, BV=cfg.prescan_bv, DOT_PREC="ieee", LOG_NUM_SEQ=3),
-                            cfg.prescan_warps, cfg.cp_stages)
+    yield from _walk_builds(cfg, "chunk_")
     yield "chunk_merge", (chunk_state._gdn_chunk_merge_kernel,
                           "hm h_start ssm_state slots has_initial_state cu_segs HV K V BV MERGE_PREC", "fffibi" + "c" * 5,
                           dict(HV=HV, K=K, V=V, BV=cfg.merge_bv, MERGE_PREC=merge_prec), cfg.merge_warps)
@@ -104,6 +138,10 @@ def _builds(arch):
 
 BUILDS = {arch: dict(_builds(arch)) for arch in (70, 90)}
 NAMES = list(BUILDS[70])
+VARIANTS = {arch: dict(_variant_builds(arch)) for arch in (70, 90)}  # "candidate:kernel" -> build
+for _arch in (70, 90):
+    BUILDS[_arch].update(VARIANTS[_arch])
+VARIANT_JOBS = [(n, a) for a in (70, 90) for n in VARIANTS[a]]
 MEMORY_BOUND = {"conv1d_varlen", "conv1d_verify_copy_x", "conv1d_state", "conv1d_update_ple", "gdn_decode",
                 "gdn_verify_keep", "gdn_replay", "chunk_index",
                 "gdn_commit"}
@@ -119,7 +157,7 @@ def build(name, arch):
 
 
 def _build_all():
-    jobs = [(n, a) for a in (70, 90) for n in NAMES]
+    jobs = [(n, a) for a in (70, 90) for n in NAMES] + VARIANT_JOBS
     # Compiles are CPU-bound and independent: use every core (CI has 2). Fresh worker processes
     # with the interpreter off, so kernels and the @triton.jit helpers they call are JITFunctions
     # (under TRITON_INTERPRET=1 nested helpers cannot be compiled).
@@ -152,6 +190,18 @@ def test_builds_within_budget(reports, name, arch):
     report.check(max_spill_bytes=_budget(name, arch), shared_limit=shared_limit)
 
 
+@pytest.mark.parametrize("name,arch", VARIANT_JOBS)
+def test_walk_variants_build_without_spills(reports, name, arch):
+    """Every sm_90 walk candidate (chunk_variants.py) builds without spills within the H200's shared
+    memory; the K-halves walk builds for sm_70 within the chunk kernels' budget (no Hopper/Ampere-only
+    instructions)."""
+    report = reports[name, arch]
+    if arch >= 90:
+        report.check(max_spill_bytes=0, shared_limit=227 * 1024)
+    else:
+        report.check(max_spill_bytes=SPILL_BUDGET_CHUNK[70], shared_limit=aot.V100_SHARED_LIMIT)
+
+
 def test_serial_walk_fits_two_per_sm(reports):
     """The serial walk's shared memory leaves room for two programs per H200 SM (228 KiB, 1 KiB
     reserved per block), so one sequence's HV * V / BV = 192 programs run in one wave on 132 SMs."""
@@ -159,7 +209,8 @@ def test_serial_walk_fits_two_per_sm(reports):
 
 
 if __name__ == "__main__":  # print the resource table: python tests/kernels/test_gdn_aot.py
-    for (name, arch), r in sorted(_build_all().items(), key=lambda x: (x[0][1], NAMES.index(x[0][0]))):
-        print(f"sm_{arch} {name:18s} shared {r.shared_bytes:6d} B  regs {r.registers:3d}  "
+    order = NAMES + [n for _, n in sorted((a, n) for n, a in VARIANT_JOBS)]
+    for (name, arch), r in sorted(_build_all().items(), key=lambda x: (x[0][1], order.index(x[0][0]))):
+        print(f"sm_{arch} {name:30s} shared {r.shared_bytes:6d} B  regs {r.registers:3d}  "
               f"spill st/ld {r.spill_store_bytes:5d}/{r.spill_load_bytes:5d} B  warps {r.num_warps}  "
               f"budget {_budget(name, arch)}  forbidden {list(r.forbidden)}")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from revolta.kernels.gdn.chunk import ChunkConfig, chunk_config, gdn_chunk_prefill
+from revolta.kernels.gdn.chunk_variants import chunk_variants
 from revolta.kernels.gdn.ref import _prepare_qk, gdn_chunk_prefill_ref, recurrent_gated_delta_rule_ref
 
 pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py
@@ -78,6 +79,44 @@ def test_chunk_prefill(lens, shape, dtype, seg):
         o_r, s_r = recurrent_gated_delta_rule_ref(qe[bos:eos], ke[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], s0)
         torch.testing.assert_close(o[bos:eos].float(), o_r, **TOL[dtype])
         torch.testing.assert_close(pool[slots[b]], s_r, **TOL[dtype])
+
+
+# the sm_90 walk candidates (chunk_variants.py) that change what the kernels compute under the
+# interpreter: the K-halves state tiles and 64-wide V tiles, serial and split, several sequences
+# (a 1-token one, one ending mid-chunk, an empty one), initial states in (and one from zeros), final states out
+VARIANT_CASES = [
+    ("khalves", [1, 63, 70], dict(H=2, HV=4, K=32, V=32), torch.float16, 0),
+    ("khalves", [65, 0, 130], dict(H=1, HV=2, K=64, V=16), torch.float32, 1),
+    ("khalves_bv64_w8", [130, 64, 3], dict(H=1, HV=2, K=32, V=64), torch.float16, 2),
+    ("bv64_w8", [70, 1, 129], dict(H=2, HV=4, K=16, V=64), torch.float16, 1),
+]
+
+
+@pytest.mark.parametrize("name,lens,shape,dtype,seg", VARIANT_CASES, ids=lambda x: str(x).replace(" ", ""))
+def test_chunk_prefill_variants(name, lens, shape, dtype, seg):
+    q, k, v, g, beta, pool0, cu = make(lens, dtype=dtype, seed=7 + seg, **shape)
+    slots = torch.tensor([2, 0, 5], dtype=torch.int32)
+    has_init = torch.tensor([True, True, False])
+    config = chunk_variants(shape["K"], shape["V"])[name]
+    if seg:
+        config = dataclasses.replace(config, cp_min_tokens=1, seg_chunks=seg)
+    pool, pool_ref = pool0.clone(), pool0.clone()
+    o = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init, config=config)
+    o_ref = gdn_chunk_prefill_ref(q, k, v, g, beta, cu, pool_ref, slots, has_init)
+    assert not o.isnan().any() and not pool.isnan().any()
+    torch.testing.assert_close(o, o_ref, **TOL[dtype])
+    torch.testing.assert_close(pool, pool_ref, **TOL[dtype])
+    # slots of empty sequences and unaddressed slots are untouched
+    untouched = [s for s in range(NUM_SLOTS) if s not in [int(slots[b]) for b in range(3) if lens[b] > 0]]
+    assert torch.equal(pool[untouched], pool0[untouched])
+
+
+def test_k_halves_needs_two_dot_tiles():
+    q, k, v, g, beta, pool, cu = make([3], 2, 4, 16, 16, torch.float32, 0)
+    config = chunk_variants(16, 16)["khalves"]
+    with pytest.raises(AssertionError, match="walk_k_halves needs K >= 32"):
+        gdn_chunk_prefill(q, k, v, g, beta, cu, pool, torch.tensor([1], dtype=torch.int32), torch.tensor([True]),
+                          config=config)
 
 
 def test_chunk_prefill_strided_views_no_l2norm():

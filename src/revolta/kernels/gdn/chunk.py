@@ -66,6 +66,7 @@ class ChunkConfig:
     out_stages: int
     cp_min_tokens: int  # split the walk when the batch has at least this many tokens (0: never)
     seg_chunks: int  # chunks per segment when split (0: chosen from the token count and SM count)
+    walk_k_halves: bool = False  # walk and prescan hold the state as two [K/2, BV] tiles (chunk_state.py)
 
     def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int) -> int:
         """Chunks per walk segment for a batch of num_tokens tokens, or 0 for no split."""
@@ -174,6 +175,8 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     dev, dt = v.device, v.dtype
     arch = _device_arch(dev)
     cfg = config or chunk_config(K, V, arch)
+    assert not cfg.walk_k_halves or K >= 32, \
+        f"walk_k_halves needs K >= 32 (two tiles of at least 16 rows for tl.dot), got K={K}: use walk_k_halves=False"
     scale = float(K**-0.5 if scale is None else scale)
     prec = "ieee"  # fp32 inputs: exact fp32 products (no TF32); fp16/bf16 inputs ignore it
     tensor_f32 = arch >= 80 and dt != torch.float32  # fp32 products may use TF32 tensor cores
@@ -209,8 +212,8 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         pbv = _fit(_fit(cfg.prescan_bv, V), K)
         _gdn_chunk_prescan_kernel[((V + K) // pbv, num_segs_max, HV)](
             k, w, u, gcum, k_rstd, hm, cu_seqlens, cu_chunks, cu_segs, B, seg, k.stride(0), H=H, HV=HV, K=K,
-            V=V, BV=pbv, DOT_PREC=prec, LOG_NUM_SEQ=log_b, num_warps=cfg.prescan_warps,
-            num_stages=cfg.cp_stages)
+            V=V, BV=pbv, DOT_PREC=prec, LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves,
+            num_warps=cfg.prescan_warps, num_stages=cfg.cp_stages)
         mbv = _fit(cfg.merge_bv, V)
         _gdn_chunk_merge_kernel[(V // mbv, B, HV)](
             hm, h_start, ssm_state, slots, has_initial_state, cu_segs, HV=HV, K=K, V=V, BV=mbv,
@@ -219,7 +222,7 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     _gdn_chunk_walk_kernel[(V // walk_bv, num_segs_max, HV)](
         k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start, cu_seqlens, cu_chunks,
         cu_segs, B, seg or NO_SPLIT, k.stride(0), H=H, HV=HV, K=K, V=V, BV=walk_bv, DOT_PREC=prec,
-        LOG_NUM_SEQ=log_b, num_warps=walk_warps, num_stages=walk_stages)
+        LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves, num_warps=walk_warps, num_stages=walk_stages)
 
     ovp = _fit(cfg.out_vp, V)
     _gdn_chunk_o_kernel[(V // ovp, num_chunks_max, HV)](

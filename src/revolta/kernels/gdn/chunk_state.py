@@ -17,6 +17,11 @@ sequence, so one long sequence runs only HV * V / BV programs for T / 64 steps. 
    (input dtype, for the output stage) and V'_c, and the final state of each sequence.
 The walk's products use the input dtype (fla's precision, as in one serial walk); the merge
 runs in fp32 (3xTF32 on tensor cores), so splitting adds no error beyond fp32 rounding.
+
+K_HALVES (a launch-configuration variant, off by default): the walk and the prescan hold the
+state as two [K/2, BV] register tiles, rows 0 .. K/2 − 1 and K/2 .. K − 1, as fla's walk holds
+its state in 64-row tiles: W h becomes two accumulating K/2-deep products and K̂ᵀ V' two
+independent ones, each updating its own tile. Same arithmetic, different tiling of the dots.
 """
 
 from __future__ import annotations
@@ -55,27 +60,57 @@ def _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
     return b_vn, b_h
 
 
-@triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch
-def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start,
-                           cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS, stride_k,
-                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                           DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr):
-    i_v, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if i_s >= tl.load(cu_segs + NUM_SEQ):
-        return
-    i_b, bos, eos, c_lo, c_hi, n_chunks, c_base = _segment_bounds(cu_seqlens, cu_chunks, cu_segs, i_s, NUM_SEQ,
-                                                                  SEG_CHUNKS, LOG_NUM_SEQ)
-    i_h = i_hv // (HV // H)
+@triton.jit
+def _walk_chunk_halves(b_h1, b_h2, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """`_walk_chunk` on the state split by rows, b_h1 = h[:K/2], b_h2 = h[K/2:] ([K/2, BV] fp32 each):
+    returns (V' [64, BV] fp32, next b_h1, next b_h2)."""
+    o_r = tl.arange(0, 64)
+    o_k = tl.arange(0, K // 2)
+    o_t = (t0 + o_r).to(tl.int64)
+    m_t = t0 + o_r < eos
+    p_w = w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
+    b_w1 = tl.load(p_w, mask=m_t[:, None], other=0.0)
+    b_w2 = tl.load(p_w + K // 2, mask=m_t[:, None], other=0.0)
+    b_wh = tl.dot(b_w2, b_h2.to(b_w2.dtype), tl.dot(b_w1, b_h1.to(b_w1.dtype), input_precision=DOT_PREC),
+                  input_precision=DOT_PREC)
+    b_vn = b_u.to(tl.float32) - b_wh
+    b_glast = tl.load(gcum + (tl.minimum(t0 + 64, eos) - 1).to(tl.int64) * HV + i_hv)
+    b_gc = tl.load(gcum + o_t * HV + i_hv, mask=m_t, other=0.0)
+    b_rk = tl.load(k_rstd + o_t * H + i_h, mask=m_t, other=0.0)
+    b_f = tl.where(m_t, tl.exp(b_glast - b_gc) * b_rk, 0.0)
+    p_kt = k + o_t[None, :] * stride_k + i_h * K + o_k[:, None]  # [K/2, 64]
+    b_kt1 = tl.load(p_kt, mask=m_t[None, :], other=0.0)
+    b_kt2 = tl.load(p_kt + K // 2, mask=m_t[None, :], other=0.0)
+    b_vf = (b_vn * b_f[:, None]).to(b_kt1.dtype)
+    b_decay = tl.exp(b_glast)
+    b_h1 = tl.dot(b_kt1, b_vf, b_h1 * b_decay, input_precision=DOT_PREC)
+    b_h2 = tl.dot(b_kt2, b_vf, b_h2 * b_decay, input_precision=DOT_PREC)
+    return b_vn, b_h1, b_h2
+
+
+@triton.jit
+def _start_state(p_slot, p_start, o_kv, from_slot, use_slot_state, ROWS: tl.constexpr, BV: tl.constexpr):
+    """A segment's [ROWS, BV] start-state slice at offsets o_kv: from its sequence's slot (or zeros)
+    for a sequence's first segment, else from the merge's h_start."""
+    b_h = tl.zeros([ROWS, BV], dtype=tl.float32)
+    if from_slot:
+        if use_slot_state:
+            b_h = tl.load(p_slot + o_kv)
+    else:
+        b_h = tl.load(p_start + o_kv)
+    return b_h
+
+
+@triton.jit
+def _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
+                  n_chunks, c_base, i_h, i_hv, i_v, stride_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Walk chunks [c_lo, c_hi) of one sequence with the [K, BV] state in one register tile."""
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV] inside one head's state
-    p_slot = ssm_state + tl.load(slots + i_b).to(tl.int64) * (HV * K * V) + i_hv * K * V
-    if c_lo == 0:  # a sequence's first segment starts from its slot (or zeros)
-        b_h = tl.zeros([K, BV], dtype=tl.float32)
-        if tl.load(has_initial_state + i_b).to(tl.int32) != 0:
-            b_h = tl.load(p_slot + o_kv)
-    else:  # later segments from the merge
-        b_h = tl.load(h_start + (i_s.to(tl.int64) * HV + i_hv) * (K * V) + o_kv)
+    b_h = _start_state(p_slot, p_start, o_kv, c_lo == 0, use_slot_state, K, BV)
     o_r = tl.arange(0, 64)
     b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
     for i_c in range(c_lo, c_hi):
@@ -92,10 +127,63 @@ def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, ha
         tl.store(p_slot + o_kv, b_h)
 
 
+@triton.jit
+def _walk_segment_halves(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
+                         n_chunks, c_base, i_h, i_hv, i_v, stride_k, H: tl.constexpr, HV: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """`_walk_segment` with the state as two [K/2, BV] tiles (K_HALVES)."""
+    o_k = tl.arange(0, K // 2)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_kv = o_k[:, None] * V + o_v[None, :]  # rows of the first half; the second is K/2 rows further
+    half = (K // 2) * V  # elements of the first half of the state
+    b_h1 = _start_state(p_slot, p_start, o_kv, c_lo == 0, use_slot_state, K // 2, BV)
+    b_h2 = _start_state(p_slot + half, p_start + half, o_kv, c_lo == 0, use_slot_state, K // 2, BV)
+    o_r = tl.arange(0, 64)
+    b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
+    for i_c in range(c_lo, c_hi):
+        t0 = bos + i_c * 64
+        p_h = h + ((c_base + i_c).to(tl.int64) * HV + i_hv) * (K * V) + o_kv
+        tl.store(p_h, b_h1.to(h.dtype.element_ty))
+        tl.store(p_h + half, b_h2.to(h.dtype.element_ty))
+        b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
+        b_vn, b_h1, b_h2 = _walk_chunk_halves(b_h1, b_h2, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
+                                              H, HV, K, DOT_PREC)
+        o_t = (t0 + o_r).to(tl.int64)
+        tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
+                 mask=(t0 + o_r < eos)[:, None])
+        b_u = b_u_next
+    if c_hi == n_chunks:
+        tl.store(p_slot + o_kv, b_h1)
+        tl.store(p_slot + half + o_kv, b_h2)
+
+
+@triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch
+def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start,
+                           cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS, stride_k,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                           DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr, K_HALVES: tl.constexpr):
+    i_v, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if i_s >= tl.load(cu_segs + NUM_SEQ):
+        return
+    i_b, bos, eos, c_lo, c_hi, n_chunks, c_base = _segment_bounds(cu_seqlens, cu_chunks, cu_segs, i_s, NUM_SEQ,
+                                                                  SEG_CHUNKS, LOG_NUM_SEQ)
+    i_h = i_hv // (HV // H)
+    p_slot = ssm_state + tl.load(slots + i_b).to(tl.int64) * (HV * K * V) + i_hv * K * V
+    p_start = h_start + (i_s.to(tl.int64) * HV + i_hv) * (K * V)  # read only by later segments (c_lo > 0)
+    use_slot_state = tl.load(has_initial_state + i_b).to(tl.int32) != 0
+    if K_HALVES:
+        _walk_segment_halves(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
+                             n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC)
+    else:
+        _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
+                      n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC)
+
+
 @triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch
 def _gdn_chunk_prescan_kernel(k, w, u, gcum, k_rstd, hm, cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS,
                               stride_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                              BV: tl.constexpr, DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr):
+                              BV: tl.constexpr, DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr,
+                              K_HALVES: tl.constexpr):
     i_col, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_s >= tl.load(cu_segs + NUM_SEQ):
         return
@@ -104,16 +192,30 @@ def _gdn_chunk_prescan_kernel(k, w, u, gcum, k_rstd, hm, cu_seqlens, cu_chunks, 
     if c_hi == n_chunks:  # nothing follows a sequence's last segment
         return
     i_h = i_hv // (HV // H)
-    o_k = tl.arange(0, K)
     o_col = i_col * BV + tl.arange(0, BV)  # columns of [Q | P], [K, V + K]
-    b_h = tl.where(o_k[:, None] + V == o_col[None, :], 1.0, 0.0)  # Q from zero, P from the identity
+    p_hm = hm + (i_s.to(tl.int64) * HV + i_hv) * K * (V + K)
     b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_col, HV, V)  # zero in the P columns
-    for i_c in range(c_lo, c_hi):
-        t0 = bos + i_c * 64
-        b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_col, HV, V)
-        b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
-        b_u = b_u_next
-    tl.store(hm + ((i_s.to(tl.int64) * HV + i_hv) * K + o_k[:, None]) * (V + K) + o_col[None, :], b_h)
+    if K_HALVES:
+        o_k = tl.arange(0, K // 2)
+        b_h1 = tl.where(o_k[:, None] + V == o_col[None, :], 1.0, 0.0)  # Q from zero, P from the identity
+        b_h2 = tl.where(o_k[:, None] + (V + K // 2) == o_col[None, :], 1.0, 0.0)
+        for i_c in range(c_lo, c_hi):
+            t0 = bos + i_c * 64
+            b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_col, HV, V)
+            b_vn, b_h1, b_h2 = _walk_chunk_halves(b_h1, b_h2, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
+                                                  H, HV, K, DOT_PREC)
+            b_u = b_u_next
+        tl.store(p_hm + o_k[:, None] * (V + K) + o_col[None, :], b_h1)
+        tl.store(p_hm + (K // 2 + o_k[:, None]) * (V + K) + o_col[None, :], b_h2)
+    else:
+        o_k = tl.arange(0, K)
+        b_h = tl.where(o_k[:, None] + V == o_col[None, :], 1.0, 0.0)  # Q from zero, P from the identity
+        for i_c in range(c_lo, c_hi):
+            t0 = bos + i_c * 64
+            b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_col, HV, V)
+            b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
+            b_u = b_u_next
+        tl.store(p_hm + o_k[:, None] * (V + K) + o_col[None, :], b_h)
 
 
 @triton.jit

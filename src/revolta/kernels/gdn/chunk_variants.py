@@ -1,0 +1,58 @@
+"""Candidate launch configurations of the chunked prefill on sm_90, beside the default (issue 19
+item 5: GDN prefill >= 1.0x fla at 1 x 8K and 1 x 32K).
+
+benchmarks/bench_gdn.py times every candidate beside `chunk_config` and fla in one H200 run, and
+tests/kernels/test_gdn_aot.py builds each candidate's walk kernels for sm_90 without spills, so
+the table can pick a winner without another round trip. None of them is the default until a
+measured row says so; sm_70 keeps `chunk_config(K, V, 70)` whatever wins here.
+
+What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one program per
+(sequence, head, V block) serially over the chunks, as ours does below `cp_min_tokens`):
+- the walk's warps: fla autotunes 2 or 4 warps on Hopper; at 2 warps Triton emits mma.sync
+  instead of wgmma (no warpgroup, a shorter per-chunk chain). At 2 warps a 32-column tile spills
+  (the fp32 state is 64 registers a thread), so those candidates take 16 columns: 384 programs
+  of one sequence at 69 KiB of shared memory, three to an SM, one wave on 132 SMs;
+- the walk's V tile: fla autotunes 32 or 64 columns; 64 halves the programs (96 for one sequence
+  at the real shape) and the redundant W and K̂ reads, at 8 warps to keep registers per thread;
+- the state as two K/2-row tiles (`walk_k_halves`), as fla holds it in 64-row tiles;
+- when the walk is split into segments (context parallelism, which fla does not do by default)
+  and how (existing knobs of `ChunkConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .chunk import ChunkConfig, chunk_config
+
+# name -> overrides of chunk_config(K, V, 90); walk-tile overrides apply to the serial walk and,
+# where the batch splits it, to the split walk alike, so a name means one walk shape at every length
+_OVERRIDES: tuple[tuple[str, dict], ...] = (
+    ("default", {}),
+    ("no_split", dict(cp_min_tokens=0)),  # one serial walk per sequence at every length (fla's structure)
+    ("split_from_8k", dict(cp_min_tokens=8192)),
+    ("bv16_w2", dict(walk_bv=16, walk_warps=2, cp_walk_bv=16, cp_walk_warps=2)),
+    ("bv64_w4", dict(walk_bv=64, cp_walk_bv=64)),
+    ("bv64_w8", dict(walk_bv=64, walk_warps=8, cp_walk_bv=64, cp_walk_warps=8)),
+    ("khalves", dict(walk_k_halves=True)),
+    ("khalves_bv16_w2", dict(walk_k_halves=True, walk_bv=16, walk_warps=2, cp_walk_bv=16, cp_walk_warps=2)),
+    ("khalves_bv64_w8", dict(walk_k_halves=True, walk_bv=64, walk_warps=8, cp_walk_bv=64, cp_walk_warps=8)),
+    ("khalves_no_split", dict(walk_k_halves=True, cp_min_tokens=0)),
+    ("bv16_w2_no_split", dict(walk_bv=16, walk_warps=2, cp_min_tokens=0)),
+    ("walk_2stages", dict(walk_stages=2)),
+    ("split_seg16", dict(cp_min_tokens=8192, seg_chunks=16)),
+    ("out_vp64", dict(out_vp=64)),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
+)
+
+
+def chunk_variants(K: int, V: int) -> dict[str, ChunkConfig]:
+    """The sm_90 candidates by name ("default" is `chunk_config(K, V, 90)` itself)."""
+    base = chunk_config(K, V, 90)
+    return {name: dataclasses.replace(base, **over) for name, over in _OVERRIDES}
+
+
+def variant_overrides(name: str) -> dict:
+    """The fields a candidate changes from the default (for the benchmark's JSON)."""
+    found = dict(_OVERRIDES)
+    assert name in found, f"unknown chunk variant {name!r}: choose from {list(found)}"
+    return dict(found[name])
