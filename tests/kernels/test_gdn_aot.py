@@ -59,8 +59,16 @@ PRESCAN_NAMES = ("k w u gcum k_rstd hm cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_
                  "H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES")
 
 
-def _walk_builds(cfg, prefix):
-    """The state-walk kernels at cfg's tiles: the serial walk, the split walk and the prescan."""
+def _chunk_builds(cfg, arch, prefix):
+    """The chunked-prefill kernels after the index table, at cfg's launch configuration: intra, the
+    state walk (serial, split, prescan, merge) and the output."""
+    solve_prec, merge_prec = ("tf32", "tf32x3") if arch >= 80 else ("ieee", "ieee")
+    yield prefix + "intra", (chunk_intra._gdn_chunk_intra_kernel,
+                             "k v g beta cu_seqlens cu_chunks w u gcum k_rstd NUM_SEQ stride_k stride_v stride_g "
+                             "stride_beta H HV K V BK BV USE_L2NORM DOT_PREC SOLVE_PREC LOG_NUM_SEQ",
+                             "aaffiiaaff" + "n" * 5 + "c" * 10,
+                             dict(H=H, HV=HV, K=K, V=V, BK=cfg.intra_bk, BV=cfg.intra_bv, USE_L2NORM=True,
+                                  DOT_PREC="ieee", SOLVE_PREC=solve_prec, LOG_NUM_SEQ=3), cfg.intra_warps)
     halves = cfg.walk_k_halves
     for name, bv, warps, stages in (("walk", cfg.walk_bv, cfg.walk_warps, cfg.walk_stages),
                                     ("walk_split", cfg.cp_walk_bv, cfg.cp_walk_warps, cfg.cp_stages)):
@@ -70,20 +78,29 @@ def _walk_builds(cfg, prefix):
     yield prefix + "prescan", (chunk_state._gdn_chunk_prescan_kernel, PRESCAN_NAMES, "aaafffiii" + "nnn" + "c" * 8,
                                dict(H=H, HV=HV, K=K, V=V, BV=cfg.prescan_bv, DOT_PREC="ieee", LOG_NUM_SEQ=3,
                                     K_HALVES=halves), cfg.prescan_warps, cfg.cp_stages)
+    yield prefix + "merge", (chunk_state._gdn_chunk_merge_kernel,
+                             "hm h_start ssm_state slots has_initial_state cu_segs HV K V BV MERGE_PREC",
+                             "fffibi" + "c" * 5, dict(HV=HV, K=K, V=V, BV=cfg.merge_bv, MERGE_PREC=merge_prec),
+                             cfg.merge_warps)
+    yield prefix + "o", (chunk_out._gdn_chunk_o_kernel,
+                         "q k h v_new gcum k_rstd o cu_seqlens cu_chunks NUM_SEQ scale stride_q stride_k "
+                         "H HV K V BK BV VP USE_L2NORM DOT_PREC LOG_NUM_SEQ", "aaaaffaiinsnn" + "c" * 10,
+                         dict(H=H, HV=HV, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, VP=cfg.out_vp, USE_L2NORM=True,
+                              DOT_PREC="ieee", LOG_NUM_SEQ=3), cfg.out_warps, cfg.out_stages)
 
 
 def _variant_builds(arch):
-    """sm_90: the walk kernels of every candidate in chunk_variants.py that the default builds do
-    not already cover; sm_70: the K-halves walk at the sm_70 tiles (the sm_70 default stays as it
-    is; this checks the kernel code builds there). Each distinct compile once."""
+    """sm_90: the kernels of every candidate in chunk_variants.py that the default builds do not
+    already cover; sm_70: the K-halves walk at the sm_70 tiles (the sm_70 default stays as it is;
+    this checks the kernel code builds there). Each distinct compile once."""
     default = chunk.chunk_config(K, V, arch)
     if arch < 80:
         candidates = {"sm70_khalves": dataclasses.replace(default, walk_k_halves=True)}
     else:
         candidates = chunk_variants(K, V)
-    seen = {_compile_key(b) for _, b in _walk_builds(default, "")}
+    seen = {_compile_key(b) for _, b in _chunk_builds(default, arch, "")}
     for vname, cfg in candidates.items():
-        for name, b in _walk_builds(cfg, f"{vname}:"):
+        for name, b in _chunk_builds(cfg, arch, f"{vname}:"):
             if _compile_key(b) not in seen:
                 seen.add(_compile_key(b))
                 yield name, b
@@ -115,25 +132,9 @@ def _builds(arch):
     yield "gdn_commit", (recurrent._gdn_commit_kernel,
                          "draft ssm_state slots draft_slots num_accepted T NUMEL DRAFT_MODE BLOCK", "ffiiinccc",
                          dict(NUMEL=HV * K * V, DRAFT_MODE=1, BLOCK=2048), 4)
-    solve_prec, merge_prec = ("tf32", "tf32x3") if arch >= 80 else ("ieee", "ieee")
     yield "chunk_index", (chunk_index._gdn_chunk_index_kernel, "cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_CHUNKS BLOCK",
                           "iiinnc", dict(BLOCK=16), 1)
-    yield "chunk_intra", (chunk_intra._gdn_chunk_intra_kernel,
-                          "k v g beta cu_seqlens cu_chunks w u gcum k_rstd NUM_SEQ stride_k stride_v stride_g "
-                          "stride_beta H HV K V BK BV USE_L2NORM DOT_PREC SOLVE_PREC LOG_NUM_SEQ",
-                          "aaffiiaaff" + "n" * 5 + "c" * 10,
-                          dict(H=H, HV=HV, K=K, V=V, BK=cfg.intra_bk, BV=cfg.intra_bv, USE_L2NORM=True,
-                               DOT_PREC="ieee", SOLVE_PREC=solve_prec, LOG_NUM_SEQ=3), cfg.intra_warps)
-    yield from _walk_builds(cfg, "chunk_")
-    yield "chunk_merge", (chunk_state._gdn_chunk_merge_kernel,
-                          "hm h_start ssm_state slots has_initial_state cu_segs HV K V BV MERGE_PREC", "fffibi" + "c" * 5,
-                          dict(HV=HV, K=K, V=V, BV=cfg.merge_bv, MERGE_PREC=merge_prec), cfg.merge_warps)
-    yield "chunk_o", (chunk_out._gdn_chunk_o_kernel,
-                      "q k h v_new gcum k_rstd o cu_seqlens cu_chunks NUM_SEQ scale stride_q stride_k "
-                      "H HV K V BK BV VP USE_L2NORM DOT_PREC LOG_NUM_SEQ", "aaaaffaiinsnn" + "c" * 10,
-                      dict(H=H, HV=HV, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, VP=cfg.out_vp, USE_L2NORM=True,
-                           DOT_PREC="ieee",
-                           LOG_NUM_SEQ=3), cfg.out_warps, cfg.out_stages)
+    yield from _chunk_builds(cfg, arch, "chunk_")
 
 
 BUILDS = {arch: dict(_builds(arch)) for arch in (70, 90)}

@@ -16,7 +16,9 @@ What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one pr
   at the real shape) and the redundant W and K̂ reads, at 8 warps to keep registers per thread;
 - the state as two K/2-row tiles (`walk_k_halves`), as fla holds it in 64-row tiles;
 - when the walk is split into segments (context parallelism, which fla does not do by default)
-  and how (existing knobs of `ChunkConfig`).
+  and how (existing knobs of `ChunkConfig`);
+- the fully parallel stages' tiles and warps (intra, output), in case the per-stage profile puts
+  the gap there rather than in the walk.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("walk_2stages", dict(walk_stages=2)),
     ("split_seg16", dict(cp_min_tokens=8192, seg_chunks=16)),
     ("out_vp64", dict(out_vp=64)),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
+    ("out_bv32", dict(out_bv=32)),  # 122 registers instead of 146: four output programs to an SM, not three
+    ("out_w8", dict(out_warps=8)),
+    ("intra_w8", dict(intra_warps=8)),
 )
 
 
