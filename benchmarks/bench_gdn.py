@@ -322,18 +322,25 @@ def k1_variants():
             pool = torch.randn(B + 1, HV, K, V, device=DEV) * 0.1
             slots = torch.arange(1, B + 1, dtype=torch.int32, device=DEV)
             init = torch.ones(B, dtype=torch.bool, device=DEV)
-            o_default = gdn_chunk_prefill(*sets[0], cu, pool.clone(), slots, init, config=VARIANTS["default"])
+            pool0 = pool.clone()  # the timed calls overwrite the pool's states; the differences start from these
+            o_default = gdn_chunk_prefill(*sets[0], cu, pool0.clone(), slots, init, config=VARIANTS["default"])
             for vname in names:
                 cfg = VARIANTS[vname]
                 calls = [lambda s=s, cfg=cfg: gdn_chunk_prefill(*s, cu, pool, slots, init, config=cfg) for s in sets]
                 t, how = time_best(calls)
                 stages = stage_times(kernel_times(calls[0]))
-                o_v = gdn_chunk_prefill(*sets[0], cu, pool.clone(), slots, init, config=cfg)
+                o_v = gdn_chunk_prefill(*sets[0], cu, pool0.clone(), slots, init, config=cfg)
                 peer = PEER_US.get((name, dt))
                 row(kernel="K1 variant", variant=vname, shape=name, dtype=dt, us=t, timing=how,
                     split_segments=cfg.segment_chunks(sum(lens), HV, num_sms), stages_us=stages,
                     rel_diff_to_default=rel_err(o_v, o_default),
                     ratio_peer_over_ours=(peer / t) if peer else None, overrides=variant_overrides(vname))
+            if chunk_gated_delta_rule is not None and (name, dt) in PEER_US:  # fla's row in the same table
+                o_p = _fla_prefill_calls(sets[:1], lens, pool0)[0]()[0][0]
+                row(kernel="K1 variant", variant="fla", shape=name, dtype=dt, us=PEER_US[name, dt],
+                    timing="best of k1_prefill", split_segments=0, ratio_peer_over_ours=1.0,
+                    stages_us=stage_times(kernel_times(_fla_prefill_calls(sets[:1], lens, pool)[0])),
+                    rel_diff_to_default=rel_err(o_p, o_default), overrides={})
             del sets
             torch.cuda.empty_cache()
 
