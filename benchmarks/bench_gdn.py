@@ -12,16 +12,16 @@ minutes on an H200, most of it Triton compiling ours and autotuning fla):
    and fp16, vs fla `chunk_gated_delta_rule` (Triton path; one sequence in fla's batch form,
    varlen with cu_seqlens); µs per layer eager and CUDA-graph for both, fla / ours ratios (> 1:
    ours faster), chunk-form TFLOP/s (180 k FLOP/token/v-head), output and state difference to fla;
-3. k1_variant_checks, k1_variants: the sm_90 launch-configuration candidates of
+3. k1_profile: per-kernel GPU time (torch.profiler) of ours (default, no split) and fla at 1x8K
+   and 1x32K, bf16 and fp16, grouped into stages (gdn_k1.py: prep, intra, walk, out) with each
+   stage's growth from 8K to 32K and its ratio to fla's; fla's autotuned configurations;
+4. k1_variant_checks, k1_variants: the sm_90 launch-configuration candidates of
    kernels/gdn/chunk_variants.py (GDN_VARIANTS=a,b selects the timed ones), each checked against
    the torch reference (varlen, serial and split, bf16 and fp16), then timed at the three shapes,
    bf16 and fp16, CUDA graph, beside the default and fla's µs from k1_prefill, each with its
    per-stage GPU µs (profiler) and its output's difference to the default's, so one run shows
-   which configuration to make the default (needs k1_prefill in the same run for fla's µs);
-4. k1_profile: per-kernel GPU time (torch.profiler) of ours (default, no split) and fla at 1x8K
-   and 1x32K, bf16 and fp16, grouped into stages (gdn_k1.py: prep, intra, walk, out) with each
-   stage's growth from 8K to 32K and its ratio to fla's; fla's autotuned configurations; the
-   shared memory / registers / spills of every compiled chunk kernel;
+   which configuration to make the default (needs k1_prefill in the same run for fla's µs); then
+   the shared memory / registers / spills of every compiled chunk kernel;
 5. k2_decode: batch 1/8/64/256 (fp32 state pool) vs fla `fused_recurrent_gated_delta_rule` on
    the same states; µs/layer, state GB/s (read + write), output difference to fla, a BV sweep;
 6. v100_configs: the sm70 launch configurations (plain and split walk), fp16, correctness only;
@@ -355,6 +355,9 @@ def k1_variants():
                     rel_diff_to_default=rel_err(o_p, o_default), overrides={})
             del sets
             torch.cuda.empty_cache()
+    RESULTS["kernel_resources"] = _compiled_resources()  # now with every candidate's builds
+    for r in RESULTS["kernel_resources"]:
+        log("  ", r)
 
 
 def _compiled_resources() -> list:
@@ -507,7 +510,7 @@ def v100_configs():
                   config=dataclasses.replace(sm70, cp_min_tokens=1, seg_chunks=1))
 
 
-DEFAULT_STAGES = ("correctness", "k1_prefill", "k1_variant_checks", "k1_variants", "k1_profile", "k2_decode",
+DEFAULT_STAGES = ("correctness", "k1_prefill", "k1_profile", "k1_variant_checks", "k1_variants", "k2_decode",
                   "v100_configs")
 
 
@@ -562,7 +565,7 @@ def main():
         with open(path, "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)
 
-    stages = (correctness, k1_prefill, k1_variant_checks, k1_variants, k1_profile, k2_decode, v100_configs, k3_verify)
+    stages = (correctness, k1_prefill, k1_profile, k1_variant_checks, k1_variants, k2_decode, v100_configs, k3_verify)
     wanted = os.environ.get("GDN_STAGES", ",".join(DEFAULT_STAGES)).split(",")  # e.g. GDN_STAGES=k1_prefill
     for stage in stages:
         if stage.__name__ in wanted:

@@ -128,3 +128,14 @@ def print_variant_table(rows: list) -> None:
         print(f"{r['shape']:7s} {r['dtype']:9s} {r['variant']:18s} {r['us']:9.1f} "
               f"{r['ratio_peer_over_ours'] or nan:8.2f} {st.get('walk', nan):8.1f} {st.get('intra', nan):8.1f} "
               f"{st.get('out', nan):8.1f}  {r.get('rel_diff_to_default', nan):15.1e}  {walk}")
+
+
+if __name__ == "__main__":  # the K1 tables from a saved run: python benchmarks/gdn_k1.py $OUT/bench_gdn.json
+    import json
+    import sys
+
+    with open(sys.argv[1]) as f:
+        saved = json.load(f)
+    print_stage_table(saved.get("profiles", []))
+    print_variant_table(saved.get("rows", []))
+    print("fla autotuned:", saved.get("fla_autotuned", "not recorded"))

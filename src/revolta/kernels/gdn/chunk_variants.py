@@ -37,6 +37,10 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("bv64_w4", dict(walk_bv=64, cp_walk_bv=64)),
     ("bv64_w8", dict(walk_bv=64, walk_warps=8, cp_walk_bv=64, cp_walk_warps=8)),
     ("khalves", dict(walk_k_halves=True)),
+    # 8 warps on a 32-column tile: two warpgroups share each chunk's products (a shorter chain per
+    # chunk); 3 stages take 113 KiB, one program per SM, so the plain one runs 2 stages
+    ("w8_2stages", dict(walk_warps=8, walk_stages=2, cp_walk_warps=8)),
+    ("khalves_w8", dict(walk_k_halves=True, walk_warps=8, cp_walk_warps=8)),
     ("khalves_bv16_w2", dict(walk_k_halves=True, walk_bv=16, walk_warps=2, cp_walk_bv=16, cp_walk_warps=2)),
     ("khalves_bv64_w8", dict(walk_k_halves=True, walk_bv=64, walk_warps=8, cp_walk_bv=64, cp_walk_warps=8)),
     ("khalves_no_split", dict(walk_k_halves=True, cp_min_tokens=0)),
