@@ -91,6 +91,8 @@ VARIANT_CASES = [
     ("khalves_bv64_w8", [130, 64, 3], dict(H=1, HV=2, K=32, V=64), torch.float16, 2),
     ("bv64_w8", [70, 1, 129], dict(H=2, HV=4, K=16, V=64), torch.float16, 1),
     ("out_bv32", [1, 63, 70], dict(H=1, HV=2, K=16, V=64), torch.float16, 0),  # two 32-wide tiles per program
+    ("intra_bk32_bv32", [65, 0, 130], dict(H=1, HV=2, K=64, V=64), torch.float16, 1),  # two K and two V slices
+    ("out_bk128_bv128_w8", [70, 1, 0], dict(H=1, HV=1, K=128, V=128), torch.float16, 0),  # whole K, V per product
 ]
 
 

@@ -50,7 +50,9 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("out_vp64", dict(out_vp=64)),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
     ("out_bv32", dict(out_bv=32)),  # 122 registers instead of 146: four output programs to an SM, not three
     ("out_w8", dict(out_warps=8)),
+    ("out_bk128_bv128_w8", dict(out_bk=128, out_bv=128, out_warps=8)),  # the first of fla's output configs
     ("intra_w8", dict(intra_warps=8)),
+    ("intra_bk32_bv32", dict(intra_bk=32, intra_bv=32)),  # 130 registers: fewer live tiles per program
 )
 
 
