@@ -3,10 +3,11 @@
 Real shapes: hidden 2560, ffn 640, 512 routed experts + the shared expert (ffn 640, riding as expert 512),
 top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows, uniform routing, bf16 and fp16 activations.
   * copy ceiling measured in this run (device copy of 2 GiB, read + write);
-  * quant = quant_fused_moe (default config), timed as a CUDA graph over 8 rotating inputs and routings (each
+  * quant = quant_fused_moe (default config: the group-factored "nib" path on sm80+), timed as a CUDA graph over 8 rotating inputs and routings (each
     call finds few of its experts in L2); % copy = distinct touched experts' packed bytes (qweight + qzeros +
     scales of gate_up and down, the shared expert counted) / time / copy bandwidth; target >= 60%;
-  * the tile variants (VARIANTS) timed beside the default at bf16, so one run can pick the best;
+  * the variants (VARIANTS: the tile path of K5c and its best tiles, the nib path's tiles, warps, stages and
+    split-K) timed beside the default at bf16 ("tile" at both dtypes), so one run can pick the best;
   * 16-bit = moe.fused_moe (the grouped kernels) on a bf16/fp16 bank of the same shapes and routing, its
     % copy over its own touched bytes, and quant's speedup over it;
   * checks: every timed path against quant_fused_moe_ref (rel. L2 error), and a CUDA graph of quant_fused_moe
@@ -25,14 +26,22 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 H, I, E, TOPK, GROUP = 2560, 640, 512, 10, 32
-VARIANTS = {  # name -> config overrides of quant_grouped_config's sm80+ choice
-    "n64": dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128),
-    "k256": dict(BLOCK_K_UP=256, BLOCK_K_DOWN=256),
-    "n16": dict(BLOCK_N_UP=16, BLOCK_N_DOWN=32),
-    "w8": dict(num_warps=8),
-    "s2": dict(num_stages=2),
-    "fma": dict(BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=16, BLOCK_K_UP=128, BLOCK_N_DOWN=32, BLOCK_K_DOWN=128),
+VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice for that path): "tile" = the
+    # decode-each-weight kernels (moe.py), "nib" = the group-factored decode (moe_decode.py; the sm80+ default)
+    "tile": ("tile", {}),
+    "n64": ("tile", dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128)),
+    "fma": ("tile", dict(BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=16, BLOCK_K_UP=128, BLOCK_N_DOWN=32, BLOCK_K_DOWN=128)),
+    "nib-n64": ("nib", dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128)),
+    "nib-n32": ("nib", dict(BLOCK_N_UP=32, BLOCK_N_DOWN=64)),
+    "nib-n256": ("nib", dict(BLOCK_N_UP=256, BLOCK_N_DOWN=256)),
+    "nib-w8": ("nib", dict(num_warps=8)),
+    "nib-s3": ("nib", dict(num_stages=3)),
+    "nib-nosplit": ("nib", dict(SPLIT_UP=1, SPLIT_DOWN=1)),
+    "nib-sk8": ("nib", dict(SPLIT_UP=8, SPLIT_DOWN=4)),
+    "nib-sk2": ("nib", dict(SPLIT_UP=2, SPLIT_DOWN=1)),
+    "nib-n64-sk8": ("nib", dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128, SPLIT_UP=8, SPLIT_DOWN=4)),
 }
+ONE_ROW = ("fma", "nib-sk8", "nib-sk2", "nib-n64-sk8")  # variants timed at M = 1 only
 
 
 def awq_bank(num_experts, h, i, device, gen):
@@ -99,11 +108,12 @@ def run(small: bool = False, json_path: str | None = None) -> int:
                        floor_us=touched / copy_gbs / 1e3, touched16_MB=(distinct + 1) * 3 * h * i * 2 / 1e6)
             tag = f"M={M} {res['dtype']}"
             ref = QMOE.quant_fused_moe_ref(xs[0], gate_up, down, *routes[0], shared_expert=shared)
-            base = QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch)
-            variants = {"quant": None} | ({n: base | v for n, v in VARIANTS.items()} if dt == torch.bfloat16 or small else {})
+            base = {p: QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, nibble=p == "nib")
+                    for p in ("tile", "nib")}
+            variants = {"quant": None} | {n: base[p] | v for n, (p, v) in VARIANTS.items()
+                                          if (n == "tile" or dt == torch.bfloat16 or small)
+                                          and (M == 1 or n not in ONE_ROW)}
             for vname, cfg in variants.items():
-                if cfg is not None and cfg["USE_DOT"] is False and M > 1:
-                    continue  # the FMA tiles are a one-row candidate on sm80+
                 out = QMOE.quant_fused_moe(xs[0], gate_up, down, *routes[0], shared_expert=shared, config=cfg)
                 checks.append(dict(what=f"quant {vname} {tag}", rel_err=rel_err(out, ref)))
                 t = timer([(lambda j=j, cfg=cfg: QMOE.quant_fused_moe(xs[j], gate_up, down, *routes[j],
@@ -146,14 +156,14 @@ def graph_check(gate_up, down, shared, M, dt, h, num_experts, gen) -> float:
 def print_table(rows, checks, copy_gbs):
     print(f"\nAWQ MoE (g{GROUP}, top-{TOPK} + shared): µs per call (CUDA graph, rotating inputs); %copy = distinct "
           f"touched experts' bytes / time / {copy_gbs:,.0f} GB/s; target quant >= 60%")
-    print(f"{'M':>3} {'dtype':>8} {'experts':>7} {'MB':>6} {'floor':>6} {'quant us':>9} {'%copy':>6} {'best':>6} "
-          f"{'best us':>8} {'%copy':>6} {'16-bit us':>9} {'%copy':>6} {'speedup':>7}")
+    print(f"{'M':>3} {'dtype':>8} {'experts':>7} {'MB':>6} {'floor':>6} {'quant us':>9} {'%copy':>6} {'tile us':>8} "
+          f"{'%copy':>6} {'best':>11} {'best us':>8} {'%copy':>6} {'16-bit us':>9} {'%copy':>6} {'speedup':>7}")
     for r in rows:
         b = r["best"]
         print(f"{r['M']:>3} {r['dtype']:>8} {r['distinct_experts'] + 1:>7.1f} {r['packed_MB']:>6.1f} "
-              f"{r['floor_us']:>6.1f} {r['quant_us']:>9.1f} {100 * r['quant_frac_copy']:>5.0f}% {b:>6} "
-              f"{r[b + '_us']:>8.1f} {100 * r[b + '_frac_copy']:>5.0f}% {r['b16_us']:>9.1f} "
-              f"{100 * r['b16_frac_copy']:>5.0f}% {r['speedup']:>6.2f}x")
+              f"{r['floor_us']:>6.1f} {r['quant_us']:>9.1f} {100 * r['quant_frac_copy']:>5.0f}% {r['tile_us']:>8.1f} "
+              f"{100 * r['tile_frac_copy']:>5.0f}% {b:>11} {r[b + '_us']:>8.1f} {100 * r[b + '_frac_copy']:>5.0f}% "
+              f"{r['b16_us']:>9.1f} {100 * r['b16_frac_copy']:>5.0f}% {r['speedup']:>6.2f}x")
     for r in rows:
         others = {k[:-3]: round(v, 1) for k, v in r.items() if k.endswith("_us") and k not in ("quant_us", "b16_us", "floor_us")}
         if others:

@@ -28,6 +28,15 @@ DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids order slot_expert slot
         "stride_am stride_e0 stride_e1 stride_e2 stride_ym FMT G HAS_ZP INVERTED BLOCK_M BLOCK_N BLOCK_K USE_DOT "
         "HAS_SHARED SORTED")
 
+NIBBLE_GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act ws topk_ids order slot_expert slot_start slot_end num_routed H "
+                  "I T stride_xm stride_e0 stride_e1 stride_e2 stride_am k_split FMT G HAS_ZP INVERTED TOP_K BLOCK_M "
+                  "BLOCK_N BLOCK_K HAS_SHARED SORTED SPLIT")
+NIBBLE_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids order slot_expert slot_start slot_end num_routed H I "
+               "stride_am stride_e0 stride_e1 stride_e2 stride_ym k_split FMT G HAS_ZP INVERTED BLOCK_M BLOCK_N BLOCK_K "
+               "HAS_SHARED SORTED SPLIT")
+
+NIBBLE_BUILDS = (("awq", 1), ("awq", 8), ("awq", 40), ("ct_int4", 1), ("ct_int4", 8), ("nvfp4", 8))
+
 
 def _sig(names, types, act):
     table = {"a": act, "h": "*fp16", "w": "*bf16", "f": "*fp32", "i": "*i32", "b": "*u8", "n": "i32", "c": "constexpr"}
@@ -40,7 +49,7 @@ def _aligned(names, types, fmt):
     """Pointers, sizes and strides that are multiples of 16 at the real shapes (not NVFP4's per-expert global
     scales: 2 or 1 per expert)."""
     return tuple(n for n, t in zip(names.split(), types)
-                 if t in "ahwfib" or n in ("H", "I", "num_routed")
+                 if t in "ahwfib" or n in ("H", "I", "num_routed", "k_split")
                  or n.startswith("stride_") and not (fmt == "nvfp4" and n == "stride_e2"))
 
 
@@ -51,7 +60,7 @@ def _builds(arch):
     for fmt, Ms in (("awq", (1, 8, 40)), ("ct_int4", (8,)), ("nvfp4", (8,))):
         wt, consts = FORMATS[fmt]
         for M in Ms:
-            cfg = moe.quant_grouped_config(M, TOP_K, EXPERTS + 1, arch)
+            cfg = moe.quant_grouped_config(M, TOP_K, EXPERTS + 1, arch, nibble=False)
             launch = (cfg["num_warps"], cfg["num_stages"])
             flags = dict(consts, BLOCK_M=cfg["BLOCK_M"], USE_DOT=cfg["USE_DOT"], HAS_SHARED=True, SORTED=M > 1)
             up = dict(flags, TOP_K=TOP_K, BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=moe.fit_block_k(cfg["BLOCK_K_UP"], consts["G"]))
@@ -60,7 +69,33 @@ def _builds(arch):
                                         up, *launch, fmt)
             b[f"{fmt}_down_M{M}"] = (moe._quant_down_kernel, DOWN, "a" + wt * 2 + "ffiiiiinnnnnnnn" + "c" * 10, down,
                                      *launch, fmt)
+    for fmt, M in NIBBLE_BUILDS:
+        b.update(nibble_builds(fmt, M, arch))
     return b
+
+
+def nibble_builds(fmt, M, arch, overrides=None):
+    """The nibble path's gate_up and down builds in `quant_grouped_config(..., nibble=True)`'s config (| overrides)."""
+    from revolta.kernels.quant import moe, moe_decode
+
+    wt, consts = FORMATS[fmt]
+    cfg = moe.quant_grouped_config(M, TOP_K, EXPERTS + 1, arch, nibble=True) | (overrides or {})
+    launch = (cfg["num_warps"], cfg["num_stages"])
+    layout = moe.LAYOUTS[consts["FMT"]]
+    flags = dict(consts, BLOCK_M=cfg["BLOCK_M"], HAS_SHARED=True, SORTED=M > 1)
+    up = dict(flags, TOP_K=TOP_K, BLOCK_N=cfg["BLOCK_N_UP"], SPLIT=cfg["SPLIT_UP"],
+              BLOCK_K=moe_decode.nibble_block_k(cfg["BLOCK_K_UP"], consts["G"], layout))
+    down = dict(flags, BLOCK_N=cfg["BLOCK_N_DOWN"], SPLIT=cfg["SPLIT_DOWN"],
+                BLOCK_K=moe_decode.nibble_block_k(cfg["BLOCK_K_DOWN"], consts["G"], layout))
+    tag = f"{fmt}_nibble_M{M}"
+    extra = {}
+    if cfg["SPLIT_UP"] > 1:
+        extra["nibble_split_act"] = (moe_decode._split_act_kernel, "ws act T I stride_am SPLIT BLOCK", "fannncc",
+                                     dict(SPLIT=cfg["SPLIT_UP"], BLOCK=1024), 4, 2, fmt)
+    return extra | {f"{tag}_gate_up": (moe_decode._nibble_gate_up_kernel, NIBBLE_GATE_UP,
+                               "a" + wt * 3 + "af" + "i" * 5 + "n" * 10 + "c" * 11, up, *launch, fmt),
+            f"{tag}_down": (moe_decode._nibble_down_kernel, NIBBLE_DOWN, "a" + wt * 2 + "ff" + "i" * 5 + "n" * 9 + "c" * 10,
+                            down, *launch, fmt)}
 
 
 def build_all(arch):

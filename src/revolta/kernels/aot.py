@@ -60,15 +60,9 @@ def _ptxas(arch: int) -> tuple[str, str]:
         return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"), target
 
 
-def compile_report(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, arch: int = 70,
-                   num_warps: int = 4, num_stages: int = 2, aligned: tuple[str, ...] = ()) -> CompileReport:
-    """Compile `kernel` (a @triton.jit function) for sm_<arch> and report resources.
-
-    signature: argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr", ...).
-    aligned: arguments to compile as the launcher specialises them at run time when they are
-    multiples of 16 (16-byte-aligned pointers, strides and sizes divisible by 16). Without it a build
-    assumes nothing, so loads may not vectorise and tl.dot's loads may not pipeline as they do on the GPU.
-    """
+def build(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, arch: int = 70,
+          num_warps: int = 4, num_stages: int = 2, aligned: tuple[str, ...] = ()):
+    """The triton.compile result of `kernel` for sm_<arch> (arguments as `compile_report`); .asm holds ptx, cubin."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -79,8 +73,60 @@ def compile_report(kernel, signature: dict[str, str], constexprs: dict[str, obje
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs or {}, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def inner_loop_sass(cubin: bytes, marks: tuple[str, ...] = ("HMMA", "HGMMA", "FFMA")) -> list[str]:
+    """The SASS opcodes of the innermost multiply loop of a one-kernel cubin: the shortest span [target, branch] of
+    a backward BRA that holds one of `marks` (the steady-state body of a software-pipelined K loop), read with the
+    bundled cuobjdump."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    code = []  # (address, opcode, branch target or None)
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", text):
+        target = re.search(r"`?\(?\.?L?_?x?_?(0x[0-9a-f]+)\)?", m.group(4)) if m.group(3).startswith("BRA") else None
+        code.append((int(m.group(1), 16), m.group(3), int(target.group(1), 16) if target else None))
+    loops = sorted((a - t, t, a) for a, op, t in code if t is not None and t < a)  # not the trailing `BRA .`
+    for _, lo, hi in loops:
+        ops = [op for a, op, _ in code if lo <= a <= hi]
+        if any(op.startswith(marks) for op in ops):
+            return ops
+    return []
+
+
+def inner_loop_ptx(ptx: str, marks: tuple[str, ...] = ("mma", "fma.rn.f32")) -> list[str]:
+    """The PTX opcodes of the innermost multiply loop: the shortest span from a label to a later branch back to it
+    that holds one of `marks` (for archs whose SASS the bundled tools no longer disassemble: CUDA 13 dropped
+    sm_70)."""
+    lines = [ln.split("//")[0].strip() for ln in ptx.splitlines()]
+    labels = {ln[:-1]: i for i, ln in enumerate(lines) if re.fullmatch(r"\$L__BB\w+:", ln)}
+    spans = [(i - labels[m.group(1)], labels[m.group(1)], i) for i, ln in enumerate(lines)
+             if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\w+);", ln)) and labels.get(m.group(1), i) < i]
+    for _, lo, hi in sorted(spans):
+        ops = [re.sub(r"^@!?%p\d+\s+", "", ln).split()[0] for ln in lines[lo + 1:hi + 1] if ln]
+        ops = [op for op in ops if not op.startswith(("$L", ".", "}", "{"))]
+        if any(op.startswith(marks) for op in ops):
+            return ops
+    return []
+
+
+def compile_report(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, arch: int = 70,
+                   num_warps: int = 4, num_stages: int = 2, aligned: tuple[str, ...] = ()) -> CompileReport:
+    """Compile `kernel` (a @triton.jit function) for sm_<arch> and report resources.
+
+    signature: argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr", ...).
+    aligned: arguments to compile as the launcher specialises them at run time when they are
+    multiples of 16 (16-byte-aligned pointers, strides and sizes divisible by 16). Without it a build
+    assumes nothing, so loads may not vectorise and tl.dot's loads may not pipeline as they do on the GPU.
+    """
+    compiled = build(kernel, signature, constexprs, arch, num_warps, num_stages, aligned)
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")

@@ -40,6 +40,8 @@ from torch import Tensor
 from ..moe import GROUPED_MAX_PAIRS, _arch, _moe_sum_kernel
 from ..moe_grouped import _mac, _pairs, _program, expected_distinct, moe_group
 from . import awq, ct_int4, nvfp4
+from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
+from .moe_decode import _split_act_kernel, nibble_block_k, split_len
 
 LAYOUTS = ("awq", "ct_int4", "nvfp4")  # FMT constexpr = index here
 
@@ -187,20 +189,9 @@ def _quant_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, topk
     i_n, i_e, start, end = _program(topk_ids, slot_expert, slot_start, slot_end, SORTED)
     if i_e < 0:
         return
-    # routed: one [2I, H] linear, up rows at I; the shared expert (id num_routed): its own [I, H] gate and up
-    g0 = w0 + i_e * stride_e0
-    g1 = w1 + i_e * stride_e1
-    g2 = w2 + i_e * stride_e2
-    u0, u1, u2 = g0, g1, g2
-    n_g = i_n * BLOCK_N
-    n_u = n_g + I
-    N = 2 * I
-    if HAS_SHARED:
-        if i_e == num_routed:
-            g0, g1, g2 = sg0, sg1, sg2
-            u0, u1, u2 = su0, su1, su2
-            n_u = n_g
-            N = I
+    g0, g1, g2, n_g, u0, u1, u2, n_u, N = _gate_up_operands(w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, i_e, i_n,
+                                                            num_routed, I, stride_e0, stride_e1, stride_e2, BLOCK_N,
+                                                            HAS_SHARED)
     o_n = n_g + tl.arange(0, BLOCK_N)
     m_n = o_n < I
     for m0 in range(start, end, BLOCK_M):
@@ -222,12 +213,8 @@ def _quant_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids
     i_n, i_e, start, end = _program(topk_ids, slot_expert, slot_start, slot_end, SORTED)
     if i_e < 0:
         return
-    d0 = w0 + i_e * stride_e0
-    d1 = w1 + i_e * stride_e1
-    d2 = w2 + i_e * stride_e2
-    if HAS_SHARED:
-        if i_e == num_routed:
-            d0, d1, d2 = sd0, sd1, sd2
+    d0, d1, d2 = _down_operands(w0, w1, w2, sd0, sd1, sd2, i_e, num_routed, stride_e0, stride_e1, stride_e2,
+                                HAS_SHARED)
     n = i_n * BLOCK_N
     o_n = n + tl.arange(0, BLOCK_N)
     m_n = o_n < H
@@ -244,14 +231,28 @@ def _quant_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids
 # launch
 
 
-def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None) -> dict:
+def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None,
+                         nibble: bool | None = None) -> dict:
     """Launch config of the packed grouped kernels (the benchmark times variants beside it).
 
-    sm80+ (and the interpreter): moe_grouped's tl.dot tiles (16 rows, 2 x 32 gate + up rows, 64 down rows,
+    Tile path (nibble=False), sm80+: moe_grouped's tl.dot tiles (16 rows, 2 x 32 gate + up rows, 64 down rows,
     128 inputs per K step: 4 groups of 32 per decoded tile). sm70: broadcast-FMA tiles with BLOCK_M from the
     expected rows per touched expert, narrower than moe_grouped's because the decoded tile is held in fp32
     beside the accumulator (no spills in the sm_70 build, tests/kernels/test_quant_moe_aot.py).
+    nibble (default: sm80+ and the interpreter): the group-factored decode path (moe_decode.py), 2 x 128 gate + up
+    rows and 256 down rows per program, one group (32) per K step; at M = 1 gate_up in 4 K splits and down in 2, so
+    the ~11 touched experts give 220 programs of each kernel. Why it is the default before an H200 run: its sm_90
+    inner loop is 5.4-6.1 SASS instructions per weight against the tile path's 11.2-14.5
+    (benchmarks/quant_moe_instructions.py), and the tile path is decode-bound (K5c). On sm70 tl.dot is FMA over 16
+    padded rows (36-68 PTX instructions per weight in narrow tiles that do not spill), so sm70 keeps the tile path.
     """
+    if nibble is None:
+        nibble = arch is None or arch >= 80
+    if nibble:
+        wide = arch is None or arch >= 80
+        return dict(BLOCK_M=16, BLOCK_N_UP=128 if wide else 16, BLOCK_K_UP=32, BLOCK_N_DOWN=256 if wide else 32,
+                    BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3,
+                    NIBBLE_DOT=True, SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1)
     if arch is None or arch >= 80:
         return dict(BLOCK_M=16, BLOCK_N_UP=32, BLOCK_K_UP=128, BLOCK_N_DOWN=64, BLOCK_K_DOWN=128, USE_DOT=True,
                     num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3)
@@ -314,9 +315,10 @@ def quant_fused_moe(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk
     if config is None and M * k > GROUPED_MAX_PAIRS:
         return _expert_loop(x, gate_up, down, topk_ids, topk_weights, shared_expert, dequantize)
     cfg = config or quant_grouped_config(M, k, E + (shared_expert is not None), _arch(x.device))
-    y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg)
+    y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg)  # [M·k·SPLIT_DOWN, H]
     block_n = min(1024, triton.next_power_of_2(H))
-    _moe_sum_kernel[(M, triton.cdiv(H, block_n))](y, out, H, y.stride(0), out.stride(0), TOP_K=k, BLOCK_N=block_n)
+    _moe_sum_kernel[(M, triton.cdiv(H, block_n))](y, out, H, y.stride(0), out.stride(0), TOP_K=y.shape[0] // M,
+                                                  BLOCK_N=block_n)
     return out
 
 
@@ -342,8 +344,12 @@ def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert,
         s_gate = s_up = w_up
         s_down = w_dn
     act = torch.empty(T, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(T, H, dtype=torch.float32, device=x.device)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("NIBBLE_DOT", False):
+        slots = (ids, order, slot_expert, slot_start, slot_end)
+        return _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_up, s_down, act, slots,
+                                  topk_weights, num_slots, shared_expert is not None, sort, cfg, launch)
+    y = torch.empty(T, H, dtype=torch.float32, device=x.device)
     flags = dict(BLOCK_M=cfg["BLOCK_M"], USE_DOT=cfg["USE_DOT"], HAS_SHARED=shared_expert is not None, SORTED=sort)
     _quant_gate_up_kernel[(num_slots, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
         x, *w_up, *s_gate, *s_up, act, ids, order, slot_expert, slot_start, slot_end,
@@ -354,4 +360,31 @@ def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert,
         act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, order, slot_expert, slot_start, slot_end,
         E, H, I, act.stride(0), *(t.stride(0) for t in w_dn), y.stride(0),
         BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=fit_block_k(cfg["BLOCK_K_DOWN"], down.group), **fmt_dn, **flags, **launch)
+    return y
+
+
+def _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_up, s_down, act, slots, topk_weights,
+                       num_slots, has_shared, sort, cfg, launch) -> Tensor:
+    """`_grouped_expert_mlp` on the group-factored decode path (moe_decode.py): y [M·k·SPLIT_DOWN, H] fp32."""
+    M, H = x.shape
+    k = slots[0].shape[1]
+    T, I = M * k, act.shape[1]
+    assert cfg["USE_DOT"] and cfg["BLOCK_M"] >= 16, f"the nibble path is tl.dot only (BLOCK_M >= 16), got {cfg}"
+    split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
+    bk_up = nibble_block_k(cfg["BLOCK_K_UP"], gate_up.group, gate_up.layout)
+    bk_dn = nibble_block_k(cfg["BLOCK_K_DOWN"], down.group, down.layout)
+    ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
+    y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
+    flags = dict(BLOCK_M=cfg["BLOCK_M"], HAS_SHARED=has_shared, SORTED=sort)
+    _nibble_gate_up_kernel[(num_slots, triton.cdiv(I, cfg["BLOCK_N_UP"]), split_up)](
+        x, *w_up, *s_gate, *s_up, act, ws, *slots, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
+        *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, bk_up), TOP_K=k,
+        BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=bk_up, SPLIT=split_up, **fmt_up, **flags, **launch)
+    if split_up > 1:
+        block = min(1024, triton.next_power_of_2(I))
+        _split_act_kernel[(T, triton.cdiv(I, block))](ws, act, T, I, act.stride(0), SPLIT=split_up, BLOCK=block)
+    _nibble_down_kernel[(num_slots, triton.cdiv(H, cfg["BLOCK_N_DOWN"]), split_dn)](
+        act, *w_dn, *s_down, topk_weights.contiguous(), y, *slots, gate_up.tensors[0].shape[0], H, I,
+        act.stride(0), *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, bk_dn),
+        BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=bk_dn, SPLIT=split_dn, **fmt_dn, **flags, **launch)
     return y

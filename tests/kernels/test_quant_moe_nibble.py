@@ -1,0 +1,80 @@
+"""The group-factored decode path of the packed-expert MoE (kernels/quant/moe_decode.py, config "NIBBLE_DOT") against
+`quant_fused_moe_ref` under the interpreter: AWQ int4 (zero points), compressed-tensors int4 symmetric and asymmetric,
+NVFP4; fp16 and bf16 activations (fp32 in one case); M = 1 (with and without split-K), 5, 8 and 40 (skewed routing,
+so an expert's rows span several BLOCK_M chunks); the shared expert riding as expert E. Shapes and weights are
+test_quant_moe.py's (H 64, I 32, 8 experts, top-2).
+
+The interpreter runs tl.dot and arithmetic on bf16 as raw uint16 bits (numpy has no bf16); the `bf16_dots` fixture
+gives both fp32 operands (exact) and rounds arithmetic back to bf16, what the GPU computes."""
+
+import numpy as np
+import pytest
+import torch
+from test_quant_moe import TOL, H, _moe, _route
+
+from revolta.kernels.quant.moe import quant_fused_moe, quant_fused_moe_ref, quant_grouped_config
+
+pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py: unwritten outputs are NaN
+
+TOLS = TOL | {torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+NIB = dict(BLOCK_M=16, BLOCK_N_UP=16, BLOCK_K_UP=32, BLOCK_N_DOWN=32, BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4,
+           num_stages=2, NIBBLE_DOT=True, SPLIT_UP=1, SPLIT_DOWN=1)
+SPLIT = NIB | dict(SPLIT_UP=2, SPLIT_DOWN=2)  # I = 32 is one K step: the second down split is empty (adds zeros)
+
+
+@pytest.fixture
+def bf16_dots(monkeypatch):
+    """The interpreter stores bf16 as uint16 and runs tl.dot and + - * / on those bits: both get fp32 operands here
+    (exact), and arithmetic results are rounded back to bf16 (nearest even), as on the GPU."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def f32(h):
+        return (h.data.astype(np.uint32) << 16).view(np.float32)
+
+    def bf16(a):
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(
+            np.uint16)
+
+    real_dot, real_op = InterpreterBuilder.create_dot, InterpreterBuilder.binary_op
+
+    def dot(self, a, b, d, *args):
+        a, b = (TensorHandle(f32(h), tl.float32) if h.dtype.scalar.name == "bf16" else h for h in (a, b))
+        return real_dot(self, a, b, d, *args)
+
+    def binary_op(self, lhs, rhs, op):
+        if lhs.dtype.scalar.name != "bf16":
+            return real_op(self, lhs, rhs, op)
+        return TensorHandle(bf16(op(f32(lhs), f32(rhs))), lhs.dtype.scalar)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", dot)
+    monkeypatch.setattr(InterpreterBuilder, "binary_op", binary_op)
+
+
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("name,M,cfg,dtype", [
+    ("awq", 1, "split", torch.bfloat16), ("awq", 1, "nib", torch.float16), ("awq", 5, "nib", torch.bfloat16),
+    ("awq", 8, "nib", torch.float16), ("awq", 40, "nib", torch.bfloat16), ("awq", 40, "nib", torch.float16),
+    ("ct_sym", 1, "split", torch.float16), ("ct_sym", 8, "nib", torch.bfloat16), ("ct_sym", 5, "nib", torch.float32),
+    ("ct_asym", 1, "split", torch.bfloat16), ("ct_asym", 5, "nib", torch.float16),
+    ("ct_asym", 40, "nib", torch.bfloat16), ("ct_channel", 8, "nib", torch.float16),
+    ("nvfp4", 1, "split", torch.float16), ("ct_nvfp4", 8, "nib", torch.bfloat16)], ids=str)
+def test_nibble_path_matches_reference(name, M, cfg, dtype):
+    moe = _moe(name, seed=M)
+    x = torch.randn(M, H, generator=torch.Generator().manual_seed(2))
+    ids, w = _route(moe, x, skew=M == 40)
+    x = x.to(dtype)
+    gate_up, down = moe.experts.kernel_weights()
+    shared = moe.experts.kernel_shared(moe.shared_expert)
+    ref = quant_fused_moe_ref(x, gate_up, down, ids, w, shared_expert=shared)
+    out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=SPLIT if cfg == "split" else NIB)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOLS[dtype])
+
+
+def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70():
+    for M in (1, 8, 40):
+        assert quant_grouped_config(M, 11, 513, 90)["NIBBLE_DOT"] and quant_grouped_config(M, 11, 513)["NIBBLE_DOT"]
+        assert "NIBBLE_DOT" not in quant_grouped_config(M, 11, 513, 70)
+    one, many = quant_grouped_config(1, 11, 513, 90), quant_grouped_config(8, 11, 513, 90)
+    assert (one["SPLIT_UP"], one["SPLIT_DOWN"]) == (4, 2) and (many["SPLIT_UP"], many["SPLIT_DOWN"]) == (1, 1)
