@@ -1,7 +1,9 @@
 """Ahead-of-time builds (no GPU) of the packed-expert MoE kernels (kernels/quant/moe.py) for sm_70 (V100, fp16
 activations) and sm_90 (H200, bf16) at the real shapes (hidden 2560, ffn 640, 512 experts + the shared one, top-10
-+ 1), in the launch configs `quant_grouped_config` picks at M = 1, 8, 40: AWQ group 32 at every M, compressed-tensors
-int4 (asymmetric) and NVFP4 at M = 8. sm_70 budgets: no spills, <= 96 KiB shared memory, no Ampere/Hopper
++ 1), in the launch configs `quant_grouped_config` picks at M = 1, 8, 40: the tile path (nibble=False) for AWQ group 32
+at every M, compressed-tensors int4 (asymmetric) and NVFP4 at M = 8; the group-factored path (moe_decode.py, the
+sm80+ default; on sm_70 in its narrow tiles) for AWQ at M = 1, 8, 40, compressed-tensors int4 at M = 1, 8 and NVFP4
+at M = 8, with no spills on either arch. sm_70 budgets: no spills, <= 96 KiB shared memory, no Ampere/Hopper
 instructions. Built with the run-time alignment specialisation (pointers, sizes and strides multiples of 16).
 
 Builds run in spawned processes with TRITON_INTERPRET=0, with test_moe_aot.py's `_compile`.
@@ -122,6 +124,9 @@ def test_aot_real_shapes(arch, reports):
     from test_moe_aot import check_reports
 
     check_reports(reports[arch], arch)
+    spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items() if "nibble" in n and r["spill_store_bytes"]}
+    assert not spills, f"sm_{arch} nibble-path builds spill (budget 0 on every arch): {spills}"
+    assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 
 if __name__ == "__main__":

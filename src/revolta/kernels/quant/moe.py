@@ -7,8 +7,11 @@ arithmetic of `moe.fused_moe_ref`).
 
 Small M (M·k <= GROUPED_MAX_PAIRS (token, slot) pairs: decode, speculative verification) runs the pipeline of
 moe_grouped.py with its grouping (`moe_group`) and its program layout: one program per (touched expert, N tile)
-loops over every row that chose the expert, so each touched expert's packed bytes are read once per call. The
-one change is the weight tile: the packed tile is loaded and decoded to fp32 in registers right after the load
+loops over every row that chose the expert, so each touched expert's packed bytes are read once per call. Two
+decode paths (`quant_grouped_config` picks; config key NIBBLE_DOT): the group-factored path of moe_decode.py (the
+sm80+ default: raw codes dotted per quantization group, scales applied after the dot, split-K at M = 1), and the
+tile path below (sm70, and the sm80+ default before it). Tile path: the packed tile is loaded and decoded to fp32 in
+registers right after the load
 (`_weight_tile`: the formats' own tile decoders `_awq_tile` / `_ct_tile` / `_nvfp4_tile`), rounded to x.dtype
 for tl.dot (what the reference's dequantized weight holds), or kept fp32 for the FMA tiles. No host sync,
 shapes fixed by M·k and E: it captures in a CUDA graph. The shared expert rides as expert E when its three
@@ -22,9 +25,10 @@ torch (cuBLAS); it syncs once on the touched ids, like every eager prefill path.
 
 Bytes at the real shapes (H 2560, I 640, AWQ group 32; per expert gate_up 1.64 MB codes + 0.26 MB scales and
 zeros, down 0.82 + 0.13 MB: 2.85 MB, 3.45x fewer than bf16): M = 1 touches 11 experts, 31 MB, 7.4 µs at
-4.2 TB/s. The decode costs ~5 instructions per weight (shift, mask, OR with 2^23's bits, subtract the zero,
-multiply by the scale; no int-to-float conversion), which is why BLOCK_K spans several groups: the zeros and
-scales of a tile are loaded once per group row, not per weight.
+4.2 TB/s. The tile path's decode is ~5 operations per weight (shift, mask, OR with 2^23's bits, subtract the zero,
+multiply by the scale; no int-to-float conversion), 11-14 SASS instructions per weight in its sm_90 inner loop with
+the layout conversions, which is why BLOCK_K spans several groups there: the zeros and scales of a tile are
+loaded once per group row, not per weight.
 """
 
 from __future__ import annotations

@@ -1,32 +1,33 @@
 """The group-factored decode path of the packed-expert MoE (kernels/quant/moe.py, config key "NIBBLE_DOT").
 
-Why: the tile path (`moe._weight_tile`) turns every weight into (q - z)·s in fp32 and rounds it for tl.dot, ~5
-instructions per weight plus the fp32 tile's layout conversions; at the real shapes that bounds the kernel at
-10-16% of the copy bandwidth (benchmarks/RESULTS.md K5c). Here the per-weight work is only "nibble -> dot dtype":
-for one quantization group g (G inputs) of W rows n,
+Why: the tile path (`moe._weight_tile`) turns every weight into (q - z)·s in fp32 and rounds it for tl.dot: 11-14
+SASS instructions per weight in its sm_90 inner loop (benchmarks/quant_moe_instructions.py), which bounds it at
+10-16% of the copy bandwidth (benchmarks/RESULTS.md K5c). Here the scale leaves the inner loop: for one
+quantization group (G inputs) of W row n,
 
-    Σ_k x_k (q_k - z) s = s · (Σ_k x_k (C + q_k) - (z + C) · Σ_k x_k),
+    Σ_k x_k (q_k - z) s = s · Σ_k x_k (q_k - z),
 
-so each K step is one group: tl.dot of the raw codes (as C + q in x.dtype) with the [G, BLOCK_M] activation chunk,
-then scale and zero are applied once per (row, activation row) on the fp32 [R, BLOCK_M] partial, with the group's
-activation sums Σ_k x_k computed once per step and shared by the gate and up tiles. C is the magic offset that
-makes the conversion a bit operation: nibble | 0x6400 read as fp16 is 1024 + q, nibble | 0x4300 read as bf16 is
-128 + q (both exact), so no integer-to-float conversion is issued; C is folded into the zero (z + C), so nothing
-is subtracted per weight. fp32 activations (the fp32 models) take q exactly (2^23 + q - 2^23) and C = 0.
-Exactness: the codes and x are exact dot operands and the dot accumulates in fp32, so the only new rounding is
-the fp32 cancellation of C·Σx (C / |q - z| ~ 2^8 (fp16) or 2^5 (bf16) ulps of fp32: ~1e-5 relative), against the
-reference's rounding of each weight to x.dtype (2^-11 / 2^-8): the path is closer to exact than the reference.
-NVFP4 (no zero point) has the same structure: E2M1 values are exact in x.dtype, the E4M3 x global scale is
-applied per 16-input group after the dot.
+so each K step is one group: tl.dot of x [BLOCK_M, G] with the group's unscaled codes (q - z), exact in x.dtype
+(integers -15..15), then one fp32 multiply-add per accumulator element applies s to the [BLOCK_M, R] partial.
+The codes are made without an integer-to-float conversion: one shift and one AND-OR per 32-bit word put two
+nibbles under the exponent bits of C (0x6400 -> fp16 1024 + q; 0x4300 -> bf16 128 + q, both exact; the lop3
+trick), and one packed subtract of (C + z) per pair gives q - z (`_unpack8`). The zero is subtracted in the operand
+rather than after the dot as s · (Σ x (C + q) - (z + C) Σ x): the per-group Σ x is a cross-thread reduction of
+the activation chunk each K step, which cost more (sm_90 down kernel, 64 rows: 15.0 SASS instructions per weight
+with Σ x after the dot, 11.6 with the zero in the operand; then 5.4 with 256 rows and the word-local unpack).
+fp32 activations (the fp32 models) take q exactly (2^23 + q - 2^23). NVFP4 has the same structure with no zero:
+E2M1 values are exact in x.dtype, the E4M3 x global scale is applied per 16-input group after the dot.
+Accuracy: no weight is rounded (the reference rounds each (q - z)·s to x.dtype); act is rounded to x.dtype once,
+as in the reference.
 
-Split-K (SPLIT_UP / SPLIT_DOWN, third grid axis; meant for M = 1, where ~11 experts give few N tiles): gate_up
-programs of split s write their fp32 gate and up partials to ws [SPLIT_UP, T, 2I] and the down kernel sums them in
-split order while loading its activation chunk (SiLU(gate)·up rounded to x.dtype there, as the reference rounds
-act); down programs write y rows pair·SPLIT_DOWN + s, which moe._moe_sum_kernel adds in order with the k slots.
-Fixed order everywhere: no atomics, bitwise reproducible, no host sync (CUDA-graph safe).
+Split-K (SPLIT_UP / SPLIT_DOWN, third grid axis; for M = 1, where ~11 experts give few N tiles): gate_up programs
+of split s write their fp32 gate and up partials to ws [SPLIT_UP, T, 2I] and `_split_act_kernel` forms act =
+SiLU(Σ gate)·Σ up in split order (one small launch); down programs write y rows pair·SPLIT_DOWN + s, which
+moe._moe_sum_kernel adds in order with the k slots. Fixed order everywhere: no atomics, bitwise reproducible, no
+host sync (CUDA-graph safe).
 
 Restrictions: tl.dot only (BLOCK_M >= 16; on sm70 tl.dot is FMA on 16 padded rows, so sm70 keeps the tile path);
-BLOCK_K (the K step) divides the group (per-channel scales: steps of 64 inside the one group).
+the K step divides the group (per-channel scales: steps inside the one group); K a multiple of the step.
 """
 
 from __future__ import annotations
