@@ -80,8 +80,9 @@ def main() -> int:
                     rep = _compile(kernel, sig, c, arch, warps, stages, T._aligned(names, types, f))
                     per = weights_per_thread(name, c, warps)
                     fam = " ".join(f"{v:>5}" for v in families(sass).values()) if sass else ""
-                    print(f"sm_{arch} {name:34s} {c['BLOCK_N']:>4} {c['BLOCK_K']:>4} {per:>6.0f} {len(sass):>5} "
-                          f"{len(sass) / per:>6.2f} {len(ptx):>5} {len(ptx) / per:>6.2f} {fam:>35} "
+                    counts = " ".join(f"{len(ops):>5} {len(ops) / per:>6.2f}" if ops else f"{'-':>5} {'-':>6}"
+                                      for ops in (sass, ptx))  # "-": no loop found (none disassembled)
+                    print(f"sm_{arch} {name:34s} {c['BLOCK_N']:>4} {c['BLOCK_K']:>4} {per:>6.0f} {counts} {fam:>35} "
                           f"{rep.registers:>5} {rep.spill_store_bytes:>5}", flush=True)
     return 0
 
