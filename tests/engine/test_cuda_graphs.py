@@ -38,3 +38,13 @@ def test_engine_config_graph_settings(monkeypatch):
     monkeypatch.setenv("REVOLTA_CUDAGRAPH_MEM_MIB", "x")
     with pytest.raises(ValueError, match="REVOLTA_CUDAGRAPH_MEM_MIB"):
         EngineConfig(max_model_len=64)
+
+
+def test_dflash2_graph_options_are_off_by_default_and_refused_at_tp_above_1():
+    ec = EngineConfig(max_model_len=64)
+    assert not ec.dflash2_graph_rounds and not ec.dflash2_draft_graph
+    spec = {"method": "dflash2", "model": "unused"}
+    for name in ("dflash2_graph_rounds", "dflash2_draft_graph"):
+        EngineConfig(max_model_len=64, speculative_config=spec, **{name: True})  # tp 1: accepted
+        with pytest.raises(ValueError, match=f"{name}=True needs tensor_parallel_size=1"):
+            EngineConfig(max_model_len=64, speculative_config=spec, tensor_parallel_size=2, **{name: True})

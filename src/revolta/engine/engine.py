@@ -113,6 +113,10 @@ class EngineConfig:
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or any(not isinstance(b, int) or b < 1 for b in sizes)):
             raise ValueError(f"cudagraph_capture_sizes={sizes!r} must be a non-empty list of batch sizes >= 1")
+        for name in ("dflash2_graph_rounds", "dflash2_draft_graph"):  # an explicit opt-in is not dropped silently
+            if getattr(self, name) and self.tensor_parallel_size > 1:
+                raise ValueError(f"{name}=True needs tensor_parallel_size=1: at tensor_parallel_size="
+                                 f"{self.tensor_parallel_size} the ranks run eager (no CUDA graphs); leave {name} off")
 
     @property
     def speculative_method(self) -> str | None:
