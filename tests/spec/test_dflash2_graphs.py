@@ -81,7 +81,7 @@ def test_rounds_through_the_verify_and_commit_graph_buffers_equal_no_spec(model,
     """6 concurrent requests padded to the size-8 round (then smaller sizes), forced drafts with request i's
     draft i % 8 wrong (7: all right), so every accept length runs through the static buffers at 8 rows."""
     prompts = [ids(5 + 7 * i, seed=30 + i) for i in range(6)]
-    plain = [Req(f"r{i}", p, max_tokens=12 + i) for i, p in enumerate(prompts)]
+    plain = [Req(f"r{i}", p, max_tokens=8 + i) for i, p in enumerate(prompts)]  # r0: 8 rounds of one token
     run(make_engine(model, {"method": None}, max_num_seqs=1), plain)
     engine = with_round_buffers(make_engine(model, dflash2(drafter_dir, spec_state_replay=replay)))
     assert engine.spec_graphs.rows == 8
