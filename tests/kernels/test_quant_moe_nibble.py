@@ -78,3 +78,15 @@ def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70()
         assert "NIBBLE_DOT" not in quant_grouped_config(M, 11, 513, 70)
     one, many = quant_grouped_config(1, 11, 513, 90), quant_grouped_config(8, 11, 513, 90)
     assert (one["SPLIT_UP"], one["SPLIT_DOWN"]) == (4, 2) and (many["SPLIT_UP"], many["SPLIT_DOWN"]) == (1, 1)
+
+
+def test_nibble_k_step_is_a_power_of_two_inside_one_group():
+    from revolta.kernels.quant.moe_decode import nibble_block_k, split_len
+
+    assert nibble_block_k(32, 32, "awq") == 32 and nibble_block_k(32, 128, "awq") == 32
+    assert nibble_block_k(32, 80, "ct_int4") == 16 and nibble_block_k(32, 48, "awq") == 16  # per-channel K/tp
+    assert nibble_block_k(32, 16, "nvfp4") == 16
+    for group in (24, 40, 8):  # no power-of-two step >= 16 divides it (tl.arange and tl.dot need one)
+        with pytest.raises(AssertionError, match=f"group {group}"):
+            nibble_block_k(32, group, "awq")
+    assert split_len(2560, 4, 32) == 640 and split_len(160, 2, 32) == 96  # whole K steps per split

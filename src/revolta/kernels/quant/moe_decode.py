@@ -317,10 +317,11 @@ def nibble_block_k(block_k: int, group: int, layout: str) -> int:
     (per-channel scales), at least 16 (tl.dot's K)."""
     if layout == "nvfp4":
         return 16
-    bk = min(block_k, group)
+    bk = 1 << (min(block_k, group).bit_length() - 1)  # a power of two (tl.arange), e.g. 16 for a group of 24
     while group % bk:
         bk //= 2
-    assert bk >= 16, f"the nibble path needs K steps of >= 16 inputs inside one group; group {group}"
+    assert bk >= 16, (f"the nibble path needs a K step of 16, 32, ... inputs dividing the quantization group; group "
+                      f"{group} has none (tl.dot needs K >= 16): quantize with a group that is a multiple of 16")
     return bk
 
 
