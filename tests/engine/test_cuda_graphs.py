@@ -40,11 +40,16 @@ def test_engine_config_graph_settings(monkeypatch):
         EngineConfig(max_model_len=64)
 
 
-def test_dflash2_graph_options_are_off_by_default_and_refused_at_tp_above_1():
+def test_dflash2_graph_options_are_off_by_default_and_refused_where_graphs_cannot_run():
     ec = EngineConfig(max_model_len=64)
     assert not ec.dflash2_graph_rounds and not ec.dflash2_draft_graph
     spec = {"method": "dflash2", "model": "unused"}
     for name in ("dflash2_graph_rounds", "dflash2_draft_graph"):
-        EngineConfig(max_model_len=64, speculative_config=spec, **{name: True})  # tp 1: accepted
+        # tp 1 on the Triton path: accepted (with enforce_eager too: an eager reference run of the same config)
+        EngineConfig(max_model_len=64, speculative_config=spec, kernels="triton", **{name: True})
+        EngineConfig(max_model_len=64, speculative_config=spec, kernels="triton", enforce_eager=True, **{name: True})
         with pytest.raises(ValueError, match=f"{name}=True needs tensor_parallel_size=1"):
-            EngineConfig(max_model_len=64, speculative_config=spec, tensor_parallel_size=2, **{name: True})
+            EngineConfig(max_model_len=64, speculative_config=spec, kernels="triton", tensor_parallel_size=2,
+                         **{name: True})
+        with pytest.raises(ValueError, match=f"{name}=True needs CUDA graphs.*kernels='torch'"):
+            EngineConfig(max_model_len=64, speculative_config=spec, **{name: True})  # the CPU path

@@ -117,6 +117,9 @@ class EngineConfig:
             if getattr(self, name) and self.tensor_parallel_size > 1:
                 raise ValueError(f"{name}=True needs tensor_parallel_size=1: at tensor_parallel_size="
                                  f"{self.tensor_parallel_size} the ranks run eager (no CUDA graphs); leave {name} off")
+            if getattr(self, name) and self.kernels != "triton":
+                raise ValueError(f"{name}=True needs CUDA graphs, which run the Triton kernels on a GPU; "
+                                 f"kernels={self.kernels!r} (the CPU path) runs eager: leave {name} off")
 
     @property
     def speculative_method(self) -> str | None:
