@@ -112,7 +112,7 @@ class MTPHead(nn.Module):
         hn = self.pre_fc_norm_hidden(hidden).unflatten(-1, (self.hc_count, -1))  # [T, h, d]
         x = (self.fc_hidden(hn) + e.unsqueeze(-2)).flatten(-2)  # same matrix per branch, ê on every branch
         x = self.layers[step % len(self.layers)](x, meta)
-        y, _ = self.hyper_connection_mixer.read(x)
+        y, _ = self.hyper_connection_mixer.read(x, meta.paged.ops if meta.paged is not None else None)
         return y, x
 
 
@@ -239,7 +239,9 @@ class FlashNextModel(nn.Module):
         for b, st in enumerate(states):
             st.num_tokens += cu_seqlens[b + 1] - cu_seqlens[b]
         rows = wide if logits_indices is None else wide[logits_indices]
-        logits = self.compute_logits(self.model.language_model.hyper_connection_mixer.read(rows)[0])
+        # the final mixer on the step's kernels (paged: the HC read kernel, 3 launches instead of ~20 torch ops)
+        mixer = self.model.language_model.hyper_connection_mixer
+        logits = self.compute_logits(mixer.read(rows, paged.ops if paged is not None else None)[0])
         if batched and logits_indices is None:
             logits = logits.view(B, S, -1)
         return (logits, wide) if return_hidden else logits

@@ -38,6 +38,10 @@ class KernelOps:
     quant_fused_moe: Callable | None  # packed experts (kernels.quant.moe); None: the layer's torch reference
     gated_rms_norm: Callable | None
     apply_rope: Callable | None
+    # decode-path fusions (issue 19: a C1 step is a chain of small launches); None: the layer's torch code
+    zc_rms_norm: Callable | None  # ZCRMSNorm in one launch instead of ~10 torch kernels
+    zc_norm_rope: Callable | None  # QSA's per-head norm + RoPE in one launch (kernels/norm_rope.py)
+    gdn_gates: Callable | None  # GDN's g and beta in one launch (kernels/gdn/gates.py)
 
 
 def kernel_ops(backend: str) -> KernelOps:
@@ -61,10 +65,12 @@ def kernel_ops(backend: str) -> KernelOps:
         ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"),
         ("qsa.dcp", "qsa_partial"))}
     fused = dict.fromkeys(("hc_read", "hc_combine", "moe_route", "fused_moe", "quant_fused_moe", "gated_rms_norm",
-                           "apply_rope"))
+                           "apply_rope", "zc_rms_norm", "zc_norm_rope", "gdn_gates"))
     if backend == "triton":
         fused = {"hc_read": op("hc", "hc_read"), "hc_combine": op("hc", "hc_combine"),
                  "moe_route": op("moe", "moe_route"), "fused_moe": op("moe", "fused_moe"),
                  "quant_fused_moe": op("quant.moe", "quant_fused_moe"),
-                 "gated_rms_norm": op("norm", "gated_rms_norm"), "apply_rope": op("rope", "apply_rope")}
+                 "gated_rms_norm": op("norm", "gated_rms_norm"), "apply_rope": op("rope", "apply_rope"),
+                 "zc_rms_norm": op("norm", "zc_rms_norm"), "zc_norm_rope": op("norm_rope", "zc_norm_rope"),
+                 "gdn_gates": op("gdn.gates", "gdn_gates")}
     return KernelOps(backend=backend, **table, **fused)

@@ -55,8 +55,12 @@ class GatedDeltaNet(nn.Module):
         """x: [T, d] block input of all sequences -> [T, d]."""
         mixed = self.in_proj_qkv(x)  # [T, conv_dim] pre-conv q ‖ k ‖ v
         z = self.in_proj_z(x)  # [T, value_dim]
-        beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, HV]
+        ops = meta.paged.ops if meta.paged is not None else None
+        if ops is not None and ops.gdn_gates is not None:  # one launch instead of eight tiny ones
+            g, beta = ops.gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        else:
+            beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
+            g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, HV]
         if meta.paged is not None and meta.paged.spec is not None:
             out = self._mix_verify(mixed, g, beta, meta)
         elif meta.paged is not None:
@@ -66,7 +70,6 @@ class GatedDeltaNet(nn.Module):
         else:
             out = self._mix_states(mixed, g, beta, meta)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        ops = meta.paged.ops if meta.paged is not None else None
         if ops is not None and ops.gated_rms_norm is not None:  # the fused kernel, one rounding
             y = ops.gated_rms_norm(out.contiguous(), self.norm.weight, z.contiguous(), self.norm.eps,
                                    self.norm.activation)

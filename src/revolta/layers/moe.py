@@ -92,7 +92,8 @@ class MoE(nn.Module):
         return (routed + shared).to(x.dtype)
 
     def _fused(self, x: Tensor, ops) -> Tensor:
-        x, logits = x.contiguous(), self.gate(x).float().contiguous()
+        # the routing kernel reads the logits in their dtype and converts as it loads (no cast launch; exact)
+        x, logits = x.contiguous(), self.gate(x).contiguous()
         fused_moe = ops.quant_fused_moe if self.experts.packed else ops.fused_moe
         gate_up, down = self.experts.kernel_weights()
         shared = self.experts.kernel_shared(self.shared_expert)

@@ -212,13 +212,14 @@ class PLELayer(nn.Module):
             self._store_histories(meta, self._new_histories(ids, history, meta))
         emb = lookup.rows().to(x.dtype)
         h, d = self.hc_count, self.hidden_size
-        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (h, d))  # [T, h, d]
+        ops = meta.paged.ops if meta.paged is not None else None  # the norms' kernel on the Triton path
+        key = self.norm_key(self.key_proj(emb), ops).unflatten(-1, (h, d))  # [T, h, d]
         value = self.value_proj(emb)  # [T, d], shared by all branches
-        query = self.norm_query(x).unflatten(-1, (h, d))
+        query = self.norm_query(x, ops).unflatten(-1, (h, d))
         score = (key * query).sum(-1, keepdim=True) / math.sqrt(d)  # [T, h, 1]
         score = score.sign() * score.abs().clamp_min(1e-6).sqrt()  # signed square root
         gated = (torch.sigmoid(score) * value.unsqueeze(-2)).flatten(-2)  # [T, h*d]
-        conv_in = self.norm_conv(gated)
+        conv_in = self.norm_conv(gated, ops)
         conv_w = self.conv1d.weight[:, 0, :]
         pm = meta.paged
         if pm is not None:

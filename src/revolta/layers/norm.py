@@ -24,7 +24,10 @@ class ZCRMSNorm(nn.Module):
         self.eps = eps
         self.group_size = group_size
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ops=None) -> Tensor:
+        """ops: a kernels.ops.KernelOps whose `zc_rms_norm` (one Triton launch) replaces the torch reference."""
+        if ops is not None and ops.zc_rms_norm is not None and x.stride(-1) == 1:
+            return ops.zc_rms_norm(x, self.weight, self.eps, self.group_size)
         return zc_rms_norm(x, self.weight, self.eps, self.group_size)
 
 

@@ -35,6 +35,14 @@ def select_blocks(scores: Tensor, num_visible: Tensor, budget: int) -> Tensor:
     return visible & (rank < budget)
 
 
+def norm_rope_or(x: Tensor, norm: ZCRMSNorm, cos: Tensor, sin: Tensor, rope, norm_rope) -> Tensor:
+    """RoPE(norm(x)) for x [T, H, D]: one fused launch when `norm_rope` is given (kernels/norm_rope.py, which
+    rounds between the two as here), else the norm module and then `rope`."""
+    if norm_rope is not None:
+        return norm_rope(x, norm.weight, norm.eps, cos, sin)
+    return rope(norm(x).contiguous(), cos, sin)
+
+
 class QSAIndexer(nn.Module):
     """Projects index queries and raw index keys; scores compressed blocks (spec §4.3)."""
 
@@ -45,10 +53,11 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_layernorm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor, rope=apply_rope) -> tuple[Tensor, Tensor]:
-        """x: [T, d] -> (index queries [T, Hi, Di] normed + RoPEd, raw index keys [T, Di])."""
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, rope=apply_rope, norm_rope=None) -> tuple[Tensor, Tensor]:
+        """x: [T, d] -> (index queries [T, Hi, Di] normed + RoPEd, raw index keys [T, Di]).
+        norm_rope: kernels.norm_rope.zc_norm_rope (norm and RoPE in one launch) instead of the norm, then `rope`."""
         q, k = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
-        q = rope(self.q_layernorm(q.unflatten(-1, (self.n_heads, self.head_dim))).contiguous(), cos, sin)
+        q = norm_rope_or(q.unflatten(-1, (self.n_heads, self.head_dim)), self.q_layernorm, cos, sin, rope, norm_rope)
         return q, k
 
     def block_keys(self, raw: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -91,11 +100,12 @@ class QSAttention(nn.Module):
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # per head [query | gate]
         ops = meta.paged.ops if meta.paged is not None else None
         rope = ops.apply_rope if ops is not None and ops.apply_rope is not None else apply_rope
-        q = rope(self.q_norm(q).contiguous(), meta.cos, meta.sin)  # norms before RoPE
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
-        k = rope(k.contiguous(), meta.cos, meta.sin)
+        norm_rope = ops.zc_norm_rope if ops is not None else None
+        q = norm_rope_or(q, self.q_norm, meta.cos, meta.sin, rope, norm_rope)  # norms before RoPE
+        k = norm_rope_or(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), self.k_norm, meta.cos, meta.sin,
+                         rope, norm_rope)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        iq, ik = self.indexer.project(x, meta.cos, meta.sin, rope)
+        iq, ik = self.indexer.project(x, meta.cos, meta.sin, rope, norm_rope)
         if meta.paged is not None:
             out = self._attend_paged(q, gate, k, v, iq, ik, meta)
             return self.o_proj(out.flatten(-2))

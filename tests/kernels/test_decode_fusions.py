@@ -1,0 +1,55 @@
+"""The decode-path fusions of issue 19 (kernels/norm_rope.py, kernels/gdn/gates.py) against their torch
+references, under the interpreter at small shapes, fp16 / bf16 / fp32."""
+
+import pytest
+import torch
+
+from revolta.kernels.gdn.gates import gdn_gates, gdn_gates_ref
+from revolta.kernels.norm_rope import zc_norm_rope, zc_norm_rope_ref
+from revolta.kernels.rope import mrope_cos_sin_ref
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# the fused kernel rounds the norm like the reference; its sum of squares may differ by an ulp of the rounded
+# norm, which RoPE carries: one ulp of the output dtype
+TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+       torch.float32: dict(atol=2e-6, rtol=2e-6)}
+
+pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py: unwritten outputs are NaN
+
+
+def _tables(T, R):
+    pos = torch.stack([torch.arange(T) * 3 + 11, torch.arange(T) + 7, torch.arange(T) % 5])
+    inv_freq = 1.0 / (1000.0 ** (torch.arange(R // 2).float() / (R // 2)))
+    return mrope_cos_sin_ref(pos, inv_freq, torch.arange(R // 2) % 3, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,H,D,R", [(1, 3, 32, 8), (5, 4, 48, 24), (3, 2, 16, 16)])
+def test_zc_norm_rope(dtype, T, H, D, R):
+    g = torch.Generator().manual_seed(T * 100 + D)
+    cos, sin = _tables(T, R)
+    w = (0.2 * torch.randn(D, generator=g)).to(dtype)
+    # a strided view: the query half of an interleaved [query | gate] projection
+    qg = (3 * torch.randn(T, H, 2 * D, generator=g)).to(dtype)
+    q = qg[:, :, :D]
+    out = zc_norm_rope(q, w, 1e-6, cos, sin)
+    ref = zc_norm_rope_ref(q, w, 1e-6, cos, sin)
+    assert out.shape == (T, H, D) and out.is_contiguous() and out.dtype == dtype
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,HV", [(1, 4), (7, 6), (3, 32)])
+def test_gdn_gates(dtype, T, HV):
+    g = torch.Generator().manual_seed(T + HV)
+    ab = (4 * torch.randn(T, 2 * HV, generator=g)).to(dtype)
+    a, b = ab[:, :HV], ab[:, HV:]  # row-strided views
+    a[0, 0] = 30.0 if dtype != torch.float16 else 25.0  # above softplus's threshold: the identity
+    A_log = torch.empty(HV).uniform_(0.0, 2.7, generator=g)
+    dt_bias = torch.empty(HV).uniform_(-4.0, 0.0, generator=g)
+    dt_bias[-1] = -40.0  # exp(x) far below 1: log1p must not cancel to zero
+    gate, beta = gdn_gates(a, b, A_log, dt_bias)
+    ref_g, ref_beta = gdn_gates_ref(a, b, A_log, dt_bias)
+    assert gate.dtype == beta.dtype == torch.float32
+    torch.testing.assert_close(beta, ref_beta, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(gate, ref_g, atol=0, rtol=1e-5)
