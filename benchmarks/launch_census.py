@@ -80,8 +80,8 @@ class Census:
 
     def first_instance(self, label: str) -> list[str]:
         """The names of one instance (the launches split evenly between the instances)."""
-        names = self.launches[label]
-        return names[: len(names) // self.num_instances(label)]
+        names, n = self.launches[label], self.num_instances(label)
+        return names[: len(names) // n] if len(names) % n == 0 else names  # uneven (layer glue): all of them
 
     def counts(self) -> dict[str, float]:
         return {k: self.per_instance(k) for k in LABELS}
@@ -193,7 +193,7 @@ def tiny_model(dtype: torch.dtype = torch.float16, num_layers: int = 4, device: 
 
 def decode_census(model, rows: int = 1, prompt_len: int = 5, kernels: str = "triton") -> Census:
     """Prefill `rows` requests of `prompt_len` tokens (not counted), then count one decode step of all of them
-    as the decode graph runs it, plus the greedy argmax."""
+    as the decode graph runs it (`forward_packed` on the unpacked step buffer), plus the greedy argmax."""
     from revolta.cache.capacity import CacheLayout
     from revolta.cache.storage import CacheStorage
     from revolta.engine.runner import ModelRunner, StepInputs, StepSequence
@@ -209,7 +209,8 @@ def decode_census(model, rows: int = 1, prompt_len: int = 5, kernels: str = "tri
                for _ in range(rows)]
     blocks = [list(range(1 + b * per, 1 + (b + 1) * per)) for b in range(rows)]
     with torch.no_grad():
-        runner.execute([StepSequence(p[:-1], 0, blocks[b], slot=b + 1) for b, p in enumerate(prompts)])
+        if prompt_len:  # 0: the step decodes each request's first token (the same launches, no prefill to wait for)
+            runner.execute([StepSequence(p[:-1], 0, blocks[b], slot=b + 1) for b, p in enumerate(prompts)])
         seqs = [StepSequence(p[-1:], prompt_len, blocks[b], slot=b + 1) for b, p in enumerate(prompts)]
         flat = runner.pack_step(seqs, num_rows=rows, width=per).to(model.device)
         census, stack, depth = Census(), [SETUP], [0]
