@@ -43,10 +43,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from standin import build_model, standin_config  # noqa: E402
 
 # layer-type labels, in table order
-SETUP, PLE, HC_READ, HC_WRITE, GDN, QSA, MOE, GLUE, FINAL = (
-    "step setup", "PLE layer", "HC read", "HC write", "GDN layer", "QSA layer", "MoE block", "layer glue",
-    "final mixer + lm_head + sampling")
-LABELS = (SETUP, PLE, HC_READ, HC_WRITE, GDN, QSA, MOE, GLUE, FINAL)
+SETUP, PLE, HC_READ, HC_WRITE, HC_WRITE_READ, GDN, QSA, MOE, GLUE, FINAL = (
+    "step setup", "PLE layer", "HC read", "HC write", "HC write + next read", "GDN layer", "QSA layer", "MoE block",
+    "layer glue", "final mixer + lm_head + sampling")
+LABELS = (SETUP, PLE, HC_READ, HC_WRITE, HC_WRITE_READ, GDN, QSA, MOE, GLUE, FINAL)
+PER_STEP = (SETUP, PLE, GLUE, FINAL)  # counted per step; the others per instance
 
 # aten ops that launch no kernel: allocations and metadata-only ops (views are caught by OpOverload.is_view)
 NO_KERNEL = frozenset({
@@ -76,7 +77,7 @@ class Census:
         return len(self.launches[label]) / self.num_instances(label)
 
     def num_instances(self, label: str) -> int:
-        return 1 if label == SETUP else max(1, self.instances[label])
+        return 1 if label in PER_STEP else max(1, self.instances[label])
 
     def first_instance(self, label: str) -> list[str]:
         """The names of one instance (the launches split evenly between the instances)."""
@@ -140,6 +141,13 @@ def _scope(stack: list[str], census: Census, label: str, fn, counts: bool = True
     return scoped
 
 
+def _combine_read(mod, scoped):
+    """HyperConnection.combine_read with no write pending is the module's plain read (counted as one)."""
+    def call(x, inject, out, ops=None):
+        return (x, *mod.read(x, ops)) if inject is None else scoped(x, inject, out, ops)
+    return call
+
+
 @contextlib.contextmanager
 def _labelled(model, census: Census, stack: list[str]):
     """Module hooks and per-instance method wrappers that keep `stack[-1]` the innermost layer type."""
@@ -171,6 +179,9 @@ def _labelled(model, census: Census, stack: list[str]):
             read = FINAL if id(mod) in mixers else HC_READ
             patched += [(mod, "read", _scope(stack, census, read, mod.read)),
                         (mod, "combine", _scope(stack, census, HC_WRITE, mod.combine))]
+            if hasattr(mod, "combine_read"):  # trees before the fused write + read have none
+                label = FINAL if id(mod) in mixers else HC_WRITE_READ
+                patched.append((mod, "combine_read", _combine_read(mod, _scope(stack, census, label, mod.combine_read))))
         if isinstance(mod, PLELayer):
             patched.append((mod, "prefetch", _scope(stack, census, PLE, mod.prefetch, counts=False)))
     patched.append((model, "compute_logits", _scope(stack, census, FINAL, model.compute_logits, counts=False)))
@@ -222,13 +233,21 @@ def decode_census(model, rows: int = 1, prompt_len: int = 5, kernels: str = "tri
     return census
 
 
-def full_depth_total(counts: dict[str, float], num_layers: int = 48, gdn_per_qsa: int = 3,
-                     ple_layers: int = 1) -> float:
-    """Kernels per decode step of the real pattern from per-instance counts."""
-    qsa = num_layers // (gdn_per_qsa + 1)
-    mult = {SETUP: 1, PLE: ple_layers, HC_READ: 2 * num_layers, HC_WRITE: 2 * num_layers,
-            GDN: num_layers - qsa, QSA: qsa, MOE: num_layers, GLUE: num_layers, FINAL: 1}
-    return sum(counts[k] * mult[k] for k in LABELS)
+def full_depth_total(census: Census, num_layers: int, full_layers: int = 48, gdn_per_qsa: int = 3) -> float:
+    """Kernels per decode step of the real pattern (`full_layers` layers, one QSA after every `gdn_per_qsa` GDN,
+    the PLE layers of this census) from a census of a `num_layers`-layer model of the same pattern."""
+    qsa = full_layers // (gdn_per_qsa + 1)
+    total = 0.0
+    for label in LABELS:
+        # the writes left standalone (before a PLE layer or a tap) are per step, unless every layer has its own
+        per_step = label in PER_STEP or (label == HC_WRITE and census.instances[label] < num_layers)
+        if per_step:
+            total += len(census.launches[label])
+        elif label in (GDN, QSA):
+            total += census.per_instance(label) * (qsa if label == QSA else full_layers - qsa)
+        else:  # HC reads / writes and MoE blocks: as many per layer as in the census
+            total += len(census.launches[label]) / num_layers * full_layers
+    return total
 
 
 def table(census: Census, rows: int, num_layers: int) -> str:
@@ -243,7 +262,7 @@ def table(census: Census, rows: int, num_layers: int) -> str:
                      f"{', '.join(names) or '-'} |")
     total = sum(len(v) for v in census.launches.values())
     lines.append(f"total this model ({num_layers} layers): {total}; at the real 48-layer pattern: "
-                 f"{full_depth_total(counts):g}")
+                 f"{full_depth_total(census, num_layers):g}")
     return "\n".join(lines)
 
 
@@ -262,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(table(census, rows, args.layers), end="\n\n")
         counts = census.counts()
         out[rows] = {"counts": counts, "names": census.launches, "instances": dict(census.instances),
-                     "full_depth_total": full_depth_total(counts)}
+                     "full_depth_total": full_depth_total(census, args.layers)}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out

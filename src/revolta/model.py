@@ -53,16 +53,32 @@ class DecoderLayer(nn.Module):
         ple_ids = cfg.ple_layer_indices if allow_ple else ()
         self.ple = PLELayer(cfg, layer_idx, ple_ids.index(layer_idx)) if layer_idx in ple_ids else None
 
-    def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
-        """x: [T, h*d] wide residual -> [T, h*d]."""
+    def forward(self, x: Tensor, meta: ForwardMeta, inject: Tensor | None = None, out: Tensor | None = None,
+                defer_write: bool = False):
+        """x: [T, h*d] wide residual -> [T, h*d].
+
+        inject [T, h], out [T, d]: the previous layer's last HC write of `out` into x is still to do; it rides
+        in this layer's first HC read (`combine_read`: inside the read's first pass on the Triton path, one
+        launch fewer, bitwise equal). defer_write: leave this layer's own last write the same way and
+        return (x, inject, out) instead.
+        """
         ops = meta.paged.ops if meta.paged is not None else None
         if self.ple is not None:
+            if inject is not None:  # the PLE layer reads the residual itself: the write comes first
+                x, inject = self.mlp_hyper_connection.combine(x, inject, out, ops), None
             x = x + self.ple(x, meta)
-        u, inject = self.attn_hyper_connection.read(x, ops)
+        x, u, inject = self.attn_hyper_connection.combine_read(x, inject, out, ops)
         u = self.linear_attn(u, meta) if self.is_gdn else self.self_attn(u, meta)
-        x = self.attn_hyper_connection.combine(x, inject, u, ops)
-        u, inject = self.mlp_hyper_connection.read(x, ops)
-        return self.mlp_hyper_connection.combine(x, inject, self.mlp(u, ops), ops)
+        x, u, inject = self.mlp_hyper_connection.combine_read(x, inject, u, ops)
+        out = self.mlp(u, ops)
+        if defer_write:
+            return x, inject, out
+        return self.mlp_hyper_connection.combine(x, inject, out, ops)
+
+
+def _ops(meta: ForwardMeta):
+    """The step's kernel table (None: the simple torch path)."""
+    return meta.paged.ops if meta.paged is not None else None
 
 
 class TextModel(nn.Module):
@@ -77,17 +93,23 @@ class TextModel(nn.Module):
                                                       cfg.rms_norm_eps, with_inject=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim)
 
-    def forward(self, embeds: Tensor, meta: ForwardMeta) -> Tensor:
-        """embeds: [T, d] -> wide pre-mixer state X^(L) [T, h*d]."""
+    def forward(self, embeds: Tensor, meta: ForwardMeta, defer_write: bool = False):
+        """embeds: [T, d] -> wide pre-mixer state X^(L) [T, h*d]; defer_write: (X^(L) before the last layer's
+        HC write, its inject gates, its block output), the write left to the mixer's read (`combine_read`)."""
         x = embeds.repeat(1, self.cfg.hc_count)  # h identical copies, branch-major
         for layer in self.layers:  # n-gram rows need only the ids: start their lookups before the trunk
             if layer.ple is not None:
                 layer.ple.prefetch(meta, embeds.dtype)
+        inject = out = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, meta)
+            # each layer's last write rides in the next layer's first read
+            x, inject, out = layer(x, meta, inject, out, defer_write=True)
             if meta.taps is not None and i in meta.taps:
+                x, inject = layer.mlp_hyper_connection.combine(x, inject, out, _ops(meta)), None
                 meta.taps[i] = x
-        return x
+        if defer_write:
+            return x, inject, out
+        return x if inject is None else self.hyper_connection_mixer.combine(x, inject, out, _ops(meta))
 
 
 class MTPHead(nn.Module):
@@ -111,8 +133,8 @@ class MTPHead(nn.Module):
         e = self.fc_embedding(self.pre_fc_norm_embedding(token_embeds))  # [T, d]
         hn = self.pre_fc_norm_hidden(hidden).unflatten(-1, (self.hc_count, -1))  # [T, h, d]
         x = (self.fc_hidden(hn) + e.unsqueeze(-2)).flatten(-2)  # same matrix per branch, ê on every branch
-        x = self.layers[step % len(self.layers)](x, meta)
-        y, _ = self.hyper_connection_mixer.read(x, meta.paged.ops if meta.paged is not None else None)
+        x, inject, out = self.layers[step % len(self.layers)](x, meta, defer_write=True)
+        x, y, _ = self.hyper_connection_mixer.combine_read(x, inject, out, _ops(meta))  # the layer's last write too
         return y, x
 
 
@@ -235,13 +257,19 @@ class FlashNextModel(nn.Module):
                              f"T={input_ids.shape[0]}")
         meta = self.make_meta(input_ids, cu_seqlens, states, positions)
         meta.paged, meta.taps = paged, taps
-        wide = self.model.language_model(self.embed(input_ids, mm_embeds, mm_index), meta)
+        text = self.model.language_model
+        # the final mixer on the step's kernels (paged: the HC read kernels, 3 launches instead of ~20 torch ops),
+        # with the last layer's write inside its first pass when it reads every row
+        pending = text(self.embed(input_ids, mm_embeds, mm_index), meta, defer_write=True)
         for b, st in enumerate(states):
             st.num_tokens += cu_seqlens[b + 1] - cu_seqlens[b]
-        rows = wide if logits_indices is None else wide[logits_indices]
-        # the final mixer on the step's kernels (paged: the HC read kernel, 3 launches instead of ~20 torch ops)
-        mixer = self.model.language_model.hyper_connection_mixer
-        logits = self.compute_logits(mixer.read(rows, paged.ops if paged is not None else None)[0])
+        ops = paged.ops if paged is not None else None
+        if logits_indices is None:
+            wide, y, _ = text.hyper_connection_mixer.combine_read(*pending, ops)
+        else:
+            wide = pending[0] if pending[1] is None else text.hyper_connection_mixer.combine(*pending, ops)
+            y = text.hyper_connection_mixer.read(wide[logits_indices], ops)[0]
+        logits = self.compute_logits(y)
         if batched and logits_indices is None:
             logits = logits.view(B, S, -1)
         return (logits, wide) if return_hidden else logits

@@ -67,13 +67,16 @@ def _hc_builds(hc, M, cfg, d, r, h, arch):
         ksplit, bs = d // cfg["SPLITS_PER_BRANCH"], 1 << (S - 1).bit_length()
         k1, k2 = hc.up_k_pieces(r)
         dots = _hc_dot_builds(hc, cfg, d, r, h, arch)
+        down = dict(KSPLIT=ksplit, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"],
+                    BLOCK_K=min(cfg["BLOCK_K"], 1 << (ksplit - 1).bit_length()), PDL=pdl)
+        down_sig = ("x norm_w w_down w_inject partial sumsq M R RH stride_x stride_wd stride_wi stride_p comb_inj comb_u "
+                    "comb_y D stride_ci stride_cu stride_cy KSPLIT BLOCK_M BLOCK_R BLOCK_K PDL COMBINE",
+                    "aaaaffnnnnnnnaaannnncccccc")
         b = {
-            f"hc_down_rows_M{M}": (
-                hc._hc_down_rows_kernel, "x norm_w w_down w_inject partial sumsq M R RH stride_x stride_wd stride_wi "
-                "stride_p KSPLIT BLOCK_M BLOCK_R BLOCK_K PDL", "aaaaffnnnnnnnccccc",
-                dict(KSPLIT=ksplit, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"],
-                     BLOCK_K=min(cfg["BLOCK_K"], 1 << (ksplit - 1).bit_length()), PDL=pdl),
-                cfg["WARPS_DOWN"], 2),
+            f"hc_down_rows_M{M}": (hc._hc_down_rows_kernel, *down_sig, dict(down, COMBINE=False), cfg["WARPS_DOWN"], 2),
+            # the previous block's write inside the down pass (hc_combine_read: decode, 16-bit)
+            f"hc_combine_down_rows_M{M}": (hc._hc_down_rows_kernel, *down_sig, dict(down, COMBINE=True),
+                                           cfg["WARPS_DOWN"], 2),
             f"hc_up_rows_M{M}": (
                 hc._hc_up_rows_kernel, "x norm_w w_up partial sumsq mix rstd out inject M R RH D eps stride_x "
                 "stride_wu stride_p stride_o NH S BLOCK_M BLOCK_C BLOCK_K1 BLOCK_K2 BLOCK_S FUSED_MIX HAS_INJECT PDL",

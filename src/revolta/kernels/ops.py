@@ -42,6 +42,7 @@ class KernelOps:
     zc_rms_norm: Callable | None  # ZCRMSNorm in one launch instead of ~10 torch kernels
     zc_norm_rope: Callable | None  # QSA's per-head norm + RoPE in one launch (kernels/norm_rope.py)
     gdn_gates: Callable | None  # GDN's g and beta in one launch (kernels/gdn/gates.py)
+    hc_combine_read: Callable | None  # an HC write inside the next HC read's first pass (kernels/hc.py), bitwise
 
 
 def kernel_ops(backend: str) -> KernelOps:
@@ -65,12 +66,12 @@ def kernel_ops(backend: str) -> KernelOps:
         ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"),
         ("qsa.dcp", "qsa_partial"))}
     fused = dict.fromkeys(("hc_read", "hc_combine", "moe_route", "fused_moe", "quant_fused_moe", "gated_rms_norm",
-                           "apply_rope", "zc_rms_norm", "zc_norm_rope", "gdn_gates"))
+                           "apply_rope", "zc_rms_norm", "zc_norm_rope", "gdn_gates", "hc_combine_read"))
     if backend == "triton":
         fused = {"hc_read": op("hc", "hc_read"), "hc_combine": op("hc", "hc_combine"),
                  "moe_route": op("moe", "moe_route"), "fused_moe": op("moe", "fused_moe"),
                  "quant_fused_moe": op("quant.moe", "quant_fused_moe"),
                  "gated_rms_norm": op("norm", "gated_rms_norm"), "apply_rope": op("rope", "apply_rope"),
                  "zc_rms_norm": op("norm", "zc_rms_norm"), "zc_norm_rope": op("norm_rope", "zc_norm_rope"),
-                 "gdn_gates": op("gdn.gates", "gdn_gates")}
+                 "gdn_gates": op("gdn.gates", "gdn_gates"), "hc_combine_read": op("hc", "hc_combine_read")}
     return KernelOps(backend=backend, **table, **fused)

@@ -55,3 +55,21 @@ class HyperConnection(nn.Module):
         if ops is not None and ops.hc_combine is not None and x.dtype == inject.dtype == out.dtype:
             return ops.hc_combine(x.contiguous(), inject.contiguous(), out.contiguous())
         return x + (inject.unsqueeze(-1) * out.unsqueeze(-2)).flatten(-2)
+
+    def combine_read(self, x: Tensor, inject: Tensor | None, out: Tensor | None, ops=None
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The previous block's `combine(x, inject, out)` (which uses no weights; none when inject is None), then
+        this module's `read` of the result -> (new residual [T, h*d], block input [T, d], inject gates [T, h] or None).
+
+        ops: a kernels.ops.KernelOps whose `hc_combine_read` does both with the write inside the read's first
+        pass (one launch fewer, bitwise equal to the two calls).
+        """
+        if inject is None:
+            return (x, *self.read(x, ops))
+        if ops is not None and ops.hc_combine_read is not None and x.dtype == inject.dtype == out.dtype:
+            inj = self.block_inject_weight.weight if self.block_inject_weight is not None else None
+            return ops.hc_combine_read(x.contiguous(), inject.contiguous(), out.contiguous(), self.hc_norm.weight,
+                                       self.input_mix_weight_down.weight, self.input_mix_weight_up.weight, inj,
+                                       self.hc_count, self.hc_norm.eps)
+        x = self.combine(x, inject, out, ops)
+        return (x, *self.read(x, ops))

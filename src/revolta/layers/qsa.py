@@ -132,8 +132,8 @@ class QSAttention(nn.Module):
         pm.ops.store_kv(k.contiguous(), v.contiguous(), cache.k_cache, cache.v_cache, self._kv_slots(pm), kv_dtype,
                         cache.k_scale, cache.v_scale)
         # every group this step completes is compressed before selection: a query's own complete
-        # group is a candidate like any other (spec §4.4)
-        pm.ops.index_compress(ik.contiguous(), meta.cos, meta.sin, pm.storage.pending_keys[self.cache_key],
+        # group is a candidate like any other (spec §4.4); ik, a column slice, goes with its row stride
+        pm.ops.index_compress(ik, meta.cos, meta.sin, pm.storage.pending_keys[self.cache_key],
                               pm.group_cos, pm.group_sin, self.indexer.k_layernorm.weight,
                               self.indexer.k_layernorm.eps, cache.index_cache, pm.block_table, pm.cu_seqlens,
                               pm.seq_lens, pending_slots=pm.slots, max_new_tokens=pm.max_new_tokens,
@@ -151,7 +151,8 @@ class QSAttention(nn.Module):
             # decode, or a verify whose requests all have R rows: the decode kernels' [B, R] row form (rows at
             # seq_len - R .. seq_len - 1), each row computed as the decode of its token would be
             lead = (pm.spec.num_seqs, pm.spec.num_rows) if pm.spec is not None else (q.shape[0],)
-            iq, q, gate = (x.contiguous().view(*lead, *x.shape[1:]) for x in (iq, q, gate))
+            iq, q = (x.contiguous().view(*lead, *x.shape[1:]) for x in (iq, q))
+            gate = gate.view(*lead, *gate.shape[1:])  # a strided view of q_proj's output: the kernels take row strides
             selected = pm.ops.qsa_select_decode(iq, cache.index_cache, pm.block_table, pm.seq_lens,
                                                 self.block_budget, ratio=self.ratio)
             out = pm.ops.qsa_sparse_decode(q, gate, cache.k_cache, cache.v_cache, pm.block_table, pm.seq_lens,
