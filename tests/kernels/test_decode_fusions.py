@@ -99,3 +99,34 @@ def test_hc_combine_read_bitwise_equals_combine_then_read(dtype, M, with_inject)
     tol = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 2e-5}[dtype]
     _, t_out, _ = K.hc_combine_read_ref(x, inject, u, *weights, h, 1e-6)
     torch.testing.assert_close(out, t_out, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_recurrent_decode_with_raw_gates_bitwise_equals_the_gate_kernel(dtype):
+    """Decode with the gates computed inside the recurrent kernel gives the bits of the gate kernel's g, beta
+    fed to it (the same jit function), outputs and state; the reference with raw gates equals the reference."""
+    from revolta.kernels.gdn.recurrent import gdn_recurrent_update
+    from revolta.kernels.gdn.ref import gdn_recurrent_update_ref
+
+    g = torch.Generator().manual_seed(7)
+    B, H, HV, K, V = 3, 2, 4, 16, 16
+    q, k = (torch.randn(B, H, K, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(B, HV, V, generator=g).to(dtype)
+    ab = (3 * torch.randn(B, 2 * HV, generator=g)).to(dtype)
+    a, b = ab[:, :HV], ab[:, HV:]
+    A_log = torch.empty(HV).uniform_(0.0, 2.7, generator=g)
+    dt_bias = torch.empty(HV).uniform_(-4.0, 0.0, generator=g)
+    pool = torch.randn(4, HV, K, V, generator=g)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32)
+    gate, beta = gdn_gates(a, b, A_log, dt_bias)
+    pool_sep, pool_raw = pool.clone(), pool.clone()
+    o_sep = gdn_recurrent_update(q, k, v, gate, beta, pool_sep, slots)
+    o_raw = gdn_recurrent_update(q, k, v, a, b, pool_raw, slots, gates=(A_log, dt_bias))
+    assert torch.equal(o_raw, o_sep) and torch.equal(pool_raw, pool_sep)
+    pool_ref, pool_ref_raw = pool.clone(), pool.clone()
+    ref_g, ref_beta = gdn_gates_ref(a, b, A_log, dt_bias)
+    o_ref = gdn_recurrent_update_ref(q, k, v, ref_g, ref_beta, pool_ref, slots)
+    o_ref_raw = gdn_recurrent_update_ref(q, k, v, a, b, pool_ref_raw, slots, gates=(A_log, dt_bias))
+    assert torch.equal(o_ref_raw, o_ref) and torch.equal(pool_ref_raw, pool_ref)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}[dtype]
+    torch.testing.assert_close(o_raw, o_ref, atol=tol, rtol=tol)

@@ -43,14 +43,16 @@ def _sig(names, types, act):
     return {n: table[t] for n, t in zip(names, types)}
 
 
-def _recurrent(draft_mode, store_output, store_final, limit):
+def _recurrent(draft_mode, store_output, store_final, limit, raw_gates=False):
     bv, warps = recurrent.recurrent_config(1 * HV, V, K)  # batch 1: the smallest BV, most programs
-    names = ("q k v g beta o ssm_state slots draft draft_slots num_steps scale T stride_q_b stride_q_t stride_k_b "
-             "stride_k_t stride_v_b stride_v_t stride_g_b stride_g_t stride_beta_b stride_beta_t H HV K V BK BV "
-             "USE_L2NORM STORE_OUTPUT STORE_FINAL DRAFT_MODE LIMIT_STEPS")
+    names = ("q k v g beta o ssm_state slots draft draft_slots num_steps A_log dt_bias scale T stride_q_b stride_q_t "
+             "stride_k_b stride_k_t stride_v_b stride_v_t stride_g_b stride_g_t stride_beta_b stride_beta_t H HV K V BK "
+             "BV USE_L2NORM STORE_OUTPUT STORE_FINAL DRAFT_MODE LIMIT_STEPS RAW_GATES")
     consts = dict(H=H, HV=HV, K=K, V=V, BK=K, BV=bv, USE_L2NORM=True, STORE_OUTPUT=store_output,
-                  STORE_FINAL=store_final, DRAFT_MODE=draft_mode, LIMIT_STEPS=limit)
-    return (recurrent._gdn_recurrent_fwd_kernel, names, "aaaffafifii" + "s" + "n" * 11 + "c" * 11, consts, warps)
+                  STORE_FINAL=store_final, DRAFT_MODE=draft_mode, LIMIT_STEPS=limit, RAW_GATES=raw_gates)
+    gates = "aa" if raw_gates else "ff"  # raw in-projections (decode computes the gates in the kernel) or fp32 gates
+    return (recurrent._gdn_recurrent_fwd_kernel, names, "aaa" + gates + "afifiiff" + "s" + "n" * 11 + "c" * 12, consts,
+            warps)
 
 
 WALK_NAMES = ("k w u gcum k_rstd h v_new ssm_state slots has_initial_state h_start cu_seqlens cu_chunks cu_segs "
@@ -127,6 +129,7 @@ def _builds(arch):
                                 "x weight conv_state slots y C stride_x stride_y stride_slot W DIL ACT BS BC",
                                 "aaaiannnnccccc", dict(W=4, DIL=3, ACT=True, BS=8, BC=256), 4)
     yield "gdn_decode", _recurrent(0, True, True, False)
+    yield "gdn_decode_raw_gates", _recurrent(0, True, True, False, raw_gates=True)
     yield "gdn_verify_keep", _recurrent(1, True, False, False)
     yield "gdn_replay", _recurrent(0, False, True, True)
     yield "gdn_commit", (recurrent._gdn_commit_kernel,
@@ -144,8 +147,7 @@ for _arch in (70, 90):
     BUILDS[_arch].update(VARIANTS[_arch])
 VARIANT_JOBS = [(n, a) for a in (70, 90) for n in VARIANTS[a]]
 MEMORY_BOUND = {"conv1d_varlen", "conv1d_verify_copy_x", "conv1d_state", "conv1d_update_ple", "gdn_decode",
-                "gdn_verify_keep", "gdn_replay", "chunk_index",
-                "gdn_commit"}
+                "gdn_decode_raw_gates", "gdn_verify_keep", "gdn_replay", "chunk_index", "gdn_commit"}
 
 
 def build(name, arch):

@@ -1,4 +1,4 @@
-"""Ahead-of-time builds (no GPU) of the MoE, norm, HyperConnection, RoPE and sampling kernels for sm_70
+"""Ahead-of-time builds (no GPU) of the MoE, norm, HyperConnection, RoPE, GDN gate and sampling kernels for sm_70
 (V100, fp16 activations) and sm_90 (H200, bf16) at the real model's shapes, in the launch
 configurations the wrappers pick.
 
@@ -105,7 +105,8 @@ def _hc_builds(hc, M, cfg, d, r, h, arch):
 
 def _builds(arch):
     """name -> (kernel, arg names, arg types, constexprs, num_warps, num_stages)."""
-    from revolta.kernels import hc, moe, moe_grouped, norm, rope, sample
+    from revolta.kernels import hc, moe, moe_grouped, norm, norm_rope, rope, sample
+    from revolta.kernels.gdn import gates
 
     b = {}
     b["moe_route"] = (moe._moe_route_kernel, "logits shared ids_out w_out E stride_l stride_s stride_o TOP_K NUM_OUT "
@@ -179,6 +180,15 @@ def _builds(arch):
     b["rope_inplace"] = (rope._rope_kernel, "x cos sin y H D R2 stride_xt stride_xh stride_yt stride_yh stride_c "
                          "BLOCK_H BLOCK_R2 BLOCK_REST COPY_REST", "affannnnnnnncccc",
                          dict(BLOCK_H=16, BLOCK_R2=32, BLOCK_REST=1, COPY_REST=False), 4, 2)
+    # QSA's norm + RoPE (q: 24 heads at TP1, k: 2 KV heads, the 4 index heads of 128) and the GDN gates (48 heads)
+    for label, H, D in (("q", 24, 256), ("k", 2, 256), ("index_q", 4, 128)):
+        bh, bd = norm_rope.norm_rope_block_h(H, D), 1 << (D - 1).bit_length()
+        b[f"zc_norm_rope_{label}"] = (
+            norm_rope._zc_norm_rope_kernel, "x w cos sin y H D R2 stride_xt stride_xh stride_yt stride_yh stride_c eps "
+            "BLOCK_H BLOCK_D BLOCK_R2", "aaffannnnnnnnsccc", dict(BLOCK_H=bh, BLOCK_D=bd, BLOCK_R2=32),
+            4 if bh * bd >= 2048 else 1, 2)
+    b["gdn_gates"] = (gates._gdn_gates_kernel, "a b A_log dt_bias g beta HV stride_a stride_b BLOCK", "aaffffnnnc",
+                      dict(BLOCK=64), 1, 2)
     b["mrope_cos_sin"] = (rope._mrope_kernel, "positions inv_freq rows cos sin T F stride_p scale BLOCK_T BLOCK_F",
                           "lflffnnnscc", dict(BLOCK_T=16, BLOCK_F=32), 4, 2)
     b["sample"] = (sample._sample_kernel, "logits temperature top_k top_p min_p seeds offsets out V stride_l BLOCK_V",

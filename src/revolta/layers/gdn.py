@@ -56,7 +56,9 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)  # [T, conv_dim] pre-conv q ‖ k ‖ v
         z = self.in_proj_z(x)  # [T, value_dim]
         ops = meta.paged.ops if meta.paged is not None else None
-        if ops is not None and ops.gdn_gates is not None:  # one launch instead of eight tiny ones
+        if ops is not None and ops.gdn_gates is not None and meta.paged.is_decode:
+            g, beta = self.in_proj_a(x), self.in_proj_b(x)  # raw: the recurrent decode kernel makes the gates
+        elif ops is not None and ops.gdn_gates is not None:  # one launch instead of eight tiny ones
             g, beta = ops.gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         else:
             beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
@@ -93,8 +95,9 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
         scale = self.head_k_dim**-0.5
-        if pm.is_decode:
-            return pm.ops.gdn_recurrent_update(q, k, v, g, beta, cache.ssm_state, pm.slots, scale)
+        if pm.is_decode:  # with the gate kernel, g and beta are the raw projections (see forward)
+            gates = (self.A_log, self.dt_bias) if pm.ops.gdn_gates is not None else None
+            return pm.ops.gdn_recurrent_update(q, k, v, g, beta, cache.ssm_state, pm.slots, scale, gates=gates)
         return pm.ops.gdn_chunk_prefill(q, k, v, g, beta, pm.cu_seqlens, cache.ssm_state, pm.slots,
                                         pm.has_initial_state, scale)
 

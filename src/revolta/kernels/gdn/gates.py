@@ -29,6 +29,19 @@ def gdn_gates_ref(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple
 
 
 @triton.jit
+def gate_values(b_a, b_b, b_A, b_dt):
+    """fp32 (g, beta) from fp32 a, b, A_log, dt_bias (elementwise; also run inside the recurrent decode kernel,
+    kernels/gdn/recurrent.py, so both give the same bits)."""
+    b_x = b_a + b_dt
+    # log1p(e) = log(u) · e / (u - 1) with u = 1 + e (exact to an ulp; e itself where u rounds to 1)
+    b_e = tl.exp(tl.minimum(b_x, 20.0))
+    b_u = 1.0 + b_e
+    b_lp = tl.where(b_u == 1.0, b_e, tl.log(b_u) * (b_e / tl.where(b_u == 1.0, 1.0, b_u - 1.0)))
+    b_sp = tl.where(b_x > 20.0, b_x, b_lp)  # torch's softplus threshold
+    return -tl.exp(b_A) * b_sp, tl.sigmoid(b_b)
+
+
+@triton.jit
 def _gdn_gates_kernel(a, b, A_log, dt_bias, g, beta, HV, stride_a, stride_b, BLOCK: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
@@ -37,14 +50,9 @@ def _gdn_gates_kernel(a, b, A_log, dt_bias, g, beta, HV, stride_a, stride_b, BLO
     b_b = tl.load(b + i_t * stride_b + o, mask=m, other=0.0).to(tl.float32)
     b_A = tl.load(A_log + o, mask=m, other=0.0).to(tl.float32)
     b_dt = tl.load(dt_bias + o, mask=m, other=0.0).to(tl.float32)
-    b_x = b_a + b_dt
-    # log1p(e) = log(u) · e / (u - 1) with u = 1 + e (exact to an ulp; e itself where u rounds to 1)
-    b_e = tl.exp(tl.minimum(b_x, 20.0))
-    b_u = 1.0 + b_e
-    b_lp = tl.where(b_u == 1.0, b_e, tl.log(b_u) * (b_e / tl.where(b_u == 1.0, 1.0, b_u - 1.0)))
-    b_sp = tl.where(b_x > 20.0, b_x, b_lp)  # torch's softplus threshold
-    tl.store(g + i_t * HV + o, -tl.exp(b_A) * b_sp, mask=m)
-    tl.store(beta + i_t * HV + o, tl.sigmoid(b_b), mask=m)
+    b_g, b_beta = gate_values(b_a, b_b, b_A, b_dt)
+    tl.store(g + i_t * HV + o, b_g, mask=m)
+    tl.store(beta + i_t * HV + o, b_beta, mask=m)
 
 
 def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:

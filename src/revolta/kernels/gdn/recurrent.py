@@ -29,18 +29,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .gates import gate_values
+
 DRAFT_NONE, DRAFT_BUFFER, DRAFT_SLOTS = 0, 1, 2
 
 
 @triton.jit
-def _gdn_recurrent_fwd_kernel(q, k, v, g, beta, o, ssm_state, slots, draft, draft_slots, num_steps,
+def _gdn_recurrent_fwd_kernel(q, k, v, g, beta, o, ssm_state, slots, draft, draft_slots, num_steps, A_log, dt_bias,
                               scale, T,
                               stride_q_b, stride_q_t, stride_k_b, stride_k_t, stride_v_b, stride_v_t,
                               stride_g_b, stride_g_t, stride_beta_b, stride_beta_t,
                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BK: tl.constexpr, BV: tl.constexpr, USE_L2NORM: tl.constexpr,
                               STORE_OUTPUT: tl.constexpr, STORE_FINAL: tl.constexpr, DRAFT_MODE: tl.constexpr,
-                              LIMIT_STEPS: tl.constexpr):
+                              LIMIT_STEPS: tl.constexpr, RAW_GATES: tl.constexpr):
+    # RAW_GATES: g and beta hold the in-projections' raw a and b; the gates are computed here (gates.py)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b = (i_bh // HV).to(tl.int64)
     i_hv = i_bh % HV
@@ -62,12 +65,17 @@ def _gdn_recurrent_fwd_kernel(q, k, v, g, beta, o, ssm_state, slots, draft, draf
     p_v = v + i_b * stride_v_b + i_hv * V + o_v
     p_g = g + i_b * stride_g_b + i_hv
     p_beta = beta + i_b * stride_beta_b + i_hv
+    if RAW_GATES:
+        b_A = tl.load(A_log + i_hv).to(tl.float32)
+        b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
     for t in range(0, n):
         b_q = tl.load(p_q + t * stride_q_t, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * stride_k_t, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(p_v + t * stride_v_t, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(p_g + t * stride_g_t).to(tl.float32)
         b_beta = tl.load(p_beta + t * stride_beta_t).to(tl.float32)
+        if RAW_GATES:
+            b_g, b_beta = gate_values(b_g, b_beta, b_A, b_dt)
         if USE_L2NORM:
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -127,8 +135,9 @@ def recurrent_config(num_rows: int, V: int, K: int) -> tuple[int, int]:
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, slots: Tensor,
-                  lead: int):
-    """lead = number of leading batch dims (1: [B, ...], 2: [B, T, ...])."""
+                  lead: int, raw_gates: tuple[Tensor, Tensor] | None = None):
+    """lead = number of leading batch dims (1: [B, ...], 2: [B, T, ...]); raw_gates: (A_log, dt_bias) when g and
+    beta are the raw in-projections (any float dtype)."""
     names = "[B, T, " if lead == 2 else "[B, "
     assert q.dim() == lead + 2 and k.shape == q.shape, \
         f"q, k must be {names}H, K], got {tuple(q.shape)} and {tuple(k.shape)}"
@@ -138,7 +147,13 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_
     assert HV % H == 0, f"value heads ({HV}) must be a multiple of q/k heads ({H})"
     assert g.shape == v.shape[:-1] and beta.shape == v.shape[:-1], \
         f"g, beta must be {names}HV={HV}], got {tuple(g.shape)} and {tuple(beta.shape)}"
-    assert g.dtype == torch.float32 and beta.dtype == torch.float32, f"g, beta must be fp32, got {g.dtype}, {beta.dtype}"
+    assert raw_gates is not None or g.dtype == beta.dtype == torch.float32, \
+        f"g, beta must be fp32, got {g.dtype}, {beta.dtype}"
+    if raw_gates is not None:
+        A_log, dt_bias = raw_gates
+        assert A_log.shape == dt_bias.shape == (v.shape[-2],) and A_log.dtype == dt_bias.dtype == torch.float32 \
+            and A_log.is_contiguous() and dt_bias.is_contiguous(), \
+            f"A_log, dt_bias must be contiguous fp32 [HV={v.shape[-2]}], got {A_log.dtype} {tuple(A_log.shape)}"
     assert q.dtype == k.dtype == v.dtype and v.dtype in (torch.float16, torch.bfloat16, torch.float32), \
         f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}"
     for name, x, inner in (("q", q, K), ("k", k, K), ("v", v, V)):
@@ -158,7 +173,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_
 
 
 def _launch(q, k, v, g, beta, o, ssm_state, slots, draft, draft_slots, num_steps, scale, T, store_output,
-            store_final, draft_mode, use_qk_l2norm, lead):
+            store_final, draft_mode, use_qk_l2norm, lead, gates=None):
     B, H, K = q.shape[0], q.shape[-2], q.shape[-1]
     HV, V = v.shape[-2:]
     if B == 0 or T == 0:
@@ -172,25 +187,30 @@ def _launch(q, k, v, g, beta, o, ssm_state, slots, draft, draft_slots, num_steps
     _gdn_recurrent_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, g, beta, o if o is not None else v, ssm_state, slots,
         draft if draft is not None else ssm_state, draft_slots if draft_slots is not None else dummy,
-        num_steps if num_steps is not None else dummy, float(K**-0.5 if scale is None else scale), T,
+        num_steps if num_steps is not None else dummy, *(gates if gates is not None else (g, g)),
+        float(K**-0.5 if scale is None else scale), T,
         *st(q), *st(k), *st(v), *st(g), *st(beta),
         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, USE_L2NORM=use_qk_l2norm,
         STORE_OUTPUT=store_output, STORE_FINAL=store_final, DRAFT_MODE=draft_mode,
-        LIMIT_STEPS=num_steps is not None, num_warps=num_warps)
+        LIMIT_STEPS=num_steps is not None, RAW_GATES=gates is not None, num_warps=num_warps)
 
 
 def gdn_recurrent_update(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor,
-                         slots: Tensor, scale: float | None = None, use_qk_l2norm: bool = True) -> Tensor:
+                         slots: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+                         gates: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Decode: one token per sequence; the state at slots[b] is read and written in place.
 
     q, k: [B, H, K]; v: [B, HV, V]; g, beta: [B, HV] fp32; ssm_state [num_slots, HV, K, V] fp32;
     slots int32 [B]; scale defaults to K^-1/2. Returns o [B, HV, V] in v.dtype.
+    gates: (A_log, dt_bias) [HV] fp32: g and beta are then the raw in-projections a and b [B, HV] (any float
+    dtype, rows may be strided) and the kernel computes the gates as `gdn_gates` does, bit for bit (no launch).
     """
-    B, H, HV, K, V = _check_inputs(q, k, v, g, beta, ssm_state, slots, lead=1)
+    B, H, HV, K, V = _check_inputs(q, k, v, g, beta, ssm_state, slots, lead=1, raw_gates=gates)
     o = torch.empty(B, HV, V, dtype=v.dtype, device=v.device)
     _launch(q, k, v, g, beta, o, ssm_state, slots, None, None, None, scale, 1, True, True, DRAFT_NONE,
-            use_qk_l2norm, lead=1)
+            use_qk_l2norm, lead=1, gates=gates)
     return o
+
 
 
 def _draft_mode(draft_states: Tensor | None, B: int, T: int, HV: int, K: int, V: int, device) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .gates import gdn_gates_ref
+
 
 def recurrent_gated_delta_rule_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                                    state: Tensor) -> tuple[Tensor, Tensor]:
@@ -88,10 +90,14 @@ def _prepare_qk(q: Tensor, k: Tensor, num_v_heads: int, scale: float | None, use
 
 
 def gdn_recurrent_update_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor,
-                             slots: Tensor, scale: float | None = None, use_qk_l2norm: bool = True) -> Tensor:
+                             slots: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+                             gates: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """One decode token per sequence. q, k: [B, H, K]; v: [B, HV, V]; g, beta: [B, HV] fp32;
     ssm_state: [num_slots, HV, K, V] fp32, updated in place at slots[b]. Returns o [B, HV, V] (v.dtype).
+    gates: (A_log, dt_bias): g and beta are the raw in-projections a and b (gates.gdn_gates_ref makes the gates).
     """
+    if gates is not None:
+        g, beta = gdn_gates_ref(g, beta, *gates)
     o = gdn_verify_ref(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], ssm_state, slots, scale,
                        None, use_qk_l2norm, _commit_all=True)
     return o[:, 0]
