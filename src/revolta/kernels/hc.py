@@ -46,6 +46,8 @@ in fp32), only `a` (the input of the second matmul) is rounded to x.dtype, and u
 gates are rounded once, at the end.
 
 Combine: x_b ← x_b + inj_b · u, in x.dtype exactly as the layer (the product rounded, then the sum).
+`hc_combine_read` (decode / verify, 16-bit): the rows down pass (COMBINE) applies a block's write to each slice
+of x it loads and its first row tile stores the new residual y, which the mix and up passes read.
 """
 
 from __future__ import annotations
@@ -204,9 +206,9 @@ def _hc_down_rows_chunk(x, norm_w, w_down, w_inject, comb_inj, comb_u, comb_y, b
         b_x = tl.load(x + m.to(tl.int64) * stride_x + o_k, mask=m_x, other=0.0)
         if COMBINE:
             i_b = (i_s * KSPLIT) // D  # this split's branch
-            b_u = tl.load(comb_u + m.to(tl.int64) * stride_cu + (o_k - i_b * D), mask=m_x, other=0.0)
-            b_wi = tl.load(comb_inj + m.to(tl.int64) * stride_ci + i_b, mask=m < M, other=0.0)
-            b_iu = (b_wi.to(tl.float32) * b_u.to(tl.float32)).to(b_x.dtype)  # rounded: no FMA with the sum
+            b_u = tl.load(comb_u + m.to(tl.int64) * stride_cu + (o_k - i_b * D), mask=m_x, other=0.0).to(tl.float32)
+            b_wi = tl.load(comb_inj + m.to(tl.int64) * stride_ci + i_b, mask=m < M, other=0.0).to(tl.float32)
+            b_iu = (b_wi * b_u).to(b_x.dtype)  # rounded: no FMA with the sum
             b_x = (b_x.to(tl.float32) + b_iu.to(tl.float32)).to(b_x.dtype)
             if i_r == 0:
                 tl.store(comb_y + m.to(tl.int64) * stride_cy + o_k, b_x, mask=m_x)
@@ -222,10 +224,9 @@ def _hc_down_rows_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
                          stride_x, stride_wd, stride_wi, stride_p, comb_inj, comb_u, comb_y, D, stride_ci, stride_cu,
                          stride_cy, KSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_K: tl.constexpr, PDL: tl.constexpr, COMBINE: tl.constexpr):
-    # grid (M tiles, row tiles of r + h, K splits): a program streams its [BLOCK_R, KSPLIT] slice of
-    # [W_dn; W_inj] once and applies it to each of its BLOCK_M rows in turn (no tl.dot).
-    # COMBINE: x is the residual before the previous block's write, which is applied here to each loaded
-    # slice (hc_combine's arithmetic; a split lies in one branch) and stored to comb_y by the first row tile
+    # grid (M tiles, row tiles of r + h, K splits): a program streams its [BLOCK_R, KSPLIT] slice of [W_dn; W_inj]
+    # once and applies it to each of its BLOCK_M rows in turn (no tl.dot). COMBINE: x is the residual before a
+    # block's write, applied here to each loaded slice (a split lies in one branch) and stored to comb_y
     if PDL:
         gdc_launch_dependents()  # the up kernel may start now: it loads W_up, then waits for this grid
     i_m = tl.program_id(0)
@@ -460,13 +461,13 @@ def hc_read(x: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor, w_inject: T
         raise ValueError(f"hc_read path={path!r}; use 'auto', 'triton' or 'torch'")
     out, inject, cfg, arch = _read_setup(x, norm_w, w_down, w_up, w_inject, hc_count, config)
     if x.shape[0] > 0:
-        run = _read_rows if cfg["KIND"] == "rows" else _read_tiles
-        run(x, norm_w, w_down, w_up, w_inject, out, inject, hc_count, eps, cfg, arch)
+        (_read_rows if cfg["KIND"] == "rows" else _read_tiles)(x, norm_w, w_down, w_up, w_inject, out, inject, hc_count,
+                                                               eps, cfg, arch)
     return out, inject
 
 
 def _read_setup(x, norm_w, w_down, w_up, w_inject, h, config):
-    """Checks the read's operands -> (block input [M, d], inject [M, h] or None (uninitialised), config, arch)."""
+    """Checks the operands -> (block input [M, d], inject [M, h] or None (uninitialised), config, arch)."""
     assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
     M, wide = x.shape
     d, r = wide // h, w_down.shape[0]
@@ -484,28 +485,24 @@ def _read_setup(x, norm_w, w_down, w_up, w_inject, h, config):
 
 def hc_combine_read_ref(x: Tensor, inject: Tensor, u: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor,
                         w_inject: Tensor | None, hc_count: int, eps: float) -> tuple[Tensor, Tensor, Tensor | None]:
-    """A block's HC write then the next HC read: y = hc_combine_ref(x, inject, u) -> (y [M, h·d], *hc_read_ref(y))."""
+    """A block's HC write, then the next HC read: (y = hc_combine_ref(x, inject, u) [M, h·d], *hc_read_ref(y))."""
     y = hc_combine_ref(x, inject, u)
-    return (y, *hc_read_ref(y, norm_w, w_down, w_up, w_inject, hc_count, eps))
+    return y, *hc_read_ref(y, norm_w, w_down, w_up, w_inject, hc_count, eps)
 
 
 def hc_combine_read(x: Tensor, inject: Tensor, u: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor,
                     w_inject: Tensor | None, hc_count: int, eps: float, config: dict | None = None
                     ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """`hc_combine` then `hc_read` of its result, bitwise equal to the two calls, with one launch fewer where
-    the read runs the rows kernels (decode and verify, M <= 8) in a 16-bit dtype: the down pass applies the
-    write to each slice of x it loads (its arithmetic rounds the product to x.dtype, so no FMA can merge it
-    with the sum) and stores the new residual y, which the mix and up passes read. Otherwise (fp32: the
-    product's rounding is then a no-op that FMA contraction could skip; the tiled or dot down pass) it
-    makes the two calls. x: [M, h·d], inject: [M, h], u: [M, d] -> (y [M, h·d], block input, inject gates)."""
+    """`hc_combine` then `hc_read` of the result, bitwise equal to the two calls. x: [M, h·d], inject: [M, h],
+    u: [M, d] -> (y [M, h·d], block input, inject gates). One launch fewer with the rows down pass in 16 bits (see
+    the module docstring); otherwise (fp32, whose product rounding FMA contraction could skip; tiles; dot) two calls."""
     out, inj_out, cfg, arch = _read_setup(x, norm_w, w_down, w_up, w_inject, hc_count, config)
     if (x.shape[0] == 0 or cfg["KIND"] != "rows" or cfg["DOWN"] != "rows"
             or x.dtype not in (torch.float16, torch.bfloat16)):
         y = hc_combine(x, inject, u)
         return (y, *hc_read(y, norm_w, w_down, w_up, w_inject, hc_count, eps, config=config))
-    M, d = u.shape
-    assert inject.shape == (M, hc_count) and x.shape == (M, hc_count * d), (x.shape, inject.shape, u.shape)
-    assert inject.stride(-1) == 1 and u.stride(-1) == 1 and x.dtype == inject.dtype == u.dtype
+    assert inject.shape == (x.shape[0], hc_count) and x.shape[1] == hc_count * u.shape[1] and inject.stride(-1) == 1 \
+        and u.stride(-1) == 1 and x.dtype == inject.dtype == u.dtype, (x.shape, inject.shape, u.shape)
     y = torch.empty_like(x)  # not in place: other down programs still read x
     _read_rows(x, norm_w, w_down, w_up, w_inject, out, inj_out, hc_count, eps, cfg, arch, combine=(inject, u, y))
     return y, out, inj_out
@@ -563,8 +560,7 @@ def _read_rows(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch
         **extra)
 
 
-def _launch_down_rows(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, pdl,
-                      combine=None):
+def _launch_down_rows(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, pdl, combine=None):
     M, bm = x.shape[0], cfg["BLOCK_M"]
     has_inj = w_inject is not None
     c_inj, c_u, c_y = combine if combine is not None else (x, x, x)  # unused without COMBINE

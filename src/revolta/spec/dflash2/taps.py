@@ -53,8 +53,14 @@ def hidden_taps(text: TextModel, cfg: DFlash2DraftConfig) -> HiddenTaps:
 def capture_boundaries(text: TextModel, layer_ids: tuple[int, ...]) -> Iterator[dict[int, list[Tensor]]]:
     """Inside the block, every forward of `text` appends each listed layer's output [T, h*H] to out[id]."""
     out: dict[int, list[Tensor]] = {i: [] for i in layer_ids}
-    handles = [text.layers[i].register_forward_hook(lambda _m, _a, y, i=i: out[i].append(y.detach()))
-               for i in layer_ids]
+
+    def keep(layer, _args, y, i):
+        if isinstance(y, tuple):  # (x, inject, block out): the layer left its last HC write to the next read
+            x, inject, block_out = y
+            y = x if inject is None else layer.mlp_hyper_connection.combine(x, inject, block_out)
+        out[i].append(y.detach())
+
+    handles = [text.layers[i].register_forward_hook(lambda m, a, y, i=i: keep(m, a, y, i)) for i in layer_ids]
     try:
         yield out
     finally:
