@@ -135,3 +135,47 @@ def test_hyperconnection_and_norms_real_shapes(M):
     got = NORM.gated_rms_norm(o, w_gate, z, 1e-6)
     assert not got.isnan().any()
     assert rel_err(got, NORM.gated_rms_norm_ref(o, w_gate, z, 1e-6)) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M", [1, 5, 8])
+def test_decode_fusions_real_shapes(M, dtype):
+    """Issue 19's decode fusions: the HC write inside the next read's down pass, captured in a CUDA graph and
+    replayed on new inputs (programmatic dependent launch on sm90: the up pass must read the written residual),
+    bitwise the two launches; QSA's norm + RoPE and the GDN gates against their references."""
+    from revolta.kernels import hc as HC
+    from revolta.kernels.gdn.gates import gdn_gates, gdn_gates_ref
+    from revolta.kernels.norm_rope import zc_norm_rope, zc_norm_rope_ref
+    D, NH, R = 2560, 4, 320
+    g = torch.Generator(device="cuda").manual_seed(M)
+
+    def randn(*s, scale=1.0):
+        return torch.randn(*s, device="cuda", generator=g).mul(scale).to(dtype)
+
+    ws = [randn(*s, scale=s[-1] ** -0.5) for s in ((NH * D,), (R, NH * D), (NH * D, R), (NH, NH * D))]
+    x, inject, u = randn(M, NH * D, scale=2), randn(M, NH).abs(), randn(M, D)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        HC.hc_combine_read(x, inject, u, *ws, NH, 1e-6)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, out, inj = HC.hc_combine_read(x, inject, u, *ws, NH, 1e-6)
+    for _ in range(3):
+        for t, s in ((x, 2.0), (u, 1.0)):
+            t.copy_(randn(*t.shape, scale=s))
+        graph.replay()
+        y_ref = HC.hc_combine(x, inject, u)
+        out_ref, inj_ref = HC.hc_read(y_ref, *ws, NH, 1e-6)
+        assert torch.equal(y, y_ref) and torch.equal(y, HC.hc_combine_ref(x, inject, u))
+        assert torch.equal(out, out_ref) and torch.equal(inj, inj_ref)
+    cos, sin = torch.rand(M, 64, device="cuda", generator=g), torch.rand(M, 64, device="cuda", generator=g)
+    for H, Dh in ((24, 256), (2, 256), (4, 128)):
+        qg, w = randn(M, H, 2 * Dh, scale=3), randn(Dh, scale=0.2)
+        got, ref = zc_norm_rope(qg[..., :Dh], w, 1e-6, cos, sin), zc_norm_rope_ref(qg[..., :Dh], w, 1e-6, cos, sin)
+        assert rel_err(got, ref) < 1e-2
+    a, b = randn(M, 48, scale=4), randn(M, 48, scale=4)
+    A_log, dt_bias = torch.rand(48, device="cuda", generator=g) * 2.7, torch.rand(48, device="cuda", generator=g) - 4
+    for got, ref in zip(gdn_gates(a, b, A_log, dt_bias), gdn_gates_ref(a, b, A_log, dt_bias)):
+        torch.testing.assert_close(got, ref, atol=0, rtol=1e-5)
