@@ -45,6 +45,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gdn_k1 beside it, also when a test loads this by path
 
 from gdn_k1 import (FLA_TUNED, autotuned_configs, kernel_times, print_stage_table,  # noqa: E402
                     print_variant_table, stage_times)

@@ -45,9 +45,8 @@ outputs and the gates to x.dtype; here N is never materialised (rstd is applied 
 in fp32), only `a` (the input of the second matmul) is rounded to x.dtype, and u_in and the inject
 gates are rounded once, at the end.
 
-Combine: x_b ← x_b + inj_b · u, in x.dtype exactly as the layer (the product rounded, then the sum).
-`hc_combine_read` (decode / verify, 16-bit): the rows down pass (COMBINE) applies a block's write to each slice
-of x it loads and its first row tile stores the new residual y, which the mix and up passes read.
+Combine: x_b ← x_b + inj_b · u as the layer rounds it (`hc_combine`). `hc_combine_read` (decode / verify, 16-bit): the
+rows down pass applies a block's write (rounded once) to each slice of x it loads and stores y for the later passes.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import hc_dot
-from .hc_combine import _hc_combine_kernel, hc_combine, hc_combine_ref  # noqa: F401 (the write beside the read)
+from .hc_combine import _hc_combine_kernel, hc_combine, hc_combine_once_ref, hc_combine_ref  # noqa: F401
 from .norm import zc_rms_norm_ref as zc_rms_norm
 
 
@@ -208,8 +207,8 @@ def _hc_down_rows_chunk(x, norm_w, w_down, w_inject, comb_inj, comb_u, comb_y, b
             i_b = (i_s * KSPLIT) // D  # this split's branch
             b_u = tl.load(comb_u + m.to(tl.int64) * stride_cu + (o_k - i_b * D), mask=m_x, other=0.0).to(tl.float32)
             b_wi = tl.load(comb_inj + m.to(tl.int64) * stride_ci + i_b, mask=m < M, other=0.0).to(tl.float32)
-            b_iu = (b_wi * b_u).to(b_x.dtype)  # rounded: no FMA with the sum
-            b_x = (b_x.to(tl.float32) + b_iu.to(tl.float32)).to(b_x.dtype)
+            # x + inj·u rounded once: the fp32 product of 16-bit values is exact, so FMA contraction cannot change it
+            b_x = (b_x.to(tl.float32) + b_wi * b_u).to(b_x.dtype)
             if i_r == 0:
                 tl.store(comb_y + m.to(tl.int64) * stride_cy + o_k, b_x, mask=m_x)
         b_x = b_x.to(tl.float32)
@@ -485,17 +484,18 @@ def _read_setup(x, norm_w, w_down, w_up, w_inject, h, config):
 
 def hc_combine_read_ref(x: Tensor, inject: Tensor, u: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor,
                         w_inject: Tensor | None, hc_count: int, eps: float) -> tuple[Tensor, Tensor, Tensor | None]:
-    """A block's HC write, then the next HC read: (y = hc_combine_ref(x, inject, u) [M, h·d], *hc_read_ref(y))."""
-    y = hc_combine_ref(x, inject, u)
+    """A block's HC write rounded once, then the next HC read: (y = hc_combine_once_ref(x, inject, u), *hc_read_ref(y))."""
+    y = hc_combine_once_ref(x, inject, u)
     return y, *hc_read_ref(y, norm_w, w_down, w_up, w_inject, hc_count, eps)
 
 
 def hc_combine_read(x: Tensor, inject: Tensor, u: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor,
                     w_inject: Tensor | None, hc_count: int, eps: float, config: dict | None = None
                     ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """`hc_combine` then `hc_read` of the result, bitwise equal to the two calls. x: [M, h·d], inject: [M, h],
-    u: [M, d] -> (y [M, h·d], block input, inject gates). One launch fewer with the rows down pass in 16 bits (see
-    the module docstring); otherwise (fp32, whose product rounding FMA contraction could skip; tiles; dot) two calls."""
+    """A block's write then `hc_read` of the result. x: [M, h·d], inject: [M, h], u: [M, d] -> (y [M, h·d], block
+    input, inject gates). With the rows down pass in 16 bits one launch fewer: y = hc_combine_once_ref (product and
+    sum rounded once: an H200 contracted the layer's product rounding into an FMA), the read bitwise `hc_read(y)`;
+    otherwise (fp32, tiles, dot) the two calls `hc_combine` (the layer's rounding) and `hc_read`."""
     out, inj_out, cfg, arch = _read_setup(x, norm_w, w_down, w_up, w_inject, hc_count, config)
     if (x.shape[0] == 0 or cfg["KIND"] != "rows" or cfg["DOWN"] != "rows"
             or x.dtype not in (torch.float16, torch.bfloat16)):

@@ -16,6 +16,13 @@ def hc_combine_ref(x: Tensor, inject: Tensor, out: Tensor) -> Tensor:
     return x + (inject.unsqueeze(-1) * out.unsqueeze(-2)).flatten(-2)
 
 
+def hc_combine_once_ref(x: Tensor, inject: Tensor, out: Tensor) -> Tensor:
+    """x_b + inject_b · out in fp32, rounded once to x.dtype: what `kernels.hc.hc_combine_read` stores (for 16-bit
+    inputs the fp32 product is exact, so the result does not depend on FMA contraction)."""
+    y = x.float() + (inject.float().unsqueeze(-1) * out.float().unsqueeze(-2)).flatten(-2)
+    return y.to(x.dtype)
+
+
 @triton.jit
 def _hc_combine_kernel(x, inject, u, y, D, stride_x, stride_i, stride_u, stride_y,
                        NH: tl.constexpr, BLOCK: tl.constexpr):
