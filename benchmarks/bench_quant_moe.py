@@ -31,7 +31,7 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "tile": ("tile", {}),
     "n64": ("tile", dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128)),
     "fma": ("tile", dict(BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=16, BLOCK_K_UP=128, BLOCK_N_DOWN=32, BLOCK_K_DOWN=128)),
-    "nib-n64": ("nib", dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128)),
+    "nib-n128": ("nib", dict(BLOCK_N_UP=128, BLOCK_N_DOWN=256)),  # the default before the H200 run (K5c)
     "nib-n32": ("nib", dict(BLOCK_N_UP=32, BLOCK_N_DOWN=64)),
     "nib-n256": ("nib", dict(BLOCK_N_UP=256, BLOCK_N_DOWN=256)),
     "nib-w8": ("nib", dict(num_warps=8)),

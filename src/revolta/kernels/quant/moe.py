@@ -243,18 +243,19 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     128 inputs per K step: 4 groups of 32 per decoded tile). sm70: broadcast-FMA tiles with BLOCK_M from the
     expected rows per touched expert, narrower than moe_grouped's because the decoded tile is held in fp32
     beside the accumulator (no spills in the sm_70 build, tests/kernels/test_quant_moe_aot.py).
-    nibble (default: sm80+ and the interpreter): the group-factored decode path (moe_decode.py), 2 x 128 gate + up
-    rows and 256 down rows per program, one group (32) per K step; at M = 1 gate_up in 4 K splits and down in 2, so
-    the ~11 touched experts give 220 programs of each kernel. Why it is the default before an H200 run: its sm_90
-    inner loop is 5.4-6.1 SASS instructions per weight against the tile path's 11.2-14.5
-    (benchmarks/quant_moe_instructions.py), and the tile path is decode-bound (K5c). On sm70 tl.dot is FMA over 16
-    padded rows (36-68 PTX instructions per weight in narrow tiles that do not spill), so sm70 keeps the tile path.
+    nibble (default: sm80+ and the interpreter): the group-factored decode path (moe_decode.py), 2 x 64 gate + up
+    rows and 128 down rows per program, one group (32) per K step; at M = 1 gate_up in 4 K splits and down in 2. Its
+    sm_90 inner loop is 5.4-6.1 SASS instructions per weight against the tile path's 11.2-14.5
+    (benchmarks/quant_moe_instructions.py); on the H200 (RESULTS.md K5c, bf16) it took 49.6 / 238 / 886 µs at M = 1 /
+    8 / 40 against the tile path's 71.2 / 416 / 1585, and these 64 / 128-row tiles beat 128 / 256 (57.2 / 250 / 1033)
+    at every M. On sm70 tl.dot is FMA over 16 padded rows (36-68 PTX instructions per weight in narrow tiles that do
+    not spill), so sm70 keeps the tile path.
     """
     if nibble is None:
         nibble = arch is None or arch >= 80
     if nibble:
         wide = arch is None or arch >= 80
-        return dict(BLOCK_M=16, BLOCK_N_UP=128 if wide else 16, BLOCK_K_UP=32, BLOCK_N_DOWN=256 if wide else 32,
+        return dict(BLOCK_M=16, BLOCK_N_UP=64 if wide else 16, BLOCK_K_UP=32, BLOCK_N_DOWN=128 if wide else 32,
                     BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3,
                     NIBBLE_DOT=True, SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1)
     if arch is None or arch >= 80:
