@@ -76,6 +76,8 @@ def test_gemv_matches_reference(name, M, dtype, poison):
 def test_split_k_and_dot_paths_are_what_the_tests_cover():
     assert gemv_config(1, 72, 512, 64, 80)["SPLIT_K"] > 1  # the reduce kernel runs in the tests above
     assert not gemv_config(8, 72, 512, 64, 80)["USE_DOT"] and gemv_config(40, 72, 512, 64, 80)["USE_DOT"]
+    assert not gemv_config(8, 72, 512, 64, 80, arch=70)["USE_DOT"]  # sm70: FMA tiles up to 15 rows
+    assert gemv_config(5, 72, 512, 64, 132, arch=90)["USE_DOT"] and not gemv_config(4, 72, 512, 64, 132, arch=90)["USE_DOT"]
     cfg = gemv_config(1, 2560, 10240, 32, 132)
     assert cfg["SPLIT_K"] * (2560 // cfg["BLOCK_N"]) >= 132  # real shape: every SM busy at M = 1
 

@@ -21,6 +21,9 @@ from torch.nn import functional as F
 
 MAX_GEMV_ROWS = 64  # above this many rows: dequantized tiles + torch matmul (cuBLAS tensor cores)
 DOT_MIN_ROWS = 16  # from here on the tile product uses tl.dot (tensor cores on sm80+, FMA on sm70)
+# sm80+: tl.dot from 5 rows (MTP4 verify, C8 decode). H200, AWQ g32 at the real shapes (RESULTS.md K6): the FMA
+# path took 464-609 µs at M = 8 on the 6-16 MB projections (2% of copy), the dot path 66-154 µs at M = 40
+DOT_MIN_ROWS_SM80 = 5
 DEQUANT_CHUNK_BYTES = 64 << 20  # largest dequantized weight slice the large-M path materialises
 
 
@@ -137,7 +140,7 @@ def gemv_config(M: int, N: int, K: int, k_align: int, num_sms: int, n_align: int
     SPLIT_K divides the K steps so there are about 2 programs per SM. Depends on M only through
     BLOCK_M/USE_DOT; the split of K is a function of (N, K, device) alone.
     """
-    use_dot = M >= DOT_MIN_ROWS
+    use_dot = M >= (DOT_MIN_ROWS_SM80 if arch is not None and arch >= 80 else DOT_MIN_ROWS)
     bm = max(16, triton.next_power_of_2(M)) if use_dot else triton.next_power_of_2(M)
     if use_dot:
         bn, bk = (32, 32) if arch == 70 else (64, 32)
