@@ -18,10 +18,13 @@ Prints a table and writes JSON to --json (default $OUT/bench_trained_default.jso
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
 from pathlib import Path
+
+import torch
 
 METHODS = {"none": {"method": None}, "mtp4": {"method": "mtp", "num_speculative_tokens": 4},
            "dflash2": {"method": "dflash2"}}
@@ -35,8 +38,10 @@ def run_method(name: str, prompts: list[list[int]], args) -> dict:
     if spec["method"] is not None:
         spec["draft_policy"] = args.draft_policy
     t0 = time.perf_counter()
+    # a fixed 1 GiB KV cache: by default an engine takes 90% of the GPU, and the next method's engine would not fit
+    # beside what the previous one's allocator still holds (an H200 run ran out of memory at the second method)
     llm = LLM(model="trained-default", speculative_config=spec, device=args.device, max_model_len=1024,
-              max_num_seqs=1, enforce_eager=args.eager)
+              max_num_seqs=1, enforce_eager=args.eager, kv_cache_gib=1.0)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
@@ -50,7 +55,11 @@ def run_method(name: str, prompts: list[list[int]], args) -> dict:
         outputs.append(list(out.outputs[0].token_ids))
         if out.metrics is not None and out.metrics.spec_decode is not None:
             stats.merge(out.metrics.spec_decode)
+    llm.close()
     del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     print(f"  {name}: {tokens} tokens in {seconds:.1f} s (load {load_s:.1f} s)", flush=True)
     row = {"method": name, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_s": load_s,
            "outputs": outputs}
