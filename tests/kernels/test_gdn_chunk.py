@@ -152,6 +152,9 @@ def test_segment_choice():
     assert 8 <= seg_16k <= seg_32k <= 64 and 32768 // 64 // seg_32k >= 8, (seg_16k, seg_32k)
     assert dataclasses.replace(cfg, seg_chunks=4).segment_chunks(16384, 48, 132) == 4
     assert dataclasses.replace(cfg, cp_min_tokens=0).segment_chunks(1 << 20, 48, 132) == 0
+    # a serial walk that fills every SM is not split (192 programs at 48 v-heads x 4 tiles); 12 v-heads (TP4) are
+    assert cfg.segment_chunks(32768, 48, 132, walk_programs=192) == 0
+    assert cfg.segment_chunks(32768, 12, 132, walk_programs=48) > 0
     assert isinstance(chunk_config(128, 128, 70), ChunkConfig)
 
 

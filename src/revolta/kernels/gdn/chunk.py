@@ -68,9 +68,11 @@ class ChunkConfig:
     seg_chunks: int  # chunks per segment when split (0: chosen from the token count and SM count)
     walk_k_halves: bool = False  # walk and prescan hold the state as two [K/2, BV] tiles (chunk_state.py)
 
-    def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int) -> int:
-        """Chunks per walk segment for a batch of num_tokens tokens, or 0 for no split."""
-        if self.cp_min_tokens <= 0 or num_tokens < self.cp_min_tokens:
+    def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int, walk_programs: int = 0) -> int:
+        """Chunks per walk segment for a batch of num_tokens tokens, or 0 for no split. walk_programs: the serial
+        walk's programs (sequences x v-heads x V tiles); when they fill every SM the walk is not split (H200, 1 x 32K,
+        48 v-heads: 192 programs, serial 3.52 ms against 3.98 ms split; RESULTS.md K1)."""
+        if self.cp_min_tokens <= 0 or num_tokens < self.cp_min_tokens or walk_programs >= num_sms:
             return 0
         if self.seg_chunks > 0:
             return self.seg_chunks
@@ -183,7 +185,7 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     solve_prec = "tf32" if tensor_f32 else "ieee"  # T is rounded to the input dtype after, as in fla
     merge_prec = "tf32x3" if tensor_f32 else "ieee"  # ~fp32 accuracy: the merge chains the state itself
     log_b = max(1, (B - 1).bit_length())
-    seg = cfg.segment_chunks(T, HV, _num_sms(dev))
+    seg = cfg.segment_chunks(T, HV, _num_sms(dev), B * HV * triton.cdiv(V, _fit(cfg.walk_bv, V)))
     num_chunks_max = T // BT + B  # >= Σ ceil(len_b / 64), known without reading the lengths
     num_segs_max = (num_chunks_max + seg - 1) // seg + B if seg else B
 
