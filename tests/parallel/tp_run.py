@@ -24,6 +24,9 @@ def _entry(rank: int, tp: int, tmp: str, fn, args) -> None:
         try:
             result = fn(rank, tp, dist.group.WORLD, *args)
             torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+            # every rank done before any tears gloo down: a rank whose peer closed first died once in
+            # teardown ("terminate called without an active exception", exit -6) after saving its result
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException:
