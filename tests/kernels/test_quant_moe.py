@@ -71,6 +71,19 @@ def _route(moe, x, skew=False):
     return K.moe_route_ref(logits, TOP_K, shared_logits=moe.shared_expert_gate(x)[:, 0])
 
 
+def _case(name, M, dtype):
+    """A packed MoE of format `name`, M rows in `dtype` routed over it (skewed at M = 40), its kernel weights, shared
+    expert and the reference output: (x, gate_up, down, ids, w, shared, ref)."""
+    moe = _moe(name, seed=M)
+    x = torch.randn(M, H, generator=torch.Generator().manual_seed(2))
+    ids, w = _route(moe, x, skew=M == 40)
+    x = x.to(dtype)
+    gate_up, down = moe.experts.kernel_weights()
+    shared = moe.experts.kernel_shared(moe.shared_expert)
+    assert shared is not None
+    return x, gate_up, down, ids, w, shared, quant_fused_moe_ref(x, gate_up, down, ids, w, shared_expert=shared)
+
+
 @pytest.mark.parametrize("name,M,cfg,dtype", [
     ("awq", 1, "dot16", torch.float16), ("awq", 1, "gemv", torch.float32), ("awq", 3, "dot16", torch.float32),
     ("awq", 3, "fma4", torch.float16), ("awq", 8, "dot16", torch.float16), ("awq", 40, "dot16", torch.float16),
@@ -80,14 +93,7 @@ def _route(moe, x, skew=False):
     ("nvfp4", 1, "dot16", torch.float16), ("nvfp4", 3, "gemv", torch.float16), ("nvfp4", 3, "fma4", torch.float32),
     ("ct_nvfp4", 1, "gemv", torch.float16), ("ct_nvfp4", 8, "dot16", torch.float32)], ids=str)
 def test_quant_fused_moe_matches_reference(name, M, cfg, dtype):
-    moe = _moe(name, seed=M)
-    x = torch.randn(M, H, generator=torch.Generator().manual_seed(2))
-    ids, w = _route(moe, x, skew=M == 40)
-    x = x.to(dtype)
-    gate_up, down = moe.experts.kernel_weights()
-    shared = moe.experts.kernel_shared(moe.shared_expert)
-    assert shared is not None
-    ref = quant_fused_moe_ref(x, gate_up, down, ids, w, shared_expert=shared)
+    x, gate_up, down, ids, w, shared, ref = _case(name, M, dtype)
     out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=CONFIGS[cfg])
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOL[dtype])

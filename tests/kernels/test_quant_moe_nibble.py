@@ -10,9 +10,9 @@ gives both fp32 operands (exact) and rounds arithmetic back to bf16, what the GP
 import numpy as np
 import pytest
 import torch
-from test_quant_moe import TOL, H, _moe, _route
+from test_quant_moe import TOL, _case
 
-from revolta.kernels.quant.moe import quant_fused_moe, quant_fused_moe_ref, quant_grouped_config
+from revolta.kernels.quant.moe import quant_fused_moe, quant_grouped_config
 
 pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py: unwritten outputs are NaN
 
@@ -60,13 +60,7 @@ def bf16_dots(monkeypatch):
     ("ct_asym", 40, "nib", torch.bfloat16), ("ct_channel", 8, "nib", torch.float16),
     ("nvfp4", 1, "split", torch.float16), ("ct_nvfp4", 8, "nib", torch.bfloat16)], ids=str)
 def test_nibble_path_matches_reference(name, M, cfg, dtype):
-    moe = _moe(name, seed=M)
-    x = torch.randn(M, H, generator=torch.Generator().manual_seed(2))
-    ids, w = _route(moe, x, skew=M == 40)
-    x = x.to(dtype)
-    gate_up, down = moe.experts.kernel_weights()
-    shared = moe.experts.kernel_shared(moe.shared_expert)
-    ref = quant_fused_moe_ref(x, gate_up, down, ids, w, shared_expert=shared)
+    x, gate_up, down, ids, w, shared, ref = _case(name, M, dtype)
     out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=SPLIT if cfg == "split" else NIB)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOLS[dtype])
