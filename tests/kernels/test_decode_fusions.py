@@ -105,6 +105,32 @@ def test_hc_combine_read_bitwise_equals_combine_then_read(dtype, M, with_inject)
     torch.testing.assert_close(out, t_out, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M", [4, 13])
+def test_hc_combine_read_on_the_dot_down_pass(dtype, M):
+    """The write inside the tl.dot down pass (kernels/hc_dot.py, the sm90 default at 4-16 rows; one partial
+    16-row tile at M = 13): y is x + inj·u rounded once, stored by row tile 0 of every split, and the read is
+    bitwise `hc_read(y)` with the same dot config."""
+    from revolta.kernels import hc as K
+
+    h, d, r = 4, 40, 24
+    g = torch.Generator().manual_seed(M)
+    x = (2 * torch.randn(M, h * d, generator=g)).to(dtype)
+    inject = (2 * torch.rand(M, h, generator=g)).to(dtype)
+    u = torch.randn(M, d, generator=g).to(dtype)
+    weights = _hc_weights(dtype, True, d, r, h)
+    cfg = K.hc_config(M, d, r, h, arch=90)
+    assert (cfg["DOWN"], cfg["UP"]) == ("dot", "dot"), cfg
+    y, out, inj = K.hc_combine_read(x, inject, u, *weights, h, 1e-6, config=cfg)
+    ref_y = K.hc_combine_once_ref(x, inject, u)
+    if dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16; the GPU test checks it bitwise
+        torch.testing.assert_close(y, ref_y, atol=0, rtol=2 ** -7)
+    else:
+        assert torch.equal(y, ref_y)
+    ref_out, ref_inj = K.hc_read(y, *weights, h, 1e-6, config=cfg)
+    assert torch.equal(out, ref_out) and torch.equal(inj, ref_inj)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_recurrent_decode_with_raw_gates_bitwise_equals_the_gate_kernel(dtype):
     """Decode with the gates computed inside the recurrent kernel gives the bits of the gate kernel's g, beta

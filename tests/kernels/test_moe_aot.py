@@ -46,12 +46,15 @@ def _hc_dot_builds(hc, cfg, d, r, h, arch):
 
     pdl, ksplit = arch >= 90, d // cfg["SPLITS_PER_BRANCH"]
     k1, k2 = hc_dot.dot_k_pieces(r, cfg["UP_BLOCK_K"])
+    down_sig = ("x norm_w w_down w_inject partial sumsq M R RH stride_x stride_wd stride_wi stride_p comb_inj comb_u "
+                "comb_y D stride_ci stride_cu stride_cy KSPLIT BLOCK_M BLOCK_R BLOCK_K DOT_F32 PDL COMBINE",
+                "aaaaffnnnnnnnaaannnnccccccc")
+    down = dict(KSPLIT=ksplit, BLOCK_M=hc_dot.DOT_M, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=hc_dot.down_dot_block_k(cfg, ksplit),
+                DOT_F32=False, PDL=pdl)
     return {
-        "hc_down_dot": (hc_dot._hc_down_dot_kernel, "x norm_w w_down w_inject partial sumsq M R RH stride_x stride_wd "
-                        "stride_wi stride_p KSPLIT BLOCK_M BLOCK_R BLOCK_K DOT_F32 PDL", "aaaaffnnnnnnncccccc",
-                        dict(KSPLIT=ksplit, BLOCK_M=hc_dot.DOT_M, BLOCK_R=cfg["BLOCK_R"],
-                             BLOCK_K=hc_dot.down_dot_block_k(cfg, ksplit), DOT_F32=False, PDL=pdl),
-                        cfg["WARPS_DOWN"], 2),
+        "hc_down_dot": (hc_dot._hc_down_dot_kernel, *down_sig, dict(down, COMBINE=False), cfg["WARPS_DOWN"], 2),
+        # the previous block's write inside the down pass (hc_combine_read at 4-16 rows on sm90)
+        "hc_combine_down_dot": (hc_dot._hc_down_dot_kernel, *down_sig, dict(down, COMBINE=True), cfg["WARPS_DOWN"], 2),
         "hc_up_dot": (hc_dot._hc_up_dot_kernel, "x norm_w w_up mix rstd out M R D stride_x stride_wu stride_o NH "
                       "BLOCK_M BLOCK_C BLOCK_K1 BLOCK_K2 BLOCK_KC DOT_F32 PDL", "aaaafannnnnncccccccc",
                       dict(NH=h, BLOCK_M=hc_dot.DOT_M, BLOCK_C=cfg["BLOCK_C"], BLOCK_K1=k1, BLOCK_K2=k2,
@@ -91,6 +94,9 @@ def _hc_builds(hc, M, cfg, d, r, h, arch):
             if cfg[what.upper()] == "dot":
                 del b[f"hc_{what}_rows_M{M}"]
                 b[f"hc_{what}_dot"] = dots[f"hc_{what}_dot"]
+        if cfg["DOWN"] == "dot":
+            del b[f"hc_combine_down_rows_M{M}"]
+            b["hc_combine_down_dot"] = dots["hc_combine_down_dot"]
         return b
     w = cfg["num_warps"]
     return {
@@ -161,7 +167,7 @@ def _builds(arch):
                            "aaaannnnnsccc", dict(ROWS=rows, BLOCK=128, SILU=False), min(8, max(1, rows * 128 // 256)), 2)
     d, r, h = 2560, 320, 4
     seen = set()
-    # the dot passes at M = 5 (off by default: `hc_dot_default()["ENABLED"]`, built either way)
+    # the dot passes at M = 5 (on by default on sm90 only: `hc_dot_default()["ENABLED"]`, built either way)
     for M, cfg in [(M, hc.hc_config(M, d, r, h, arch)) for M in (1, 5, 8, 16, 64, 8192)] + [
             (5, hc.hc_config(5, d, r, h, arch, dot=True))]:
         key = tuple(sorted(cfg.items()))

@@ -31,10 +31,10 @@ Small M (decode / verify, M <= 8 by default; `hc_config`), the "rows" kernels, b
   computed by the same instructions on the same tiles whatever rows share its program, so a row's
   result does not depend on the batch (checked bitwise under the interpreter; the benchmark checks
   it on the GPU).
-MIN_M <= M <= MAX_M of `hc_dot_default` (4-8; the kernels take up to 16 rows per tile, `hc_config` hands
-them 4-8), the "dot" variant of the same three launches (kernels/hc_dot.py): the down and up passes
-multiply each weight tile once against a 16-row tile with tl.dot (config `hc_dot_default`; keys DOWN / UP
-pick "rows" or "dot" per pass). Off by default (ENABLED) until measured on the GPU.
+MIN_M <= M <= MAX_M of `hc_dot_default` (4-16 on sm90+, where it is on: ENABLED), the "dot" variant of the same
+three launches (kernels/hc_dot.py): the down and up passes multiply each weight tile once against a 16-row tile
+with tl.dot (keys DOWN / UP pick "rows" or "dot" per pass). A row rounds one way at M <= 3 and another at 4-16:
+a 1-row decode and a 5-row MTP4 verify can differ at near-ties there (as cuBLAS already lets them).
 Larger M, the "tiles" kernels (`hc_config_tiles`), three launches: `_hc_down_kernel` (tl.dot tiles
 over (M, rows, K splits)), `_hc_mix_kernel` (one program per row), `_hc_up_kernel` (tl.dot over
 (M, columns c of d) for all branches). They also have GEMV tiles for M <= 8, the kernel measured in
@@ -46,7 +46,7 @@ in fp32), only `a` (the input of the second matmul) is rounded to x.dtype, and u
 gates are rounded once, at the end.
 
 Combine: x_b ← x_b + inj_b · u as the layer rounds it (`hc_combine`). `hc_combine_read` (decode / verify, 16-bit): the
-rows down pass applies a block's write (rounded once) to each slice of x it loads and stores y for the later passes.
+rows or dot down pass applies a block's write (rounded once) to each slice of x it loads and stores y for the later passes.
 """
 
 from __future__ import annotations
@@ -355,8 +355,7 @@ def hc_config(M: int, d: int, r: int, hc_count: int, arch: int | None = None, do
 
     M <= MAX_M of `hc_rows_default()` (decode / verify): the rows kernels, one config for every such M
     apart from BLOCK_M, so a row's arithmetic does not depend on the batch. Above: the tl.dot tiles.
-    dot: the dot passes for MIN_M <= M <= MAX_M of `hc_dot_default()` (None: its ENABLED, off until
-    measured; on, rows 1-3 and 4-8 round differently, so a row's result then depends on the batch size).
+    dot: the dot passes for MIN_M..MAX_M of `hc_dot_default()` (None: its ENABLED; rows 1-3 round differently)
     """
     small = hc_dot_default(arch)
     if (small["ENABLED"] if dot is None else dot) and small["MIN_M"] <= M <= small["MAX_M"]:
@@ -395,10 +394,12 @@ def hc_dot_default(arch: int | None = None) -> dict:
     Same keys as `hc_rows_default` (rows past M in a 16-row tile are masked, so BLOCK_M is not used):
     down grid (row tiles of BLOCK_R, h·SPLITS_PER_BRANCH K splits) = 11 x 20 = 220 programs of 32 KB of
     W_dn at the real shapes, up grid d / BLOCK_C = 320 programs of 20 KB of W_up (h·BLOCK_C = 32 rows).
-    ENABLED is False until bench_moe_hc.py (variant "dot") measures it on the GPU against the rows kernels.
+    ENABLED on sm90+ for M = 4-16: on the H200 (RESULTS.md K7c, tree 9a3e24b) 12.4-13.8 us per read at M = 4, 5,
+    8, 16 against 19.0 / 26.4 / 29.3 (rows) and 26.8 (tiles, M = 16); at M = 1 the rows kernels stay faster (9.7
+    against 13.0), so rows 1-3 keep them. Off elsewhere: not measured on sm80-89, and on sm_70 tl.dot is FMA.
     """
-    dot = dict(hc_rows_default(arch), DOWN="dot", UP="dot", ENABLED=False, MIN_M=4, MAX_M=8, BLOCK_R=32,
-               BLOCK_K=256, BLOCK_C=8, UP_BLOCK_K=0)
+    dot = dict(hc_rows_default(arch), DOWN="dot", UP="dot", ENABLED=arch is not None and arch >= 90, MIN_M=4,
+               MAX_M=16, BLOCK_R=32, BLOCK_K=256, BLOCK_C=8, UP_BLOCK_K=0)
     if arch == 70:  # tl.dot is FMA on sm_70 (no Volta MMA in Triton) and holds a whole K chunk per thread:
         dot.update(BLOCK_R=16, BLOCK_K=64, UP_BLOCK_K=32)  # 168 / 141 registers; K = 128 / 256 chunks spill
     return dot
@@ -493,12 +494,11 @@ def hc_combine_read(x: Tensor, inject: Tensor, u: Tensor, norm_w: Tensor, w_down
                     w_inject: Tensor | None, hc_count: int, eps: float, config: dict | None = None
                     ) -> tuple[Tensor, Tensor, Tensor | None]:
     """A block's write then `hc_read` of the result. x: [M, h·d], inject: [M, h], u: [M, d] -> (y [M, h·d], block
-    input, inject gates). With the rows down pass in 16 bits one launch fewer: y = hc_combine_once_ref (product and
-    sum rounded once: an H200 contracted the layer's product rounding into an FMA), the read bitwise `hc_read(y)`;
-    otherwise (fp32, tiles, dot) the two calls `hc_combine` (the layer's rounding) and `hc_read`."""
+    input, inject gates). With the rows or dot down pass in 16 bits one launch fewer: y = hc_combine_once_ref
+    (product and sum rounded once: an H200 contracted the layer's product rounding into an FMA), the read bitwise
+    `hc_read(y)`; otherwise (fp32, tiles) the two calls `hc_combine` (the layer's rounding) and `hc_read`."""
     out, inj_out, cfg, arch = _read_setup(x, norm_w, w_down, w_up, w_inject, hc_count, config)
-    if (x.shape[0] == 0 or cfg["KIND"] != "rows" or cfg["DOWN"] != "rows"
-            or x.dtype not in (torch.float16, torch.bfloat16)):
+    if x.shape[0] == 0 or cfg["KIND"] != "rows" or x.dtype not in (torch.float16, torch.bfloat16):
         y = hc_combine(x, inject, u)
         return (y, *hc_read(y, norm_w, w_down, w_up, w_inject, hc_count, eps, config=config))
     assert inject.shape == (x.shape[0], hc_count) and x.shape[1] == hc_count * u.shape[1] and inject.stride(-1) == 1 \
@@ -542,7 +542,7 @@ def _read_rows(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch
     dot_f32 = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
     if cfg["DOWN"] == "dot":
         hc_dot.launch_down_dot(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, dot_f32,
-                               pdl)
+                               pdl, combine)
     else:
         _launch_down_rows(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, pdl, combine)
     x = x if combine is None else combine[2]

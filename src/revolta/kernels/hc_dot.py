@@ -47,10 +47,41 @@ def load_w_tile(w_down, w_inject, o_r, o_k, m_k, R, RH, stride_wd, stride_wi):
 
 
 @triton.jit
+def _down_dot_chunk(x, norm_w, w_down, w_inject, comb_inj, comb_u, comb_y, b_acc, b_sq, k0, i_r, i_s, o_r, o_m, m_m, R,
+                    RH, D, stride_x, stride_wd, stride_wi, stride_ci, stride_cu, stride_cy, KSPLIT: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, COMBINE: tl.constexpr):
+    """One K chunk of `_hc_down_dot_kernel` for its 16-row tile -> (b_acc, b_sq)."""
+    m_k = k0 + tl.arange(0, BLOCK_K) < KSPLIT  # this split's columns only
+    o_k = i_s * KSPLIT + k0 + tl.arange(0, BLOCK_K)
+    b_w = load_w_tile(w_down, w_inject, o_r, o_k, m_k, R, RH, stride_wd, stride_wi)  # [BR, BK] x.dtype
+    m_x = m_m[:, None] & m_k[None, :]
+    b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_x, other=0.0)  # [BM, BK] x.dtype
+    if COMBINE:
+        i_b = (i_s * KSPLIT) // D  # this split's branch
+        b_u = tl.load(comb_u + o_m[:, None].to(tl.int64) * stride_cu + (o_k - i_b * D)[None, :], mask=m_x,
+                      other=0.0).to(tl.float32)
+        b_wi = tl.load(comb_inj + o_m.to(tl.int64) * stride_ci + i_b, mask=m_m, other=0.0).to(tl.float32)
+        # the fp32 product of 16-bit values is exact: one rounding, which FMA contraction cannot change
+        b_x = (b_x.to(tl.float32) + b_wi[:, None] * b_u).to(b_x.dtype)
+        if i_r == 0:
+            tl.store(comb_y + o_m[:, None].to(tl.int64) * stride_cy + o_k[None, :], b_x, mask=m_x)
+    b_x = b_x.to(tl.float32)
+    b_nw = 1.0 + tl.load(norm_w + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+    b_sq += tl.sum(b_x * b_x, 1)
+    b_xw = (b_x * b_nw[None, :]).to(b_w.dtype)  # the dot's operand, rounded as the layer rounds N
+    if DOT_F32:
+        return tl.dot(b_xw.to(tl.float32), tl.trans(b_w.to(tl.float32)), b_acc, input_precision="ieee"), b_sq
+    return tl.dot(b_xw, tl.trans(b_w), b_acc, input_precision="ieee"), b_sq
+
+
+@triton.jit
 def _hc_down_dot_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
-                        stride_x, stride_wd, stride_wi, stride_p,
-                        KSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                        stride_x, stride_wd, stride_wi, stride_p, comb_inj, comb_u, comb_y, D, stride_ci, stride_cu,
+                        stride_cy, KSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, COMBINE: tl.constexpr):
+    # COMBINE: x is the residual before a block's write; each loaded [BM, BK] slice (a split lies in one branch)
+    # becomes y = x + inj·u rounded once, as hc.py's rows down pass makes it, and the programs of row tile 0
+    # store it to comb_y (the splits and 16-row tiles cover every element once)
     if PDL:
         gdc_launch_dependents()  # the mix kernel may start; it waits for this grid before reading
     i_r = tl.program_id(0)
@@ -60,21 +91,18 @@ def _hc_down_dot_kernel(x, norm_w, w_down, w_inject, partial, sumsq, M, R, RH,
     m_w = o_r < RH  # rows [0, R) come from W_dn, rows [R, RH) from W_inj (RH = R without it)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    p_x = x + o_m[:, None].to(tl.int64) * stride_x
     b_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in tl.static_range(0, KSPLIT, BLOCK_K):  # unrolled: every chunk's loads can be in flight at once
-        m_k = k0 + tl.arange(0, BLOCK_K) < KSPLIT  # this split's columns only
-        o_k = i_s * KSPLIT + k0 + tl.arange(0, BLOCK_K)
-        b_w = load_w_tile(w_down, w_inject, o_r, o_k, m_k, R, RH, stride_wd, stride_wi)  # [BR, BK] x.dtype
-        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-        b_nw = 1.0 + tl.load(norm_w + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-        b_sq += tl.sum(b_x * b_x, 1)
-        b_xw = (b_x * b_nw[None, :]).to(b_w.dtype)  # the dot's operand, rounded as the layer rounds N
-        if DOT_F32:
-            b_acc = tl.dot(b_xw.to(tl.float32), tl.trans(b_w.to(tl.float32)), b_acc, input_precision="ieee")
-        else:
-            b_acc = tl.dot(b_xw, tl.trans(b_w), b_acc, input_precision="ieee")
+    if COMBINE:  # one chunk at a time (the same sums in the same order): unrolled, the write's loads spill on sm_70
+        for k0 in range(0, KSPLIT, BLOCK_K):
+            b_acc, b_sq = _down_dot_chunk(x, norm_w, w_down, w_inject, comb_inj, comb_u, comb_y, b_acc, b_sq, k0, i_r,
+                                          i_s, o_r, o_m, m_m, R, RH, D, stride_x, stride_wd, stride_wi, stride_ci,
+                                          stride_cu, stride_cy, KSPLIT, BLOCK_K, DOT_F32, True)
+    else:
+        for k0 in tl.static_range(0, KSPLIT, BLOCK_K):  # unrolled: every chunk's loads can be in flight at once
+            b_acc, b_sq = _down_dot_chunk(x, norm_w, w_down, w_inject, comb_inj, comb_u, comb_y, b_acc, b_sq, k0, i_r,
+                                          i_s, o_r, o_m, m_m, R, RH, D, stride_x, stride_wd, stride_wi, stride_ci,
+                                          stride_cu, stride_cy, KSPLIT, BLOCK_K, DOT_F32, False)
     # partial: [S, M, RH] fp32 (row stride stride_p), sumsq: [S, M] fp32
     tl.store(partial + (i_s * M + o_m[:, None]).to(tl.int64) * stride_p + o_r[None, :], b_acc,
              mask=m_m[:, None] & m_w[None, :])
@@ -169,15 +197,19 @@ def check_dot_config(cfg: dict, hc_count: int) -> None:
         raise ValueError("hc dot up pass reads `a` from the mix launch: use FUSED_MIX=False or UP='rows'")
 
 
-def launch_down_dot(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, dot_f32, pdl):
-    """The down pass (see the module doc); w_inject None -> rows [R, RH) are empty (RH = R)."""
+def launch_down_dot(x, norm_w, w_down, w_inject, partial, sumsq, r, rh, S, ksplit, stride_p, cfg, dot_f32, pdl,
+                    combine=None):
+    """The down pass (see the module doc); w_inject None -> rows [R, RH) are empty (RH = R). combine: (inject
+    [M, h], u [M, d], y [M, h·d]) of the block write applied to x first (hc.py's `hc_combine_read`)."""
     M = x.shape[0]
     has_inj = w_inject is not None
+    c_inj, c_u, c_y = combine if combine is not None else (x, x, x)  # unused without COMBINE
     _hc_down_dot_kernel[(triton.cdiv(rh, cfg["BLOCK_R"]), S, triton.cdiv(M, DOT_M))](
         x, norm_w, w_down, w_inject if has_inj else w_down, partial, sumsq, M, r, rh,
-        x.stride(0), w_down.stride(0), w_inject.stride(0) if has_inj else 0, stride_p,
+        x.stride(0), w_down.stride(0), w_inject.stride(0) if has_inj else 0, stride_p, c_inj, c_u, c_y,
+        x.shape[1] // (S // cfg["SPLITS_PER_BRANCH"]), c_inj.stride(0), c_u.stride(0), c_y.stride(0),
         KSPLIT=ksplit, BLOCK_M=DOT_M, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=down_dot_block_k(cfg, ksplit),
-        DOT_F32=dot_f32, PDL=pdl, num_warps=cfg["WARPS_DOWN"])
+        DOT_F32=dot_f32, PDL=pdl, COMBINE=combine is not None, num_warps=cfg["WARPS_DOWN"])
 
 
 def launch_up_dot(x, norm_w, w_up, mix, rstd, out, h, cfg, dot_f32, pdl):
