@@ -132,3 +132,6 @@ def test_serve_passes_kv_cache_gib_to_the_llm(tmp_path, monkeypatch):
     monkeypatch.setattr(revolta.server.app, "run_server", lambda llm, config, *a, **k: 0)
     assert main(["serve", str(tmp_path), "--kv-cache-gib", "2.5", "--max-num-seqs", "3"]) == 0
     assert seen["kv_cache_gib"] == 2.5 and seen["max_num_seqs"] == 3 and seen["max_model_len"] is None
+    assert "dflash2_graph_rounds" not in seen  # unset flags leave the LLM's defaults
+    assert main(["serve", str(tmp_path), "--dflash2-graph-rounds", "--dflash2-draft-graph"]) == 0
+    assert seen["dflash2_graph_rounds"] is True and seen["dflash2_draft_graph"] is True

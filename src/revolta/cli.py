@@ -163,6 +163,10 @@ def _add_serve_parser(sub) -> None:
                             "also REVOLTA_PLE_PLACEMENT or VLLM_PLE_CPU_OFFLOAD / VLLM_PLE_DISK_OFFLOAD. If the disk "
                             "worker dies or stalls, requests fail and revolta serve exits with status 3")
     _add_parallel_flags(serve)
+    serve.add_argument("--dflash2-graph-rounds", action="store_true", default=None,
+                       help="DFlash2 verify and commit through CUDA graphs (off by default; benchmarks/RESULTS.md S2b)")
+    serve.add_argument("--dflash2-draft-graph", action="store_true", default=None,
+                       help="DFlash2's drafter forward in CUDA graphs (off by default)")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)
@@ -390,7 +394,8 @@ def _serve(args: argparse.Namespace) -> int:
                                                           "kv_cache_dtype", "kv_cache_gib", "enable_prefix_caching",
                                                           "speculative_config", "limit_mm_per_prompt",
                                                           "mm_processor_kwargs", "allowed_local_media_path",
-                                                          "ple_placement", *PARALLEL_ARGS)
+                                                          "ple_placement", "dflash2_graph_rounds",
+                                                          "dflash2_draft_graph", *PARALLEL_ARGS)
                    if getattr(args, name) is not None}
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "revolta-default")

@@ -45,6 +45,7 @@ ENGINE_ARG_NAMES = frozenset({
     "kv_cache_gib", "kv_offload_gib", "cudagraph_mem_mib", "cudagraph_capture_sizes",
     "max_num_encoder_input_tokens", "encoder_cache_size",
     "ple_placement",  # where the PLE n-gram table lives: "device", "host" or "disk" (ple/placement.py)
+    "dflash2_graph_rounds", "dflash2_draft_graph",  # DFlash2 rounds / its drafter in CUDA graphs (off: EngineConfig)
 })
 LOAD_ARGS = ("ple_placement",)  # arguments that shape how the weights load
 # vLLM arguments the media path consumes (multimodal/processor.py)
@@ -54,7 +55,7 @@ ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype"
                       "gpu_memory_utilization", "block_size", "enforce_eager", "kv_cache_gib", "kv_offload_gib",
                       "cudagraph_mem_mib", "cudagraph_capture_sizes", "max_num_encoder_input_tokens",
                       "encoder_cache_size", "speculative_config", "tensor_parallel_size",
-                      "decode_context_parallel_size")
+                      "decode_context_parallel_size", "dflash2_graph_rounds", "dflash2_draft_graph")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -141,7 +142,8 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
          if engine.max_model_len_fitted else "checkpoint (max_position_embeddings)"),
     ]
     for name in ("tensor_parallel_size", "decode_context_parallel_size", "max_num_seqs", "max_num_batched_tokens",
-                 "kv_cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib", "block_size", "enforce_eager"):
+                 "kv_cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib",
+                 "block_size", "enforce_eager", "dflash2_graph_rounds", "dflash2_draft_graph"):
         rows.append((name, getattr(ec, name), arg(name)))
     rows.append(("block_size (effective)", engine.plan.layout.block_size,
                  arg("block_size") if ec.block_size else "default (chosen for the model)"))
