@@ -1,7 +1,8 @@
 """Ahead-of-time builds (no GPU) of the packed-weight kernels (kernels/quant) for sm_70 (V100, fp16
 activations) and sm_90 (H200, bf16), at the real model's projection shapes in the launch configurations
-the wrappers pick: the GEMV at M = 1, 8 (CUDA-core tile product) and 40 (tl.dot tiles), the split-K reduce,
-and the dequantize kernels of the large-M path. sm_70 budgets: no spills, <= 96 KiB shared memory, no
+the wrappers pick: the GEMV at M = 1, 8 (CUDA-core tile product) and 40 (tl.dot tiles), the nibble-path GEMV
+(gemv_nibble.py: AWQ at M = 1, 8, 40, compressed-tensors int4 with zero points and NVFP4 at M = 1, in
+`nibble_gemv_config`'s tiles for each arch), the split-K reduce, and the dequantize kernels of the large-M path. sm_70 budgets: no spills, <= 96 KiB shared memory, no
 Ampere/Hopper instructions (E4M3 scales and E2M1 codes are loaded as bytes and decoded with integer ops).
 
 Builds run in spawned processes with TRITON_INTERPRET=0 (the interpreter cannot compile), with
@@ -45,6 +46,7 @@ def _builds(arch):
                                      dict(consts, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                                           SPLIT_K=cfg["SPLIT_K"], USE_DOT=cfg["USE_DOT"], HAS_BIAS=False),
                                      cfg["num_warps"], cfg["num_stages"])
+    b.update(_nibble_builds(arch))
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
                           dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=1024), 4, 2)
     b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",
@@ -53,6 +55,25 @@ def _builds(arch):
                             "iwiannnncccc", dict(G=32, HAS_ZP=True, BLOCK_N=32, BLOCK_K=32), 4, 2)
     b["nvfp4_dequant"] = (nvfp4._nvfp4_dequant_kernel, "wt sc gs w N K n0 n_rows rows_per_shard INVERTED BLOCK_N "
                           "BLOCK_K", "bbfannnnnccc", dict(INVERTED=True, BLOCK_N=32, BLOCK_K=64), 4, 2)
+    return b
+
+
+def _nibble_builds(arch):
+    from revolta.kernels.quant import gemv_nibble
+
+    N, K = SHAPE
+    b = {}
+    for fmt, M, wt, consts in (("awq", 1, "iih", dict(FMT=0, G=32, HAS_ZP=True)),
+                               ("awq", 8, "iih", dict(FMT=0, G=32, HAS_ZP=True)),
+                               ("awq", 40, "iih", dict(FMT=0, G=32, HAS_ZP=True)),
+                               ("ct_int4", 1, "iwi", dict(FMT=1, G=32, HAS_ZP=True)),
+                               ("nvfp4", 1, "bbf", dict(FMT=2, G=16, HAS_ZP=False))):
+        cfg = gemv_nibble.nibble_gemv_config(M, N, K, consts["G"], fmt, 132 if arch == 90 else 80, arch)
+        names = GEMV_ARGS.format(w="w0 w1 w2 rows_per_shard") + " FMT G HAS_ZP INVERTED" + TAIL
+        b[f"{fmt}_nibble_gemv_M{M}"] = (gemv_nibble._nibble_gemv_kernel, names, "a" + wt + "nfaannnnnn" + "c" * 10,
+                                        dict(consts, INVERTED=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                                             BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"], USE_DOT=True,
+                                             HAS_BIAS=False), cfg["num_warps"], cfg["num_stages"])
     return b
 
 
@@ -79,6 +100,9 @@ def test_aot_real_shapes(arch, reports):
     from test_moe_aot import check_reports
 
     check_reports(reports[arch], arch)
+    assert sum("nibble" in n for n in reports[arch]) == 5
+    spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items() if "nibble" in n and r["spill_store_bytes"]}
+    assert not spills, f"sm_{arch} nibble GEMV builds spill (budget 0 on every arch): {spills}"
 
 
 if __name__ == "__main__":

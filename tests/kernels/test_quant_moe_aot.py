@@ -78,7 +78,7 @@ def _builds(arch):
 
 def nibble_builds(fmt, M, arch, overrides=None):
     """The nibble path's gate_up and down builds in `quant_grouped_config(..., nibble=True)`'s config (| overrides)."""
-    from revolta.kernels.quant import moe, moe_decode
+    from revolta.kernels.quant import moe, moe_decode, nibble
 
     wt, consts = FORMATS[fmt]
     cfg = moe.quant_grouped_config(M, TOP_K, EXPERTS + 1, arch, nibble=True) | (overrides or {})
@@ -86,9 +86,9 @@ def nibble_builds(fmt, M, arch, overrides=None):
     layout = moe.LAYOUTS[consts["FMT"]]
     flags = dict(consts, BLOCK_M=cfg["BLOCK_M"], HAS_SHARED=True, SORTED=M > 1)
     up = dict(flags, TOP_K=TOP_K, BLOCK_N=cfg["BLOCK_N_UP"], SPLIT=cfg["SPLIT_UP"],
-              BLOCK_K=moe_decode.nibble_block_k(cfg["BLOCK_K_UP"], consts["G"], layout))
+              BLOCK_K=nibble.nibble_block_k(cfg["BLOCK_K_UP"], consts["G"], layout))
     down = dict(flags, BLOCK_N=cfg["BLOCK_N_DOWN"], SPLIT=cfg["SPLIT_DOWN"],
-                BLOCK_K=moe_decode.nibble_block_k(cfg["BLOCK_K_DOWN"], consts["G"], layout))
+                BLOCK_K=nibble.nibble_block_k(cfg["BLOCK_K_DOWN"], consts["G"], layout))
     tag = f"{fmt}_nibble_M{M}"
     extra = {}
     if cfg["SPLIT_UP"] > 1:

@@ -5,9 +5,9 @@ so an expert's rows span several BLOCK_M chunks); the shared expert riding as ex
 test_quant_moe.py's (H 64, I 32, 8 experts, top-2).
 
 The interpreter runs tl.dot and arithmetic on bf16 as raw uint16 bits (numpy has no bf16); the `bf16_dots` fixture
-gives both fp32 operands (exact) and rounds arithmetic back to bf16, what the GPU computes."""
+(tests/kernels/conftest.py) gives both fp32 operands (exact) and rounds arithmetic back to bf16, what the GPU
+computes."""
 
-import numpy as np
 import pytest
 import torch
 from test_quant_moe import TOL, _case
@@ -20,35 +20,6 @@ TOLS = TOL | {torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 NIB = dict(BLOCK_M=16, BLOCK_N_UP=16, BLOCK_K_UP=32, BLOCK_N_DOWN=32, BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4,
            num_stages=2, NIBBLE_DOT=True, SPLIT_UP=1, SPLIT_DOWN=1)
 SPLIT = NIB | dict(SPLIT_UP=2, SPLIT_DOWN=2)  # I = 32 is one K step: the second down split is empty (adds zeros)
-
-
-@pytest.fixture
-def bf16_dots(monkeypatch):
-    """The interpreter stores bf16 as uint16 and runs tl.dot and + - * / on those bits: both get fp32 operands here
-    (exact), and arithmetic results are rounded back to bf16 (nearest even), as on the GPU."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    def f32(h):
-        return (h.data.astype(np.uint32) << 16).view(np.float32)
-
-    def bf16(a):
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(
-            np.uint16)
-
-    real_dot, real_op = InterpreterBuilder.create_dot, InterpreterBuilder.binary_op
-
-    def dot(self, a, b, d, *args):
-        a, b = (TensorHandle(f32(h), tl.float32) if h.dtype.scalar.name == "bf16" else h for h in (a, b))
-        return real_dot(self, a, b, d, *args)
-
-    def binary_op(self, lhs, rhs, op):
-        if lhs.dtype.scalar.name != "bf16":
-            return real_op(self, lhs, rhs, op)
-        return TensorHandle(bf16(op(f32(lhs), f32(rhs))), lhs.dtype.scalar)
-
-    monkeypatch.setattr(InterpreterBuilder, "create_dot", dot)
-    monkeypatch.setattr(InterpreterBuilder, "binary_op", binary_op)
 
 
 @pytest.mark.usefixtures("bf16_dots")
@@ -75,7 +46,7 @@ def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70()
 
 
 def test_nibble_k_step_is_a_power_of_two_inside_one_group():
-    from revolta.kernels.quant.moe_decode import nibble_block_k, split_len
+    from revolta.kernels.quant.nibble import nibble_block_k, split_len
 
     assert nibble_block_k(32, 32, "awq") == 32 and nibble_block_k(32, 128, "awq") == 32
     assert nibble_block_k(32, 80, "ct_int4") == 16 and nibble_block_k(32, 48, "awq") == 16  # per-channel K/tp

@@ -38,9 +38,9 @@ class CTInt4(WeightFormat):
         return kernels.ct_int4_dequantize(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
                                           self._g(t), dtype, rows)
 
-    def gemv(self, x, t, bias):
+    def gemv(self, x, t, bias, nibble=None):
         return kernels.ct_int4_gemv(x, t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
-                                    self._g(t), bias)
+                                    self._g(t), bias, nibble=nibble)
 
     def kernel_weights(self, t):
         return PackedWeights("ct_int4", (t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")), self._g(t))

@@ -74,8 +74,9 @@ class WeightFormat:
         """W[n0:n1] in `dtype` (Triton)."""
         raise NotImplementedError
 
-    def gemv(self, x: Tensor, t: Mapping[str, Tensor], bias: Tensor | None) -> Tensor:
-        """x [M, in] @ W.T + bias -> [M, out] in x.dtype (Triton, M <= MAX_GEMV_ROWS)."""
+    def gemv(self, x: Tensor, t: Mapping[str, Tensor], bias: Tensor | None, nibble: bool | None = None) -> Tensor:
+        """x [M, in] @ W.T + bias -> [M, out] in x.dtype (Triton, M <= MAX_GEMV_ROWS). nibble: the group-factored
+        path or the tile path (None: kernels/quant/gemv_nibble.py's default)."""
         raise NotImplementedError
 
     def kernel_weights(self, t: Mapping[str, Tensor]) -> PackedWeights:

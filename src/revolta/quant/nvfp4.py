@@ -38,9 +38,9 @@ class ModelOptNVFP4(WeightFormat):
         return kernels.nvfp4_dequantize(t[self.codes], t["weight_scale"], t[self.global_scale].reshape(-1),
                                         self.inverted, dtype, rows)
 
-    def gemv(self, x, t, bias):
+    def gemv(self, x, t, bias, nibble=None):
         return kernels.nvfp4_gemv(x, t[self.codes], t["weight_scale"], t[self.global_scale].reshape(-1),
-                                  self.inverted, bias)
+                                  self.inverted, bias, nibble=nibble)
 
     def kernel_weights(self, t):
         return PackedWeights("nvfp4", (t[self.codes], t["weight_scale"], t[self.global_scale]), kernels.GROUP,

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import config_for, launch_gemv, load_x_tile, nibbles_f32, store_partial, tile_product
+from .common import launch_gemv, load_x_tile, nibbles_f32, store_partial, tile_product
+from .gemv_nibble import gemv_config_for, nibble_gemv
 
 PACK = 8  # 4-bit values per int32 word
 AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # bit offset of column j (of each 8) inside its word
@@ -123,9 +124,12 @@ def awq_dequantize(qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: 
 
 
 def awq_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int,
-             bias: Tensor | None = None, config: dict | None = None) -> Tensor:
-    """Triton version of `awq_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous)."""
+             bias: Tensor | None = None, config: dict | None = None, nibble: bool | None = None) -> Tensor:
+    """Triton version of `awq_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous). nibble: the
+    group-factored path (gemv_nibble.py) or the tile path; None: the default there; `config` decides when given."""
     N, K = _check(qweight, qzeros, scales, group_size)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
-    cfg = config or config_for(x, N, K, group_size, PACK)
+    cfg = config or gemv_config_for(x, N, K, group_size, "awq", PACK, nibble)
+    if cfg.get("NIBBLE_DOT"):
+        return nibble_gemv(x, N, bias, cfg, "awq", (qweight, qzeros, scales), group_size)
     return launch_gemv(_awq_gemv_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group_size)

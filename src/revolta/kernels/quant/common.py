@@ -1,11 +1,11 @@
 """Pieces every packed-weight kernel shares: in-register decoders, the tile product, split-K, launch configs.
 
-The GEMV kernels (`awq.py`, `ct_int4.py`, `nvfp4.py`) all have one shape: a program owns BLOCK_N
-output features and one slice of K (split-K), walks K in BLOCK_K steps, decodes one packed tile to
-fp32 in registers, and multiplies it with all BLOCK_M activation rows (`tile_product`), so every
-packed byte is read once for the whole batch. Partial sums of the K slices land in an fp32
-workspace that `_splitk_reduce_kernel` adds in slice order (deterministic, no atomics), adding the
-bias and rounding once to the activation dtype.
+The tile-path GEMV kernels (`awq.py`, `ct_int4.py`, `nvfp4.py`; the nibble path: gemv_nibble.py) all have one
+shape: a program owns BLOCK_N output features and one slice of K (split-K), walks K in BLOCK_K steps, decodes one
+packed tile to fp32 in registers, and multiplies it with all BLOCK_M activation rows (`tile_product`), so
+every packed byte is read once for the whole batch. Partial sums of the K slices land in an fp32 workspace that
+`_splitk_reduce_kernel` adds in slice order (deterministic, no atomics), adding the bias and rounding once to the
+activation dtype.
 
 sm70 has no fp8 arithmetic and Triton rejects OCP E4M3 there, so fp8 scales are loaded as bytes
 and decoded with integer ops (`e4m3_to_f32`); E2M1 codes likewise (`e2m1_to_f32`).
@@ -160,12 +160,6 @@ def gemv_config(M: int, N: int, K: int, k_align: int, num_sms: int, n_align: int
         split *= 2
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, USE_DOT=use_dot,
                 k_per_split=triton.cdiv(steps, split) * bk, num_warps=4, num_stages=2 if use_dot else 3)
-
-
-def config_for(x: Tensor, N: int, K: int, k_align: int, n_align: int = 1) -> dict:
-    """`gemv_config` for the rows of x on x's device."""
-    sms, arch = device_facts(x.device)
-    return gemv_config(x.shape[0], N, K, k_align, sms, n_align, arch)
 
 
 def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args, **constexprs) -> Tensor:

@@ -45,9 +45,8 @@ from ..moe import GROUPED_MAX_PAIRS, _arch, _moe_sum_kernel
 from ..moe_grouped import _mac, _pairs, _program, expected_distinct, moe_group
 from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
-from .moe_decode import _split_act_kernel, nibble_block_k, split_len
-
-LAYOUTS = ("awq", "ct_int4", "nvfp4")  # FMT constexpr = index here
+from .moe_decode import _split_act_kernel
+from .nibble import LAYOUTS, nibble_block_k, split_len
 
 
 @dataclass(frozen=True)

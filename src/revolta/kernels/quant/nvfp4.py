@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import config_for, e2m1_to_f32, e4m3_to_f32, launch_gemv, load_x_tile, store_partial
-from .common import tile_product
+from .common import e2m1_to_f32, e4m3_to_f32, launch_gemv, load_x_tile, store_partial, tile_product
+from .gemv_nibble import gemv_config_for, nibble_gemv
 
 GROUP = 16  # inputs per E4M3 scale
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -138,10 +138,14 @@ def nvfp4_dequantize(weight: Tensor, weight_scale: Tensor, global_scale: Tensor,
 
 
 def nvfp4_gemv(x: Tensor, weight: Tensor, weight_scale: Tensor, global_scale: Tensor, inverted: bool = False,
-               bias: Tensor | None = None, config: dict | None = None) -> Tensor:
-    """Triton version of `nvfp4_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous)."""
+               bias: Tensor | None = None, config: dict | None = None, nibble: bool | None = None) -> Tensor:
+    """Triton version of `nvfp4_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous); nibble: as
+    awq.awq_gemv."""
     N, K, scale_bytes, per_shard = _check(weight, weight_scale, global_scale)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
-    cfg = config or config_for(x, N, K, GROUP)
+    cfg = config or gemv_config_for(x, N, K, GROUP, "nvfp4", 1, nibble)
+    if cfg.get("NIBBLE_DOT"):
+        return nibble_gemv(x, N, bias, cfg, "nvfp4", (weight, scale_bytes, global_scale.contiguous()), GROUP,
+                           inverted=inverted, rows_per_shard=per_shard)
     return launch_gemv(_nvfp4_gemv_kernel, x, N, bias, cfg, weight, scale_bytes, global_scale.contiguous(),
                        per_shard, INVERTED=inverted)

@@ -1,0 +1,116 @@
+"""The dense packed GEMV / skinny GEMM (M <= MAX_GEMV_ROWS) on the group-factored nibble decode (nibble.py), and the
+one switch that picks it over the tile path (common.py's kernels in awq.py / ct_int4.py / nvfp4.py).
+
+A program owns BLOCK_N output features, BLOCK_M (16, 32 or 64) activation rows and one K slice (split-K), and runs
+nibble.py's K loop: per quantization group, tl.dot of x [BLOCK_M, G] with the group's unscaled codes (q - z) in
+x.dtype, then one fp32 multiply-add applies the group scale to the partial. Rows past M are masked (zeros in, never
+stored). The K slices' fp32 partials are added in slice order by common.py's `_splitk_reduce_kernel` (no atomics,
+bitwise reproducible, CUDA-graph safe), which adds the bias and rounds once to x.dtype.
+
+Why a wide split at M = 1: the tile path there (benchmarks/RESULTS.md K6) ran ~2 programs per SM, each with one
+2 KB K step of loads in flight: too few bytes in flight to cover the memory latency (Little's law: ~4 MB at the
+H200's bandwidth). Here a program's K step is one group of 32 inputs x 128 features (~2.3 KB of AWQ words, zeros,
+scales) and about NIBBLE_PROGRAMS_PER_SM programs per SM run, with num_stages - 1 steps of loads ahead each. The
+split stops where the partials (fp32, written and read once: 8 B per row, feature and split) would cost more than
+1/NIBBLE_WS_SHARE of the packed bytes, so it shrinks as M grows; it depends on (M, N, K, device) only.
+Row invariance: a row's output does not depend on the other rows of its call (their dot rows are independent, and
+masked rows load zeros), so two calls with the same config (BLOCK_M, SPLIT_K) give a row bitwise the same result;
+calls of different M may get a different SPLIT_K (the partials budget) or BLOCK_M and then differ in the last bits.
+
+Selection: `gemv_config_for(..., nibble=None)` -> NIBBLE_DOT in the config; None means `NIBBLE_GEMV_SM80` on sm80+
+with fp16 / bf16 activations. sm70 always keeps the tile path by default (tl.dot is FMA on 16 padded rows there),
+and fp32 activations too (the fp32 models; the nibble path computes them exactly with fp32 dots when asked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import device_facts, gemv_config, launch_gemv, store_partial
+from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, split_len
+
+# THE default: does the model's dense packed GEMV take the nibble path on sm80+ (fp16 / bf16 activations)? Not yet:
+# no GPU has timed it; `python benchmarks/bench_quant.py` prints both paths side by side to decide.
+NIBBLE_GEMV_SM80 = False
+NIBBLE_PROGRAMS_PER_SM = 4  # split-K target at M = 1: this many programs per SM (bytes in flight)
+NIBBLE_MAX_SPLIT = 32
+NIBBLE_WS_SHARE = 4  # split-K partials cost at most 1/4 of the packed bytes (~K/2 B per feature)
+
+
+def use_nibble(arch: int | None, dtype: torch.dtype, nibble: bool | None = None) -> bool:
+    """Whether a GEMV of `dtype` activations on compute capability `arch` (None: the interpreter) takes the nibble
+    path: `nibble` when given, else the default above."""
+    if nibble is not None:
+        return nibble
+    return NIBBLE_GEMV_SM80 and arch is not None and arch >= 80 and dtype in (torch.float16, torch.bfloat16)
+
+
+def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms: int,
+                       arch: int | None = None) -> dict:
+    """Launch config of the nibble GEMV of M rows (1..MAX_GEMV_ROWS) over W [N, K] in `layout` (nibble.LAYOUTS).
+
+    sm80+ (and the interpreter): BLOCK_M 16 up to 16 rows, else 32 / 64 (one M tile), BLOCK_N 128 (64 beside 64 rows:
+    the dot partial and the accumulator stay in registers; down to 32 where N tiles x the widest split would not
+    give NIBBLE_PROGRAMS_PER_SM programs per SM). sm70 (only when asked): 16-row tiles (M tiles on the
+    grid) of 32 features, narrow enough not to spill (tests/kernels/test_quant_aot.py). One group per K step
+    (`nibble_block_k`: 32 for group 32, 16 for NVFP4). SPLIT_K: module docstring.
+    """
+    wide = arch is None or arch >= 80
+    bm = 16 if M <= 16 or not wide else triton.next_power_of_2(M)
+    bk = nibble_block_k(32, group, layout)
+    steps = triton.cdiv(K, bk)
+    most = 1  # the widest split: slices of >= 2 K steps, partials within the budget
+    while most < NIBBLE_MAX_SPLIT and steps // (2 * most) >= 2 and 2 * most * M * 8 * NIBBLE_WS_SHARE <= K // 2:
+        most *= 2
+    target = NIBBLE_PROGRAMS_PER_SM * num_sms
+    bn = (128 if bm <= 32 else 64) if wide else 32
+    while bn > 32 and triton.cdiv(N, bn) * triton.cdiv(M, bm) * most < target:  # more N tiles where K cannot split
+        bn //= 2
+    bn = max(16, min(bn, triton.next_power_of_2(N)))  # tl.dot needs 16 columns
+    programs = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    split = 1
+    while split < most and programs * split < target:
+        split *= 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, USE_DOT=True, NIBBLE_DOT=True,
+                k_per_split=split_len(K, split, bk), num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3)
+
+
+def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align: int = 1,
+                    nibble: bool | None = None) -> dict:
+    """The GEMV config for the rows of x on x's device: the nibble path's (NIBBLE_DOT) or the tile path's
+    (common.gemv_config), as `use_nibble` picks."""
+    sms, arch = device_facts(x.device)
+    if use_nibble(arch, x.dtype, nibble):
+        return nibble_gemv_config(x.shape[0], N, K, group, layout, sms, arch)
+    return gemv_config(x.shape[0], N, K, group, sms, n_align, arch)
+
+
+@triton.jit
+def _nibble_gemv_kernel(x, w0, w1, w2, rows_per_shard, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split,
+                        FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ; w0..w2: the
+    format's three tensors (nibble._group). USE_DOT: always True (launch_gemv's argument list)."""
+    i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = i_n * BLOCK_N
+    k_lo = i_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc, _ = _nibble_rows_matmul(x + o_m.to(tl.int64) * stride_xm, o_m < M, w0, w1, w2, n, w0, w1, w2, n, N, K, k_lo,
+                                 k_hi, rows_per_shard, FMT, G, HAS_ZP, INVERTED, BLOCK_N, BLOCK_M, BLOCK_K,
+                                 False)  # [BM, BN] fp32
+    store_partial(ws, out, bias, acc, o_m, n + tl.arange(0, BLOCK_N), M, N, stride_om, i_s, SPLIT_K, HAS_BIAS)
+
+
+def nibble_gemv(x: Tensor, N: int, bias: Tensor | None, cfg: dict, layout: str, tensors: tuple[Tensor, Tensor, Tensor],
+                group: int, has_zp: bool = False, inverted: bool = False, rows_per_shard: int = 1) -> Tensor:
+    """x [M, K] @ Wᵀ (+ bias) -> [M, N] in x.dtype on the nibble path; `tensors` as nibble._group takes them
+    (awq: qweight, qzeros, scales; ct_int4: weight_packed, weight_scale, zero points or any int32 tensor;
+    nvfp4: codes, E4M3 scale bytes, global scales [S] with `rows_per_shard` rows each)."""
+    assert cfg.get("NIBBLE_DOT") and cfg["BLOCK_M"] >= 16, f"the nibble path is tl.dot only (BLOCK_M >= 16): {cfg}"
+    return launch_gemv(_nibble_gemv_kernel, x, N, bias, cfg, *tensors, rows_per_shard, FMT=LAYOUTS.index(layout),
+                       G=group, HAS_ZP=has_zp, INVERTED=inverted)

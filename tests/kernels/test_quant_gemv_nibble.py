@@ -1,0 +1,100 @@
+"""The dense packed GEMV on the group-factored nibble decode (kernels/quant/gemv_nibble.py) against the formats' fp32
+dequantized references under the interpreter: AWQ int4, compressed-tensors int4 (symmetric q + 8 and with zero
+points), NVFP4 (ModelOpt: 2 global-scale shards; compressed-tensors: inverted global scale); M = 1, 3, 16, 17, 40
+in fp16 and bf16 (one fp32 case), K of 4 groups (8 for NVFP4) in 2 split-K slices, 72 features (a masked N tile),
+bias; row invariance under one config; the launch configs at the real shapes; the path switch.
+Packed test weights and the bf16 interpreter fixture: test_quant.py, conftest.py."""
+
+import pytest
+import torch
+import triton
+from test_quant import CASES
+
+from revolta.kernels.quant import gemv_nibble
+from revolta.kernels.quant.gemv_nibble import nibble_gemv_config, use_nibble
+from revolta.kernels.quant.nibble import split_len
+
+pytestmark = pytest.mark.usefixtures("poison", "bf16_dots")  # conftest.py: NaN-poisoned outputs; bf16 as on the GPU
+
+N, K, G = 72, 128, 32
+LAYOUT = {"awq": "awq", "ct_sym": "ct_int4", "ct_asym": "ct_int4", "nvfp4": "nvfp4", "nvfp4_ct": "nvfp4"}
+EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
+
+
+def _config(name, M):
+    """nibble_gemv_config's tiles for M rows, with 32-feature N tiles (3, the last masked) and 2 K slices."""
+    group = 16 if LAYOUT[name] == "nvfp4" else G
+    cfg = nibble_gemv_config(M, N, K, group, LAYOUT[name], num_sms=1)
+    return cfg | dict(BLOCK_N=32, SPLIT_K=2, k_per_split=split_len(K, 2, cfg["BLOCK_K"]))
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("M,dtype", [(1, torch.float16), (1, torch.bfloat16), (3, torch.bfloat16),
+                                     (16, torch.float16), (17, torch.bfloat16), (40, torch.float16),
+                                     (40, torch.bfloat16)], ids=str)
+def test_nibble_gemv_matches_reference(name, M, dtype):
+    g = torch.Generator().manual_seed(M)
+    make, ref, tri, _, _ = CASES[name]
+    args = make(N, K, G, g)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype) if M == 3 else None
+    want = ref(x, *args, bias=bias)  # x @ (W dequantized to fp32).T in fp32, rounded once to x.dtype
+    got = tri(x, *args, bias=bias, config=_config(name, M))
+    assert got.dtype == dtype and not got.isnan().any()
+    # codes are exact in x.dtype and products exact in fp32: only the sum order and the final rounding differ
+    torch.testing.assert_close(got.float(), want.float(), rtol=EPS[dtype], atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["awq", "ct_asym", "nvfp4"])
+def test_nibble_gemv_fp32_activations(name):
+    g = torch.Generator().manual_seed(7)
+    make, ref, tri, _, _ = CASES[name]
+    args = make(N, K, G, g)
+    x = torch.randn(5, K, generator=g)
+    want = ref(x, *args)
+    got = tri(x, *args, nibble=True)  # the default config on the interpreter's 80 "SMs"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["awq", "ct_sym", "nvfp4"])
+def test_nibble_gemv_rows_are_invariant_under_one_config(name):
+    """A row's result does not depend on the other rows of the call (same config: BLOCK_M 16, 2 K slices)."""
+    g = torch.Generator().manual_seed(3)
+    make, _, tri, _, _ = CASES[name]
+    args = make(N, K, G, g)
+    x = torch.randn(5, K, generator=g).to(torch.bfloat16)
+    cfg = _config(name, 1)
+    assert cfg == _config(name, 5)
+    five = tri(x, *args, config=cfg)
+    for r in range(5):
+        assert torch.equal(tri(x[r:r + 1], *args, config=cfg), five[r:r + 1]), r
+
+
+REAL = [(12288, 2560), (512, 2560), (2560, 6144), (10240, 2560), (6144, 2560), (1280, 2560), (2560, 640)]
+
+
+def test_nibble_configs_at_the_real_shapes():
+    for n, k in REAL:
+        for layout, group in (("awq", 32), ("nvfp4", 16)):
+            one = nibble_gemv_config(1, n, k, group, layout, num_sms=132, arch=90)
+            programs = triton.cdiv(n, one["BLOCK_N"]) * one["SPLIT_K"]
+            assert programs >= 132, (n, k, layout, one)  # M = 1 fills the H200's SMs
+            assert one["k_per_split"] * one["SPLIT_K"] >= k and one["k_per_split"] % one["BLOCK_K"] == 0
+            for M in (1, 5, 8, 16, 40, 64):
+                cfg = nibble_gemv_config(M, n, k, group, layout, num_sms=132, arch=90)
+                assert cfg["BLOCK_M"] >= min(M, 16) and triton.cdiv(M, cfg["BLOCK_M"]) == 1
+                assert cfg["BLOCK_K"] == group  # one quantization group per K step
+                if cfg["SPLIT_K"] > 1:  # the fp32 partials (written, read) stay under 1/4 of the packed bytes
+                    assert cfg["SPLIT_K"] * M * 8 * gemv_nibble.NIBBLE_WS_SHARE <= k // 2, (n, k, M, cfg)
+        sm70 = nibble_gemv_config(40, n, k, 32, "awq", num_sms=80, arch=70)
+        assert (sm70["BLOCK_M"], sm70["BLOCK_N"]) == (16, 32)  # narrow tiles: no spills (test_quant_aot.py)
+
+
+def test_the_default_path_switch():
+    assert not use_nibble(70, torch.float16) and use_nibble(70, torch.float16, nibble=True)
+    assert not use_nibble(90, torch.float32) and not use_nibble(None, torch.bfloat16)
+    assert use_nibble(90, torch.bfloat16) == use_nibble(80, torch.float16) == gemv_nibble.NIBBLE_GEMV_SM80
+    assert not use_nibble(90, torch.bfloat16, nibble=False)
+    x = torch.zeros(3, K, dtype=torch.float16)
+    assert "NIBBLE_DOT" not in gemv_nibble.gemv_config_for(x, N, K, G, "awq", 8)  # CPU: the tile path by default
+    assert gemv_nibble.gemv_config_for(x, N, K, G, "awq", 8, nibble=True)["NIBBLE_DOT"]
