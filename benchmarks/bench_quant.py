@@ -1,17 +1,23 @@
 """Packed int4 / NVFP4 linears on the GPU at the real model's projection shapes, correctness checked in the run.
 
 Rows (one per projection of tests/data/qwen3_8_flash_next_config.json, AWQ g32 unless noted):
-  * GEMV at M = 1, 8, 40: time of `awq_gemv` (Triton, packed bytes read once) against a device copy of the
-    same packed bytes (qweight + qzeros + scales); "bw" = packed bytes / GEMV time; target M = 1 >= 70% of copy;
+  * GEMV at M = 1, 5, 8, 16, 40, both decode paths side by side in one run: "tile" (common.py's tile kernels in
+    awq.py / ct_int4.py / nvfp4.py) and "nibble" (gemv_nibble.py: the group-factored decode), each against a
+    device copy of the same packed bytes (qweight + qzeros + scales); "% copy" = copy time / GEMV time (bytes
+    read once); target M = 1 >= 70% of copy. "default" names the path the model takes on this GPU
+    (kernels/quant/gemv_nibble.py: NIBBLE_GEMV_SM80); "nibble cfg" = BLOCK_M x BLOCK_N / SPLIT_K;
+  * the same for compressed-tensors int4 (symmetric) and NVFP4 (ModelOpt layout) on two projections;
   * prefill at 8192 tokens: the large-M path (Triton dequantize of weight slices to fp16 + cuBLAS) against
-    cuBLAS on the fp16 weight; target >= 50%;
-  * the same GEMV for NVFP4 (ModelOpt layout) at M = 1 on the largest projections.
-Each row checks the Triton result against the fp32 torch reference (max |err| / max |ref|).
-Timing: triton.testing.do_bench (L2 flushed between runs), median.
+    cuBLAS on the fp16 weight; target >= 50%.
+Each GEMV row checks both paths against the fp32 torch reference (max |err| / max |ref|).
+Timing: triton.testing.do_bench (L2 flushed between runs), median, of a CUDA graph replay of one call (how decode
+runs; K6 timed the eager calls, which include the Python launch cost: ~40 us at the smallest shapes); --eager
+times the calls themselves.
 
-    PYTHONPATH=src python benchmarks/bench_quant.py            # H200, ~2 minutes
-    PYTHONPATH=src python benchmarks/bench_quant.py --small    # CPU, interpreter: correctness only
-    PYTHONPATH=src python benchmarks/bench_quant.py --moe      # AWQ MoE instead (bench_quant_moe.py), H200
+    PYTHONPATH=src python benchmarks/bench_quant.py                 # H200, fp16, ~3 minutes
+    PYTHONPATH=src python benchmarks/bench_quant.py --dtype bf16 --skip-prefill
+    PYTHONPATH=src python benchmarks/bench_quant.py --small         # CPU, interpreter: correctness only
+    PYTHONPATH=src python benchmarks/bench_quant.py --moe           # AWQ MoE instead (bench_quant_moe.py), H200
 """
 
 from __future__ import annotations
@@ -52,6 +58,16 @@ def packed_awq(N, K, G, device, gen):
     return fmt, t
 
 
+def packed_ct(N, K, G, device, gen):
+    from revolta.quant.config import WeightScheme
+    from revolta.quant.ct_int4 import CTInt4
+
+    fmt = CTInt4(WeightScheme("ct-int4", 4, G, True))
+    t = {n: torch.empty(s.shape, dtype=s.dtype, device=device) for n, s in fmt.specs(N, K).items()}
+    fmt.random_(t, K ** -0.5, gen)
+    return fmt, t
+
+
 def packed_nvfp4(N, K, device, gen):
     from revolta.quant.config import WeightScheme
     from revolta.quant.nvfp4 import ModelOptNVFP4
@@ -66,13 +82,62 @@ def rel_err(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30)).item()
 
 
-def bench(fn, small):
+def bench(fn, small, graph=False):
+    """ms per call (median; L2 flushed before each); graph: of a CUDA graph replay of one call."""
     if small:
         fn()
         return float("nan")
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
+    if graph:
+        fn()  # compile outside the capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def gemv_rows(fmt_name, fmt, t, label, N, K, Ms, dtype, args, gen, rows):
+    """Time both GEMV paths (and a copy of the packed bytes) at each M; print one line per M."""
+    from revolta.kernels.quant.common import device_facts
+    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
+
+    device = t[next(iter(t))].device
+    graph = not args.eager
+    packed_bytes = sum(v.numel() * v.element_size() for v in t.values())
+    flat = torch.cat([v.reshape(-1).view(torch.uint8) for v in t.values()])
+    dst = torch.empty_like(flat)
+    copy_ms = bench(lambda: dst.copy_(flat), args.small, graph)
+    w_ref = fmt.dequantize(t, torch.float32)
+    sms, arch = device_facts(device)
+    group = fmt.group(K)
+    layout = {"awq": "awq", "ct-int4": "ct_int4"}.get(fmt.name, "nvfp4")
+    for M in Ms:
+        x = torch.randn(M, K, generator=gen, device=device).to(dtype)
+        want = x.float() @ w_ref.t()
+        r = dict(kind="gemv", fmt=fmt_name, proj=label, N=N, K=K, M=M, dtype=str(dtype), bytes=packed_bytes,
+                 copy_us=copy_ms * 1e3,
+                 graph=graph)
+        for path, nibble in (("tile", False), ("nibble", True)):
+            r[f"{path}_err"] = rel_err(fmt.gemv(x, t, None, nibble=nibble), want)
+            ms = bench(lambda: fmt.gemv(x, t, None, nibble=nibble), args.small, graph)
+            r[f"{path}_us"], r[f"{path}_of_copy"] = ms * 1e3, copy_ms / ms
+        c = nibble_gemv_config(M, N, K, group, layout, sms, arch)
+        r["nibble_cfg"] = f"{c['BLOCK_M']}x{c['BLOCK_N']}/{c['SPLIT_K']}"
+        rows.append(r)
+        print(f"{label:16s} {N:>6d}x{K:<6d} {M:>3d} {r['copy_us']:8.2f} {r['tile_us']:8.2f} {r['tile_of_copy']:7.1%} "
+              f"{r['nibble_us']:9.2f} {r['nibble_of_copy']:7.1%} {r['tile_us'] / r['nibble_us']:7.2f}x "
+              f"{r['nibble_cfg']:>10s} {max(r['tile_err'], r['nibble_err']):9.2e}")
+
+
+GEMV_HEADER = (f"{'projection':16s} {'N x K':>13s} {'M':>3s} {'copy us':>8s} {'tile us':>8s} {'% copy':>7s} "
+               f"{'nibble us':>9s} {'% copy':>7s} {'speedup':>8s} {'nibble cfg':>10s} {'rel err':>9s}")
 
 
 def main() -> int:
@@ -81,6 +146,9 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activations of the GEMV rows")
+    ap.add_argument("--eager", action="store_true", help="time the GEMV calls themselves, not a graph replay")
+    ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--moe", action="store_true", help="AWQ MoE at the real shapes beside the 16-bit grouped MoE "
                                                        "(bench_quant_moe.py) instead of the linears")
     args = ap.parse_args()
@@ -91,41 +159,45 @@ def main() -> int:
 
         return run(args.small, args.json)
     from revolta.config import ModelConfig
-    from revolta.kernels.quant.common import dequant_matmul
     from revolta.layers.linear import quant_linear
 
+    from revolta.kernels.quant.common import device_facts
+    from revolta.kernels.quant.gemv_nibble import use_nibble
+
     device = torch.device("cpu" if args.small else "cuda")
-    dtype = torch.float16
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     cfg = ModelConfig.from_pretrained(os.path.join(HERE, "..", "tests", "data", "qwen3_8_flash_next_config.json"))
     shapes = projections(cfg)
+    Ms = (1, 5, 8, 16, 40)
     if args.small:
-        shapes = [("small a", 128, 256), ("small b", 64, 128)]
+        shapes, Ms = [("small a", 128, 256), ("small b", 64, 128)], (1, 5, 17)
     gen = torch.Generator(device=device).manual_seed(0)
     rows, start = [], time.time()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
-    print(f"device {name}, torch {torch.__version__}, activations fp16, AWQ group {args.group}")
-    print(f"{'projection':16s} {'N x K':>13s} {'M':>5s} {'kernel us':>10s} {'copy us':>8s} {'bw GB/s':>8s} "
-          f"{'of copy':>8s} {'rel err':>9s}")
+    default = "nibble" if use_nibble(device_facts(device)[1], dtype) else "tile"
+    print(f"device {name}, torch {torch.__version__}, activations {args.dtype}, AWQ group {args.group}, timing "
+          f"{'eager calls' if args.eager else 'CUDA graph replay'}; model default here: {default} "
+          f"(kernels/quant/gemv_nibble.py NIBBLE_GEMV_SM80)")
+    print(GEMV_HEADER)
     for label, N, K in shapes:
         fmt, t = packed_awq(N, K, args.group, device, gen)
-        packed_bytes = sum(v.numel() * v.element_size() for v in t.values())
-        flat = torch.cat([v.reshape(-1).view(torch.uint8) for v in t.values()])
-        dst = torch.empty_like(flat)
-        copy_ms = bench(lambda: dst.copy_(flat), args.small)
-        w_ref = fmt.dequantize(t, torch.float32)
-        for M in (1, 8, 40):
-            x = torch.randn(M, K, generator=gen, device=device).to(dtype)
-            got = fmt.gemv(x, t, None)
-            err = rel_err(got, x.float() @ w_ref.t())
-            ms = bench(lambda: fmt.gemv(x, t, None), args.small)
-            bw = packed_bytes / ms / 1e6
-            rows.append(dict(kind="gemv", fmt="awq", proj=label, N=N, K=K, M=M, us=ms * 1e3, copy_us=copy_ms * 1e3,
-                             gbps=bw, of_copy=copy_ms / ms, rel_err=err))
-            print(f"{label:16s} {N:>6d}x{K:<6d} {M:>5d} {ms * 1e3:10.2f} {copy_ms * 1e3:8.2f} {bw:8.0f} "
-                  f"{copy_ms / ms:8.1%} {err:9.2e}")
-    print(f"\nprefill: {args.prefill_tokens} tokens, dequantized fp16 slices + cuBLAS vs cuBLAS on fp16 weights")
-    print(f"{'projection':16s} {'N x K':>13s} {'quant ms':>9s} {'fp16 ms':>8s} {'of fp16':>8s} {'TFLOP/s':>8s} "
-          f"{'rel err':>9s}")
+        gemv_rows("awq", fmt, t, label, N, K, Ms, dtype, args, gen, rows)
+    for fmt_name in ("ct-int4", "nvfp4"):
+        print(f"\n{fmt_name} ({'group ' + str(args.group) + ', symmetric' if fmt_name == 'ct-int4' else 'ModelOpt'})")
+        for label, N, K in shapes[:1] + shapes[3:4]:
+            fmt, t = packed_ct(N, K, args.group, device, gen) if fmt_name == "ct-int4" else packed_nvfp4(N, K, device, gen)
+            gemv_rows(fmt_name, fmt, t, label, N, K, Ms[:1] + Ms[2:3], dtype, args, gen, rows)
+    one = [r for r in rows if r["M"] == 1 and r["fmt"] == "awq"]
+    if not args.small:
+        print(f"\nAWQ M = 1, % of copy: tile {min(r['tile_of_copy'] for r in one):.0%}-"
+              f"{max(r['tile_of_copy'] for r in one):.0%}, nibble {min(r['nibble_of_copy'] for r in one):.0%}-"
+              f"{max(r['nibble_of_copy'] for r in one):.0%} (target >= 70%)")
+    if args.skip_prefill:
+        return _finish(rows, args, start)
+    print(f"\nprefill: {args.prefill_tokens} tokens, dequantized {args.dtype} slices + cuBLAS vs cuBLAS on "
+          f"{args.dtype} weights")
+    print(f"{'projection':16s} {'N x K':>13s} {'quant ms':>9s} {args.dtype + ' ms':>8s} {'of ' + args.dtype:>8s} "
+          f"{'TFLOP/s':>8s} {'rel err':>9s}")
     T = 64 + 8 if args.small else args.prefill_tokens
     for label, N, K in shapes[:6]:
         fmt, t = packed_awq(N, K, args.group, device, gen)
@@ -140,27 +212,16 @@ def main() -> int:
                          of_fp16=f_ms / q_ms, tflops=tflops, rel_err=err))
         print(f"{label:16s} {N:>6d}x{K:<6d} {q_ms:9.3f} {f_ms:8.3f} {f_ms / q_ms:8.1%} {tflops:8.1f} {err:9.2e}")
         del w16
-    print("\nNVFP4 (ModelOpt layout) GEMV, M = 1")
-    for label, N, K in shapes[:1] + shapes[3:4]:
-        fmt, t = packed_nvfp4(N, K, device, gen)
-        packed_bytes = sum(v.numel() * v.element_size() for v in t.values())
-        flat = torch.cat([v.reshape(-1).view(torch.uint8) for v in t.values()])
-        dst = torch.empty_like(flat)
-        copy_ms = bench(lambda: dst.copy_(flat), args.small)
-        x = torch.randn(1, K, generator=gen, device=device).to(dtype)
-        err = rel_err(fmt.gemv(x, t, None), x.float() @ fmt.dequantize(t, torch.float32).t())
-        ms = bench(lambda: fmt.gemv(x, t, None), args.small)
-        rows.append(dict(kind="gemv", fmt="nvfp4", proj=label, N=N, K=K, M=1, us=ms * 1e3, copy_us=copy_ms * 1e3,
-                         gbps=packed_bytes / ms / 1e6, of_copy=copy_ms / ms, rel_err=err))
-        print(f"{label:16s} {N:>6d}x{K:<6d} {1:>5d} {ms * 1e3:10.2f} {copy_ms * 1e3:8.2f} "
-              f"{packed_bytes / ms / 1e6:8.0f} {copy_ms / ms:8.1%} {err:9.2e}")
-    worst = max(r["rel_err"] for r in rows)
-    print(f"\nworst relative error {worst:.2e} (fp16 outputs); {time.time() - start:.0f} s")
+    return _finish(rows, args, start)
+
+
+def _finish(rows, args, start) -> int:
+    worst = max(v for r in rows for k, v in r.items() if k.endswith("err"))
+    print(f"\nworst relative error {worst:.2e} ({args.dtype} outputs); {time.time() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0 if worst < 2e-2 else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

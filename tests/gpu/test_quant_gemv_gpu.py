@@ -1,0 +1,59 @@
+"""On a GPU: the dense packed GEMV's nibble path (kernels/quant/gemv_nibble.py) at the real projection shapes
+(largest and smallest N, the widest K) against the fp32 dequantized reference, beside the tile path, for AWQ g32,
+compressed-tensors int4 with zero points and NVFP4, bf16 and fp16, M = 1, 5, 40; and captured in a CUDA graph that
+replays on new activations (the split-K workspace is allocated inside the capture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from revolta.quant.config import WeightScheme
+from revolta.quant.formats import weight_format
+
+pytestmark = pytest.mark.gpu
+SCHEMES = {"awq": ("awq", 32, False), "ct_asym": ("ct-int4", 32, False), "nvfp4": ("modelopt-nvfp4", 16, True)}
+
+
+def _packed(name, N, K, gen):
+    fmt = weight_format(WeightScheme(SCHEMES[name][0], 4, SCHEMES[name][1], SCHEMES[name][2]))
+    t = {n: torch.empty(s.shape, dtype=s.dtype, device="cuda") for n, s in fmt.specs(N, K).items()}
+    fmt.random_(t, K ** -0.5, gen)
+    return fmt, t
+
+
+def _rel(got, want):
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("N,K", [(12288, 2560), (512, 2560), (2560, 6144)])
+def test_nibble_gemv_real_shapes(name, N, K):
+    gen = torch.Generator(device="cuda").manual_seed(N + K)
+    fmt, t = _packed(name, N, K, gen)
+    w = fmt.dequantize(t, torch.float32)
+    for M in (1, 5, 40):
+        for dt in (torch.bfloat16, torch.float16):
+            x = torch.randn(M, K, device="cuda", generator=gen).to(dt)
+            want = x.float() @ w.t()
+            tol = 8e-3 if dt == torch.bfloat16 else 1e-3  # nibble: exact codes, one rounding of the output
+            assert _rel(fmt.gemv(x, t, None, nibble=True), want) < tol, (M, dt)
+            assert _rel(fmt.gemv(x, t, None, nibble=False), want) < 2 * tol, (M, dt)  # tile: weights rounded too
+
+
+def test_nibble_gemv_replays_in_a_cuda_graph():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fmt, t = _packed("awq", 2560, 6144, gen)
+    x = torch.randn(1, 6144, device="cuda", generator=gen).to(torch.bfloat16)
+    fmt.gemv(x, t, None, nibble=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fmt.gemv(x, t, None, nibble=True)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fmt.gemv(x, t, None, nibble=True)
+    x.copy_(torch.randn(1, 6144, device="cuda", generator=gen))
+    g.replay()
+    assert torch.equal(y, fmt.gemv(x, t, None, nibble=True))  # same config, same order: bitwise
