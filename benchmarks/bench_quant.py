@@ -4,7 +4,7 @@ Rows (one per projection of tests/data/qwen3_8_flash_next_config.json, AWQ g32 u
   * GEMV at M = 1, 5, 8, 16, 40, both decode paths side by side in one run: "tile" (common.py's tile kernels in
     awq.py / ct_int4.py / nvfp4.py) and "nibble" (gemv_nibble.py: the group-factored decode), each against a
     device copy of the same packed bytes (qweight + qzeros + scales); "% copy" = copy time / GEMV time (bytes
-    read once); target M = 1 >= 70% of copy. "default" names the path the model takes on this GPU
+    read once); target M = 1 >= 70% of copy. The header names the path the model takes per format on this GPU
     (kernels/quant/gemv_nibble.py: NIBBLE_GEMV_SM80); "nibble cfg" = BLOCK_M x BLOCK_N / SPLIT_K;
   * the same for compressed-tensors int4 (symmetric) and NVFP4 (ModelOpt layout) on two projections;
   * prefill at 8192 tokens: the large-M path (Triton dequantize of weight slices to fp16 + cuBLAS) against
@@ -174,9 +174,10 @@ def main() -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     rows, start = [], time.time()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
-    default = "nibble" if use_nibble(device_facts(device)[1], dtype) else "tile"
+    arch = device_facts(device)[1]
+    default = ", ".join(f"{f} {'nibble' if use_nibble(arch, dtype, f) else 'tile'}" for f in ("awq", "ct_int4", "nvfp4"))
     print(f"device {name}, torch {torch.__version__}, activations {args.dtype}, AWQ group {args.group}, timing "
-          f"{'eager calls' if args.eager else 'CUDA graph replay'}; model default here: {default} "
+          f"{'eager calls' if args.eager else 'CUDA graph replay'}\nmodel default here: {default} "
           f"(kernels/quant/gemv_nibble.py NIBBLE_GEMV_SM80)")
     print(GEMV_HEADER)
     for label, N, K in shapes:

@@ -10,16 +10,18 @@ bitwise reproducible, CUDA-graph safe), which adds the bias and rounds once to x
 Why a wide split at M = 1: the tile path there (benchmarks/RESULTS.md K6) ran ~2 programs per SM, each with one
 2 KB K step of loads in flight: too few bytes in flight to cover the memory latency (Little's law: ~4 MB at the
 H200's bandwidth). Here a program's K step is one group of 32 inputs x 128 features (~2.3 KB of AWQ words, zeros,
-scales) and about NIBBLE_PROGRAMS_PER_SM programs per SM run, with num_stages - 1 steps of loads ahead each. The
-split stops where the partials (fp32, written and read once: 8 B per row, feature and split) would cost more than
-1/NIBBLE_WS_SHARE of the packed bytes, so it shrinks as M grows; it depends on (M, N, K, device) only.
+scales), and the split aims at NIBBLE_PROGRAMS_PER_SM programs per SM, each with num_stages - 1 steps of loads
+ahead. It stops at slices of 2 K steps and where the partials (fp32, written and read once: 8 B per row, feature
+and split) would cost more than 1/NIBBLE_WS_SHARE of the packed bytes (or NIBBLE_WS_FLOOR), so it shrinks as M
+grows; it depends on (M, N, K, device) only.
 Row invariance: a row's output does not depend on the other rows of its call (their dot rows are independent, and
 masked rows load zeros), so two calls with the same config (BLOCK_M, SPLIT_K) give a row bitwise the same result;
 calls of different M may get a different SPLIT_K (the partials budget) or BLOCK_M and then differ in the last bits.
 
-Selection: `gemv_config_for(..., nibble=None)` -> NIBBLE_DOT in the config; None means `NIBBLE_GEMV_SM80` on sm80+
-with fp16 / bf16 activations. sm70 always keeps the tile path by default (tl.dot is FMA on 16 padded rows there),
-and fp32 activations too (the fp32 models; the nibble path computes them exactly with fp32 dots when asked).
+Selection: `gemv_config_for(..., nibble=None)` -> NIBBLE_DOT in the config; None means the formats in
+`NIBBLE_GEMV_SM80` on sm80+ with fp16 / bf16 activations. sm70 always keeps the tile path by default (tl.dot is FMA
+on 16 padded rows there), and fp32 activations too (the fp32 models; the nibble path computes them exactly with
+fp32 dots when asked).
 """
 
 from __future__ import annotations
@@ -32,47 +34,50 @@ from torch import Tensor
 from .common import device_facts, gemv_config, launch_gemv, store_partial
 from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, split_len
 
-# THE default: does the model's dense packed GEMV take the nibble path on sm80+ (fp16 / bf16 activations)? Not yet:
-# no GPU has timed it; `python benchmarks/bench_quant.py` prints both paths side by side to decide.
-NIBBLE_GEMV_SM80 = False
-NIBBLE_PROGRAMS_PER_SM = 4  # split-K target at M = 1: this many programs per SM (bytes in flight)
+# THE default: the formats whose dense packed GEMV takes the nibble path on sm80+ (fp16 / bf16 activations). AWQ and
+# compressed-tensors int4 by construction: the same packed bytes, the sm_90 inner loop at 7.7 SASS instructions per
+# weight against the tile path's 16.1-18.6 at M = 1 and 12.6-14.4 at M = 8, 11.1 at 64 rows against 16.1-18.6
+# (benchmarks/quant_gemv_instructions.py), and 4-6x the programs in flight at M = 1 (the MoE's decode on the same
+# helpers: 1.25-1.8x on the H200, RESULTS.md K5c). NVFP4 not: its E2M1 decode costs 26.8 per weight here against the
+# tile path's 24.9-31.6, so only a measurement can tell. Neither path timed on a GPU yet: benchmarks/bench_quant.py
+# prints both side by side.
+NIBBLE_GEMV_SM80 = ("awq", "ct_int4")
+NIBBLE_PROGRAMS_PER_SM = 4  # split-K target: this many programs per SM (bytes in flight)
 NIBBLE_MAX_SPLIT = 32
-NIBBLE_WS_SHARE = 4  # split-K partials cost at most 1/4 of the packed bytes (~K/2 B per feature)
+NIBBLE_WS_SHARE = 4  # split-K partials cost at most 1/4 of the packed bytes (~K/2 B per feature) ...
+NIBBLE_WS_FLOOR = 1 << 20  # ... or 1 MiB (~0.3 us at the H200's bandwidth: less than a serial K loop of small N)
 
 
-def use_nibble(arch: int | None, dtype: torch.dtype, nibble: bool | None = None) -> bool:
-    """Whether a GEMV of `dtype` activations on compute capability `arch` (None: the interpreter) takes the nibble
-    path: `nibble` when given, else the default above."""
+def use_nibble(arch: int | None, dtype: torch.dtype, layout: str, nibble: bool | None = None) -> bool:
+    """Whether a GEMV over a `layout` weight (nibble.LAYOUTS) with `dtype` activations on compute capability `arch`
+    (None: the interpreter) takes the nibble path: `nibble` when given, else the default above."""
     if nibble is not None:
         return nibble
-    return NIBBLE_GEMV_SM80 and arch is not None and arch >= 80 and dtype in (torch.float16, torch.bfloat16)
+    return (layout in NIBBLE_GEMV_SM80 and arch is not None and arch >= 80
+            and dtype in (torch.float16, torch.bfloat16))
 
 
 def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms: int,
                        arch: int | None = None) -> dict:
     """Launch config of the nibble GEMV of M rows (1..MAX_GEMV_ROWS) over W [N, K] in `layout` (nibble.LAYOUTS).
 
-    sm80+ (and the interpreter): BLOCK_M 16 up to 16 rows, else 32 / 64 (one M tile), BLOCK_N 128 (64 beside 64 rows:
-    the dot partial and the accumulator stay in registers; down to 32 where N tiles x the widest split would not
-    give NIBBLE_PROGRAMS_PER_SM programs per SM). sm70 (only when asked): 16-row tiles (M tiles on the
-    grid) of 32 features, narrow enough not to spill (tests/kernels/test_quant_aot.py). One group per K step
-    (`nibble_block_k`: 32 for group 32, 16 for NVFP4). SPLIT_K: module docstring.
+    sm80+ (and the interpreter): BLOCK_M 16 up to 16 rows, else 32 / 64 (one M tile); BLOCK_N 128: the sm_90 inner
+    loop costs 7.7 (AWQ, 16 rows) / 11.1 (64 rows) SASS instructions per weight at 128 features against 10.4 / 19.1
+    at 64 and 32.0 at 32 (NVFP4: 27 at 128, 45-110 narrower; benchmarks/quant_gemv_instructions.py), so more
+    programs come from split-K, not narrower tiles. sm70 (only when asked): 16-row tiles (M tiles on the grid) of 32
+    features, narrow enough not to spill (tests/kernels/test_quant_aot.py). One group per K step (`nibble_block_k`:
+    32 for group 32, 16 for NVFP4). SPLIT_K: module docstring.
     """
     wide = arch is None or arch >= 80
     bm = 16 if M <= 16 or not wide else triton.next_power_of_2(M)
+    bn = max(16, min(128 if wide else 32, triton.next_power_of_2(N)))  # tl.dot needs 16 columns
     bk = nibble_block_k(32, group, layout)
     steps = triton.cdiv(K, bk)
-    most = 1  # the widest split: slices of >= 2 K steps, partials within the budget
-    while most < NIBBLE_MAX_SPLIT and steps // (2 * most) >= 2 and 2 * most * M * 8 * NIBBLE_WS_SHARE <= K // 2:
-        most *= 2
-    target = NIBBLE_PROGRAMS_PER_SM * num_sms
-    bn = (128 if bm <= 32 else 64) if wide else 32
-    while bn > 32 and triton.cdiv(N, bn) * triton.cdiv(M, bm) * most < target:  # more N tiles where K cannot split
-        bn //= 2
-    bn = max(16, min(bn, triton.next_power_of_2(N)))  # tl.dot needs 16 columns
+    budget = max(N * K // 2 // NIBBLE_WS_SHARE, NIBBLE_WS_FLOOR)  # bytes of partials allowed
     programs = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     split = 1
-    while split < most and programs * split < target:
+    while (split < NIBBLE_MAX_SPLIT and programs * split < NIBBLE_PROGRAMS_PER_SM * num_sms
+           and steps // (2 * split) >= 2 and 2 * split * M * N * 8 <= budget):
         split *= 2
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, USE_DOT=True, NIBBLE_DOT=True,
                 k_per_split=split_len(K, split, bk), num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3)
@@ -83,7 +88,7 @@ def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align:
     """The GEMV config for the rows of x on x's device: the nibble path's (NIBBLE_DOT) or the tile path's
     (common.gemv_config), as `use_nibble` picks."""
     sms, arch = device_facts(x.device)
-    if use_nibble(arch, x.dtype, nibble):
+    if use_nibble(arch, x.dtype, layout, nibble):
         return nibble_gemv_config(x.shape[0], N, K, group, layout, sms, arch)
     return gemv_config(x.shape[0], N, K, group, sms, n_align, arch)
 
