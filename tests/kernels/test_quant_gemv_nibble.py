@@ -1,8 +1,9 @@
 """The dense packed GEMV on the group-factored nibble decode (kernels/quant/gemv_nibble.py) against the formats' fp32
 dequantized references under the interpreter: AWQ int4, compressed-tensors int4 (symmetric q + 8 and with zero
 points), NVFP4 (ModelOpt: 2 global-scale shards; compressed-tensors: inverted global scale); M = 1, 3, 16, 17, 40
-in fp16 and bf16 (one fp32 case), K of 4 groups (8 for NVFP4) in 2 split-K slices, 72 features (a masked N tile),
-bias; row invariance under one config; the launch configs at the real shapes; the default path switch.
+in fp16 and bf16 (fp32 too), K of 4 groups (8 for NVFP4) in 2 split-K slices (and group 128 over 4 K steps), 72
+features (a masked N tile), bias; row invariance under one config; the launch configs at the real shapes; the default
+path switch.
 Packed test weights and the bf16 interpreter fixture: test_quant.py, conftest.py."""
 
 import pytest
@@ -43,6 +44,19 @@ def test_nibble_gemv_matches_reference(name, M, dtype):
     assert got.dtype == dtype and not got.isnan().any()
     # codes are exact in x.dtype and products exact in fp32: only the sum order and the final rounding differ
     torch.testing.assert_close(got.float(), want.float(), rtol=EPS[dtype], atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["awq", "ct_asym"])
+def test_nibble_gemv_groups_wider_than_the_k_step(name):
+    """Group 128: four 32-input K steps share one scale and zero (split-K cuts inside the group)."""
+    g = torch.Generator().manual_seed(5)
+    make, ref, tri, _, _ = CASES[name]
+    args = make(N, 256, 128, g)
+    x = torch.randn(3, 256, generator=g).to(torch.float16)
+    cfg = nibble_gemv_config(3, N, 256, 128, LAYOUT[name], num_sms=1) | dict(SPLIT_K=4, k_per_split=64)
+    want = ref(x, *args)
+    got = tri(x, *args, config=cfg)
+    torch.testing.assert_close(got.float(), want.float(), rtol=EPS[torch.float16], atol=1e-3 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("name", ["awq", "ct_asym", "nvfp4"])
