@@ -180,6 +180,17 @@ class FlashNextModel(nn.Module):
                 m.init_buffers()
         return self
 
+    def merge_projections(self) -> "FlashNextModel":
+        """Each GDN and QSA layer's input projections (one input) as one GEMM: a launch and its latency saved per
+        merged projection at decode (layers/merged_linear.py). The parameters become views of the merged weights:
+        names, state_dict and in-place loads (reload, sleep, TP shards) are unchanged. Call once the weights are
+        where they will run (after load, dtype and device changes: a rebound parameter falls back to its own GEMM
+        until called again); the loaders and ModelRunner do. Idempotent."""
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "merge_projections", None)):
+                m.merge_projections()
+        return self
+
     # ---- dtype handling --------------------------------------------------------------------
     def to_dtype(self, dtype: torch.dtype) -> "FlashNextModel":
         """Cast floating parameters to `dtype`, keeping GDN A_log/dt_bias in fp32 (spec §2.6)."""
@@ -379,7 +390,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration, if the checkpoint ships it (cache metadata)
     model.checkpoint_dir = Path(path)
     model.logit_mask = read_vocab_mask(path, cfg.text.vocab_size, device)
-    return model.eval()
+    return model.merge_projections().eval()
 
 
 def has_mtp_weights(path: str | Path, cfg: ModelConfig | None = None) -> bool:

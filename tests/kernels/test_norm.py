@@ -52,6 +52,11 @@ def test_gated_rms_norm(M, dtype, activation):
     w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
     out = K.gated_rms_norm(o, w, z, 1e-6, activation)
     torch.testing.assert_close(out, K.gated_rms_norm_ref(o, w, z, 1e-6, activation), **TOL[dtype])
+    # z as head columns of a wider projection output (GDN's merged input projection): read in place, same bits
+    wide = torch.randn(M, 3 * D + 40, generator=g).to(dtype)
+    wide[:, 24:24 + 3 * D] = z.flatten(1)
+    strided = wide[:, 24:24 + 3 * D].unflatten(-1, (3, D))
+    assert torch.equal(K.gated_rms_norm(o, w, strided, 1e-6, activation), out)
 
 
 def test_gated_rms_norm_ref_matches_layer():

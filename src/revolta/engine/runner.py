@@ -116,6 +116,9 @@ class ModelRunner:
                  row_invariant: bool | None = None, hidden_taps: HiddenTaps | None = None,
                  max_num_tokens: int | None = None):
         self.model, self.storage = model, storage
+        # one GEMM per GDN/QSA layer's input projections, on the weights as they will run (however the model was
+        # built, loaded, cast or moved); before any CUDA graph captures the weights' addresses
+        model.merge_projections()
         # a disk-placed PLE table: the worker gathers each step's rows before it runs (ple/disk.py);
         # max_num_tokens bounds one forward (the engine's token budget plus verify rows)
         self.ple_feeder = DiskRowFeeder(model, storage, max_num_tokens or DEFAULT_CAPACITY) \

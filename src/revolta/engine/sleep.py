@@ -75,19 +75,31 @@ def _byte_view(storage: torch.UntypedStorage, nbytes: int, device: torch.device)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
 
 
+def _covered(spans: list[tuple[int, int]], nbytes: int) -> bool:
+    """Whether the byte ranges [a, b) together cover [0, nbytes)."""
+    end = 0
+    for a, b in sorted(spans):
+        if a > end:
+            return False
+        end = max(end, b)
+    return end >= nbytes
+
+
 def _storages(tensors: Iterable[tuple[Tensor, bool]], device: torch.device) -> dict[int, tuple[Tensor, list[bool]]]:
     """Storage key -> (one tensor on it, is-reloadable flag per tensor on it), for non-empty storages on `device`."""
-    out: dict[int, tuple[Tensor, list[bool]]] = {}
+    found: dict[int, tuple[Tensor, list[tuple[int, int] | None]]] = {}
     for t, reloadable in tensors:
         st = t.untyped_storage()
         if t.device != device or st.nbytes() == 0 or not st.resizable():  # e.g. a file mapping: it stays
             continue
-        key = st.data_ptr()
-        # reloadable only when one parameter covers its whole storage: a reload then rewrites every byte
-        whole = reloadable and t.storage_offset() == 0 and t.is_contiguous() and \
-            t.numel() * t.element_size() == st.nbytes()
-        entry = out.setdefault(key, (t, []))
-        entry[1].append(whole if reloadable else False)
+        span = (t.storage_offset() * t.element_size(), (t.storage_offset() + t.numel()) * t.element_size())
+        found.setdefault(st.data_ptr(), (t, []))[1].append(span if reloadable and t.is_contiguous() else None)
+    out: dict[int, tuple[Tensor, list[bool]]] = {}
+    for key, (t, spans) in found.items():
+        # reloadable only when parameters alone cover the whole storage (one parameter, or the row slices of a
+        # merged projection weight, layers/merged_linear.py): a reload then rewrites every byte
+        whole = None not in spans and _covered(spans, t.untyped_storage().nbytes())
+        out[key] = (t, [whole] * len(spans))
     return out
 
 

@@ -81,7 +81,7 @@ def gated_rms_norm_ref(o: Tensor, w: Tensor, z: Tensor, eps: float, activation: 
 
 
 @triton.jit
-def _gated_rms_norm_kernel(o, w, z, y, M, D, stride_o, stride_z, stride_y, eps,
+def _gated_rms_norm_kernel(o, w, z, y, M, D, HZ, stride_o, stride_zt, stride_zh, stride_y, eps,
                            ROWS: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr):
     # ROWS rows per program: the GDN output norm runs over 128-wide head rows, and one tiny
     # program per row leaves the GPU idle between launches of the row loop (30% of copy at 8K tokens)
@@ -89,7 +89,9 @@ def _gated_rms_norm_kernel(o, w, z, y, M, D, stride_o, stride_z, stride_y, eps,
     c = tl.arange(0, BLOCK)
     m = (r[:, None] < M) & (c[None, :] < D)  # [ROWS, BLOCK]
     b_o = tl.load(o + r[:, None] * stride_o + c[None, :], mask=m, other=0.0).to(tl.float32)
-    b_z = tl.load(z + r[:, None] * stride_z + c[None, :], mask=m, other=0.0).to(tl.float32)
+    # z row r is (token r // HZ, head r % HZ): z may be head columns of a wider projection output
+    p_z = z + (r // HZ)[:, None] * stride_zt + (r % HZ)[:, None] * stride_zh + c[None, :]
+    b_z = tl.load(p_z, mask=m, other=0.0).to(tl.float32)
     b_w = tl.load(w + c, mask=c < D, other=0.0).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_o * b_o, 1) / D + eps)  # [ROWS]
     b_gate = tl.sigmoid(b_z)
@@ -106,11 +108,14 @@ def gated_norm_rows(D: int) -> int:
 
 
 def gated_rms_norm(o: Tensor, w: Tensor, z: Tensor, eps: float, activation: str = "sigmoid") -> Tensor:
-    """Triton version of `gated_rms_norm_ref`; o and z: [..., D] with a contiguous last dim."""
+    """Triton version of `gated_rms_norm_ref`; o and z: [..., D] with a contiguous last dim. z [T, H, D] may
+    have any token and head strides (GDN's z: head columns of the merged input projection's output, no copy)."""
     assert activation in ("sigmoid", "silu"), activation
     D = o.shape[-1]
     assert z.shape == o.shape and w.shape == (D,) and w.is_contiguous(), (o.shape, z.shape, w.shape)
-    o2, z2 = _rows(o), _rows(z)
+    o2 = _rows(o)
+    # z as [tokens, HZ heads, D]: the leading dims but the last head dim flattened (a view for GDN's z)
+    z3 = z.reshape(-1, z.shape[-2] if z.dim() > 2 else 1, D) if z.stride(-1) == 1 else z.contiguous().view(-1, 1, D)
     y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
     y2 = y.view(-1, D)
     if o2.shape[0] == 0:
@@ -118,7 +123,8 @@ def gated_rms_norm(o: Tensor, w: Tensor, z: Tensor, eps: float, activation: str 
     block = triton.next_power_of_2(D)
     rows = gated_norm_rows(D)
     M = o2.shape[0]
-    _gated_rms_norm_kernel[(triton.cdiv(M, rows),)](o2, w, z2, y2, M, D, o2.stride(0), z2.stride(0), y2.stride(0), eps,
+    _gated_rms_norm_kernel[(triton.cdiv(M, rows),)](o2, w, z3, y2, M, D, z3.shape[1], o2.stride(0), z3.stride(0),
+                                                   z3.stride(1), y2.stride(0), eps,
                                                    ROWS=rows, BLOCK=block, SILU=activation == "silu",
                                                    num_warps=min(8, max(1, rows * block // 256)))
     return y

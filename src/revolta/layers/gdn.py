@@ -15,6 +15,7 @@ from ..forward import ForwardMeta, GDNRecord
 from ..kernels.conv1d import causal_conv1d_ref
 from ..kernels.gdn import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 from ..state import GDNState
+from .merged_linear import MergedLinear, merge_linears, project
 from .norm import GatedRMSNorm
 
 
@@ -43,6 +44,16 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, cfg.output_gate_type)
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
+        self.merged_in_proj: MergedLinear | None = None  # see merge_projections (not a parameter: names unchanged)
+
+    def in_projections(self) -> tuple[nn.Module, ...]:
+        """The projections that read the block input, in the order `forward` unpacks them."""
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def merge_projections(self) -> None:
+        """One GEMM for the four input projections from now on (layers/merged_linear.py); call after the
+        weights are loaded (ModelRunner and the loaders do). Idempotent."""
+        self.merged_in_proj = merge_linears(self.in_projections(), self.merged_in_proj)
 
     def new_state(self, device, dtype) -> GDNState:
         return GDNState(
@@ -53,16 +64,16 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
         """x: [T, d] block input of all sequences -> [T, d]."""
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim] pre-conv q ‖ k ‖ v
-        z = self.in_proj_z(x)  # [T, value_dim]
+        # [T, conv_dim] pre-conv q ‖ k ‖ v, [T, value_dim], [T, HV] x 2: column views of one GEMM once merged
+        mixed, z, b, a = project(self.in_projections(), self.merged_in_proj, x)
         ops = meta.paged.ops if meta.paged is not None else None
         if ops is not None and ops.gdn_gates is not None and meta.paged.is_decode:
-            g, beta = self.in_proj_a(x), self.in_proj_b(x)  # raw: the recurrent decode kernel makes the gates
+            g, beta = a, b  # raw: the recurrent decode kernel makes the gates
         elif ops is not None and ops.gdn_gates is not None:  # one launch instead of eight tiny ones
-            g, beta = ops.gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+            g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
         else:
-            beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
-            g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, HV]
+            beta = torch.sigmoid(b.float())  # [T, HV]
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV]
         if meta.paged is not None and meta.paged.spec is not None:
             out = self._mix_verify(mixed, g, beta, meta)
         elif meta.paged is not None:
@@ -72,9 +83,8 @@ class GatedDeltaNet(nn.Module):
         else:
             out = self._mix_states(mixed, g, beta, meta)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        if ops is not None and ops.gated_rms_norm is not None:  # the fused kernel, one rounding
-            y = ops.gated_rms_norm(out.contiguous(), self.norm.weight, z.contiguous(), self.norm.eps,
-                                   self.norm.activation)
+        if ops is not None and ops.gated_rms_norm is not None:  # the fused kernel, one rounding; z goes strided
+            y = ops.gated_rms_norm(out.contiguous(), self.norm.weight, z, self.norm.eps, self.norm.activation)
         else:
             y = self.norm(out, z.float())  # [T, HV, V], fp32 chain
         return self.out_proj(y.to(x.dtype).flatten(-2))

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..config import TextConfig
 from ..forward import ForwardMeta
 from ..state import QSAState
+from .merged_linear import MergedLinear, merge_linears, project
 from .norm import ZCRMSNorm
 from .rope import apply_rope
 
@@ -53,10 +54,13 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_layernorm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor, rope=apply_rope, norm_rope=None) -> tuple[Tensor, Tensor]:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, rope=apply_rope, norm_rope=None,
+                qk: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x: [T, d] -> (index queries [T, Hi, Di] normed + RoPEd, raw index keys [T, Di]).
-        norm_rope: kernels.norm_rope.zc_norm_rope (norm and RoPE in one launch) instead of the norm, then `rope`."""
-        q, k = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        norm_rope: kernels.norm_rope.zc_norm_rope (norm and RoPE in one launch) instead of the norm, then `rope`.
+        qk: index_qk_proj(x) when the caller computed it (QSAttention's merged input projection)."""
+        qk = self.index_qk_proj(x) if qk is None else qk
+        q, k = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
         q = norm_rope_or(q.unflatten(-1, (self.n_heads, self.head_dim)), self.q_layernorm, cos, sin, rope, norm_rope)
         return q, k
 
@@ -85,6 +89,16 @@ class QSAttention(nn.Module):
         self.q_norm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.indexer = QSAIndexer(cfg)
+        self.merged_in_proj: MergedLinear | None = None  # see merge_projections (not a parameter: names unchanged)
+
+    def in_projections(self) -> tuple[nn.Module, ...]:
+        """The projections that read the block input, in the order `forward` unpacks them."""
+        return self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj
+
+    def merge_projections(self) -> None:
+        """One GEMM for the four input projections from now on (layers/merged_linear.py); call after the
+        weights are loaded (ModelRunner and the loaders do). Idempotent."""
+        self.merged_in_proj = merge_linears(self.in_projections(), self.merged_in_proj)
 
     def new_state(self, x: Tensor, rotary_dim: int) -> QSAState:
         kv = x.new_zeros(0, self.num_kv_heads, self.head_dim)
@@ -96,16 +110,17 @@ class QSAttention(nn.Module):
     def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
         """x: [T, d] -> [T, d]."""
         T = x.shape[0]
-        qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
+        # column views of one GEMM once merged (their row stride is the merged width; the kernels take it)
+        qg, k, v, index_qk = project(self.in_projections(), self.merged_in_proj, x)
+        qg = qg.view(T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # per head [query | gate]
         ops = meta.paged.ops if meta.paged is not None else None
         rope = ops.apply_rope if ops is not None and ops.apply_rope is not None else apply_rope
         norm_rope = ops.zc_norm_rope if ops is not None else None
         q = norm_rope_or(q, self.q_norm, meta.cos, meta.sin, rope, norm_rope)  # norms before RoPE
-        k = norm_rope_or(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), self.k_norm, meta.cos, meta.sin,
-                         rope, norm_rope)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        iq, ik = self.indexer.project(x, meta.cos, meta.sin, rope, norm_rope)
+        k = norm_rope_or(k.view(T, self.num_kv_heads, self.head_dim), self.k_norm, meta.cos, meta.sin, rope, norm_rope)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        iq, ik = self.indexer.project(x, meta.cos, meta.sin, rope, norm_rope, qk=index_qk)
         if meta.paged is not None:
             out = self._attend_paged(q, gate, k, v, iq, ik, meta)
             return self.o_proj(out.flatten(-2))
@@ -129,7 +144,8 @@ class QSAttention(nn.Module):
         cache = pm.storage.mtp if self.cache_key == "mtp" else pm.storage.qsa[self.cache_key]
         kv_dtype = pm.storage.layout.draft_kv_cache_dtype if self.cache_key == "mtp" \
             else pm.storage.layout.kv_cache_dtype
-        pm.ops.store_kv(k.contiguous(), v.contiguous(), cache.k_cache, cache.v_cache, self._kv_slots(pm), kv_dtype,
+        # v, a column slice of the merged projection, goes with its row stride (store_kv takes it: no copy)
+        pm.ops.store_kv(k.contiguous(), v, cache.k_cache, cache.v_cache, self._kv_slots(pm), kv_dtype,
                         cache.k_scale, cache.v_scale)
         # every group this step completes is compressed before selection: a query's own complete
         # group is a candidate like any other (spec §4.4); ik, a column slice, goes with its row stride

@@ -163,4 +163,4 @@ def load_rank_model(cfg: ModelConfig, path: str | Path, ctx: ParallelContext, *,
     model.kv_scales = read_kv_scales(path)  # fp8 KV calibration (cache metadata), as load_model sets it
     model.logit_mask = read_vocab_mask(path, cfg.text.vocab_size, device)  # the gathered logits: full vocabulary
     model.checkpoint_dir = Path(path)
-    return model.eval()
+    return model.merge_projections().eval()  # after to_dtype: the rank's local shards, merged in their dtype
