@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from revolta.kernels.qsa import index_compress, index_compress_ref
+from interpreter_bounds import bounds_checked
 from test_qsa_helpers import C, DI, assert_close, block_table_for, nan_poison, rope_tables, tiny_layer  # noqa: F401
 
 BS, NB, P = 8, 48, 2 * C
@@ -70,3 +71,21 @@ def test_index_compress_rejects_bad_ring():
         index_compress(z(4, DI).half(), z(4, 8), z(4, 8), z(1, 6, DI).half(), z(1, 8), z(1, 8), z(DI), 1e-6,
                        z(4, 2, DI).half(), z(1, 2, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
                        torch.tensor([4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("lengths", [[8], [5, 12]], ids=["one", "two"])
+def test_index_compress_reads_nothing_past_the_step(lengths):
+    """A prefill that ends on a group boundary: the program of the group after its last token completes nothing and
+    must read no cos/sin row (the row it would rotate with is past the step's [T, R] tables; on the GPU that read
+    faults when the tables end an allocator segment: an illegal memory access, as in the MTP seed over a whole
+    prefill). Every access is checked against the launch's tensors (tests/interpreter_bounds.py)."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(DI, generator=g) * 0.1
+    cos, sin = rope_tables(max(lengths))
+    raw = [torch.randn(L, DI, generator=g).half() for L in lengths]
+    table = block_table_for(lengths, BS, NB, g)
+    slots = torch.arange(len(lengths), dtype=torch.int32)
+    with bounds_checked():
+        out, _ = _run(index_compress, [lengths], lengths, raw, cos, sin, table, weight, 1e-6, slots)
+    ref, _ = _run(index_compress_ref, [lengths], lengths, raw, cos, sin, table, weight, 1e-6, slots)
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())

@@ -68,7 +68,10 @@ def _index_compress_kernel(raw_ptr, cos_ptr, sin_ptr, ring_ptr, pcos_ptr, psin_p
     y = (pooled * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty).to(tl.float32)
     yp = (pooled_p * rstd * (1.0 + wp)).to(out_ptr.dtype.element_ty).to(tl.float32)
     first = g * C
-    rmask = d < R
+    # a group this step does not complete stores nothing and reads no cos/sin row: the row it would rotate with
+    # can lie past the step's [T, R] tables (the group after the last token of a step ending on a boundary)
+    done = (tl.zeros([DI], tl.int64) + (g + 1) * C) <= end  # [DI]
+    rmask = (d < R) & done
     if first >= start:
         cs_row = cos_ptr + (q0 + first - start) * stride_ct
         sn_row = sin_ptr + (q0 + first - start) * stride_st
@@ -81,7 +84,7 @@ def _index_compress_kernel(raw_ptr, cos_ptr, sin_ptr, ring_ptr, pcos_ptr, psin_p
     out = tl.where(rmask, y * cs + sign * yp * sn, y)
     page = tl.load(bt_ptr + b * stride_btb + tl.minimum(first // BLOCK_SIZE, MAX_BLOCKS - 1)).to(tl.int64)
     dst = out_ptr + page * stride_ob + ((first % BLOCK_SIZE) // C) * stride_og + d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(tl.zeros([DI], tl.int64) + (g + 1) * C) <= end)
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=done)
     # all programs' ring reads above happen before program 0's ring writes below
     tl.debug_barrier()
     pi = tl.arange(0, P)
