@@ -77,8 +77,8 @@ def test_index_compress_rejects_bad_ring():
 def test_index_compress_reads_nothing_past_the_step(lengths):
     """A prefill that ends on a group boundary: the program of the group after its last token completes nothing and
     must read no cos/sin row (the row it would rotate with is past the step's [T, R] tables; on the GPU that read
-    faults when the tables end an allocator segment: an illegal memory access, as in the MTP seed over a whole
-    prefill). Every access is checked against the launch's tensors (tests/interpreter_bounds.py)."""
+    faults when the tables end an allocator segment: an illegal memory access; every 128-token prefill did it, and the
+    MTP seed over one). Every access is checked against the launch's tensors (tests/interpreter_bounds.py)."""
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(DI, generator=g) * 0.1
     cos, sin = rope_tables(max(lengths))
