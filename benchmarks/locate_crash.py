@@ -163,7 +163,8 @@ def main(argv=None) -> int:
         print(f"SUMMARY | {what} | {where}", flush=True)
 
     log("start", mode=args.mode, launch_blocking=os.environ.get("CUDA_LAUNCH_BLOCKING"), layers=args.layers,
-        experts=args.experts, weights=args.weights, ple=args.ple, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        experts=args.experts, weights=args.weights, ple=args.ple,
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         torch=torch.__version__)
     cuda = args.device == "cuda"
     cfg = standin_config(args.layers, args.experts, with_mtp=True, widths="real" if cuda else "tiny",
@@ -174,14 +175,19 @@ def main(argv=None) -> int:
         from revolta.quantized import random_quantized_model
 
         model = random_quantized_model(cfg, args.device, dtype, seed=0, with_mtp=True, ple_table=table)
-    else:
-        from standin import build_model
+    else:  # as random_quantized_model builds: the n-gram weight leaves before anything is materialised
+        from revolta.model import FlashNextModel, init_random_weights
+        from revolta.weights import materialize
 
-        model = build_model(cfg, args.device, dtype, seed=0, with_mtp=True)
+        with torch.device("meta"):
+            model = FlashNextModel(cfg, with_mtp=True, with_vision=False)
         if table is not None:
             from revolta.ple.random_table import attach_random_tables
 
             attach_random_tables(model, table, args.device, seed=0)
+        materialize(model, args.device, dtype)
+        init_random_weights(model, seed=0, device=args.device)
+        model.eval()
     log("model built", device_gib=round(torch.cuda.memory_allocated() / 2**30, 1) if cuda else 0)
     prompts = random_prompts(max(args.spec_concurrency), args.prompt_len, min(248_044, cfg.text.vocab_size - 1), 0)
     stage = "plain"
