@@ -118,8 +118,8 @@ def drive(engine, reqs, trace: Trace, what: str) -> None:
         n += 1
 
 
-def release(engine) -> None:
-    engine.close()
+def release() -> None:
+    """Free the last engine (cache, graphs: reference cycles) before the next one."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -199,7 +199,9 @@ def main(argv=None) -> int:
             drive(engine, reqs, trace, f"plain C{C}")
             refs.update({r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in reqs})
             log(f"plain C{C}", ok=True)
-        release(engine)
+        engine.close()
+        del engine
+        release()
         stage = "mtp engine"
         engine = Engine(model, config(args, {"method": "mtp", "num_speculative_tokens": MTP_DRAFTS,
                                              "draft_policy": "always"}))
