@@ -19,6 +19,12 @@ Modes (how the speculative rounds run):
 --sync-each synchronises after every Triton launch outside a capture (the last traced launch is then the failing
 one even without launch blocking). The last --trace Triton launches (kernel, tensor shapes) are printed on failure.
 Exit status 3 on a CUDA error, 0 when every stage ran; one JSON line per stage in $OUT/locate_crash_<mode>.json.
+
+Without a GPU, the same stages at tiny widths under the Triton interpreter, every load and store checked against the
+launch's tensors (exit status 4 and the first violations when one is out of bounds; ~15 min on 2 cores):
+
+    TRITON_INTERPRET=1 python benchmarks/locate_crash.py --device cpu --bounds-check --sm90-paths \
+        --prompt-len 8 --steps 6 --kv-cache-gib 0.05
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ os.environ.setdefault("CUDA_LAUNCH_BLOCKING", "1")  # before torch initialises C
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import random
@@ -61,6 +68,7 @@ class Trace:
         self.launches = collections.deque(maxlen=size)
         self.events = collections.deque(maxlen=size)
         self.sync_each = sync_each
+        self.stage = "start"  # the stage running (set by run_stages)
         run = triton_jit.JITFunction.run
         trace = self
 
@@ -141,8 +149,14 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=16.0)
     ap.add_argument("--sync-each", action="store_true")
     ap.add_argument("--trace", type=int, default=24)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tiny widths, interpreter)")
+    ap.add_argument("--device", default="cuda", help="cpu: tiny widths under the Triton interpreter")
+    ap.add_argument("--bounds-check", action="store_true",
+                    help="cpu: each load and store checked against its launch's tensors (interpreter_bounds.py)")
+    ap.add_argument("--sm90-paths", action="store_true",
+                    help="cpu: take the paths an H200 takes and the interpreter's defaults skip (nibble GEMV, HC dot)")
     args = ap.parse_args(argv)
+    if (args.bounds_check or args.sm90_paths) and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--bounds-check and --sm90-paths are for the interpreter: run with TRITON_INTERPRET=1 --device cpu")
     args.spec_concurrency = [int(c) for c in args.spec_concurrency.split(",")]
     if args.ple == "weight":
         args.standin_ngram_table = True  # a 16-bit weight of the real table would be 95 GiB
@@ -158,6 +172,19 @@ def main(argv=None) -> int:
         out_path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
     trace = Trace(args.trace, args.sync_each)
+    if args.sm90_paths:
+        from revolta.kernels import hc
+        from revolta.kernels.quant import gemv_nibble
+
+        gemv_nibble.use_nibble = lambda arch, dtype, layout, nibble=None: (
+            nibble if nibble is not None else layout in gemv_nibble.NIBBLE_GEMV_SM80)
+        dot_default = hc.hc_dot_default
+        hc.hc_dot_default = lambda arch=None: dict(dot_default(arch), ENABLED=True)
+    checked = contextlib.nullcontext([])
+    if args.bounds_check:
+        from interpreter_bounds import bounds_checked
+
+        checked = bounds_checked(raise_at_exit=False)
 
     def summary(what: str, where: str = "") -> None:  # the row benchmarks/locate_crash.sh prints
         print(f"SUMMARY | {what} | {where}", flush=True)
@@ -190,47 +217,58 @@ def main(argv=None) -> int:
         model.eval()
     log("model built", device_gib=round(torch.cuda.memory_allocated() / 2**30, 1) if cuda else 0)
     prompts = random_prompts(max(args.spec_concurrency), args.prompt_len, min(248_044, cfg.text.vocab_size - 1), 0)
-    stage = "plain"
     try:
-        engine = Engine(model, config(args, {"method": None}))
-        refs = {}
-        for C in args.spec_concurrency:
-            reqs = [Req(f"c{C}r{i}", p, 1 + args.steps, device=args.device) for i, p in enumerate(prompts[:C])]
-            drive(engine, reqs, trace, f"plain C{C}")
-            refs.update({r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in reqs})
-            log(f"plain C{C}", ok=True)
-        engine.close()
-        del engine
-        release()
-        stage = "mtp engine"
-        engine = Engine(model, config(args, {"method": "mtp", "num_speculative_tokens": MTP_DRAFTS,
-                                             "draft_policy": "always"}))
-        if args.mode == "static":
-            eager_round_graphs(engine, args.spec_concurrency)
-        if engine.spec_graphs is not None:
-            wrap_round_graphs(engine, trace)
-        rng = random.Random(0)
-        vocab = model.cfg.text.vocab_size
-        force_drafts(engine, refs, lambda rid, d: [t if rng.random() < args.rate else (t + 1) % vocab for t in d])
-        log("mtp engine", round_graphs=engine.spec_graphs is not None)
-        for C in args.spec_concurrency:
-            stage = f"mtp C{C}"
-            reqs = [Req(f"c{C}r{i}", p, 1 + args.steps, device=args.device) for i, p in enumerate(prompts[:C])]
-            drive(engine, reqs, trace, stage)
-            log(stage, ok=True, drafts=engine.spec_stats.num_draft_tokens,
-                accepted=engine.spec_stats.num_accepted_tokens)
+        with checked as violations:
+            run_stages(args, model, prompts, trace, log)
+        if violations:
+            log("bounds", ok=False, violations=len(violations), first=violations[:5])
+            summary(f"{len(violations)} out-of-bounds accesses", violations[0])
+            return 4
     except Exception as e:  # noqa: BLE001 - the point is to report it
         cuda = "CUDA" in str(e) or "illegal" in str(e)
         print(traceback.format_exc(), flush=True)
         print(trace.dump(), flush=True)
-        log(stage, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+        log(trace.stage, ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
             last_event=(list(trace.events) or [""])[-1], last_launch=(list(trace.launches) or [""])[-1],
             launches=list(trace.launches)[-8:])
-        summary(f"{stage}: {rows[-1]['error']}", f"{rows[-1]['last_launch']} / {rows[-1]['last_event']}")
+        summary(f"{trace.stage}: {rows[-1]['error']}", f"{rows[-1]['last_launch']} / {rows[-1]['last_event']}")
         return 3 if cuda else 1
     log("done", ok=True)
     summary("every stage ran")
     return 0
+
+
+def run_stages(args, model, prompts, trace: Trace, log) -> None:
+    """The plain stage (the forced drafts' reference tokens), then MTP4 at each concurrency; trace.stage names the
+    one running."""
+    trace.stage = "plain"
+    engine = Engine(model, config(args, {"method": None}))
+    refs = {}
+    for C in args.spec_concurrency:
+        reqs = [Req(f"c{C}r{i}", p, 1 + args.steps, device=args.device) for i, p in enumerate(prompts[:C])]
+        drive(engine, reqs, trace, f"plain C{C}")
+        refs.update({r.request_id: (len(r.prompt_token_ids), r.token_ids) for r in reqs})
+        log(f"plain C{C}", ok=True)
+    engine.close()
+    del engine
+    release()
+    trace.stage = "mtp engine"
+    engine = Engine(model, config(args, {"method": "mtp", "num_speculative_tokens": MTP_DRAFTS,
+                                         "draft_policy": "always"}))
+    if args.mode == "static":
+        eager_round_graphs(engine, args.spec_concurrency)
+    if engine.spec_graphs is not None:
+        wrap_round_graphs(engine, trace)
+    rng = random.Random(0)
+    vocab = model.cfg.text.vocab_size
+    force_drafts(engine, refs, lambda rid, d: [t if rng.random() < args.rate else (t + 1) % vocab for t in d])
+    log("mtp engine", round_graphs=engine.spec_graphs is not None)
+    for C in args.spec_concurrency:
+        trace.stage = f"mtp C{C}"
+        reqs = [Req(f"c{C}r{i}", p, 1 + args.steps, device=args.device) for i, p in enumerate(prompts[:C])]
+        drive(engine, reqs, trace, trace.stage)
+        log(trace.stage, ok=True, drafts=engine.spec_stats.num_draft_tokens,
+            accepted=engine.spec_stats.num_accepted_tokens)
 
 
 if __name__ == "__main__":
