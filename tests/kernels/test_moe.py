@@ -228,4 +228,9 @@ def test_fused_moe_ref_matches_experts_and_moe_with_shared_expert():
         torch.testing.assert_close(K.fused_moe_ref(x, w1, w2, ids_s, w_s), ref, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(K.fused_moe(x, w1, w2, ids_s, w_s), ref, atol=1e-5, rtol=1e-5)
         # the layer on the Triton op table: routing, shared expert and experts in the fused launches
-        torch.testing.assert_close(moe(x, ops=kernel_ops("triton")), ref, atol=1e-5, rtol=1e-5)
+        unmerged = moe(x, ops=kernel_ops("triton"))
+        torch.testing.assert_close(unmerged, ref, atol=1e-5, rtol=1e-5)
+        # the router and the shared-expert gate as one GEMM: strided logit views into the routing kernel
+        moe.merge_projections()
+        assert moe.merged_router is not None and moe.gate.weight.data_ptr() == moe.merged_router.weight.data_ptr()
+        torch.testing.assert_close(moe(x, ops=kernel_ops("triton")), unmerged, atol=1e-6, rtol=1e-6)

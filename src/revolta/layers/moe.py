@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .merged_linear import MergedLinear, merge_linears, project
+
 
 class SwiGLU(nn.Module):
     """A dense SwiGLU MLP: down(silu(gate(x)) * up(x)). Names match `shared_expert.*`."""
@@ -72,6 +74,16 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.merged_router: MergedLinear | None = None  # see merge_projections (not a parameter: names unchanged)
+
+    def router_projections(self) -> tuple[nn.Module, nn.Module]:
+        """The router and the shared expert's gate: both read the block input (logits [T, E] and [T, 1])."""
+        return self.gate, self.shared_expert_gate
+
+    def merge_projections(self) -> None:
+        """One GEMM for the router and the shared-expert gate on the kernel path (layers/merged_linear.py: a
+        launch fewer per MoE block at decode); call after the weights are loaded. Idempotent."""
+        self.merged_router = merge_linears(self.router_projections(), self.merged_router)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [T, H] -> (topk_ids [T, k] long, topk_weights [T, k] fp32)."""
@@ -92,17 +104,18 @@ class MoE(nn.Module):
         return (routed + shared).to(x.dtype)
 
     def _fused(self, x: Tensor, ops) -> Tensor:
-        # the routing kernel reads the logits in their dtype and converts as it loads (no cast launch; exact)
-        x, logits = x.contiguous(), self.gate(x).contiguous()
+        # the routing kernel reads the logits in their dtype and converts as it loads (no cast launch; exact) and
+        # takes row strides: once merged, logits [T, E] and the shared gate's [T, 1] are column views of one GEMM
+        x = x.contiguous()
+        logits, shared_logit = project(self.router_projections(), self.merged_router, x)
         fused_moe = ops.quant_fused_moe if self.experts.packed else ops.fused_moe
         gate_up, down = self.experts.kernel_weights()
         shared = self.experts.kernel_shared(self.shared_expert)
         if shared is not None:
             # the shared expert rides in the same launches as expert number E (one rounding at the end)
-            ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob,
-                                         shared_logits=self.shared_expert_gate(x)[:, 0])
+            ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob, shared_logits=shared_logit[:, 0])
             return fused_moe(x, gate_up, down, ids, weights, shared_expert=shared)
         ids, weights = ops.moe_route(logits, self.top_k, self.norm_topk_prob)
         routed = fused_moe(x, gate_up, down, ids, weights).float()
-        shared = torch.sigmoid(self.shared_expert_gate(x).float()) * self.shared_expert(x).float()
+        shared = torch.sigmoid(shared_logit.float()) * self.shared_expert(x).float()
         return (routed + shared).to(x.dtype)
