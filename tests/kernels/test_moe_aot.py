@@ -163,8 +163,8 @@ def _builds(arch):
         b[f"zc_rms_norm_G{G}"] = (norm._zc_rms_norm_kernel, "x w y N G stride_x stride_y eps BLOCK", "aaannnnsc",
                                   dict(BLOCK=1 << (G - 1).bit_length()), warps, 2)
     rows = norm.gated_norm_rows(128)
-    b["gated_rms_norm"] = (norm._gated_rms_norm_kernel, "o w z y M D stride_o stride_z stride_y eps ROWS BLOCK SILU",
-                           "aaaannnnnsccc", dict(ROWS=rows, BLOCK=128, SILU=False), min(8, max(1, rows * 128 // 256)), 2)
+    b["gated_rms_norm"] = (norm._gated_rms_norm_kernel, "o w z y M D HZ stride_o stride_zt stride_zh stride_y eps ROWS "
+                           "BLOCK SILU", "aaaannnnnnnsccc", dict(ROWS=rows, BLOCK=128, SILU=False), min(8, max(1, rows * 128 // 256)), 2)
     d, r, h = 2560, 320, 4
     seen = set()
     # the dot passes at M = 5 (on by default on sm90 only: `hc_dot_default()["ENABLED"]`, built either way)
