@@ -94,3 +94,10 @@ def test_verify_step_stores_nothing_and_fills_the_record_buffer(fn):
                 torch.tensor(REAL), torch.tensor(SIZES), torch.tensor(OFFSETS), HEADS_PER_NGRAM, EOS,
                 s["max_new_tokens"], store=False, history_out=out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(out, history)
+
+
+def test_sequences_longer_than_the_tile_take_several_passes():
+    step = dict(_step([5, 1, 9], seed=5), max_new_tokens=2)  # BLOCK_T 2: 3 and 5 passes
+    rows, history, ctx = _run(ple_rows, step, WRAPPING, store=True)
+    rows_ref, history_ref, ctx_ref = _run(ple_rows_ref, step, WRAPPING, store=True)
+    assert torch.equal(rows, rows_ref) and torch.equal(history, history_ref) and torch.equal(ctx, ctx_ref)

@@ -98,7 +98,7 @@ def ple_rows_ref(ids: Tensor, cu_seqlens: Tensor, context_ids: Tensor, slots: Te
 def _ple_rows_kernel(ids, cu_seqlens, context_ids, slots, has_initial_state, multipliers, sizes, offsets, rows,
                      history, stride_ctx, eos, ORDER: tl.constexpr, HEADS_PER_NGRAM: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STORE: tl.constexpr):
-    """One program per sequence: its tokens in BLOCK_T lanes, its n-1 carried ids in BLOCK_K lanes."""
+    """One program per sequence: its tokens BLOCK_T at a time, its n-1 carried ids in BLOCK_K lanes."""
     KEEP: tl.constexpr = ORDER - 1
     H: tl.constexpr = KEEP * HEADS_PER_NGRAM
     b = tl.program_id(0)
@@ -111,22 +111,23 @@ def _ple_rows_kernel(ids, cu_seqlens, context_ids, slots, has_initial_state, mul
     # (where, not a load mask: the slot's row exists either way, and the interpreter cannot AND a scalar into a mask)
     tl.store(history + b * KEEP + o_k, tl.where(carried, tl.load(row + o_k, mask=m_k, other=eos), eos), mask=m_k)
 
-    o_t = tl.arange(0, BLOCK_T)
-    m_t = o_t < n
-    mix = tl.load(ids + start + o_t, mask=m_t, other=0).to(tl.int64) * tl.load(multipliers)
-    broken = o_t < 0
-    for k in tl.static_range(1, ORDER):
-        in_step = o_t >= k  # id_{t-k} is this step's, else the history's entry KEEP + t - k
-        prev = tl.where(in_step, tl.load(ids + start + o_t - k, mask=m_t & in_step, other=0).to(tl.int64),
-                        tl.where(carried, tl.load(row + KEEP + o_t - k, mask=m_t & ~in_step, other=eos), eos))
-        broken = broken | (prev == eos)  # an EOS at t-k..t-1 cuts everything before it
-        mix = mix ^ (tl.where(broken, eos, prev).to(tl.int64) * tl.load(multipliers + k))
-        for j in tl.static_range(HEADS_PER_NGRAM):
-            h = (k - 1) * HEADS_PER_NGRAM + j
-            p = tl.load(sizes + h)
-            r = mix % p
-            r = tl.where(r < 0, r + p, r)  # srem truncates; torch's % floors
-            tl.store(rows + (start + o_t) * H + h, tl.load(offsets + h) + r, mask=m_t)
+    for t0 in range(0, n, BLOCK_T):  # one pass at decode / verify (BLOCK_T >= the longest sequence)
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < n
+        mix = tl.load(ids + start + o_t, mask=m_t, other=0).to(tl.int64) * tl.load(multipliers)
+        broken = o_t < 0
+        for k in tl.static_range(1, ORDER):
+            in_step = o_t >= k  # id_{t-k} is this step's, else the history's entry KEEP + t - k
+            prev = tl.where(in_step, tl.load(ids + start + o_t - k, mask=m_t & in_step, other=0).to(tl.int64),
+                            tl.where(carried, tl.load(row + KEEP + o_t - k, mask=m_t & ~in_step, other=eos), eos))
+            broken = broken | (prev == eos)  # an EOS at t-k..t-1 cuts everything before it
+            mix = mix ^ (tl.where(broken, eos, prev).to(tl.int64) * tl.load(multipliers + k))
+            for j in tl.static_range(HEADS_PER_NGRAM):
+                h = (k - 1) * HEADS_PER_NGRAM + j
+                p = tl.load(sizes + h)
+                r = mix % p
+                r = tl.where(r < 0, r + p, r)  # srem truncates; torch's % floors
+                tl.store(rows + (start + o_t) * H + h, tl.load(offsets + h) + r, mask=m_t)
 
     if STORE:  # the last KEEP ids of history ‖ step into the slot this program alone owns
         pos = n - KEEP + o_k  # in-step index of each kept id; < 0: still in the history
@@ -140,8 +141,9 @@ def _ple_rows_kernel(ids, cu_seqlens, context_ids, slots, has_initial_state, mul
 def ple_rows(ids: Tensor, cu_seqlens: Tensor, context_ids: Tensor, slots: Tensor, has_initial_state: Tensor,
              multipliers: Tensor, sizes: Tensor, offsets: Tensor, heads_per_ngram: int, eos: int,
              max_new_tokens: int, store: bool = True, history_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Triton version of `ple_rows_ref` (same arguments, bitwise the same results and stored histories);
-    max_new_tokens (a host int, no sync) picks the tile; steps longer than MAX_BLOCK_T run the reference."""
+    """Triton version of `ple_rows_ref` (same arguments, bitwise the same results and stored histories).
+    max_new_tokens (a host int, no sync) picks the tile, BLOCK_T = its next power of two (a longer sequence would
+    take several passes); steps longer than MAX_BLOCK_T run the reference."""
     if max_new_tokens > MAX_BLOCK_T:
         return ple_rows_ref(ids, cu_seqlens, context_ids, slots, has_initial_state, multipliers, sizes, offsets,
                             heads_per_ngram, eos, max_new_tokens, store, history_out)
