@@ -1,4 +1,4 @@
-"""Ahead-of-time builds (no GPU) of the MoE, norm, HyperConnection, RoPE, GDN gate and sampling kernels for sm_70
+"""Ahead-of-time builds (no GPU) of the MoE, norm, HyperConnection, RoPE, GDN gate, PLE row-id and sampling kernels for sm_70
 (V100, fp16 activations) and sm_90 (H200, bf16) at the real model's shapes, in the launch
 configurations the wrappers pick.
 
@@ -31,9 +31,9 @@ ACT = {70: "*fp16", 90: "*bf16"}
 
 
 def _sig(names, types, act):
-    """One letter per arg: a = activation pointer, f = fp32 ptr, i = int32 ptr, l = int64 ptr,
+    """One letter per arg: a = activation pointer, f = fp32 ptr, i = int32 ptr, l = int64 ptr, b = bool ptr,
     n = int32 scalar, s = fp32 scalar, c = constexpr."""
-    table = {"a": act, "f": "*fp32", "i": "*i32", "l": "*i64", "n": "i32", "s": "fp32", "c": "constexpr"}
+    table = {"a": act, "f": "*fp32", "i": "*i32", "l": "*i64", "b": "*i1", "n": "i32", "s": "fp32", "c": "constexpr"}
     names = names.split()
     assert len(names) == len(types), (names, types)
     return {n: table[t] for n, t in zip(names, types)}
@@ -111,7 +111,7 @@ def _hc_builds(hc, M, cfg, d, r, h, arch):
 
 def _builds(arch):
     """name -> (kernel, arg names, arg types, constexprs, num_warps, num_stages)."""
-    from revolta.kernels import hc, moe, moe_grouped, norm, norm_rope, rope, sample
+    from revolta.kernels import hc, moe, moe_grouped, norm, norm_rope, ple_rows, rope, sample
     from revolta.kernels.gdn import gates
 
     b = {}
@@ -163,8 +163,8 @@ def _builds(arch):
         b[f"zc_rms_norm_G{G}"] = (norm._zc_rms_norm_kernel, "x w y N G stride_x stride_y eps BLOCK", "aaannnnsc",
                                   dict(BLOCK=1 << (G - 1).bit_length()), warps, 2)
     rows = norm.gated_norm_rows(128)
-    b["gated_rms_norm"] = (norm._gated_rms_norm_kernel, "o w z y M D stride_o stride_z stride_y eps ROWS BLOCK SILU",
-                           "aaaannnnnsccc", dict(ROWS=rows, BLOCK=128, SILU=False), min(8, max(1, rows * 128 // 256)), 2)
+    b["gated_rms_norm"] = (norm._gated_rms_norm_kernel, "o w z y M D HZ stride_o stride_zt stride_zh stride_y eps ROWS "
+                           "BLOCK SILU", "aaaannnnnnnsccc", dict(ROWS=rows, BLOCK=128, SILU=False), min(8, max(1, rows * 128 // 256)), 2)
     d, r, h = 2560, 320, 4
     seen = set()
     # the dot passes at M = 5 (on by default on sm90 only: `hc_dot_default()["ENABLED"]`, built either way)
@@ -195,6 +195,12 @@ def _builds(arch):
             4 if bh * bd >= 2048 else 1, 2)
     b["gdn_gates"] = (gates._gdn_gates_kernel, "a b A_log dt_bias g beta HV stride_a stride_b BLOCK", "aaffffnnnc",
                       dict(BLOCK=64), 1, 2)
+    # the PLE row ids (n-gram order 3, 8 heads per n-gram): decode, an MTP4 verify (5 rows, stores nothing), the widest
+    for label, block_t, store in (("decode", 1, True), ("verify5", 8, False), ("T16", 16, True)):
+        b[f"ple_rows_{label}"] = (
+            ple_rows._ple_rows_kernel, "ids cu_seqlens context_ids slots has_initial_state multipliers sizes offsets rows "
+            "history stride_ctx eos ORDER HEADS_PER_NGRAM BLOCK_T BLOCK_K STORE", "liliblllllnnccccc",
+            dict(ORDER=3, HEADS_PER_NGRAM=8, BLOCK_T=block_t, BLOCK_K=2, STORE=store), 1, 2)
     b["mrope_cos_sin"] = (rope._mrope_kernel, "positions inv_freq rows cos sin T F stride_p scale BLOCK_T BLOCK_F",
                           "lflffnnnscc", dict(BLOCK_T=16, BLOCK_F=32), 4, 2)
     b["sample"] = (sample._sample_kernel, "logits temperature top_k top_p min_p seeds offsets out V stride_l BLOCK_V",

@@ -43,6 +43,7 @@ class KernelOps:
     zc_norm_rope: Callable | None  # QSA's per-head norm + RoPE in one launch (kernels/norm_rope.py)
     gdn_gates: Callable | None  # GDN's g and beta in one launch (kernels/gdn/gates.py)
     hc_combine_read: Callable | None  # an HC write inside the next HC read's first pass (kernels/hc.py), bitwise
+    ple_rows: Callable  # the PLE layer's n-gram row ids and history store, one launch per paged decode / verify step
 
 
 def kernel_ops(backend: str) -> KernelOps:
@@ -64,7 +65,7 @@ def kernel_ops(backend: str) -> KernelOps:
         ("conv1d", "causal_conv1d_commit"),
         ("qsa.store_kv", "store_kv"), ("qsa.index_compress", "index_compress"), ("qsa.prefill", "qsa_prefill"),
         ("qsa.select", "qsa_select_decode"), ("qsa.sparse_attn", "qsa_sparse_decode"),
-        ("qsa.dcp", "qsa_partial"))}
+        ("qsa.dcp", "qsa_partial"), ("ple_rows", "ple_rows"))}
     fused = dict.fromkeys(("hc_read", "hc_combine", "moe_route", "fused_moe", "quant_fused_moe", "gated_rms_norm",
                            "apply_rope", "zc_rms_norm", "zc_norm_rope", "gdn_gates", "hc_combine_read"))
     if backend == "triton":

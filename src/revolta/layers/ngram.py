@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..config import TextConfig
 from ..forward import ForwardMeta, PLERecord
 from ..kernels.conv1d import causal_conv1d_ref
+from ..kernels.ple_rows import new_histories, ngram_contexts
 from ..ple.ngram_host import row_ids
 from ..ple.table import PLETable, StagedRows
 from ..state import PLEState
@@ -73,24 +74,6 @@ def ngram_context(ids: list[int], history: list[int], eos: int, order: int) -> l
     return out
 
 
-def ngram_contexts(ids: Tensor, history: Tensor, seq_index: Tensor, local_index: Tensor, eos: int) -> Tensor:
-    """Vectorised `ngram_context` over a flat varlen batch, on the ids' device (no host sync).
-
-    ids: [T] raw token ids; history: [B, n-1] each sequence's previous ids (oldest first);
-    seq_index, local_index: [T] the sequence of each token and its index inside this step.
-    Returns contexts [T, n] = (c_0 .. c_{n-1}).
-    """
-    order = history.shape[1] + 1
-    ctx, broken = [ids], torch.zeros_like(ids, dtype=torch.bool)
-    for k in range(1, order):
-        from_step = local_index >= k  # id_{t-k} is in this step, else it is history entry n-1-(k-i)
-        prev = torch.where(from_step, ids[(torch.arange(ids.shape[0], device=ids.device) - k).clamp_min(0)],
-                           history[seq_index, (order - 1 - k + local_index).clamp(0, order - 2)])
-        broken = broken | (prev == eos)  # an EOS at t-k..t-1 cuts everything before it
-        ctx.append(torch.where(broken, torch.full_like(prev, eos), prev))
-    return torch.stack(ctx, dim=-1)
-
-
 class NGramEmbedding(nn.Module):
     """The hashed table and its int64 buffers.
 
@@ -144,10 +127,16 @@ class NGramEmbedding(nn.Module):
         in `dtype` (a host table's read may still be running on a side stream until it is called)."""
         if isinstance(self.table, StagedRows):
             return self.table.start(contexts.shape[0], dtype)
+        return self.start_rows(self.rows(contexts), dtype, backend)
+
+    def start_rows(self, rows: Tensor, dtype: torch.dtype, backend: str = "torch") -> Callable[[], Tensor]:
+        """`start_lookup` from the row ids [T, num_heads] (`rows`) instead of the contexts."""
+        if isinstance(self.table, StagedRows):  # the PLE worker computed the same ids on the host
+            return self.table.start(rows.shape[0], dtype)
         if self.table is not None:
-            return self.table.start(self.rows(contexts), dtype, backend)
+            return self.table.start(rows, dtype, backend)
         weight = self.ngram_embedding.weight
-        out = F.embedding(self.rows(contexts).to(weight.device), weight).flatten(-2).to(dtype)
+        out = F.embedding(rows.to(weight.device), weight).flatten(-2).to(dtype)
         return lambda: out
 
     def forward(self, contexts: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -160,11 +149,12 @@ class NGramEmbedding(nn.Module):
 
 @dataclass
 class _Lookup:
-    """A started n-gram lookup: the step's ids [T], the carried contexts [B, n-1], and its rows to come."""
+    """A started n-gram lookup: the carried contexts [B, n-1], its rows to come, and the step's ids [T] whose
+    new contexts the layer stores (None: stored already, or a verify step, which stores nothing)."""
 
-    ids: Tensor
     history: Tensor
     rows: Callable[[], Tensor]
+    ids: Tensor | None
 
 
 class PLELayer(nn.Module):
@@ -196,20 +186,29 @@ class PLELayer(nn.Module):
             meta.ple_lookups[self.state_key] = self._start_lookup(None, meta, dtype)
 
     def _start_lookup(self, x: Tensor | None, meta: ForwardMeta, dtype: torch.dtype) -> _Lookup:
+        pm, emb = meta.paged, self.ple_embedding
+        if pm is not None:  # row ids and the new contexts' store in one op (kernels/ple_rows.py)
+            verify = pm.spec
+            hist = None if verify is None else verify.record_buffer(
+                f"{self.state_key}.history", (pm.slots.shape[0], self.order - 1), torch.int64, meta.input_ids.device)
+            rows, history = pm.ops.ple_rows(
+                meta.input_ids, pm.cu_seqlens, pm.storage.ple[self.layer_idx].context_ids, pm.slots,
+                pm.has_initial_state, emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets,
+                emb.heads_per_ngram, self.eos, pm.max_new_tokens, store=verify is None, history_out=hist)
+            return _Lookup(history, emb.start_rows(rows, dtype, pm.ops.backend), None)
         ids = meta.input_ids.long()
         seq_index, local_index = self._token_layout(meta, ids.device)
         history = self._histories(x, meta)  # [B, n-1] last ids of each sequence before this step
         contexts = ngram_contexts(ids, history, seq_index, local_index, self.eos)  # [T, n]
-        backend = meta.paged.ops.backend if meta.paged is not None else "torch"
-        return _Lookup(ids, history, self.ple_embedding.start_lookup(contexts, dtype, backend))
+        return _Lookup(history, emb.start_lookup(contexts, dtype), ids)
 
     def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
         """x: [T, h*d] wide residual entering the layer -> delta [T, h*d] to add to it."""
         lookup = meta.ple_lookups.pop(self.state_key, None) or self._start_lookup(x, meta, x.dtype)
-        ids, history = lookup.ids, lookup.history
+        history = lookup.history
         verify = meta.paged.spec if meta.paged is not None else None
-        if verify is None:
-            self._store_histories(meta, self._new_histories(ids, history, meta))
+        if lookup.ids is not None:
+            self._store_histories(meta, self._new_histories(lookup.ids, history, meta))
         emb = lookup.rows().to(x.dtype)
         h, d = self.hc_count, self.hidden_size
         ops = meta.paged.ops if meta.paged is not None else None  # the norms' kernel on the Triton path
@@ -230,10 +229,8 @@ class PLELayer(nn.Module):
             conv_out = pm.ops.causal_conv1d_varlen(conv_in, conv_w, pm.storage.ple[self.layer_idx].conv, pm.slots,
                                                    pm.cu_seqlens, pm.has_initial_state, activation="silu",
                                                    dilation=self.dilation, write_state=verify is None, x_copy=kept)
-            if verify is not None:
-                hist = verify.record_buffer(f"{self.state_key}.history", history.shape, history.dtype,
-                                            history.device)
-                verify.record[self.state_key] = PLERecord(self.layer_idx, kept, hist.copy_(history))
+            if verify is not None:  # history: the record's buffer already (_start_lookup)
+                verify.record[self.state_key] = PLERecord(self.layer_idx, kept, history)
             return gated + conv_out
         conv_out = torch.empty_like(gated)
         for _, start, end, seq in meta.seq_slices():
@@ -242,34 +239,20 @@ class PLELayer(nn.Module):
             conv_out[start:end] = F.silu(y).to(x.dtype)
         return gated + conv_out
 
+    # the simple (non-paged) path: per-sequence state in SequenceState, host cu_seqlens (the paged path's
+    # equivalents are in kernels/ple_rows.py: token_layout, carried_histories, new_histories)
     @staticmethod
     def _token_layout(meta: ForwardMeta, device) -> tuple[Tensor, Tensor]:
-        """[T] sequence index and in-step index of every token.
-
-        On the paged path both come from the device `cu_seqlens` (no host data, so a decode step can
-        be captured in a CUDA graph); the simple path builds them from the host ints.
-        """
-        T = meta.input_ids.shape[0]
-        pm = meta.paged
-        if pm is not None:
-            cu = pm.cu_seqlens.to(device=device, dtype=torch.long)  # [B + 1]
-            token = torch.arange(T, device=device)
-            seq_index = torch.searchsorted(cu[1:], token, right=True)
-            return seq_index, token - cu[seq_index]
-        cu = meta.cu_seqlens
+        """[T] sequence index and in-step index of every token, from the host cu_seqlens."""
+        T, cu = meta.input_ids.shape[0], meta.cu_seqlens
         lens = torch.tensor([cu[b + 1] - cu[b] for b in range(len(cu) - 1)], device=device)
         seq_index = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
         starts = torch.tensor(cu[:-1], device=device)
         return seq_index, torch.arange(T, device=device) - starts[seq_index]
 
-    def _histories(self, x: Tensor | None, meta: ForwardMeta) -> Tensor:
-        """[B, n-1] n-gram context carried into this step (EOS-filled at sequence start). x: the wide
-        residual (the simple path makes a new sequence's state from it; the paged path needs none)."""
-        pm = meta.paged
-        if pm is not None:
-            device = meta.input_ids.device
-            rows = pm.storage.ple[self.layer_idx].context_ids[pm.slots.long()].to(device)
-            return torch.where(pm.has_initial_state[:, None].to(device), rows, torch.full_like(rows, self.eos))
+    def _histories(self, x: Tensor, meta: ForwardMeta) -> Tensor:
+        """[B, n-1] n-gram context carried into this step (EOS-filled at sequence start); a new sequence's
+        state is made from x, the wide residual."""
         out = []
         for _, _, _, seq in meta.seq_slices():
             if self.state_key not in seq.layers:
@@ -279,23 +262,8 @@ class PLELayer(nn.Module):
 
     def _new_histories(self, ids: Tensor, history: Tensor, meta: ForwardMeta) -> Tensor:
         """[B, n-1]: the last n-1 ids of each sequence after this step (history, then this step's ids)."""
-        keep = self.order - 1
-        pm = meta.paged
-        if pm is not None:
-            cu = pm.cu_seqlens.to(device=ids.device, dtype=torch.long)  # [B + 1]
-        else:
-            cu = torch.tensor(meta.cu_seqlens, device=ids.device)
-        starts, ends = cu[:-1, None], cu[1:, None]
-        pos = ends - keep + torch.arange(keep, device=ids.device)  # [B, n-1] flat index of each kept id
-        from_step = pos >= starts  # else the id is still in the carried history
-        from_history = history.gather(1, (pos - starts + keep).clamp(0, keep - 1))
-        return torch.where(from_step, ids[pos.clamp_min(0)], from_history)
+        return new_histories(ids, history, torch.tensor(meta.cu_seqlens, device=ids.device))
 
     def _store_histories(self, meta: ForwardMeta, histories: Tensor) -> None:
-        pm = meta.paged
-        if pm is not None:
-            ctx = pm.storage.ple[self.layer_idx].context_ids
-            ctx[pm.slots.long()] = histories.to(ctx.device, ctx.dtype)
-            return
         for (_, _, _, seq), hist in zip(meta.seq_slices(), histories.tolist()):
             seq.layers[self.state_key].context = hist

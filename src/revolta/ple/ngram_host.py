@@ -2,7 +2,7 @@
 
 `row_ids` is the one hash implementation: the PLE layer calls it on torch tensors (with torch.stack),
 the worker on numpy arrays (with np.stack); only operators both share are used, so the two agree
-bit for bit. `ngram_contexts_host` is the worker's numpy twin of layers/ngram.ngram_contexts.
+bit for bit. `ngram_contexts_host` is the worker's numpy twin of kernels/ple_rows.ngram_contexts.
 """
 
 from __future__ import annotations
