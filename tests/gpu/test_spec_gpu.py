@@ -1,7 +1,8 @@
 """On a GPU: MTP speculative decoding with the Triton kernels (issue 6).
 
 Greedy tokens with speculation (per-draft state slots and replay) must equal those without it.
-cuBLAS GEMMs are not row-invariant, so on the GPU the equality is not by construction (the CPU
+cuBLAS GEMMs are not row-invariant, nor (on sm90) is the HC read between 1-3 rows (rows kernels) and 4-16
+rows (tl.dot passes, kernels/hc.py), so on the GPU the equality is not by construction (the CPU
 torch path is, see tests/engine/test_spec_engine.py): where tokens differ, the test prints the
 top-1/top-2 logit gap of the run without speculation at the first differing step and fails
 unless that step is a near-tie. Forced drafts (the target's own tokens) exercise acceptance.
