@@ -69,6 +69,27 @@ def _hc_weights(dtype, with_inject, d, r, h=4):
             mod.input_mix_weight_up.weight.detach(), inj)
 
 
+HC_SHAPE = (4, 40, 24)  # h, d, r: d = 40 splits 5 ways per branch, as the real d = 2560 does
+
+
+def _combine_inputs(dtype, M):
+    """(x [M, h·d], inject [M, h], u [M, d]) of a block write, seeded by M."""
+    h, d, _ = HC_SHAPE
+    g = torch.Generator().manual_seed(M)
+    x = (2 * torch.randn(M, h * d, generator=g)).to(dtype)
+    inject = (2 * torch.rand(M, h, generator=g)).to(dtype)
+    return x, inject, torch.randn(M, d, generator=g).to(dtype)
+
+
+def _assert_stored_y(y, ref_y, once):
+    """y equals its reference bitwise, except a bf16 y rounded once inside a kernel: the interpreter truncates
+    fp32 -> bf16 (one bf16 ulp); the GPU test checks it bitwise."""
+    if once and y.dtype == torch.bfloat16:
+        torch.testing.assert_close(y, ref_y, atol=0, rtol=2 ** -7)
+    else:
+        assert torch.equal(y, ref_y)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M,with_inject", [(1, True), (5, False), (8, True), (9, True)])
 def test_hc_combine_read_bitwise_equals_combine_then_read(dtype, M, with_inject):
@@ -77,11 +98,8 @@ def test_hc_combine_read_bitwise_equals_combine_then_read(dtype, M, with_inject)
     rounding); x itself is left as it was. d = 40 splits 5 ways per branch, as the real d = 2560 does."""
     from revolta.kernels import hc as K
 
-    h, d, r = 4, 40, 24
-    g = torch.Generator().manual_seed(M)
-    x = (2 * torch.randn(M, h * d, generator=g)).to(dtype)
-    inject = (2 * torch.rand(M, h, generator=g)).to(dtype)
-    u = torch.randn(M, d, generator=g).to(dtype)
+    h, d, r = HC_SHAPE
+    x, inject, u = _combine_inputs(dtype, M)
     weights = _hc_weights(dtype, with_inject, d, r, h)
     x0 = x.clone()
     y, out, inj = K.hc_combine_read(x, inject, u, *weights, h, 1e-6)
@@ -89,10 +107,7 @@ def test_hc_combine_read_bitwise_equals_combine_then_read(dtype, M, with_inject)
     ref_y = K.hc_combine_once_ref(x, inject, u) if fused else K.hc_combine(x, inject, u)
     ref_out, ref_inj = K.hc_read(y, *weights, h, 1e-6)  # the read of the stored y, bitwise
     assert torch.equal(x, x0)
-    if fused and dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16; the GPU test checks it bitwise
-        torch.testing.assert_close(y, ref_y, atol=0, rtol=2 ** -7)
-    else:
-        assert torch.equal(y, ref_y)
+    _assert_stored_y(y, ref_y, once=fused)
     if not fused and dtype != torch.bfloat16:  # the interpreter rounds bf16 its own way; the GPU test compares bf16
         assert torch.equal(y, K.hc_combine_ref(x, inject, u))
     assert torch.equal(out, ref_out)
@@ -113,20 +128,14 @@ def test_hc_combine_read_on_the_dot_down_pass(dtype, M):
     bitwise `hc_read(y)` with the same dot config."""
     from revolta.kernels import hc as K
 
-    h, d, r = 4, 40, 24
-    g = torch.Generator().manual_seed(M)
-    x = (2 * torch.randn(M, h * d, generator=g)).to(dtype)
-    inject = (2 * torch.rand(M, h, generator=g)).to(dtype)
-    u = torch.randn(M, d, generator=g).to(dtype)
+    h, d, r = HC_SHAPE
+    x, inject, u = _combine_inputs(dtype, M)
     weights = _hc_weights(dtype, True, d, r, h)
     cfg = K.hc_config(M, d, r, h, arch=90)
     assert (cfg["DOWN"], cfg["UP"]) == ("dot", "dot"), cfg
     y, out, inj = K.hc_combine_read(x, inject, u, *weights, h, 1e-6, config=cfg)
     ref_y = K.hc_combine_once_ref(x, inject, u)
-    if dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16; the GPU test checks it bitwise
-        torch.testing.assert_close(y, ref_y, atol=0, rtol=2 ** -7)
-    else:
-        assert torch.equal(y, ref_y)
+    _assert_stored_y(y, ref_y, once=True)
     ref_out, ref_inj = K.hc_read(y, *weights, h, 1e-6, config=cfg)
     assert torch.equal(out, ref_out) and torch.equal(inj, ref_inj)
 
