@@ -181,8 +181,9 @@ class FlashNextModel(nn.Module):
         return self
 
     def merge_projections(self) -> "FlashNextModel":
-        """Each GDN and QSA layer's input projections (one input) as one GEMM: a launch and its latency saved per
-        merged projection at decode (layers/merged_linear.py). The parameters become views of the merged weights:
+        """Each GDN and QSA layer's input projections, and each MoE block's router and shared-expert gate (one input
+        each), as one GEMM: a launch and its latency saved per merged projection at decode (layers/merged_linear.py).
+        The parameters become views of the merged weights:
         names, state_dict and in-place loads (reload, sleep, TP shards) are unchanged. Call once the weights are
         where they will run (after load, dtype and device changes: a rebound parameter falls back to its own GEMM
         until called again); the loaders and ModelRunner do. Idempotent."""

@@ -116,8 +116,8 @@ class ModelRunner:
                  row_invariant: bool | None = None, hidden_taps: HiddenTaps | None = None,
                  max_num_tokens: int | None = None):
         self.model, self.storage = model, storage
-        # one GEMM per GDN/QSA layer's input projections, on the weights as they will run (however the model was
-        # built, loaded, cast or moved); before any CUDA graph captures the weights' addresses
+        # one GEMM per layer's input projections (GDN, QSA, the MoE router), on the weights as they will run
+        # (however the model was built, loaded, cast or moved); before any CUDA graph captures their addresses
         model.merge_projections()
         # a disk-placed PLE table: the worker gathers each step's rows before it runs (ple/disk.py);
         # max_num_tokens bounds one forward (the engine's token budget plus verify rows)

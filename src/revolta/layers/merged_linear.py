@@ -36,7 +36,7 @@ from torch import Tensor, nn
 class MergedLinear:
     """The merged weight of the parts `index` (positions in the layer's part list, in order)."""
 
-    weight: Tensor  # [sum N_i, K]; part i's weight is rows [offsets[i], offsets[i] + sizes[i])
+    weight: Tensor  # [sum N_i, K]; the parts' rows in `index` order, sizes[j] rows each
     bias: Tensor | None  # [sum N_i]; zeros where a part has no bias (has_bias False)
     index: tuple[int, ...]
     sizes: tuple[int, ...]
