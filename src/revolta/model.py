@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from .config import GDN, ModelConfig, TextConfig
 from .device import resolve_device
 from .forward import ForwardMeta, PagedMeta
+from .layers.allowed_vocab import AllowedVocabHead
 from .layers.gdn import GatedDeltaNet
 from .layers.hyperconnection import HyperConnection
 from .layers.moe import MoE
@@ -172,6 +173,7 @@ class FlashNextModel(nn.Module):
         # Every logit path (next token, MTP and DFlash2 drafts) goes through compute_logits, so drafts and the
         # verified tokens see the same mask and greedy speculation stays equal to greedy without.
         self.register_buffer("logit_mask", None, persistent=False)
+        self._allowed_head = AllowedVocabHead()  # the masked head's allowed rows, gathered once (compute_logits)
 
     def init_buffers(self) -> "FlashNextModel":
         """Recompute derived buffers (RoPE tables, n-gram hash constants) after `to_empty`."""
@@ -286,8 +288,18 @@ class FlashNextModel(nn.Module):
             logits = logits.view(B, S, -1)
         return (logits, wide) if return_hidden else logits
 
+    def prepare_logits(self) -> bool:
+        """Gather the LM head's allowed rows now (a device sync) if `logit_mask` allows few enough ids for
+        compute_logits to project onto them only (layers/allowed_vocab.py); ModelRunner calls it before
+        capturing graphs. True when that path is on. The full-vocabulary head of a tensor-parallel rank keeps
+        the mask instead."""
+        return (self.logit_mask is not None and type(self.lm_head) is nn.Linear
+                and self._allowed_head.prepare(self.lm_head.weight, self.logit_mask))
+
     def compute_logits(self, y: Tensor) -> Tensor:
         """y: [N, d] mixed hidden -> [N, V] fp32 (-inf where `logit_mask` forbids a token)."""
+        if self.prepare_logits():
+            return self._allowed_head.logits(y, self.cfg.text.vocab_size)
         logits = self.lm_head(y).float()
         if self.logit_mask is not None:
             logits = logits.masked_fill(~self.logit_mask, float("-inf"))

@@ -119,6 +119,7 @@ class ModelRunner:
         # one GEMM per layer's input projections (GDN, QSA, the MoE router), on the weights as they will run
         # (however the model was built, loaded, cast or moved); before any CUDA graph captures their addresses
         model.merge_projections()
+        model.prepare_logits()  # a vocab-masked head's allowed rows, gathered before graphs capture them
         # a disk-placed PLE table: the worker gathers each step's rows before it runs (ple/disk.py);
         # max_num_tokens bounds one forward (the engine's token budget plus verify rows)
         self.ple_feeder = DiskRowFeeder(model, storage, max_num_tokens or DEFAULT_CAPACITY) \
