@@ -40,3 +40,17 @@ def default_dir(tmp_path_factory):
     from revolta.presets import default as preset
 
     return preset.ensure_default_model(tmp_path_factory.getbasetemp() / "revolta_cache")
+
+
+@pytest.fixture(autouse=True)
+def _bounds_checked_kernels():
+    """REVOLTA_BOUNDS_CHECK=1 (with the interpreter): every Triton load and store of every test is checked against its
+    launch's tensors (tests/interpreter_bounds.py), and a test whose kernels touched memory outside them errors at
+    teardown. Off by default (it slows the interpreted kernels): `REVOLTA_BOUNDS_CHECK=1 python -m pytest -q tests/kernels tests/spec`."""
+    if os.environ.get("REVOLTA_BOUNDS_CHECK") != "1" or os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from interpreter_bounds import bounds_checked
+
+    with bounds_checked():
+        yield
