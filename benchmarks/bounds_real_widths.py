@@ -8,9 +8,9 @@ Every case runs its kernel entry point once at the real widths (hidden 2560, 512
 MoE ffn 640, AWQ int4 group 32, GDN 16 / 48 heads of 128, QSA 24 q / 2 KV heads of 256 with the indexer (4 heads of
 128, budget 512 groups), HC 4 streams rank 320, vocab 248,320) with the row counts of MTP4 at C8 (40-row verify of 8
 sequences x 5 rows, 8-row draft / decode steps, and 1 and 5 rows), with the launch configs an H200 picks (sm90: arch
-90, 132 SMs; the GPU-only paths forced as `locate_crash.py --sm90-paths` forces them: nibble GEMV, HC dot passes),
-inside tests/interpreter_bounds.bounded_checked (every masked-on load / store address must lie in one tensor argument
-of the launch). Outputs are NaN-poisoned before the call (tests/kernels/conftest.py's `poison`), and the finite part
+90, 132 SMs, passed as explicit configs; so the GPU-only paths run: the nibble GEMV, the HC dot passes at M 4..16),
+inside tests/interpreter_bounds.bounds_checked (every masked-on load / store address must lie in one tensor argument
+of the launch; interpreter_sweep.py runs the cases). Outputs are NaN-poisoned before the call, and the finished part
 of each output is compared with the torch reference (loose tolerance: the point is bounds). One table row per
 (kernel, rows, path): shapes, grids, config, OK / OUT OF BOUNDS (first violation), compared entries, seconds.
 
@@ -56,177 +56,24 @@ would overflow from ~17.5 GiB there, which is why it matters that every QSA kern
 The sweep itself uses 64 / 200-page pools (highest ids taken): what it checks is the kernels' address pattern.
 """
 
+# ruff: noqa: B023 - case() runs its two callables before the loop that made them moves on
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from interpreter_sweep import Runner, case, short
 
 ARCH, SMS = 90, 132  # the H200
 H, E, TOP_K, I_FFN, G = 2560, 512, 10, 640, 32
 NS, ROWS_PER_SEQ = 8, 5  # C8, MTP4: 1 + 4 rows per sequence
-
-
-# ---- the interpreter: sampled grids, poisoned outputs ------------------------------------------------------------
-
-
-class Runner:
-    """Runs one case: grids (sampled or full) recorded, outputs poisoned, every access bounds-checked."""
-
-    def __init__(self, full: bool):
-        import triton.runtime.interpreter as interp
-
-        self.interp, self.full = interp, full
-        self.launches: list[str] = []
-        self.picks: dict = {}  # (kernel name, axis) -> program ids to run
-        self.case_full = False  # this case runs every program (cheap grids, in-place outputs)
-
-    def axis(self, name: str, a: int, n: int) -> list[int]:
-        if (name, a) in self.picks:
-            return [i for i in self.picks[(name, a)] if 0 <= i < n]
-        if self.full or self.case_full or n <= 6:
-            return list(range(n))
-        return sorted({0, 1, n // 2, n - 2, n - 1})
-
-    @contextlib.contextmanager
-    def patched(self):
-        interp, runner = self.interp, self
-        real_call = interp.GridExecutor.__call__
-
-        def call(ex, *args_dev, **kwargs):  # GridExecutor.__call__ of triton 3.x with the program loop sampled
-            spec = inspect.getfullargspec(ex.fn)
-            kwargs = {k: v for k, v in kwargs.items() if k in spec.args or k in spec.kwonlyargs}
-            args_hst, kwargs_hst = ex._init_args_hst(args_dev, kwargs)
-            for hook in ex.pre_run_hooks:
-                hook(*args_hst, **kwargs_hst)
-            scope = interp._patch_lang(ex.fn)
-            try:
-                args = inspect.getcallargs(ex.fn, *args_hst, **kwargs_hst)
-                args = {k: v if k in ex.constexprs else interp._implicit_cvt(v) for k, v in args.items()}
-                grid = ex.grid(args) if callable(ex.grid) else ex.grid
-                grid = tuple(grid) + (1,) * (3 - len(grid))
-                interp.interpreter_builder.set_grid_dim(*grid)
-                name = ex.fn.__name__
-                axes = [runner.axis(name, a, n) for a, n in enumerate(grid)]
-                ran = math.prod(len(a) for a in axes)
-                total = math.prod(grid)
-                runner.launches.append(f"{name.strip('_')}{list(g for g in grid if g > 0)}"
-                                       + ("" if ran == total else f"~{ran}"))
-                for x in axes[0]:
-                    for y in axes[1]:
-                        for z in axes[2]:
-                            interp.interpreter_builder.set_grid_idx(x, y, z)
-                            ex.fn(**args)
-            finally:
-                scope.restore()
-            ex._restore_args_dev(args_dev, args_hst, kwargs, kwargs_hst)
-
-        interp.GridExecutor.__call__ = call
-        try:
-            yield
-        finally:
-            interp.GridExecutor.__call__ = real_call
-
-
-POISON_INT = 123456789
-
-
-@contextlib.contextmanager
-def poisoned():
-    """torch.empty / empty_like filled with NaN (ints: POISON_INT), as tests/kernels/conftest.py's `poison`."""
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype in (torch.int32, torch.int64):
-            t.fill_(POISON_INT)
-        return t
-
-    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: fill(real_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = real_empty, real_like
-
-
-def finished(t) -> torch.Tensor:
-    """The entries of a poisoned output that a kernel wrote (finite / not POISON_INT)."""
-    return torch.isfinite(t) if t.is_floating_point() else t != POISON_INT
-
-
-def compare(got, ref, atol: float, rtol: float) -> tuple[str, bool]:
-    """(text, ok) over the entries the kernels finished of each output; ref() (the torch reference, called only when
-    some entries finished: at the real widths it can take longer than the sampled kernels) gives the expected ones."""
-    gots = list(got) if isinstance(got, (tuple, list)) else [got]
-    gots = [g.detach().cpu() if g is not None else None for g in gots]
-    done = sum(int(finished(g).sum()) for g in gots if g is not None)
-    total = sum(g.numel() for g in gots if g is not None)
-    if done == 0:
-        return f"0/{total} (sampled)", True
-    want = ref()
-    wants = list(want) if isinstance(want, (tuple, list)) else [want]
-    worst, ok = 0.0, True
-    for g, w in zip(gots, wants):
-        if g is None or w is None:
-            continue
-        w = w.detach().cpu().to(g.dtype)
-        fin = finished(g)
-        if not fin.any():
-            continue
-        if g.is_floating_point():
-            d = (g[fin].float() - w[fin].float()).abs()
-            lim = atol + rtol * w[fin].float().abs()
-            ok &= bool((d <= lim).all())
-            worst = max(worst, float(d.max()))
-        else:
-            bad = int((g[fin] != w[fin]).sum())
-            ok &= bad == 0
-            worst = max(worst, bad)
-    return f"{done}/{total} {'ok' if ok else 'WRONG'} d={worst:.2g}", ok
-
-
-ROWS: list[dict] = []
-
-
-def case(runner: Runner, kernel: str, rows: int, path: str, shapes: str, config: str, fn, ref=None,
-         tol=(2e-2, 2e-2), picks: dict | None = None, full: bool = False) -> None:
-    """Run fn() once bounds-checked (sampled grids, poisoned outputs), compare with ref() where given, print a row."""
-    from interpreter_bounds import bounds_checked
-
-    runner.launches, runner.picks, runner.case_full = [], picks or {}, full
-    t0 = time.perf_counter()
-    err, out, cmp_text = "", None, "-"
-    try:
-        with runner.patched(), poisoned(), bounds_checked(raise_at_exit=False) as violations:
-            out = fn()
-    except Exception as e:  # noqa: BLE001 - a failing case is a row of the table, not the end of the sweep
-        err = f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        violations = []
-    secs = time.perf_counter() - t0
-    ok_cmp = True
-    if not err and ref is not None:
-        cmp_text, ok_cmp = compare(out, ref, *tol)
-    status = err or (f"OUT OF BOUNDS ({len(violations)}): {violations[0]}" if violations else "OK")
-    row = dict(kernel=kernel, rows=rows, path=path, shapes=shapes, grid=" ".join(runner.launches), config=config,
-               status=status, cmp=cmp_text, s=secs, ok=not violations and not err and ok_cmp)
-    ROWS.append(row)
-    print(f"| {kernel} | {rows} | {path} | {shapes} | {row['grid']} | {config} | {status} | {cmp_text} | "
-          f"{secs:.1f} |", flush=True)
-
-
-def short(cfg: dict, keys) -> str:
-    return " ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
 
 
 # ---- packed AWQ weights ------------------------------------------------------------------------------------------
@@ -245,7 +92,12 @@ def awq_tensors(lead: tuple[int, ...], N: int, K: int, gen: torch.Generator):
 
 def moe_cases(runner: Runner, gen: torch.Generator, args) -> None:
     from revolta.kernels.moe import moe_route, moe_route_ref
-    from revolta.kernels.quant.moe import PackedWeights, quant_fused_moe, quant_fused_moe_ref, quant_grouped_config
+    from revolta.kernels.quant.moe import (
+        PackedWeights,
+        quant_fused_moe,
+        quant_fused_moe_ref,
+        quant_grouped_config,
+    )
 
     E_ = args.experts
     gate_up = PackedWeights("awq", awq_tensors((E_,), 2 * I_FFN, H, gen), G)
@@ -337,13 +189,26 @@ def gdn_inputs(B: int, T: int, gen: torch.Generator):
 
 
 def gdn_cases(runner: Runner, gen: torch.Generator, args) -> None:
-    from revolta.kernels.conv1d import (causal_conv1d_commit, causal_conv1d_commit_ref, causal_conv1d_update,
-                                        causal_conv1d_update_ref)
+    from revolta.kernels.conv1d import (
+        causal_conv1d_commit,
+        causal_conv1d_commit_ref,
+        causal_conv1d_update,
+        causal_conv1d_update_ref,
+    )
     from revolta.kernels.gdn.gates import gdn_gates, gdn_gates_ref
-    from revolta.kernels.gdn.recurrent import gdn_commit, gdn_recurrent_update, gdn_replay_commit, gdn_verify
-    from revolta.kernels.gdn.recurrent import recurrent_config
-    from revolta.kernels.gdn.ref import gdn_commit_ref, gdn_recurrent_update_ref, gdn_replay_commit_ref
-    from revolta.kernels.gdn.ref import gdn_verify_ref
+    from revolta.kernels.gdn.recurrent import (
+        gdn_commit,
+        gdn_recurrent_update,
+        gdn_replay_commit,
+        gdn_verify,
+        recurrent_config,
+    )
+    from revolta.kernels.gdn.ref import (
+        gdn_commit_ref,
+        gdn_recurrent_update_ref,
+        gdn_replay_commit_ref,
+        gdn_verify_ref,
+    )
 
     B, T = NS, ROWS_PER_SEQ
     pool = B * (1 + T) + 2  # running + per-draft slots of 8 requests (cache/capacity.py), a spare pair
@@ -480,7 +345,7 @@ def qsa_cases(runner: Runner, gen: torch.Generator, args) -> None:
             q, gate = qg[..., :DH], qg[..., DH:]
             q = q.contiguous()  # zc_norm_rope's output
             if Q == 1:
-                q, gate, sel1 = q[:, 0], gate[:, 0], sel
+                q, gate = q[:, 0], gate[:, 0]
             case(runner, "qsa_sparse_decode", R, "sm90 (132 SMs)", shp + f", q [{R}, 24, 256]", "BN=32 splits auto",
                  lambda: qsa_sparse_decode(q, gate, kc, vc, table, seq, sel, DH ** -0.5),
                  lambda: qsa_sparse_decode_ref(q, gate, kc, vc, table, seq, sel, DH ** -0.5), tol=(2e-3, 2e-3),
@@ -493,9 +358,21 @@ HC, RANK = 4, 320
 
 
 def hc_cases(runner: Runner, gen: torch.Generator, args) -> None:
-    from revolta.kernels.hc import hc_combine, hc_combine_read, hc_combine_read_ref, hc_config, hc_read, hc_read_ref
+    from revolta.kernels.hc import (
+        hc_combine,
+        hc_combine_read,
+        hc_combine_read_ref,
+        hc_config,
+        hc_read,
+        hc_read_ref,
+    )
     from revolta.kernels.hc_combine import hc_combine_ref
-    from revolta.kernels.norm import gated_rms_norm, gated_rms_norm_ref, zc_rms_norm, zc_rms_norm_ref
+    from revolta.kernels.norm import (
+        gated_rms_norm,
+        gated_rms_norm_ref,
+        zc_rms_norm,
+        zc_rms_norm_ref,
+    )
     from revolta.kernels.norm_rope import zc_norm_rope, zc_norm_rope_ref
     from revolta.kernels.rope import apply_rope, apply_rope_ref
 
@@ -587,7 +464,12 @@ def ple_cases(runner: Runner, gen: torch.Generator, args) -> None:
 
 
 def sample_cases(runner: Runner, gen: torch.Generator, args) -> None:
-    from revolta.kernels.sample import greedy, greedy_ref, sample_from_logits, sample_from_logits_ref
+    from revolta.kernels.sample import (
+        greedy,
+        greedy_ref,
+        sample_from_logits,
+        sample_from_logits_ref,
+    )
 
     for N in (8, 40):
         logits = torch.randn(N, VOCAB, generator=gen) * 3
@@ -624,8 +506,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.only.split(","):
         SECTIONS[name](runner, gen, args)
-    bad = [r for r in ROWS if not r["ok"]]
-    print(f"\n{len(ROWS)} cases, {len(bad)} not OK" + "".join(f"\n  {r['kernel']} {r['rows']} {r['path']}: "
+    bad = [r for r in runner.rows if not r["ok"]]
+    print(f"\n{len(runner.rows)} cases, {len(bad)} not OK" + "".join(f"\n  {r['kernel']} {r['rows']} {r['path']}: "
                                                             f"{r['status']} {r['cmp']}" for r in bad))
     return 1 if bad else 0
 
