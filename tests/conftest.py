@@ -43,11 +43,14 @@ def default_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _bounds_checked_kernels():
-    """REVOLTA_BOUNDS_CHECK=1 (with the interpreter): every Triton load and store of every test is checked against its
-    launch's tensors (tests/interpreter_bounds.py), and a test whose kernels touched memory outside them errors at
-    teardown. Off by default (it slows the interpreted kernels): `REVOLTA_BOUNDS_CHECK=1 python -m pytest -q tests/kernels tests/spec`."""
-    if os.environ.get("REVOLTA_BOUNDS_CHECK") != "1" or os.environ.get("TRITON_INTERPRET") != "1":
+def _bounds_checked_kernels(request):
+    """Every interpreted Triton load and store of a test is checked against its launch's tensors
+    (tests/interpreter_bounds.py), and a test whose kernels touched memory outside them errors at teardown: on a GPU
+    such an access is an illegal memory access far from its kernel, or silent corruption. On for tests/kernels (about
+    20% slower there); REVOLTA_BOUNDS_CHECK=1 turns it on for every test, =0 off. Needs the interpreter."""
+    flag = os.environ.get("REVOLTA_BOUNDS_CHECK")
+    on = flag == "1" or (flag != "0" and request.node.path.parent.name == "kernels")
+    if not on or os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return
     from interpreter_bounds import bounds_checked
