@@ -11,6 +11,7 @@ import inspect
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -31,12 +32,16 @@ class Runner:
         self.interp, self.full = interp, full
         self.launches: list[str] = []
         self.rows: list[dict] = []  # one per case run
-        self.picks: dict = {}  # (kernel name, axis) -> program ids to run
+        self.picks: dict = {}  # (kernel name, axis) -> program ids to run, or f(n, launch) -> ids (launch: the
+        # kernel's earlier launches in this case, for entry points that launch one kernel over slices of the rows)
+        self.count: dict = {}  # kernel name -> launches so far in this case
         self.case_full = False  # this case runs every program (cheap grids, in-place outputs)
 
     def axis(self, name: str, a: int, n: int) -> list[int]:
         if (name, a) in self.picks:
-            return [i for i in self.picks[(name, a)] if 0 <= i < n]
+            pick = self.picks[(name, a)]
+            pick = pick(n, self.count.get(name, 0)) if callable(pick) else pick
+            return [i for i in pick if 0 <= i < n]
         if self.full or self.case_full or n <= 6:
             return list(range(n))
         return sorted({0, 1, n // 2, n - 2, n - 1})
@@ -61,6 +66,7 @@ class Runner:
                 interp.interpreter_builder.set_grid_dim(*grid)
                 name = ex.fn.__name__
                 axes = [runner.axis(name, a, n) for a, n in enumerate(grid)]
+                runner.count[name] = runner.count.get(name, 0) + 1
                 ran = math.prod(len(a) for a in axes)
                 total = math.prod(grid)
                 runner.launches.append(f"{name.strip('_')}{[g for g in grid if g > 0]}"
@@ -143,7 +149,7 @@ def compare(got, ref, atol: float, rtol: float) -> tuple[str, bool]:
 def case(runner: Runner, kernel: str, rows: int, path: str, shapes: str, config: str, fn, ref=None,
          tol=(2e-2, 2e-2), picks: dict | None = None, full: bool = False) -> None:
     """Run fn() once bounds-checked (sampled grids, poisoned outputs), compare with ref() where given, print a row."""
-    runner.launches, runner.picks, runner.case_full = [], picks or {}, full
+    runner.launches, runner.picks, runner.case_full, runner.count = [], picks or {}, full, {}
     t0 = time.perf_counter()
     err, out, cmp_text = "", None, "-"
     try:
@@ -157,7 +163,9 @@ def case(runner: Runner, kernel: str, rows: int, path: str, shapes: str, config:
     if not err and ref is not None:
         cmp_text, ok_cmp = compare(out, ref, *tol)
     status = err or (f"OUT OF BOUNDS ({len(violations)}): {violations[0]}" if violations else "OK")
-    row = {"kernel": kernel, "rows": rows, "path": path, "shapes": shapes, "grid": " ".join(runner.launches),
+    launches = Counter(runner.launches)  # an entry point that loops (experts, row slices): one item, "xN"
+    grid = " ".join(f"{g} x{n}" if n > 1 else g for g, n in launches.items())
+    row = {"kernel": kernel, "rows": rows, "path": path, "shapes": shapes, "grid": grid,
            "config": config, "status": status, "cmp": cmp_text, "s": secs,
            "ok": not violations and not err and ok_cmp}
     runner.rows.append(row)
