@@ -33,8 +33,8 @@ Cases:
     expert + torch matmuls, quant/moe.py `_expert_loop`), not the grouped kernels (<= 1,024 pairs).
   quant: awq_dequantize (the large-M path's Triton kernel: dequant_matmul slices of <= 64 MiB then F.linear) at every
     packed projection.
-  misc: zc_rms_norm, gated_rms_norm, zc_norm_rope, apply_rope, hc_read / hc_combine at M = 8192, gdn_gates at
-    M = 8192, sample_from_logits / greedy over the last rows of a prefill step (8 rows).
+  misc: zc_rms_norm, gated_rms_norm, zc_norm_rope, apply_rope, hc_read / hc_combine, gdn_gates, ple_gather (FP8
+    table rows) at M = 8192; sample_from_logits / greedy over the last rows of a prefill step (8 rows).
 
 int32 offsets read for prefill and long contexts (the interpreter computes int32 offsets like the GPU, but only the
 shapes it runs can show an overflow):
@@ -57,7 +57,8 @@ shapes it runs can show an overflow):
     expert bases `i_e (int64) * stride_we` (512 x 1280 x 2560 = 1.68G elements for gate_up: int64 needed, had);
     packed tile path likewise int64 (bounds_real_widths.py). awq_dequantize writes at most [N, K] = 12288 x 2560.
   HC / norms at M = 8192: rows `m * 10240` = 84M (int32, fine; 2^31 would need M > 209K rows in one step).
-Left out: qsa_partial (DCP only), the multimodal kernels, the PLE row ids (prefill fills the n-gram rows in torch).
+Left out: qsa_partial (DCP only), the multimodal kernels; the PLE row ids are no Triton launch in prefill (ple_rows
+takes its torch path above MAX_BLOCK_T = 16 new tokens a sequence).
 """
 
 # ruff: noqa: B023 - case() runs its two callables before the loop that made them moves on
@@ -375,6 +376,7 @@ def misc_cases(runner: Runner, gen: torch.Generator, args) -> None:
         zc_rms_norm_ref,
     )
     from revolta.kernels.norm_rope import zc_norm_rope, zc_norm_rope_ref
+    from revolta.kernels.ple_gather import FP8, ple_gather, ple_gather_ref
     from revolta.kernels.rope import apply_rope, apply_rope_ref
     from revolta.kernels.sample import (
         greedy,
@@ -420,6 +422,15 @@ def misc_cases(runner: Runner, gen: torch.Generator, args) -> None:
     A_log, dt_bias = torch.rand(HV, generator=gen), torch.rand(HV, generator=gen)
     case(runner, "gdn_gates", M, "prefill", f"a, b [{M}, 48] strided", "-",
          lambda: gdn_gates(a, b, A_log, dt_bias), lambda: gdn_gates_ref(a, b, A_log, dt_bias), tol=(1e-5, 1e-5))
+    table_rows, row_w, heads = 4096, 160, 16  # few rows of the real FP8 row width; looked-up rows at the table's end
+    table = torch.randint(0, 120, (table_rows, row_w), dtype=torch.uint8, generator=gen).view(FP8)
+    rows = torch.randint(table_rows - 64, table_rows, (M, heads), generator=gen)
+    rows[-1, -1] = table_rows - 1
+    scale = torch.tensor([0.01])
+    out1, out2 = torch.empty(M, heads * row_w, dtype=torch.float16), torch.zeros(M, heads * row_w, dtype=torch.float16)
+    case(runner, "ple_gather", M, "FP8 table", f"table [{table_rows}, {row_w}] rows [{M}, 16]", "-",
+         lambda: ple_gather(table, rows, scale, out1.fill_(float("nan"))), lambda: ple_gather_ref(table, rows, scale, out2),
+         tol=(1e-3, 1e-3))
     N = 8  # the last row of each of 8 prefill requests
     logits = torch.randn(N, VOCAB, generator=gen) * 3
     logits[-1, -1] = 50.0
