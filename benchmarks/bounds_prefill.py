@@ -64,9 +64,7 @@ takes its torch path above MAX_BLOCK_T = 16 new tokens a sequence).
 # ruff: noqa: B023 - case() runs its two callables before the loop that made them moves on
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -100,7 +98,7 @@ from bounds_real_widths import (
     H,
     awq_tensors,
 )
-from interpreter_sweep import Runner, case, short
+from interpreter_sweep import Runner, case, short, sweep_main
 
 BUDGET = 512
 CONV_W = 4
@@ -447,26 +445,13 @@ def misc_cases(runner: Runner, gen: torch.Generator, args) -> None:
 SECTIONS = {"gdn": gdn_cases, "qsa": qsa_cases, "moe": moe_cases, "quant": quant_cases, "misc": misc_cases}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+def _args(ap) -> None:
     ap.add_argument("--gdn-shapes", default=",".join(GDN_SHAPES), help=f"of {list(GDN_SHAPES)}")
-    ap.add_argument("--full", action="store_true", help="every program of every grid (days on 2 cores)")
     ap.add_argument("--experts", type=int, default=E, help="routed experts of the MoE cases (512: the real count)")
-    args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("run under the Triton interpreter: TRITON_INTERPRET=1")
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    gen = torch.Generator().manual_seed(0)
-    runner = Runner(args.full)
-    print("| kernel | rows | path | shapes | grid (~programs run) | config | bounds | compared | s |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    for name in args.only.split(","):
-        SECTIONS[name](runner, gen, args)
-    bad = [r for r in runner.rows if not r["ok"]]
-    print(f"\n{len(runner.rows)} cases, {len(bad)} not OK" + "".join(f"\n  {r['kernel']} {r['rows']} {r['path']}: "
-                                                            f"{r['status']} {r['cmp']}" for r in bad))
-    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    return sweep_main(__doc__, SECTIONS, _args, "every program of every grid (days on 2 cores)", argv)
 
 
 if __name__ == "__main__":

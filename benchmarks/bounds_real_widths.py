@@ -59,9 +59,7 @@ The sweep itself uses 64 / 200-page pools (highest ids taken): what it checks is
 # ruff: noqa: B023 - case() runs its two callables before the loop that made them moves on
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -69,7 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from interpreter_sweep import Runner, case, short
+from interpreter_sweep import Runner, case, short, sweep_main
 
 ARCH, SMS = 90, 132  # the H200
 H, E, TOP_K, I_FFN, G = 2560, 512, 10, 640, 32
@@ -491,25 +489,12 @@ SECTIONS = {"moe": moe_cases, "gemv": gemv_cases, "gdn": gdn_cases, "qsa": qsa_c
             "sample": sample_cases}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
-    ap.add_argument("--full", action="store_true", help="every program of every grid (hours on 2 cores)")
+def _args(ap) -> None:
     ap.add_argument("--experts", type=int, default=E, help="routed experts of the MoE cases (512: the real count)")
-    args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("run under the Triton interpreter: TRITON_INTERPRET=1")
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    gen = torch.Generator().manual_seed(0)
-    runner = Runner(args.full)
-    print("| kernel | rows | path | shapes | grid (~programs run) | config | bounds | compared | s |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    for name in args.only.split(","):
-        SECTIONS[name](runner, gen, args)
-    bad = [r for r in runner.rows if not r["ok"]]
-    print(f"\n{len(runner.rows)} cases, {len(bad)} not OK" + "".join(f"\n  {r['kernel']} {r['rows']} {r['path']}: "
-                                                            f"{r['status']} {r['cmp']}" for r in bad))
-    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    return sweep_main(__doc__, SECTIONS, _args, "every program of every grid (hours on 2 cores)", argv)
 
 
 if __name__ == "__main__":

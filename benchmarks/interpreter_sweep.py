@@ -6,9 +6,11 @@ compared with the torch reference; one table row printed per case.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import inspect
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -175,3 +177,29 @@ def case(runner: Runner, kernel: str, rows: int, path: str, shapes: str, config:
 
 def short(cfg: dict, keys) -> str:
     return " ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
+
+
+def sweep_main(doc: str, sections: dict, add_args=None, full_help: str = "every program of every grid",
+               argv=None) -> int:
+    """The command line of a sweep script: --only SECTIONS (each `fn(runner, gen, args)`), --full, --experts (MoE cases'
+    routed experts; `add_args(parser)` adds the script's own), the table's header, each section in turn, a summary of
+    the cases not OK; exit status 1 when any is not."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(sections), help=f"comma-separated sections of {list(sections)}")
+    ap.add_argument("--full", action="store_true", help=full_help)
+    if add_args is not None:
+        add_args(ap)
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("run under the Triton interpreter: TRITON_INTERPRET=1")
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    gen = torch.Generator().manual_seed(0)
+    runner = Runner(args.full)
+    print("| kernel | rows | path | shapes | grid (~programs run) | config | bounds | compared | s |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    for name in args.only.split(","):
+        sections[name](runner, gen, args)
+    bad = [r for r in runner.rows if not r["ok"]]
+    print(f"\n{len(runner.rows)} cases, {len(bad)} not OK" + "".join(f"\n  {r['kernel']} {r['rows']} {r['path']}: "
+                                                            f"{r['status']} {r['cmp']}" for r in bad))
+    return 1 if bad else 0
