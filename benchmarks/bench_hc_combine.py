@@ -14,7 +14,6 @@ of every variant against `hc_combine_read_ref` (y bitwise-close, the read within
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -22,16 +21,10 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 D, NH, R = 2560, 4, 320
 VARIANTS = {"bk128-w8": dict(BLOCK_K=128, WARPS_DOWN=8), "bk64-w8": dict(BLOCK_K=64, WARPS_DOWN=8),
             "bk256-w8": dict(BLOCK_K=256, WARPS_DOWN=8)}
-
-
-def _bench_moe_hc():
-    spec = importlib.util.spec_from_file_location("_bench_moe_hc", os.path.join(HERE, "bench_moe_hc.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _wall_us(fns) -> float:
@@ -48,7 +41,8 @@ def main() -> int:
     ap.add_argument("--ms", default="4,5,8,16")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     args = ap.parse_args()
-    b = _bench_moe_hc()
+    import bench_moe_hc as b  # its timers and rel_err (HERE is on sys.path)
+
     dev = args.device
     if dev == "cpu":  # a smoke run of this script under the interpreter: fp16 (its bf16 dots are wrong), sm90 configs
         dt, arch, timer = torch.float16, 90, _wall_us

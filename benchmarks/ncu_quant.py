@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import os
 import sys
 
@@ -36,19 +35,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_{name}", os.path.join(HERE, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def cases(device: str):
     """[(label, fn)]: each fn launches one case's kernels once."""
+    import bench_moe_hc as hc  # the benchmarks' own setups (HERE is on sys.path)
+    import bench_quant as bq
+    import bench_quant_moe as qm
+
     from revolta.kernels import moe as MOE
     from revolta.kernels.quant import moe as QMOE
-
-    qm, hc, bq = _load("bench_quant_moe"), _load("bench_moe_hc"), _load("bench_quant")
     small = device == "cpu"
     h, i, e, k = (64, 32, 16, 4) if small else (qm.H, qm.I, qm.E, qm.TOPK)
     dt = torch.float16 if small else torch.bfloat16  # the interpreter's bf16 dots are wrong
