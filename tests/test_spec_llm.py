@@ -107,6 +107,16 @@ def test_seeded_sampling_and_n_completions(spec):
     assert len(a[0].outputs) == 2 and a[0].outputs[0].token_ids != a[0].outputs[1].token_ids
 
 
+def test_seeded_sampling_equals_no_spec(mtp_dir, plain):
+    """A seeded sampled request gives the tokens decoding without drafts gives: drafting (which the adaptive
+    policy turns on and off by timing) must not change what a seed produces."""
+    always = LLM(model=str(mtp_dir), seed=0, speculative_config={"method": "mtp", "draft_policy": "always"})
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=12, n=2, ignore_eos=True)
+    a = always.generate(PROMPTS[:2], params, use_tqdm=False)
+    same(a, plain.generate(PROMPTS[:2], params, use_tqdm=False))
+    assert a[0].metrics.spec_decode.num_rounds > 0
+
+
 def test_fp8_draft_cache_without_calibrated_scales_is_refused(mtp_dir):
     with pytest.raises(ValueError, match="no calibrated draft K/V scales"):
         LLM(model=str(mtp_dir), kv_cache_dtype="fp8_e4m3")

@@ -115,3 +115,22 @@ def test_config_resolution():
             SpeculativeConfig.resolve(raw, has_mtp=True)
     with pytest.raises(ValueError, match="has none"):
         SpeculativeConfig.resolve({"method": "mtp"}, has_mtp=False)
+
+
+@pytest.mark.parametrize("agree", [0, 1, 2])
+def test_greedy_drafts_emit_the_tokens_plain_sampling_draws(agree):
+    """With one-hot drafts, a round emits exactly what plain decoding draws from the same rows with the same
+    generator (one exponential race per emitted token) and leaves the generator where plain decoding would: a
+    seeded request's tokens do not depend on whether (or how often) the engine drafted."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.stack([_dist(gen, V=50) for _ in range(3)])  # [3, V]: two drafts, then the bonus row
+    plain_gen = torch.Generator().manual_seed(9)
+    plain = [int((p[j] / torch.empty(50).exponential_(generator=plain_gen)).argmax()) for j in range(3)]
+    drafts = plain[:agree] + [(plain[agree] + 1) % 50] * (2 - agree)  # the first `agree` drafts match
+    round_gen = torch.Generator().manual_seed(9)
+    out = rejection_sample(p, drafts, None, round_gen)
+    assert out == plain[:agree + 1]
+    plain_gen = torch.Generator().manual_seed(9)
+    for _ in out:
+        torch.empty(50).exponential_(generator=plain_gen)
+    assert torch.equal(round_gen.get_state(), plain_gen.get_state())

@@ -11,7 +11,8 @@ the token after [definite token, d_1 .. d_i]. Emitted tokens per round = accepte
   probability q_i(x_i) is accepted when u < p_i(x_i) / q_i(x_i), u ~ U[0, 1); at the first
   rejection the token is drawn from the normalised residual max(p_i - q_i, 0); after n
   acceptances a bonus is drawn from p_n. Greedy drafts have a one-hot q: acceptance is p_i(x_i)
-  and the residual is p_i without x_i.
+  and the residual is p_i without x_i; they are verified by coupling (`coupled_sample`), which
+  draws what decoding without drafts would, so seeded sampling does not depend on drafting.
 All randomness comes from the request's own generator, in a fixed order.
 """
 
@@ -59,30 +60,45 @@ def rejection_sample(target_probs: Tensor, drafts: Sequence[int], draft_probs: T
     target_probs: [n + 1, V] the target's sampling distributions (after temperature / top-k /
     top-p / min-p); drafts: n token ids; draft_probs: [n, V] the drafter's distributions, or None
     for greedy (one-hot) drafts. Returns the emitted tokens: the accepted drafts and one more.
+
+    Greedy drafts are verified by coupling: row i draws the target's own token with the exponential race
+    plain decoding uses, and the draft is accepted when they agree. That accepts x_i with probability p_i(x_i)
+    and otherwise draws from p_i without x_i, as the rule above, and it draws exactly what plain decoding
+    would (one race per emitted token, in order): a seeded request gives the same tokens whether or not the
+    engine drafted, so the adaptive draft policy (timing-driven) cannot change its output.
     """
     n = len(drafts)
     if target_probs.dim() != 2 or target_probs.shape[0] != n + 1:
         raise ValueError(f"{n} drafts need target_probs [{n + 1}, V], got {tuple(target_probs.shape)}")
     if draft_probs is not None and tuple(draft_probs.shape) != (n, target_probs.shape[1]):
         raise ValueError(f"draft_probs must be [{n}, {target_probs.shape[1]}], got {tuple(draft_probs.shape)}")
+    if draft_probs is None:
+        return coupled_sample(target_probs, drafts, generator)
     out: list[int] = []
     for i, x in enumerate(drafts):
         p = target_probs[i].float()
         p = p / p.sum()
-        q = None if draft_probs is None else draft_probs[i].float() / draft_probs[i].float().sum()
-        q_x = 1.0 if q is None else float(q[x])
+        q = draft_probs[i].float() / draft_probs[i].float().sum()
         u = float(torch.rand((), generator=generator, device=p.device))
-        if u * q_x < float(p[x]):  # u < p(x) / q(x), without dividing by a zero q
+        if u * float(q[x]) < float(p[x]):  # u < p(x) / q(x), without dividing by a zero q
             out.append(int(x))
             continue
-        if q is None:
-            residual = p.clone()
-            residual[x] = 0.0
-        else:
-            residual = (p - q).clamp_min(0.0)
+        residual = (p - q).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: the rejection had probability ~0
             residual = p
         out.append(sample_from(residual, generator))
         return out
     out.append(sample_from(target_probs[n].float(), generator))
+    return out
+
+
+def coupled_sample(target_probs: Tensor, drafts: Sequence[int], generator: torch.Generator | None) -> list[int]:
+    """Greedy (one-hot) drafts: emit the target's own draws, row by row, while they equal the drafts.
+
+    target_probs: [n + 1, V]; drafts: n ids. Each emitted token costs one race, as a plain step's does."""
+    out: list[int] = []
+    for i in range(len(drafts) + 1):
+        out.append(sample_from(target_probs[i].float(), generator))
+        if i == len(drafts) or out[-1] != int(drafts[i]):
+            break
     return out
