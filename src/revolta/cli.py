@@ -330,6 +330,8 @@ def _sampling_params(args: argparse.Namespace, defaults=None):
 
 def _generate(args: argparse.Namespace) -> int:
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    if not all(prompts):  # before the model loads
+        raise UserError(f"prompt {prompts.index('') + 1} is empty; give some text (or '-' with text on stdin)")
     if args.model is not None and not os.path.isdir(args.model) and args.model not in PRESET_NAMES:
         raise UserError(f"--model {args.model}: not a directory; pass a checkpoint directory "
                         "(config.json + *.safetensors), a preset name (trained-default, random-default), or leave "

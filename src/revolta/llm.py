@@ -83,13 +83,13 @@ class LLM(SleepPauseMixin):
     def __init__(self, model: str | Path | None = None, *, tokenizer: str | Path | None = None,
                  dtype: str | torch.dtype = "auto", device: str | torch.device | None = None, seed: int = 0,
                  max_model_len: int | None = None, **engine_args: Any):
-        check_engine_args(engine_args)
+        check_engine_args(engine_args, seed)
         self.compact_json = compact_json_default(engine_args.get("structured_outputs_config"))  # checked before loading
         start = time.perf_counter()
         self.device = resolve_device(device)  # before the default is built: a missing device fails at once
         self.model_path, self.is_default_model = resolve_model(model)
         self.dtype = resolve_dtype(dtype, self.device)
-        target = ModelConfig.from_pretrained(self.model_path)
+        self.cfg = target = ModelConfig.from_pretrained(self.model_path)
         self.mtp_weights = has_mtp_weights(self.model_path, target)  # MTP4 is the default only with them
         self.speculative_config = resolve_llm_speculation(
             engine_args.get("speculative_config"), target, self.model_path, is_default=self.is_default_model,
@@ -99,31 +99,30 @@ class LLM(SleepPauseMixin):
         self.ple_placement = resolve_ple_placement(engine_args.get("ple_placement"))
         if self.ple_placement.source != "default":
             logger.info("PLE table placement %r from the %s", self.ple_placement.value, self.ple_placement.source)
-        # before any weight is read
+        # before any weight is read: the layout, the engine's settings, the tokenizer and the media limits
         self.parallel = resolve_parallel(engine_args, target, self.device)
+        planned_len, fit_len = requested_max_model_len(max_model_len, target)
+        config = engine_config(engine_args, self.device, planned_len, self.speculative_config, target, fit_len)
+        self.tokenizer = load_tokenizer(self.model_path, tokenizer, engine_args.get("skip_tokenizer_init", False))
+        self.mm_limits = parse_limits(engine_args.get("limit_mm_per_prompt"))
+        self.media_config = MediaConfig().updated(engine_args.get("mm_processor_kwargs"))
         with_mtp = self.speculative_config.method == "mtp"
         # at tp > 1 build_engine loads rank 0's shard (its slices only) instead of the full model
         model = None if self.parallel.tp > 1 else load_model(self.model_path, dtype=self.dtype, device=self.device,
                                                               with_mtp=with_mtp, progress=not self.is_default_model,
                                                               ple_placement=self.ple_placement.value)
-        self.cfg: ModelConfig = target
-        self.tokenizer = load_tokenizer(self.model_path, tokenizer, engine_args.get("skip_tokenizer_init", False))
-        planned_len, fit_len = requested_max_model_len(max_model_len, self.cfg)
         eos = {self.cfg.text.eos_token_id}
         if self.tokenizer is not None:
             eos.update(self.tokenizer.stop_token_ids)
         self.generation_config = read_checkpoint_json(self.model_path, "generation_config.json")
         self.engine_args = dict(engine_args)
-        self.mm_limits = parse_limits(engine_args.get("limit_mm_per_prompt"))
-        self.media_config = MediaConfig().updated(engine_args.get("mm_processor_kwargs"))
         self.allowed_local_media_path = engine_args.get("allowed_local_media_path")
         self._explicit = {"dtype": dtype != "auto", "device": device is not None, "seed": seed != 0,
                           "max_model_len": max_model_len is not None}
         # embedding rows past the tokenizer's ids are padding with no text; the engine never samples them
         num_text_ids = self.tokenizer.vocab_size if self.tokenizer is not None else self.cfg.text.vocab_size
-        self.engine = build_engine(model, engine_config(engine_args, self.device, planned_len, self.speculative_config,
-                                                        fit_max_model_len=fit_len), self.model_path, target,
-                                   self.dtype, with_mtp, tokenizer=self.tokenizer, eos_token_ids=frozenset(eos),
+        self.engine = build_engine(model, config, self.model_path, target, self.dtype, with_mtp,
+                                   tokenizer=self.tokenizer, eos_token_ids=frozenset(eos),
                                    num_text_ids=num_text_ids, ple_placement=self.ple_placement.value,
                                    device=self.device)
         self.model: FlashNextModel = self.engine.model  # at tp > 1: rank 0's shard
@@ -244,7 +243,7 @@ class LLM(SleepPauseMixin):
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, Mapping)):  # a dict is reported below, not read as a list
             params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)
@@ -253,7 +252,8 @@ class LLM(SleepPauseMixin):
                                  "SamplingParams for all or one per prompt")
         for sp in params_list:
             if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+                raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sp).__name__}; "
+                                "build one with SamplingParams(**fields)")
         arrival = time.time()
         requests: list[Request] = []
         try:
@@ -302,7 +302,8 @@ class LLM(SleepPauseMixin):
                              "room to generate; shorten the prompt or raise max_model_len")
         seed = params.seed + seed_offset if params.seed is not None else self._seed_rng.getrandbits(63)
         generator = None if params.greedy else make_generator(seed, self.device)
-        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        detok = (None if self.tokenizer is None or not params.detokenize
+                 else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
         while str(self._next_request_id) in self._live:  # skip ids a caller chose in add_request
             self._next_request_id += 1
         request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1

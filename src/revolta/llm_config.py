@@ -21,9 +21,12 @@ from typing import Any
 import torch
 
 from .device import resolve_device  # noqa: F401  (LLM picks its device through here)
-from .engine import EngineConfig
+from .config import ModelConfig
+from .engine import CPU_KV_CACHE_GIB, EngineConfig
 from .llm_load import speculation_source
 from .ple.load import ple_memory
+from .presets.default import PRESET_MARKER
+from .presets.load import TRAINED
 from .spec.config import DFLASH2_METHODS, SpeculativeConfig
 from .spec.dflash2.checks import check_pipeline_parallel
 from .tokenizer import Tokenizer
@@ -92,7 +95,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def check_engine_args(engine_args: Mapping[str, Any]) -> None:
+def check_engine_args(engine_args: Mapping[str, Any], seed: Any = 0) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed={seed!r} must be an integer (it seeds requests that have no SamplingParams.seed)")
     for name in engine_args:
         if name not in ENGINE_ARG_NAMES:
             known = sorted(ENGINE_ARG_NAMES) + ["tokenizer", "dtype", "device", "seed", "max_model_len"]
@@ -108,10 +113,30 @@ def check_engine_args(engine_args: Mapping[str, Any]) -> None:
                          "(tensor_parallel_size splits the model across devices)")
 
 
+# vLLM's names for a checkpoint's own format (revolta runs the format the checkpoint declares, never another)
+QUANTIZATION_ALIASES = {"awq": ("awq", "awq_marlin"), "compressed-tensors": ("compressed-tensors",),
+                        "modelopt": ("modelopt", "modelopt_fp4", "nvfp4"), "fp8": ("fp8",)}
+
+
+def check_quantization(quantization: str | None, cfg: ModelConfig) -> None:
+    """vLLM's `quantization=` names the checkpoint's format; revolta quantizes nothing on load, so another name
+    (or one for a 16-bit checkpoint) would be silently ignored: refuse it with what the checkpoint holds."""
+    if quantization is None:
+        return
+    method = cfg.quantization.method if cfg.quantization is not None else None
+    if quantization in QUANTIZATION_ALIASES.get(method, ()):
+        return
+    holds = "16-bit weights" if method is None else f"{method!r} weights ({cfg.quantization.describe()})"
+    raise ValueError(f"quantization={quantization!r} does not match this checkpoint, which holds {holds}; revolta "
+                     "runs the checkpoint's own format and quantizes nothing on load: leave quantization unset")
+
+
 def engine_config(engine_args: Mapping[str, Any], device: torch.device, max_model_len: int,
-                  speculative_config: SpeculativeConfig, fit_max_model_len: bool = False) -> EngineConfig:
+                  speculative_config: SpeculativeConfig, cfg: ModelConfig,
+                  fit_max_model_len: bool = False) -> EngineConfig:
     """The EngineConfig of `LLM(...)`'s engine arguments (speculative_config already resolved; fit_max_model_len:
-    max_model_len is the checkpoint's, lowered to what the cache holds)."""
+    max_model_len is the checkpoint's, lowered to what the cache holds), checked against the checkpoint's config."""
+    check_quantization(engine_args.get("quantization"), cfg)
     args = {name: engine_args[name] for name in ENGINE_CONFIG_ARGS if name in engine_args}
     if "cudagraph_capture_sizes" in args:
         args["cudagraph_capture_sizes"] = tuple(args["cudagraph_capture_sizes"])
@@ -144,6 +169,11 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     for name in ("tensor_parallel_size", "decode_context_parallel_size", "max_num_seqs", "max_num_batched_tokens",
                  "kv_cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib",
                  "block_size", "enforce_eager", "dflash2_graph_rounds", "dflash2_draft_graph"):
+        if name == "kv_cache_gib" and ec.kv_cache_gib is None:  # the size in force, not "None"
+            on_cpu = llm.device.type != "cuda"
+            rows.append((name, CPU_KV_CACHE_GIB if on_cpu else None, "default (the CPU allowance)" if on_cpu
+                         else "default (what gpu_memory_utilization leaves)"))
+            continue
         rows.append((name, getattr(ec, name), arg(name)))
     rows.append(("block_size (effective)", engine.plan.layout.block_size,
                  arg("block_size") if ec.block_size else "default (chosen for the model)"))
@@ -179,12 +209,20 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     return rows
 
 
+def model_origin(model_path: Path, is_default: bool) -> str:
+    """What was loaded, for the start-up line: a checkpoint, or which embedded preset (its marker file says)."""
+    if not is_default:
+        return "checkpoint"
+    if read_checkpoint_json(model_path, PRESET_MARKER).get("preset") == TRAINED:
+        return "embedded default preset (trained on the Python standard library: it writes Python-shaped code)"
+    return "embedded default preset (random weights: output is not meaningful text)"
+
+
 def log_summary(llm: Any, seconds: float) -> None:
     """The start-up log: what was loaded, then the effective configuration table."""
     t, v = llm.cfg.text, llm.cfg.vision
     num_params = sum(p.numel() for p in llm.model.parameters())
-    origin = "embedded default preset (random weights: output is not meaningful text)" \
-        if llm.is_default_model else "checkpoint"
+    origin = model_origin(llm.model_path, llm.is_default_model)
     parts = [f"{t.num_hidden_layers} layers ({t.num_gdn_layers} GDN + {t.num_qsa_layers} QSA)",
              f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
              f"MTP {t.num_mtp_layers}{'' if llm.mtp_weights else ' (no weights in the checkpoint)'}, speculative "

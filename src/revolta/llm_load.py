@@ -77,8 +77,8 @@ def requested_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> tupl
     limit = cfg.text.max_position_embeddings
     if max_model_len is None:
         return limit, True
-    if max_model_len < 2:
-        raise ValueError(f"max_model_len={max_model_len} must be >= 2")
+    if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 2:
+        raise ValueError(f"max_model_len={max_model_len!r} must be an integer >= 2 (or None: the checkpoint's)")
     if max_model_len > limit:
         logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d", max_model_len, limit)
     return int(max_model_len), False

@@ -165,6 +165,8 @@ class MemoryBudget:
     activation_bytes: int = 0
     cudagraph_reserve_bytes: int = int(DEFAULT_CUDAGRAPH_RESERVE_MIB * MiB)
     other_bytes: int = int(DEFAULT_OTHER_RESERVE_MIB * MiB)
+    # the cache is a fixed allowance named so (e.g. "kv_cache_gib=0.5"), not what a GPU leaves: errors name it as the fix
+    allowance: str | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -398,7 +400,7 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
     state_pages = -(-state // page)
     scalars = _scalar_bytes(cfg, kv, draft, with_mtp)
     avail = budget.cache_bytes - scalars - cache.max_num_seqs * draft_per_request
-    if avail <= 0:
+    if avail <= 0 and budget.allowance is None:  # a fixed allowance gets its own error below: the size that works
         drafter = f" + DFlash2 drafter KV {human_bytes(cache.max_num_seqs * draft_per_request)}" if group else ""
         raise CacheConfigError(
             f"no memory left for the KV cache: weights {human_bytes(budget.weights_bytes)} + activations "
@@ -406,7 +408,7 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
             f"other {human_bytes(budget.other_bytes)}{drafter} exceed gpu_memory_utilization x memory = "
             f"{human_bytes(budget.usable_bytes)} by {human_bytes(-avail)}; raise --gpu-memory-utilization, use more "
             "GPUs (--tp), a smaller weight format, or lower --max-num-batched-tokens")
-    pool_pages = avail // page
+    pool_pages = max(avail, 0) // page
     slots_per_request = 1 + cache.num_draft_slots
     running = cache.max_num_seqs * slots_per_request
     snapshots = cache.num_snapshot_slots
@@ -418,12 +420,20 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
     need = -(-(L + cache.num_speculative_tokens) // bs)
     if num_blocks - 1 < need:
         fit = max(0, (num_blocks - 1) * bs - cache.num_speculative_tokens)
+        if budget.allowance is not None:  # the fix is the allowance: name the size that holds one sequence
+            least = budget.cache_bytes - avail + (need + 1 + num_slots * state_pages) * page
+            lower = f", lower max_model_len to {fit:,}" if fit else ""
+            raise CacheConfigError(
+                f"max_model_len={L:,} needs {need:,} KV blocks of {bs} tokens ({human_bytes(need * page)}) beside "
+                f"{num_slots} state slots ({human_bytes(num_slots * state)}), but the KV cache allowance "
+                f"{budget.allowance} holds {max(0, num_blocks - 1):,} blocks; raise kv_cache_gib to at least "
+                f"{-(-least * 1000 // GiB) / 1000:.3f} (serve: --kv-cache-gib G){lower} or lower max_num_seqs")
         raise CacheConfigError(
             f"max_model_len={L:,} needs {need:,} KV blocks of {bs} tokens ({human_bytes(need * page)} per GPU), "
             f"but after {num_slots} state slots ({human_bytes(num_slots * state)}) the pool holds "
             f"{max(0, num_blocks - 1):,} blocks ({human_bytes(max(0, num_blocks - 1) * page)}), i.e. "
-            f"{fit:,} tokens; lower --max-model-len to {fit:,} or less, use --kv-cache-dtype fp8_e4m3, raise "
-            "--gpu-memory-utilization, use more GPUs (--tp) or lower --max-num-seqs")
+            f"{fit:,} tokens; {f'lower --max-model-len to {fit:,} or less, ' if fit else ''}use --kv-cache-dtype "
+            "fp8_e4m3, raise --gpu-memory-utilization, use more GPUs (--tp) or lower --max-num-seqs")
     per_request = -(-L // bs) + slots_per_request * state_pages + -(-draft_per_request // page)
     # Reported capacity is what the allocated tensors physically hold: the KV blocks (state
     # slots are separate tensors sized for max_num_seqs), capped by the running slots.

@@ -19,7 +19,7 @@ from typing import Any
 
 # Imported on first use: spec/ builds on runner.py and cuda_graphs.py, and importing those must not pull in
 # engine.py (which imports spec/).
-_EXPORTS = {"Engine": ".engine", "EngineConfig": ".engine", "EngineStatus": ".engine", "Request": ".request"}
+_EXPORTS = {"CPU_KV_CACHE_GIB": ".engine", "Engine": ".engine", "EngineConfig": ".engine", "EngineStatus": ".engine", "Request": ".request"}
 __all__ = sorted(_EXPORTS)
 
 

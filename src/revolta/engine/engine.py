@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 MIN_ENCODER_TOKENS = 4096
 
 
+CPU_KV_CACHE_GIB = 0.5  # the KV cache allowance without kv_cache_gib where no GPU sizes it (the CPU)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """vLLM-named knobs of the engine.
@@ -105,6 +108,15 @@ class EngineConfig:
     decode_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        gib = self.kv_cache_gib
+        if gib is not None and (not _is_number(gib) or not 0 < gib < float("inf")):
+            raise ValueError(f"kv_cache_gib={gib!r} must be > 0 GiB (or None: on CUDA what gpu_memory_utilization "
+                             f"leaves, on CPU {CPU_KV_CACHE_GIB})")
+        if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        for name in ("enable_prefix_caching", "enforce_eager", "dflash2_graph_rounds", "dflash2_draft_graph"):
+            if not isinstance(getattr(self, name), bool):  # "no" would be truthy: on, silently
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
@@ -259,7 +271,8 @@ class Engine:
                    "kv_cache_dtype='fp8_e4m3' or lower max_num_seqs")
         else:
             gib = self.config.kv_cache_gib
-            cache_is = f"kv_cache_gib={gib:g}" if gib is not None else "kv_cache_gib=0.5, the CPU default"
+            cache_is = f"kv_cache_gib={gib if gib is not None else CPU_KV_CACHE_GIB:g}" + \
+                ("" if gib is not None else ", the CPU default")
             how = "raise kv_cache_gib (serve: --kv-cache-gib G) or lower max_num_seqs"
         logger.warning("max_model_len not given: the checkpoint's max_position_embeddings=%s does not fit the KV "
                        "cache (%s), so max_model_len=%s, the longest one sequence it holds (the full length needs %s "
@@ -291,9 +304,10 @@ class Engine:
             return MemoryBudget(gpu_memory_bytes=total, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                 weights_bytes=weights, activation_bytes=activations, cudagraph_reserve_bytes=graphs)
         # a fixed allowance (CPU default 0.5 GiB): no graph or activation reserve
-        cache = int((0.5 if self.config.kv_cache_gib is None else self.config.kv_cache_gib) * 2**30)
-        return MemoryBudget(gpu_memory_bytes=cache, gpu_memory_utilization=1.0, weights_bytes=0,
-                            activation_bytes=0, cudagraph_reserve_bytes=0, other_bytes=0)
+        gib = CPU_KV_CACHE_GIB if cfg.kv_cache_gib is None else cfg.kv_cache_gib
+        allowance = f"kv_cache_gib={gib:g}" + (" (the CPU default)" if cfg.kv_cache_gib is None else "")
+        return MemoryBudget(gpu_memory_bytes=int(gib * 2**30), gpu_memory_utilization=1.0, weights_bytes=0,
+                            activation_bytes=0, cudagraph_reserve_bytes=0, other_bytes=0, allowance=allowance)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -510,3 +524,7 @@ def check_draft_kv_dtype(spec: SpeculativeConfig, kv_cache_dtype: str, kv_scales
         raise ValueError("the MTP draft KV cache would be fp8_e4m3, but the checkpoint has no calibrated draft K/V "
                          "scales (mtp.layers.0.self_attn.{k,v}_scale); set speculative_config "
                          "{'kv_cache_dtype': 'auto'} for a 16-bit draft cache, or use a checkpoint with MTP scales")
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

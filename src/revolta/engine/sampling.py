@@ -40,6 +40,7 @@ class SamplingParams:
         the prompt token there and of the top `prompt_logprobs` tokens (the prompt is then computed
         whole: no prefix-cache hit).
     skip_special_tokens: drop special tokens from the output text.
+    detokenize: False leaves the output text empty (token ids only; saves the decoding); stop strings need it.
     include_stop_str_in_output: keep the matched stop string in the text.
     presence_penalty: subtracted from the logit of every token already generated (0 = off).
     frequency_penalty: subtracted once per earlier occurrence in the output (0 = off).
@@ -66,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -124,6 +126,8 @@ class SamplingParams:
         if ids is not None and not (isinstance(ids, Sequence) and all(_is_int(i) and i >= 0 for i in ids)):
             fail("stop_token_ids", "must be a list of token ids (integers >= 0)")
         object.__setattr__(self, "stop_strings", tuple(s for s in (stop or ()) if s))
+        if self.stop_strings and not self.detokenize:
+            fail("stop", "stop strings need detokenize=True (they match the text); use stop_token_ids instead")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids) if ids is not None else ())
 
     @property
