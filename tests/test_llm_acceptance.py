@@ -7,15 +7,20 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_llm import write_tiny_checkpoint
 
 import revolta.llm
 from revolta import LLM, SamplingParams
-from revolta.cache.capacity import CacheConfig, CacheConfigError, MemoryBudget, plan_cache
+from revolta.cache.capacity import (
+    CacheConfig,
+    CacheConfigError,
+    MemoryBudget,
+    plan_cache,
+)
 from revolta.cli import main
 from revolta.engine import EngineConfig
 from revolta.llm_config import model_origin
 from revolta.presets.default import PRESET_MARKER, default_config
-from test_llm import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +97,7 @@ def test_effective_config_shows_the_cpu_cache_allowance(llm):
 
 
 def test_detokenize_off(llm):
-    params = dict(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    params = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
     on = llm.generate("Hello", SamplingParams(**params), use_tqdm=False)[0].outputs[0]
     off = llm.generate("Hello", SamplingParams(**params, detokenize=False), use_tqdm=False)[0].outputs[0]
     assert off.token_ids == on.token_ids and on.text and off.text == ""

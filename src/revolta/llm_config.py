@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .device import resolve_device  # noqa: F401  (LLM picks its device through here)
 from .config import ModelConfig
+from .device import resolve_device  # noqa: F401  (LLM picks its device through here)
 from .engine import CPU_KV_CACHE_GIB, EngineConfig
 from .llm_load import speculation_source
 from .ple.load import ple_memory
