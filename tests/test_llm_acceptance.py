@@ -7,20 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_llm import write_tiny_checkpoint
 
 import revolta.llm
 from revolta import LLM, SamplingParams
-from revolta.cache.capacity import (
-    CacheConfig,
-    CacheConfigError,
-    MemoryBudget,
-    plan_cache,
-)
+from revolta.cache.capacity import CacheConfig, CacheConfigError, MemoryBudget, plan_cache
 from revolta.cli import main
 from revolta.engine import EngineConfig
 from revolta.llm_config import model_origin
 from revolta.presets.default import PRESET_MARKER, default_config
+from test_llm import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
