@@ -109,3 +109,13 @@ def test_cli_empty_prompt_fails_before_loading(monkeypatch, capsys):
     monkeypatch.setattr(revolta.llm, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["generate", ""]) == 2
     assert "empty" in capsys.readouterr().err
+
+
+def test_an_unwritable_preset_cache_names_revolta_cache(tmp_path):
+    from revolta.presets.default import build_once
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="REVOLTA_CACHE to a writable directory") as e:
+        build_once(blocker / "default-x", lambda d: pytest.fail("nothing is written"), "the embedded default model")
+    assert str(blocker) in str(e.value)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelConfig
+from ..config_error import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -198,10 +199,14 @@ def build_once(final: Path, write: Callable[[Path], Any], what: str) -> Path:
     """
     if is_complete(final):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    except OSError as e:  # a bad $REVOLTA_CACHE / $XDG_CACHE_HOME: name the variable, not just errno
+        raise ConfigError(f"cannot build {what} under {final.parent} ({e.strerror or e}); set REVOLTA_CACHE to a "
+                          "writable directory") from None
     logger.info("building %s in %s (once; offline)", what, final)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
