@@ -5,6 +5,7 @@ acceptance testing as a vLLM user)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -119,3 +120,14 @@ def test_an_unwritable_preset_cache_names_revolta_cache(tmp_path):
     with pytest.raises(ValueError, match="REVOLTA_CACHE to a writable directory") as e:
         build_once(blocker / "default-x", lambda d: pytest.fail("nothing is written"), "the embedded default model")
     assert str(blocker) in str(e.value)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-model-len", "0"], "--max-model-len=0 must be >= 1"),
+    (["--weights-gib", "-3"], "--weights-gib=-3.0 must be > 0"),
+    (["--num-speculative-tokens", "9"], r"--num-speculative-tokens=9 must be in \[0, 8\]"),
+])
+def test_info_dry_run_refuses_out_of_range_flags(flags, says, capsys):
+    assert main(["info", "tests/data/qwen3_8_flash_next_config.json", "--gpu-memory", "32", "--tp", "4", *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.search(says, err) and "Traceback" not in err

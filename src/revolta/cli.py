@@ -215,6 +215,12 @@ def _info(args: argparse.Namespace) -> int:
 
     if args.tp < 1:
         raise UserError(f"--tp={args.tp} must be >= 1")
+    for flag, value, ok, allowed in (("--max-model-len", args.max_model_len, lambda v: v >= 1, ">= 1"),
+                                     ("--weights-gib", args.weights_gib, lambda v: v > 0, "> 0"),
+                                     ("--num-speculative-tokens", args.num_speculative_tokens, lambda v: 0 <= v <= 8,
+                                      "in [0, 8] (0 = no speculation; the engine drafts at most 8)")):
+        if value is not None and not ok(value):  # 0 would otherwise read as "not given"
+            raise UserError(f"{flag}={value} must be {allowed}")
     if not os.path.exists(args.path):
         raise UserError(f"{args.path}: no such file or directory; pass a checkpoint directory or its config.json")
     cfg = ModelConfig.from_pretrained(args.path)
@@ -243,7 +249,8 @@ def _info(args: argparse.Namespace) -> int:
 
             by_part = weights_per_gpu(cfg, args.tp)  # the checkpoint's own formats, as a rank holds them
             weights = by_part["total"] + (by_part["ple_table_host"] // args.tp if ple.value == "device" else 0)
-        plan = dry_run_report(cfg, args.gpu_memory, args.tp, args.max_model_len or cfg.text.max_position_embeddings,
+        length = cfg.text.max_position_embeddings if args.max_model_len is None else args.max_model_len
+        plan = dry_run_report(cfg, args.gpu_memory, args.tp, length,
                               args.kv_cache_dtype, args.gpu_memory_utilization, weights, ple_placement=ple.value,
                               ple_source=ple.source, weights_measured=args.weights_gib is not None, dcp=args.dcp,
                               **options)
