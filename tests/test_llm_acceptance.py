@@ -110,6 +110,8 @@ def test_cli_empty_prompt_fails_before_loading(monkeypatch, capsys):
     monkeypatch.setattr(revolta.llm, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["generate", ""]) == 2
     assert "empty" in capsys.readouterr().err
+    assert main(["generate", "x", "--no-thinking"]) == 2  # a flag that would do nothing without --chat
+    assert "--no-thinking needs --chat" in capsys.readouterr().err
 
 
 def test_an_unwritable_preset_cache_names_revolta_cache(tmp_path):

@@ -337,6 +337,8 @@ def _sampling_params(args: argparse.Namespace, defaults=None):
 
 def _generate(args: argparse.Namespace) -> int:
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    if args.no_thinking and not args.chat:
+        raise UserError("--no-thinking needs --chat (it pre-closes the chat template's <think> block)")
     if not all(prompts):  # before the model loads
         raise UserError(f"prompt {prompts.index('') + 1} is empty; give some text (or '-' with text on stdin)")
     if args.model is not None and not os.path.isdir(args.model) and args.model not in PRESET_NAMES:
