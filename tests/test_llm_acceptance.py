@@ -106,7 +106,7 @@ def test_sampling_params_as_a_dict_says_what_to_pass(llm):
         llm.generate("Hello", {"temperature": 0}, use_tqdm=False)
 
 
-def test_cli_empty_prompt_fails_before_loading(monkeypatch, capsys):
+def test_cli_user_errors_come_before_loading(monkeypatch, capsys):
     monkeypatch.setattr(revolta.llm, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["generate", ""]) == 2
     assert "empty" in capsys.readouterr().err
@@ -133,3 +133,11 @@ def test_info_dry_run_refuses_out_of_range_flags(flags, says, capsys):
     assert main(["info", "tests/data/qwen3_8_flash_next_config.json", "--gpu-memory", "32", "--tp", "4", *flags]) == 2
     err = capsys.readouterr().err
     assert re.search(says, err) and "Traceback" not in err
+
+
+def test_chat_template_kwargs_may_carry_enable_thinking(llm):
+    """vLLM's (and Qwen3's documented) way to turn thinking off is chat_template_kwargs={"enable_thinking": False}."""
+    m = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    off = llm.chat(m, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0]
+    assert off.prompt == llm.render_chat(m, enable_thinking=False) != llm.render_chat(m)

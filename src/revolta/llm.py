@@ -208,10 +208,9 @@ class LLM(SleepPauseMixin):
         (base64 `data:` URLs or local files) or `{"type": "image", "image": PIL image | path | bytes}` and
         `{"type": "video", "video": path | bytes | frames}` (see `mm_processor.media_from_messages`)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [self.chat_prompt(c, tools=tools, enable_thinking=enable_thinking,
-                                    add_generation_prompt=add_generation_prompt,
-                                    mm_processor_kwargs=mm_processor_kwargs, **dict(chat_template_kwargs or {}))
-                   for c in conversations]
+        template = {"tools": tools, "enable_thinking": enable_thinking, "add_generation_prompt": add_generation_prompt,
+                    **dict(chat_template_kwargs or {})}  # vLLM callers pass enable_thinking there: it wins
+        prompts = [self.chat_prompt(c, mm_processor_kwargs=mm_processor_kwargs, **template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], allow_local_files: bool = True,
