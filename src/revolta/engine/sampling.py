@@ -149,8 +149,10 @@ def _is_int(x: object) -> bool:
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A torch.Generator on `device` seeded with `seed` (one per request)."""
-    return torch.Generator(device=device).manual_seed(int(seed))
+    """A torch.Generator on `device` seeded with `seed` (one per request). Any Python int is taken modulo 2**64, read
+    as a signed 64-bit value (what manual_seed accepts): seeds in [-2**63, 2**63) are used as they are."""
+    seed = int(seed) & (2**64 - 1)
+    return torch.Generator(device=device).manual_seed(seed - 2**64 if seed >= 2**63 else seed)
 
 
 class Sampler:
