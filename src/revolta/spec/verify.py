@@ -11,7 +11,11 @@ the token after [definite token, d_1 .. d_i]. Emitted tokens per round = accepte
   probability q_i(x_i) is accepted when u < p_i(x_i) / q_i(x_i), u ~ U[0, 1); at the first
   rejection the token is drawn from the normalised residual max(p_i - q_i, 0); after n
   acceptances a bonus is drawn from p_n. Greedy drafts have a one-hot q: acceptance is p_i(x_i)
-  and the residual is p_i without x_i.
+  and the residual is p_i without x_i. For them this is done as plain decoding would sample:
+  row i's token t_i = argmax(p_i / E_i), one noise draw per row, and d_i is accepted when t_i == d_i
+  (probability p_i(d_i); otherwise t_i follows the residual). Each emitted token then uses exactly
+  the noise plain decoding gives its position, so a seeded request draws the same tokens whether
+  or when the adaptive policy drafts for it.
 All randomness comes from the request's own generator, in a fixed order.
 """
 
@@ -66,20 +70,22 @@ def rejection_sample(target_probs: Tensor, drafts: Sequence[int], draft_probs: T
     if draft_probs is not None and tuple(draft_probs.shape) != (n, target_probs.shape[1]):
         raise ValueError(f"draft_probs must be [{n}, {target_probs.shape[1]}], got {tuple(draft_probs.shape)}")
     out: list[int] = []
+    if draft_probs is None:  # greedy drafts: sample each row as plain decoding does, stop at the first mismatch
+        for i, x in enumerate(drafts):
+            out.append(sample_from(target_probs[i], generator))
+            if out[-1] != int(x):
+                return out
+        out.append(sample_from(target_probs[n], generator))
+        return out
     for i, x in enumerate(drafts):
         p = target_probs[i].float()
         p = p / p.sum()
-        q = None if draft_probs is None else draft_probs[i].float() / draft_probs[i].float().sum()
-        q_x = 1.0 if q is None else float(q[x])
+        q = draft_probs[i].float() / draft_probs[i].float().sum()
         u = float(torch.rand((), generator=generator, device=p.device))
-        if u * q_x < float(p[x]):  # u < p(x) / q(x), without dividing by a zero q
+        if u * float(q[x]) < float(p[x]):  # u < p(x) / q(x), without dividing by a zero q
             out.append(int(x))
             continue
-        if q is None:
-            residual = p.clone()
-            residual[x] = 0.0
-        else:
-            residual = (p - q).clamp_min(0.0)
+        residual = (p - q).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: the rejection had probability ~0
             residual = p
         out.append(sample_from(residual, generator))
