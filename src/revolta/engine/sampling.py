@@ -90,8 +90,8 @@ class SamplingParams:
             fail("top_k", "must be an integer >= 1, or 0 / -1 (off)")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "must be in [0, 1] (0 = off)")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            fail("seed", "must be a 64-bit integer, in [-2**63, 2**63 - 1], or None")  # torch's generator range
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             fail("max_tokens", "must be an integer >= 1, or None (up to the model's max length)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):

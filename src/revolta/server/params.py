@@ -112,7 +112,7 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > config.max_stop_strings:
         raise bad_request(f"At most {config.max_stop_strings} stop strings are supported, got {len(stops)}", "stop")
-    n = fields.get("n") or 1
+    n = 1 if fields.get("n") is None else fields["n"]  # n=0 is an error, not the default
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}", "n")
     temperature = fields.get("temperature")
