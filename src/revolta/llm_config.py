@@ -179,12 +179,20 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     return rows
 
 
+def model_origin(path: Path, is_default: bool) -> str:
+    """What the start-up line calls the model: a checkpoint, or which embedded default (trained or random)."""
+    if not is_default:
+        return "checkpoint"
+    if path.name.startswith("trained-"):  # presets/trained.py: trained_model_dir()
+        return "embedded default preset (trained on the Python standard library: Python-shaped code)"
+    return "embedded default preset (random weights: output is not meaningful text)"
+
+
 def log_summary(llm: Any, seconds: float) -> None:
     """The start-up log: what was loaded, then the effective configuration table."""
     t, v = llm.cfg.text, llm.cfg.vision
     num_params = sum(p.numel() for p in llm.model.parameters())
-    origin = "embedded default preset (random weights: output is not meaningful text)" \
-        if llm.is_default_model else "checkpoint"
+    origin = model_origin(llm.model_path, llm.is_default_model)
     parts = [f"{t.num_hidden_layers} layers ({t.num_gdn_layers} GDN + {t.num_qsa_layers} QSA)",
              f"MoE {t.num_experts} experts top-{t.num_experts_per_tok}",
              f"MTP {t.num_mtp_layers}{'' if llm.mtp_weights else ' (no weights in the checkpoint)'}, speculative "
