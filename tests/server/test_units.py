@@ -203,3 +203,19 @@ def test_startup_summary_says_which_embedded_default_it_loaded():
     assert "trained" in model_origin(Path("/c/trained-9e0c8398c30f"), True)
     assert "random weights" in model_origin(Path("/c/default-1234"), True)
     assert model_origin(Path("/srv/trained-model"), False) == "checkpoint"
+
+
+def test_reasoning_effort_must_be_one_of_openais_values():
+    """A typo such as reasoning_effort="hgih" was served silently (OpenAI and vLLM answer 400 naming the field)."""
+    from pydantic import ValidationError
+
+    from revolta.server.protocol import ChatCompletionRequest, ResponsesRequest
+
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", None):
+        ChatCompletionRequest.model_validate({**chat, "reasoning_effort": effort})
+        ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": effort, "summary": "auto"}})
+    with pytest.raises(ValidationError, match="reasoning_effort"):
+        ChatCompletionRequest.model_validate({**chat, "reasoning_effort": "hgih"})
+    with pytest.raises(ValidationError, match="reasoning.effort"):
+        ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": "hgih"}})

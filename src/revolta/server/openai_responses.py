@@ -104,7 +104,7 @@ class Responses:
         tools = tool_setup(chat_tools, body.tool_choice, body.parallel_tool_calls)
         check_tool_choice(structured, tools.choice, bool(tools.forced_prefix))
         kwargs = dict(body.chat_template_kwargs or {})
-        if (body.reasoning or {}).get("effort") == "none":
+        if body.reasoning is not None and body.reasoning.effort == "none":
             kwargs.setdefault("enable_thinking", False)
         prompt = await s.renderer.render(normalize_messages(messages), tools, kwargs,
                                          request=request)
@@ -155,7 +155,7 @@ class Responses:
                 "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
                 "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "metadata": {},
-                "reasoning": body.reasoning, "store": body.store,
+                "reasoning": body.reasoning and body.reasoning.model_dump(), "store": body.store,
                 "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
                           "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": prompt_tokens + out_tokens}}

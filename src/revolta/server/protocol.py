@@ -35,6 +35,13 @@ class SamplingFields(_Body):
     n: int = 1
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's values
+
+
+class ResponsesReasoning(_Body):
+    effort: ReasoningEffort | None = None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -64,7 +71,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True
 
 
@@ -91,7 +98,7 @@ class ResponsesRequest(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
-    reasoning: dict[str, Any] | None = None
+    reasoning: ResponsesReasoning | None = None
     text: dict[str, Any] | None = None
     stream: bool = False
     store: bool = True
