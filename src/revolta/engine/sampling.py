@@ -10,6 +10,7 @@ the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +52,8 @@ class SamplingParams:
         thinking on, the constraint applies after `</think>`. A dict is read as StructuredOutputsParams(**it).
     thinking_token_budget: most tokens of a `<think>` block the prompt opened; then `</think>` is forced
         (vLLM's name; None = no limit, 0 = close it at once).
+    logit_bias: {token id: bias} added to those logits before sampling (greedy too), clamped to
+        [-100, 100] as vLLM does; ids the model cannot sample are the caller's to refuse.
     """
 
     n: int = 1
@@ -73,6 +76,7 @@ class SamplingParams:
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None
+    logit_bias: Mapping[int, float] | None = None
     # normalised views, filled in __post_init__
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -123,6 +127,14 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is not None and not (isinstance(ids, Sequence) and all(_is_int(i) and i >= 0 for i in ids)):
             fail("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        bias = self.logit_bias
+        if bias is not None:
+            if not (isinstance(bias, Mapping) and all(_is_int(k) and k >= 0 and isinstance(v, (int, float))
+                                                      and not isinstance(v, bool) and math.isfinite(v)
+                                                      for k, v in bias.items())):
+                fail("logit_bias", "must map token ids (integers >= 0) to finite numbers")
+            object.__setattr__(self, "logit_bias", {int(k): min(max(float(v), -100.0), 100.0)
+                                                    for k, v in bias.items()} or None)
         object.__setattr__(self, "stop_strings", tuple(s for s in (stop or ()) if s))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids) if ids is not None else ())
 
@@ -138,6 +150,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether apply_penalties changes this request's logits."""
+        return self.has_penalties or self.min_tokens > 0 or self.logit_bias is not None
 
 
 def _is_int(x: object) -> bool:
@@ -228,6 +245,9 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
         pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
         out = out - freq * counts - pres * (counts > 0).float()
     for row, (p, output, stops) in enumerate(zip(params, output_ids, stop_ids)):
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if t < V], device=device, dtype=torch.long)
+            out[row, ids] += torch.tensor([b for t, b in p.logit_bias.items() if t < V], device=device)
         if len(output) < p.min_tokens and stops:
             out[row, torch.tensor([t for t in stops if t < V], device=device, dtype=torch.long)] = float("-inf")
     return out

@@ -113,7 +113,8 @@ class Responses:
         logprobs = top if INCLUDE_LOGPROBS in (body.include or ()) else None  # as vLLM: top_logprobs alone adds none
         params = build_sampling_params({**body.model_dump(), "n": 1}, defaults=s.defaults, config=s.config,  # one output
                                        max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens",
-                                       logprobs=logprobs, structured_outputs=structured)
+                                       logprobs=logprobs, structured_outputs=structured,
+                                       vocab_size=s.renderer.tokenizer.vocab_size)
         stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         rid = f"resp_{uuid.uuid4().hex}"
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)

@@ -33,6 +33,7 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    logit_bias: dict[str, float] | None = None  # {"token id": bias}, JSON keys being strings
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's values
