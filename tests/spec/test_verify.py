@@ -120,7 +120,7 @@ def test_config_resolution():
 def test_greedy_draft_verification_draws_what_plain_decoding_draws():
     """With greedy drafts each emitted token uses the noise plain decoding gives its position (one draw per row),
     so a seeded request's tokens do not depend on whether (or how far) the adaptive policy drafted."""
-    from revolta.engine.sampling import SamplingParams, Sampler, make_generator
+    from revolta.engine.sampling import Sampler, SamplingParams, make_generator
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3)) * 3  # [3, V] target rows
     params = SamplingParams(temperature=0.9, seed=7)
