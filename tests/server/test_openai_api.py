@@ -335,6 +335,24 @@ def test_out_of_range_sampling(server, oc, field, value):
     assert_still_serving(oc)
 
 
+def test_logit_bias_is_applied_and_checked(server, oc):
+    """logit_bias was accepted and silently ignored, bad keys included (vLLM applies it and 400s bad ids)."""
+    [hello] = httpx.post(server.url + "/tokenize", json={"prompt": "hello"}).json()["tokens"]
+    for route in ("chat", "completions"):
+        if route == "chat":
+            r = oc.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, temperature=0, extra_body=NO_THINK,
+                                           logit_bias={str(hello): 100})
+            text = r.choices[0].message.content
+        else:
+            r = oc.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0, logit_bias={str(hello): 100})
+            text = r.choices[0].text
+        assert text == "hello" * 4 and r.usage.completion_tokens == 4
+    for bias in ({"abc": 1}, {"99999999": 1}, {"-1": 1}, {str(hello): "x"}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "logit_bias": bias})
+        assert assert_openai_error(r, 400)["param"] == "logit_bias", bias
+    assert_still_serving(oc)
+
+
 def test_stream_options_without_stream(server, oc):
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": HI, "max_tokens": 1, "stream_options": {"include_usage": True}})

@@ -174,3 +174,48 @@ def test_metrics_say_when_drafting_is_paused_and_why():
     text = Metrics("m").render(EngineStats(speculative=True))
     assert value(text, "revolta:spec_decode_paused") == "0" and "estimated_speedup" not in text
     assert "revolta:spec_decode_paused" not in Metrics("m").render(EngineStats())
+
+
+def test_n_and_seed_limits_are_400s_naming_the_field():
+    """n=0 was served as n=1 (`n or 1`); a seed beyond int64 reached torch as "Overflow when unpacking long long"
+    with no field named. Both are 400s naming the field, as vLLM's int64 seed bound and n >= 1 rule give."""
+    from revolta.engine.sampling import SamplingParams
+    from revolta.server.errors import APIError
+    from revolta.server.params import build_sampling_params
+
+    config, defaults = ServerConfig(served_model_name="m", max_model_len=64), SamplingParams()
+    for fields, param in (({"n": 0}, "n"), ({"seed": 2**64}, "seed"), ({"seed": 2**63}, "seed"),
+                          ({"seed": -2**63 - 1}, "seed")):
+        with pytest.raises(APIError) as e:
+            build_sampling_params({**fields, "temperature": 1.0}, defaults=defaults, config=config, max_tokens=2)
+        assert e.value.status == 400 and e.value.param == param, (fields, e.value.message)
+    for seed in (0, 2**63 - 1, -2**63):
+        assert build_sampling_params({"seed": seed}, defaults=defaults, config=config, max_tokens=2).seed == seed
+
+
+def test_startup_summary_says_which_embedded_default_it_loaded():
+    """`revolta serve` on the trained default logged "random weights: output is not meaningful text"."""
+    from pathlib import Path
+
+    from revolta.llm_config import model_origin
+
+    assert "random weights" not in model_origin(Path("/c/trained-9e0c8398c30f"), True)
+    assert "trained" in model_origin(Path("/c/trained-9e0c8398c30f"), True)
+    assert "random weights" in model_origin(Path("/c/default-1234"), True)
+    assert model_origin(Path("/srv/trained-model"), False) == "checkpoint"
+
+
+def test_reasoning_effort_must_be_one_of_openais_values():
+    """A typo such as reasoning_effort="hgih" was served silently (OpenAI and vLLM answer 400 naming the field)."""
+    from pydantic import ValidationError
+
+    from revolta.server.protocol import ChatCompletionRequest, ResponsesRequest
+
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", None):
+        ChatCompletionRequest.model_validate({**chat, "reasoning_effort": effort})
+        ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": effort, "summary": "auto"}})
+    with pytest.raises(ValidationError, match="reasoning_effort"):
+        ChatCompletionRequest.model_validate({**chat, "reasoning_effort": "hgih"})
+    with pytest.raises(ValidationError, match="reasoning.effort"):
+        ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": "hgih"}})

@@ -134,3 +134,19 @@ def test_greedy_drafts_emit_the_tokens_plain_sampling_draws(agree):
     for _ in out:
         torch.empty(50).exponential_(generator=plain_gen)
     assert torch.equal(round_gen.get_state(), plain_gen.get_state())
+
+
+def test_greedy_draft_verification_draws_what_plain_decoding_draws():
+    """With greedy drafts each emitted token uses the noise plain decoding gives its position (one draw per row),
+    so a seeded request's tokens do not depend on whether (or how far) the adaptive policy drafted."""
+    from revolta.engine.sampling import Sampler, SamplingParams, make_generator
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3)) * 3  # [3, V] target rows
+    params = SamplingParams(temperature=0.9, seed=7)
+    gen = make_generator(7)
+    plain = [int(Sampler()(logits[i:i + 1], [params], [gen])) for i in range(3)]
+    probs = Sampler.probs(logits, [params] * 3)
+    assert rejection_sample(probs, plain[:2], None, make_generator(7)) == plain  # both drafts right: + bonus
+    wrong = (plain[1] + 1) % 50
+    assert rejection_sample(probs, [plain[0], wrong], None, make_generator(7)) == plain[:2]  # 2nd rejected
+    assert rejection_sample(probs[:1], [], None, make_generator(7)) == plain[:1]  # no drafts: plain decoding

@@ -49,7 +49,7 @@ class StepSampler:
         self._mask_padding(logits)
         params = [r.params for r in requests]
         sample_logits = logits  # logprobs report the raw model distribution, as vLLM does
-        if any(p.has_penalties or p.min_tokens for p in params):
+        if any(p.adjusts_logits for p in params):
             sample_logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                             [r.token_ids for r in requests], [self._stop_ids(p) for p in params])
         constrained = [b for b, r in enumerate(requests) if r.constraint is not None]
@@ -77,7 +77,7 @@ class StepSampler:
             rows, offset = logits[offset:offset + n], offset + n  # [n, V]
             p = r.params
             sample_rows = rows
-            if p.has_penalties or p.min_tokens:  # row j sees the output extended by the drafts before it
+            if p.adjusts_logits:  # row j sees the output extended by the drafts before it
                 sample_rows = apply_penalties(rows, [p] * n, [r.prompt_token_ids] * n,
                                               [r.token_ids + list(d[:j]) for j in range(n)], [self._stop_ids(p)] * n)
             if r.constraint is not None:  # row j as the grammar stands after drafts d[:j]

@@ -10,6 +10,7 @@ the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,8 @@ class SamplingParams:
         thinking on, the constraint applies after `</think>`. A dict is read as StructuredOutputsParams(**it).
     thinking_token_budget: most tokens of a `<think>` block the prompt opened; then `</think>` is forced
         (vLLM's name; None = no limit, 0 = close it at once).
+    logit_bias: {token id: bias} added to those logits before sampling (greedy too), clamped to
+        [-100, 100] as vLLM does; ids the model cannot sample are the caller's to refuse.
     """
 
     n: int = 1
@@ -75,6 +78,7 @@ class SamplingParams:
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None
+    logit_bias: Mapping[int, float] | None = None
     # normalised views, filled in __post_init__
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -92,8 +96,8 @@ class SamplingParams:
             fail("top_k", "must be an integer >= 1, or 0 / -1 (off)")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "must be in [0, 1] (0 = off)")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            fail("seed", "must be a 64-bit integer, in [-2**63, 2**63 - 1], or None")  # torch's generator range
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             fail("max_tokens", "must be an integer >= 1, or None (up to the model's max length)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -125,6 +129,14 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is not None and not (isinstance(ids, Sequence) and all(_is_int(i) and i >= 0 for i in ids)):
             fail("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        bias = self.logit_bias
+        if bias is not None:
+            if not (isinstance(bias, Mapping) and all(_is_int(k) and k >= 0 and isinstance(v, (int, float))
+                                                      and not isinstance(v, bool) and math.isfinite(v)
+                                                      for k, v in bias.items())):
+                fail("logit_bias", "must map token ids (integers >= 0) to finite numbers")
+            object.__setattr__(self, "logit_bias", {int(k): min(max(float(v), -100.0), 100.0)
+                                                    for k, v in bias.items()} or None)
         object.__setattr__(self, "stop_strings", tuple(s for s in (stop or ()) if s))
         if self.stop_strings and not self.detokenize:
             fail("stop", "stop strings need detokenize=True (they match the text); use stop_token_ids instead")
@@ -143,6 +155,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether apply_penalties changes this request's logits."""
+        return self.has_penalties or self.min_tokens > 0 or self.logit_bias is not None
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -150,7 +167,8 @@ def _is_int(x: object) -> bool:
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """A torch.Generator on `device` seeded with `seed` (one per request). Any Python int is taken modulo 2**64, read
-    as a signed 64-bit value (what manual_seed accepts): seeds in [-2**63, 2**63) are used as they are."""
+    as a signed 64-bit value (what manual_seed accepts): SamplingParams keeps seeds in [-2**63, 2**63), which are used
+    as they are; the wrap serves the n > 1 siblings of the largest ones (seed + i)."""
     seed = int(seed) & (2**64 - 1)
     return torch.Generator(device=device).manual_seed(seed - 2**64 if seed >= 2**63 else seed)
 
@@ -234,6 +252,9 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
         pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
         out = out - freq * counts - pres * (counts > 0).float()
     for row, (p, output, stops) in enumerate(zip(params, output_ids, stop_ids)):
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if t < V], device=device, dtype=torch.long)
+            out[row, ids] += torch.tensor([b for t, b in p.logit_bias.items() if t < V], device=device)
         if len(output) < p.min_tokens and stops:
             out[row, torch.tensor([t for t in stops if t < V], device=device, dtype=torch.long)] = float("-inf")
     return out

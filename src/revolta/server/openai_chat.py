@@ -99,7 +99,8 @@ class ChatCompletions:
         top = body.top_logprobs or 0
         params = build_sampling_params(fields, defaults=s.defaults, config=s.config,
                                        max_tokens=max_tokens, max_tokens_param=param,
-                                       logprobs=top if body.logprobs else None, structured_outputs=structured)
+                                       logprobs=top if body.logprobs else None, structured_outputs=structured,
+                                       vocab_size=s.renderer.tokenizer.vocab_size)
         stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         parsers = s.choice_parsers(prompt, params, streaming=body.stream)

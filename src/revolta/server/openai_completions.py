@@ -72,6 +72,7 @@ class Completions:
         fields = body.model_dump()  # with vLLM's structured_outputs / guided_* extras
         params = build_sampling_params(fields, defaults=s.defaults, config=s.config,
                                        max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                       vocab_size=s.renderer.tokenizer.vocab_size,
                                        structured_outputs=from_chat(fields, s.config.structured_disable_any_whitespace))
         streams = []
         try:

@@ -104,7 +104,7 @@ class Responses:
         tools = tool_setup(chat_tools, body.tool_choice, body.parallel_tool_calls)
         check_tool_choice(structured, tools.choice, bool(tools.forced_prefix))
         kwargs = dict(body.chat_template_kwargs or {})
-        if (body.reasoning or {}).get("effort") == "none":
+        if body.reasoning is not None and body.reasoning.effort == "none":
             kwargs.setdefault("enable_thinking", False)
         prompt = await s.renderer.render(normalize_messages(messages), tools, kwargs,
                                          request=request)
@@ -113,7 +113,8 @@ class Responses:
         logprobs = top if INCLUDE_LOGPROBS in (body.include or ()) else None  # as vLLM: top_logprobs alone adds none
         params = build_sampling_params({**body.model_dump(), "n": 1}, defaults=s.defaults, config=s.config,  # one output
                                        max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens",
-                                       logprobs=logprobs, structured_outputs=structured)
+                                       logprobs=logprobs, structured_outputs=structured,
+                                       vocab_size=s.renderer.tokenizer.vocab_size)
         stream = await s.submit(request, prompt.engine_prompt, s.engine_params(prompt, params))
         rid = f"resp_{uuid.uuid4().hex}"
         [parser] = s.choice_parsers(prompt, params, streaming=body.stream)
@@ -155,7 +156,7 @@ class Responses:
                 "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
                 "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "metadata": {},
-                "reasoning": body.reasoning, "store": body.store,
+                "reasoning": body.reasoning and body.reasoning.model_dump(), "store": body.store,
                 "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
                           "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": prompt_tokens + out_tokens}}

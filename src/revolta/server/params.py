@@ -86,7 +86,7 @@ def check_top_logprobs(top_logprobs: int | None) -> None:
 
 def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams, config: ServerConfig,
                           max_tokens: int | None, max_tokens_param: str = "max_tokens",
-                          logprobs: int | None = None,
+                          logprobs: int | None = None, vocab_size: int | None = None,
                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams from request fields (None = not given), with the API's limits checked first.
     `structured_outputs` comes from structured_request.py (already checked). Fields a route's body model
@@ -112,7 +112,7 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > config.max_stop_strings:
         raise bad_request(f"At most {config.max_stop_strings} stop strings are supported, got {len(stops)}", "stop")
-    n = fields.get("n") or 1
+    n = 1 if fields.get("n") is None else fields["n"]  # n=0 is an error, not the default
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}", "n")
     temperature = fields.get("temperature")
@@ -121,8 +121,9 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
         raise bad_request("n > 1 needs sampling: greedy decoding (temperature=0) gives n identical choices; "
                           "set temperature > 0 or n=1", "n")
     check_top_logprobs(logprobs)
+    logit_bias = _logit_bias(fields.get("logit_bias"), vocab_size)
     kwargs: dict[str, Any] = {"temperature": temperature, "max_tokens": max_tokens, "n": n, "stop": stops or None,
-                              "logprobs": logprobs, "structured_outputs": structured_outputs}
+                              "logprobs": logprobs, "structured_outputs": structured_outputs, "logit_bias": logit_bias}
     for name in ("top_p", "top_k", "min_p"):
         value = fields.get(name)
         kwargs[name] = getattr(defaults, name) if value is None else value
@@ -136,6 +137,22 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
     except ValueError as e:  # SamplingParams' own checks: report the field it names
         message = str(e).replace("SamplingParams.", "")
         return _raise(message, message.split("=")[0] if "=" in message else None)
+
+
+def _logit_bias(bias: Mapping[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} with the ids checked against the tokenizer's vocabulary (vLLM's 400)."""
+    if not bias:
+        return None
+    try:
+        ids = {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers, as JSON strings), got "
+                          f"{[k for k in bias if not k.strip().lstrip('-').isdigit()][:5]}", "logit_bias") from None
+    bad = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
+    if bad:
+        raise bad_request(f"logit_bias has token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+                          "get ids from /tokenize", "logit_bias")
+    return ids
 
 
 def _typed_sampling_fields(fields: Mapping[str, Any]) -> dict[str, Any]:

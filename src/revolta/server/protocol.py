@@ -33,6 +33,14 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    logit_bias: dict[str, float] | None = None  # {"token id": bias}, JSON keys being strings
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's values
+
+
+class ResponsesReasoning(_Body):
+    effort: ReasoningEffort | None = None
 
 
 class StreamOptions(_Body):
@@ -64,7 +72,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True
 
 
@@ -91,7 +99,7 @@ class ResponsesRequest(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
-    reasoning: dict[str, Any] | None = None
+    reasoning: ResponsesReasoning | None = None
     text: dict[str, Any] | None = None
     stream: bool = False
     store: bool = True
