@@ -193,18 +193,6 @@ def test_n_and_seed_limits_are_400s_naming_the_field():
         assert build_sampling_params({"seed": seed}, defaults=defaults, config=config, max_tokens=2).seed == seed
 
 
-def test_startup_summary_says_which_embedded_default_it_loaded():
-    """`revolta serve` on the trained default logged "random weights: output is not meaningful text"."""
-    from pathlib import Path
-
-    from revolta.llm_config import model_origin
-
-    assert "random weights" not in model_origin(Path("/c/trained-9e0c8398c30f"), True)
-    assert "trained" in model_origin(Path("/c/trained-9e0c8398c30f"), True)
-    assert "random weights" in model_origin(Path("/c/default-1234"), True)
-    assert model_origin(Path("/srv/trained-model"), False) == "checkpoint"
-
-
 def test_reasoning_effort_must_be_one_of_openais_values():
     """A typo such as reasoning_effort="hgih" was served silently (OpenAI and vLLM answer 400 naming the field)."""
     from pydantic import ValidationError
