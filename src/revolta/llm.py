@@ -198,7 +198,7 @@ class LLM(SleepPauseMixin):
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
-             add_generation_prompt: bool = True,
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False,
              chat_template_kwargs: Mapping[str, Any] | None = None,
              mm_processor_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Render one conversation (a list of {role, content} messages) or a list of conversations with the
@@ -206,9 +206,11 @@ class LLM(SleepPauseMixin):
 
         Content may be a list of parts: text, and images / videos as OpenAI `image_url` / `video_url` parts
         (base64 `data:` URLs or local files) or `{"type": "image", "image": PIL image | path | bytes}` and
-        `{"type": "video", "video": path | bytes | frames}` (see `mm_processor.media_from_messages`)."""
+        `{"type": "video", "video": path | bytes | frames}` (see `mm_processor.media_from_messages`).
+        continue_final_message=True continues the final assistant message (prefill; `render_chat_template`)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         template = {"tools": tools, "enable_thinking": enable_thinking, "add_generation_prompt": add_generation_prompt,
+                    "continue_final_message": continue_final_message,
                     **dict(chat_template_kwargs or {})}  # vLLM callers pass enable_thinking there: it wins
         prompts = [self.chat_prompt(c, mm_processor_kwargs=mm_processor_kwargs, **template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

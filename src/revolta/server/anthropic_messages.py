@@ -152,7 +152,10 @@ class Messages:
         if enable is not None:
             kwargs["enable_thinking"] = enable
         messages = normalize_messages(to_chat_messages(body))
-        return await s.renderer.render(messages, tools, kwargs, check_length=check_length, request=request)
+        # A trailing assistant message is a prefill: the answer continues it and does not repeat it.
+        prefill = body.messages[-1].role == "assistant"
+        return await s.renderer.render(messages, tools, kwargs, check_length=check_length, request=request,
+                                       continue_final_message=prefill)
 
     async def count_tokens(self, request: Request) -> JSONResponse:
         body = await read_body(request, AnthropicCountTokensRequest, self.state.config.max_body_bytes)

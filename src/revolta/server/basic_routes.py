@@ -66,6 +66,7 @@ def basic_router(state: ServerState) -> APIRouter:
             rendered = await state.renderer.render(messages, tool_setup(body.tools, "none" if body.tools else None),
                                                    body.chat_template_kwargs,
                                                    add_generation_prompt=body.add_generation_prompt,
+                                                   continue_final_message=body.continue_final_message,
                                                    check_length=False, request=request)
             ids = rendered.token_ids
         out = {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids}

@@ -22,10 +22,12 @@ from fastapi import Request
 from jinja2 import TemplateError
 
 from ..multimodal.media import MediaError
+from ..tokenizer import resolve_generation_prompt
 from .config import ServerConfig
 from .errors import bad_request
 from .media_budget import MediaBudget
 from .params import check_prompt_length
+from .reasoning import prompt_opens_thinking
 from .tool_schema import ToolRequestError, ToolSet, resolve_tool_choice
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -34,6 +36,8 @@ _AUDIO_PARTS = ("input_audio", "audio_url")
 
 
 CALL_OPEN = "<tool_call>\n<function="  # the opening of a qwen3_coder call, up to the tool name
+# chat_template_kwargs entries that the request's own fields set (passing both would be a TypeError)
+_REQUEST_FIELDS = ("tools", "enable_thinking", "add_generation_prompt", "continue_final_message")
 
 @dataclass(frozen=True)
 class ToolSetup:
@@ -80,6 +84,19 @@ def tool_setup(tools: Sequence[Any] | None, tool_choice: Any, parallel: bool = T
     return ToolSetup(tuple(tools or ()), choice.mode, choice.name, parallel, toolset)
 
 
+def generation_prompt(add_generation_prompt: bool | None, continue_final_message: bool, tools: ToolSetup) -> bool:
+    """vLLM's add_generation_prompt / continue_final_message pair, resolved; a combination that cannot work is a 400."""
+    try:
+        add = resolve_generation_prompt(add_generation_prompt, continue_final_message)
+    except ValueError as e:
+        raise bad_request(str(e), "continue_final_message") from None
+    if tools.forced_prefix and not add:  # its grammar expects the call to open a new assistant turn
+        raise bad_request(f"tool_choice {tools.choice!r} opens a new assistant turn with a tool call, so it needs "
+                          "add_generation_prompt and no continue_final_message; use tool_choice 'auto' or 'none'",
+                          "tool_choice")
+    return add
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI-style messages -> the template's shape. Media parts keep their URL; `LLM.chat_prompt` resolves
     them (multimodal/sources.py), so the server and the library accept and refuse exactly the same sources."""
@@ -122,14 +139,15 @@ class PromptRenderer:
         self.tokenizer = llm.get_tokenizer()
 
     def _template(self, messages: list[dict[str, Any]], tools: ToolSetup, enable_thinking: bool,
-                  template_kwargs: Mapping[str, Any], add_generation_prompt: bool) -> tuple[Any, list[int] | None, Any]:
+                  template_kwargs: Mapping[str, Any], add_generation_prompt: bool,
+                  continue_final_message: bool) -> tuple[Any, list[int] | None, Any]:
         """(prompt, token ids, None) for text; (prompt with its media sources resolved, None, media footprint
         priced from the headers) with media, which are not decoded yet. Runs on a worker thread."""
-        kwargs = {k: v for k, v in template_kwargs.items() if k not in ("tools", "enable_thinking")}
+        kwargs = {k: v for k, v in template_kwargs.items() if k not in _REQUEST_FIELDS}
         try:  # allow_local_files=False: files only under --allowed-local-media-path
             prompt = self._llm.chat_prompt(messages, allow_local_files=False, tools=list(tools.tools) or None,
-                                           enable_thinking=enable_thinking,
-                                           add_generation_prompt=add_generation_prompt, **kwargs)
+                                           enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **kwargs)
         except MediaError as e:
             raise bad_request(str(e), e.param) from None
         except (TemplateError, ValueError, TypeError) as e:
@@ -152,17 +170,23 @@ class PromptRenderer:
 
     async def render(self, messages: list[dict[str, Any]], tools: ToolSetup,
                      template_kwargs: Mapping[str, Any] | None = None, enable_thinking: bool | None = None,
-                     add_generation_prompt: bool = True, check_length: bool = True,
-                     request: Request | None = None) -> RenderedPrompt:
+                     add_generation_prompt: bool | None = None, check_length: bool = True,
+                     request: Request | None = None, continue_final_message: bool = False) -> RenderedPrompt:
         """Render, tokenize and (with media) decode a conversation. Media wait for the media budget first; the
-        bytes they keep stay charged until `request`'s HTTP exchange ends (None: released on return)."""
+        bytes they keep stay charged until `request`'s HTTP exchange ends (None: released on return).
+
+        continue_final_message leaves the final assistant message open (prefill; `render_chat_template`): the
+        output continues it, as reasoning if the message left a `<think>` block open, else as answer text;
+        add_generation_prompt None means "unless continue_final_message"."""
         template_kwargs = dict(template_kwargs or {})
+        add_generation_prompt = generation_prompt(add_generation_prompt, continue_final_message, tools)
         if enable_thinking is None:
             enable_thinking = template_kwargs.get("enable_thinking", True) is not False
         if tools.forced_prefix:  # the forced call opens the turn, so no reasoning block first
             enable_thinking = False
         prompt, ids, footprint = await asyncio.to_thread(self._template, messages, tools, enable_thinking,
-                                                         template_kwargs, add_generation_prompt)
+                                                         template_kwargs, add_generation_prompt,
+                                                         continue_final_message)
         if footprint is None:
             text, processed = prompt, None
         else:
@@ -175,6 +199,8 @@ class PromptRenderer:
                 if request is None:
                     hold.release()
             text, ids = prompt["prompt"], processed.prompt_token_ids
+        if continue_final_message:  # the parser starts where the message left off, not where a new turn would
+            enable_thinking = prompt_opens_thinking(text)
         if check_length:
             check_prompt_length(len(ids), self._config.max_model_len)
         return RenderedPrompt(text, ids, enable_thinking, tools, processed)

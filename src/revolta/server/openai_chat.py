@@ -93,7 +93,8 @@ class ChatCompletions:
         if body.reasoning_effort == "none":
             kwargs.setdefault("enable_thinking", False)
         messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
-        prompt = await s.renderer.render(messages, tools, kwargs, request=request)
+        prompt = await s.renderer.render(messages, tools, kwargs, add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message, request=request)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         top = body.top_logprobs or 0

@@ -74,6 +74,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True
+    add_generation_prompt: bool | None = None  # vLLM's extras; None: true unless continue_final_message
+    continue_final_message: bool = False
 
 
 class CompletionRequest(SamplingFields):
@@ -138,7 +140,8 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: true unless continue_final_message
+    continue_final_message: bool = False
     add_special_tokens: bool = True
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

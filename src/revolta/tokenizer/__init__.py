@@ -14,7 +14,7 @@ Three layers, each usable on its own (one module each):
   UTF-8 character; `StopChecker` cuts the text before a stop string and holds back a possible partial match.
 """
 
-from .chat_template import ChatTemplateError, compile_chat_template, render_chat_template
+from .chat_template import ChatTemplateError, compile_chat_template, render_chat_template, resolve_generation_prompt
 from .qwen_build import (PRESET_CHAT_TEMPLATE, QWEN_ADDED_TOKENS, QWEN_MODEL_MAX_LENGTH, QWEN_NON_SPECIAL_TOKENS,
                          QWEN_NUM_BPE_TOKENS, QWEN_PRETOKENIZE_REGEX, STOP_TOKENS, build_qwen_backend,
                          build_qwen_tokenizer_json, byte_to_unicode, bytes_to_symbols, load_tiktoken_ranks,
@@ -26,5 +26,6 @@ __all__ = [
     "QWEN_NUM_BPE_TOKENS", "QWEN_PRETOKENIZE_REGEX", "STOP_TOKENS", "ChatTemplateError", "IncrementalDetokenizer",
     "StopChecker", "Tokenizer", "build_qwen_backend", "build_qwen_tokenizer_json", "byte_to_unicode",
     "bytes_to_symbols", "compile_chat_template", "load_tiktoken_ranks", "qwen_ranks_path", "qwen_tokenizer_config",
-    "ranks_to_vocab_and_merges", "render_chat_template", "write_qwen_tokenizer_dir",
+    "ranks_to_vocab_and_merges", "render_chat_template", "resolve_generation_prompt",
+    "write_qwen_tokenizer_dir",
 ]

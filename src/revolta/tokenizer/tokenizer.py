@@ -160,11 +160,13 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
         enable_thinking: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render the checkpoint's chat template (see `render_chat_template`).
+        """Render the checkpoint's chat template (see `render_chat_template`; add_generation_prompt None means
+        "unless continue_final_message", which leaves the final assistant message open for generation to continue).
 
         Image parts render as `<|vision_start|><|image_pad|><|vision_end|>` and video parts with
         `<|video_pad|>`: one pad each; the multimodal layer expands pads to the real count.
@@ -181,6 +183,7 @@ class Tokenizer:
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
+            continue_final_message=continue_final_message,
             **{**specials, **kwargs},
         )
 
