@@ -348,6 +348,22 @@ def test_stream_and_chat(llm):
     assert len(two) == 2
 
 
+def test_chat_continues_the_final_message(llm):
+    """continue_final_message: the prompt ends inside the assistant's text and the output is what generate gives
+    for that open prompt (vLLM's LLM.chat); both flags true, or a last message not the assistant's, raise."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello,"}]
+    out = llm.chat(messages, params, use_tqdm=False, continue_final_message=True)[0]
+    assert out.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello,"
+    assert out.outputs[0].token_ids == llm.generate(out.prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    closed = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=False)[0]
+    assert closed.prompt == out.prompt + "<|im_end|>\n"
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(messages, params, continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="must be the assistant's"):
+        llm.chat(messages[:1], params, continue_final_message=True)
+
+
 def test_default_sampling_params_from_generation_config(llm, tiny_dir):
     assert llm.get_default_sampling_params() == SamplingParams()  # tiny checkpoint has no generation_config.json
     llm.generation_config = {"temperature": 0.6, "top_k": 20, "do_sample": True, "max_new_tokens": 9}
