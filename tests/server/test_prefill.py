@@ -59,12 +59,13 @@ def test_chat_continues_the_final_message(oc, say, extra):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " 4."
 
 
-def test_chat_continues_open_reasoning(oc, say):
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}])  # the prefill decides, not the header's flag
+def test_chat_continues_open_reasoning(oc, say, kwargs):
     """A prefill that opens <think> without closing it continues the reasoning."""
     say("Let me add.</think>\n\n4")
     messages = [*ASK, {"role": "assistant", "content": "<think>\nFirst"}]
     r = oc.chat.completions.create(model=M, messages=messages, max_tokens=20,
-                                   extra_body={"continue_final_message": True})
+                                   extra_body={"continue_final_message": True, "chat_template_kwargs": kwargs})
     assert say.prompt() == HEAD + "<think>\nFirst"
     assert r.choices[0].message.model_extra["reasoning"] == "Let me add."
     assert r.choices[0].message.content == "4"
