@@ -159,3 +159,19 @@ def run_scripted(**config: object) -> Iterator[tuple[object, str]]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[tuple[object, str]]:
+    """run_scripted's server for one test module, serving the name "scripted": (the ScriptedLLM, its url)."""
+    with run_scripted(served_model_name="scripted") as s:
+        yield s
+
+
+@pytest.fixture
+def say(scripted):
+    """Queue what the next requests will generate (cleared after the test)."""
+    def queue(*texts: str) -> None:
+        scripted[0].scripts.extend(texts)
+    yield queue
+    scripted[0].scripts.clear()

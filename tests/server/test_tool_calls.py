@@ -10,9 +10,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import run_scripted
-
-M = "scripted"
+M = "scripted"  # the conftest `scripted` server's name
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                      "metric": {"type": "boolean"}, "opts": {"type": "object"}},
@@ -23,21 +21,6 @@ CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</paramet
         "</function>\n</tool_call>")
 ARGS = {"city": "Paris", "days": 3, "metric": True, "opts": {"unit": "C"}}
 THOUGHT = "The user wants weather.</think>\n\n"
-
-
-@pytest.fixture(scope="module")
-def scripted():
-    with run_scripted(served_model_name=M) as s:
-        yield s
-
-
-@pytest.fixture
-def say(scripted):
-    """Queue what the next requests will generate."""
-    def queue(*texts: str) -> None:
-        scripted[0].scripts.extend(texts)
-    yield queue
-    scripted[0].scripts.clear()
 
 
 @pytest.fixture(scope="module")
