@@ -1,4 +1,6 @@
-"""GET /health (+ vLLM's /ping, /version, /load), /v1/models, /metrics; POST /tokenize, /detokenize."""
+"""GET /health (+ vLLM's /ping, /version, /load), /v1/models(/{id}), /metrics; POST /tokenize, /detokenize.
+
+The probe-type routes also answer HEAD (load balancers and k8s probes send it; FastAPI adds no HEAD to a GET)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .. import __version__
 from .chat_prompt import normalize_messages, tool_setup
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .generation import ServerState
 from .params import check_model, read_body
 from .protocol import DetokenizeRequest, TokenizeRequest
@@ -20,11 +22,11 @@ def basic_router(state: ServerState) -> APIRouter:
     started = int(time.time())
     cfg = state.config
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if state.engine.alive else 503)
 
-    @router.get("/ping")
+    @router.api_route("/ping", methods=["GET", "HEAD"])
     async def ping() -> Response:
         return Response(status_code=200 if state.engine.alive else 503)
 
@@ -36,15 +38,23 @@ def basic_router(state: ServerState) -> APIRouter:
     async def load() -> JSONResponse:
         return JSONResponse({"server_load": state.engine.num_in_flight})
 
-    @router.get("/v1/models")
+    card = {"id": cfg.served_model_name, "object": "model", "created": started, "owned_by": "revolta",
+            "root": cfg.model_path, "parent": None, "max_model_len": cfg.max_model_len,
+            # the Anthropic SDK's models.list() reads these
+            "type": "model", "display_name": cfg.served_model_name,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+
+    @router.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
-        card = {"id": cfg.served_model_name, "object": "model", "created": started, "owned_by": "revolta",
-                "root": cfg.model_path, "parent": None, "max_model_len": cfg.max_model_len,
-                # the Anthropic SDK's models.list() reads these
-                "type": "model", "display_name": cfg.served_model_name,
-                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
         return JSONResponse({"object": "list", "data": [card], "has_more": False,
                              "first_id": cfg.served_model_name, "last_id": cfg.served_model_name})
+
+    @router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])  # :path: served names may hold "/"
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != cfg.served_model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist. Valid models: {cfg.served_model_name}.",
+                           "model")
+        return JSONResponse(card)
 
     @router.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -1,7 +1,8 @@
 """POST /v1/responses: the OpenAI Responses API on top of the chat pipeline (items in, items out).
 
-Stored responses (store=true, the default) are kept in a bounded per-app map so that
-`previous_response_id` can continue a conversation; an unknown id is a 404.
+Stored responses (store=true, the default) are kept in a bounded per-app map (MAX_STORED, oldest out first):
+the conversation, so that `previous_response_id` can continue it, and the response object, for
+GET /v1/responses/{id}; DELETE /v1/responses/{id} drops one. An unknown id is a 404.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -30,6 +32,12 @@ from .tool_schema import ToolRequestError, responses_tools_to_openai
 
 MAX_STORED = 1024
 INCLUDE_LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for output_text logprobs
+
+
+@dataclass(frozen=True)
+class Stored:
+    conversation: list[dict[str, Any]]  # what a follow-up continues (the reply included)
+    response: dict[str, Any]  # the object the create call returned (the final one, when streamed)
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -78,7 +86,7 @@ def _input_part(part: Mapping[str, Any], where: str) -> dict[str, Any]:
 class Responses:
     def __init__(self, state: ServerState):
         self.state = state
-        self.stored: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # id -> the whole conversation
+        self.stored: OrderedDict[str, Stored] = OrderedDict()  # id -> conversation and response, oldest first
 
     async def __call__(self, request: Request) -> Any:
         s = self.state
@@ -87,10 +95,7 @@ class Responses:
         structured = from_responses(body.text, s.config.structured_disable_any_whitespace)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            if body.previous_response_id not in self.stored:
-                raise APIError(404, f"Response with id '{body.previous_response_id}' not found.",
-                               "previous_response_id")
-            history = list(self.stored[body.previous_response_id])
+            history = list(self.lookup(body.previous_response_id, "previous_response_id").conversation)
         new = input_messages(body)
         conversation = history + new  # what a follow-up continues (instructions are per request, as in OpenAI's API)
         messages = conversation
@@ -125,7 +130,7 @@ class Responses:
         text_logprobs = _logprobs(c, 0, logprobs)
         response = self._response(body, rid, c, parser, len(prompt.token_ids), self._items(rid, parser, text_logprobs),
                                   cached=stream.num_cached_tokens)
-        self._store(body, rid, conversation, parser)
+        self._store(body, rid, conversation, parser, response)
         return JSONResponse(response)
 
     @staticmethod
@@ -161,15 +166,31 @@ class Responses:
                           "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": prompt_tokens + out_tokens}}
 
+    def lookup(self, rid: str, param: str | None = None) -> Stored:
+        if rid not in self.stored:
+            raise APIError(404, f"Response with id '{rid}' not found.", param)
+        return self.stored[rid]
+
+    async def retrieve(self, response_id: str, stream: bool = False) -> JSONResponse:
+        if stream:
+            raise bad_request("stream=true (replaying a stored response's events) is not supported; retrieve it "
+                              "without stream", "stream")
+        return JSONResponse(self.lookup(response_id).response)
+
+    async def delete(self, response_id: str) -> JSONResponse:
+        self.lookup(response_id)
+        del self.stored[response_id]
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})  # OpenAI's answer
+
     def _store(self, body: ResponsesRequest, rid: str, conversation: list[dict[str, Any]],
-               parser: ChoiceParser) -> None:
+               parser: ChoiceParser, response: dict[str, Any]) -> None:
         if not body.store:
             return
         reply: dict[str, Any] = {"role": "assistant", "content": parser.content or ""}
         if parser.tool_calls:
             reply["tool_calls"] = [{"id": t.id, "type": "function",
                                     "function": {"name": t.name, "arguments": t.arguments}} for t in parser.tool_calls]
-        self.stored[rid] = conversation + [reply]
+        self.stored[rid] = Stored(conversation + [reply], response)
         while len(self.stored) > MAX_STORED:
             self.stored.popitem(last=False)
 
@@ -261,7 +282,7 @@ class Responses:
                 yield f
             final = self._response(body, rid, last, parser, len(prompt.token_ids), output,
                                    cached=stream.num_cached_tokens)
-            self._store(body, rid, conversation, parser)
+            self._store(body, rid, conversation, parser, final)
             yield ev(f"response.{final['status']}", response=final)
         except RequestFailed as e:
             for f in close():
@@ -297,5 +318,8 @@ def _call_item(item_id: str, call_id: str, name: str | None, arguments: str, sta
 
 def responses_router(state: ServerState) -> APIRouter:
     router = APIRouter()
-    router.add_api_route("/v1/responses", Responses(state), methods=["POST"])
+    responses = Responses(state)
+    router.add_api_route("/v1/responses", responses, methods=["POST"])
+    router.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
+    router.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
     return router

@@ -9,7 +9,9 @@ a string raw, an enum one of its values, a boolean true / True / false / False, 
 valid against its schema), the close
 `</function>\\n</tool_call>`, then, for required with parallel calls, more whole calls, and the end of the
 turn. The result is an xgrammar structural tag for `StructuredOutputsParams(structural_tag=...)`.
-Without xgrammar (or for a schema it cannot express) the opening alone forces the call, as before.
+Without xgrammar the opening alone forces the call, as before. A tool schema xgrammar cannot compile
+is a 400 naming the tool (as vLLM validates tool schemas): the opening alone let the model write a
+tool name that does not exist, and the answer came back as plain text.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ import json
 import logging
 from typing import Any
 
-from ..engine.structured import StructuredOutputError, StructuredOutputsParams
+from ..engine.structured import (
+    INSTALL_HINT,
+    StructuredOutputError,
+    StructuredOutputsParams,
+)
 from .chat_prompt import CALL_OPEN, ToolSetup
+from .errors import bad_request
 from .tool_schema import _resolve_ref, schema_types
 
 logger = logging.getLogger(__name__)
@@ -92,7 +99,25 @@ def forced_call_constraint(tools: ToolSetup, compact: bool = False) -> Structure
     spec = StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt})
     try:
         spec.check()
-    except StructuredOutputError as e:  # no xgrammar, or a schema it cannot express: the prefix alone, as before
+    except StructuredOutputError as e:
+        if e.message != INSTALL_HINT:
+            _raise_for_the_tool(tools, compact, e.message)
         logger.warning("tool_choice %r is enforced by the call's opening only: %s", tools.choice, e.message)
         return None
     return spec
+
+
+def _raise_for_the_tool(tools: ToolSetup, compact: bool, message: str) -> None:
+    """The 400 for a forced call whose grammar does not compile, naming the (first) tool at fault."""
+    forced = [t for t in tools.tools if tools.choice != "named" or t.get("function", {}).get("name") == tools.named]
+    for tool in forced:
+        one = StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": _call(tool, "", compact)})
+        try:
+            one.check()
+        except StructuredOutputError as e:
+            message = e.message.removeprefix("structured_outputs.structural_tag is invalid: ")
+            raise bad_request(f"tool {tool['function']['name']!r}: its parameters schema cannot be enforced for "
+                              f"tool_choice {tools.choice!r} ({message}); fix the schema (JSON Schema types are "
+                              "string, number, integer, boolean, object, array, null)", "tools") from None
+    raise bad_request(f"the tools' call grammar for tool_choice {tools.choice!r} does not compile ({message}); "
+                      "check the tools' parameters schemas", "tools")
