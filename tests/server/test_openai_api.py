@@ -276,6 +276,45 @@ def test_completions(server, oc):
     assert text == by_text.choices[0].text
 
 
+def test_completions_echo_scores_the_prompt(server, oc):
+    """lm-eval's loglikelihood calls: echo + logprobs with max_tokens 0 gives the prompt back with a logprob per
+    prompt token (the first null); with max_tokens > 0 the generated tokens' logprobs follow. The logprobs of a
+    prompt position are the distribution a generation from the prefix before it sees (streamed: the same)."""
+    prompt = "The quick brown fox jumps"  # the trained default gives " brown" probability 0: floored, still JSON
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    scored = oc.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=3, max_tokens=0)
+    [c] = scored.choices
+    lp = c.logprobs
+    assert c.text == prompt and c.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(3 <= len(t) <= 4 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    k = len(ids) - 1  # the distribution over the last prompt token = the first generated one's after ids[:k]
+    step = oc.completions.create(model=MODEL, prompt=ids[:k], echo=True, logprobs=3, max_tokens=1, temperature=0)
+    gen = step.choices[0].logprobs
+    assert len(gen.tokens) == k + 1 and gen.token_logprobs[:k] == pytest.approx(lp.token_logprobs[:k], abs=1e-3)
+    assert step.choices[0].text == "".join(gen.tokens) and gen.text_offset[k] == len("".join(gen.tokens[:k]))
+    best = max(gen.top_logprobs[k], key=gen.top_logprobs[k].get)
+    assert best in lp.top_logprobs[k] and lp.top_logprobs[k][best] == pytest.approx(gen.top_logprobs[k][best], abs=1e-3)
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "echo": True, "logprobs": 3, "max_tokens": 0, "stream": True}) as raw:
+        events = data_events(raw)
+    assert events[-1] == "[DONE]" and len(events) == 2
+    [chunk] = json.loads(events[0])["choices"]
+    assert chunk["text"] == prompt and chunk["finish_reason"] == "length"
+    assert chunk["logprobs"]["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-3)
+    streamed = list(oc.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3,
+                                          temperature=0, stream=True))
+    plain = oc.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    assert "".join(x.choices[0].text for x in streamed) == plain.choices[0].text
+    assert [t for x in streamed for t in x.choices[0].logprobs.tokens] == plain.choices[0].logprobs.tokens
+    assert len(plain.choices[0].logprobs.tokens) == len(ids) + plain.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as e:
+        oc.completions.create(model=MODEL, prompt=prompt, max_tokens=0)  # without echo, as vLLM
+    assert e.value.body["param"] == "max_tokens"
+
+
 # ---- F. bad input -----------------------------------------------------------------------------
 def assert_openai_error(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, r.text

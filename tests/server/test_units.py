@@ -207,3 +207,19 @@ def test_reasoning_effort_must_be_one_of_openais_values():
         ChatCompletionRequest.model_validate({**chat, "reasoning_effort": "hgih"})
     with pytest.raises(ValidationError, match="reasoning.effort"):
         ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": "hgih"}})
+
+
+def test_legacy_logprobs_of_an_echoed_prompt_are_valid_json():
+    """The first prompt token has no logprob (null, its text decoded); a token the model gives probability 0
+    (-inf: the trained default does this for some prompt tokens) is floored at vLLM's -9999, not a 500."""
+    import json
+    import math
+
+    from revolta.engine.request import Logprob
+    from revolta.server.openai_completions import legacy_logprobs
+
+    entries = [None, {7: Logprob(-math.inf, 900, "b"), 3: Logprob(-0.5, 1, "x")}, {8: Logprob(-1.0, 1, "cd")}]
+    out = legacy_logprobs([5, 7, 8], entries, 10, lambda i: f"<{i}>")
+    assert out == {"tokens": ["<5>", "b", "cd"], "token_logprobs": [None, -9999.0, -1.0],
+                   "top_logprobs": [None, {"x": -0.5, "b": -9999.0}, {"cd": -1.0}], "text_offset": [10, 13, 14]}
+    json.dumps(out, allow_nan=False)

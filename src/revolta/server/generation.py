@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ..engine.request import CompletionOutput
+from ..engine.request import CompletionOutput, PromptLogprobs
 from ..engine.sampling import SamplingParams
 from .chat_prompt import PromptRenderer, RenderedPrompt
 from .config import ServerConfig
@@ -119,15 +119,25 @@ async def parse_all(stream: RequestStream, parsers: list[ChoiceParser]) -> list[
     return [last[i] for i in sorted(last)]
 
 
-async def collect(stream: RequestStream) -> list[CompletionOutput]:
-    """Run a request to the end; the final CompletionOutput of each choice, by index."""
+async def collect(stream: RequestStream) -> tuple[list[CompletionOutput], PromptLogprobs | None]:
+    """Run a request to the end; the final CompletionOutput of each choice, by index, and the prompt's
+    logprobs (when SamplingParams.prompt_logprobs asked for them; complete from the first output on)."""
     last: dict[int, CompletionOutput] = {}
+    prompt_logprobs = None
     try:
         async for out in stream:
             last[out.outputs[0].index] = out.outputs[0]
+            prompt_logprobs = out.prompt_logprobs
     except RequestFailed as e:
         raise APIError(e.status, str(e)) from None
-    return [last[i] for i in sorted(last)]
+    return [last[i] for i in sorted(last)], prompt_logprobs
+
+
+LOGPROB_FLOOR = -9999.0  # vLLM's: a token the model gives probability 0 (-inf) must still be valid JSON
+
+
+def json_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
 
 
 def created() -> int:

@@ -14,8 +14,8 @@ from .chat_prompt import RenderedPrompt, ToolSetup, normalize_messages, tool_set
 from . import structured_request
 from .engine_loop import RequestStream
 from .errors import bad_request
-from .generation import (ServerState, created, openai_frames, parse_all, parsed_outputs, unless_disconnected,
-                         usage_openai)
+from .generation import (ServerState, created, json_logprob, openai_frames, parse_all, parsed_outputs,
+                         unless_disconnected, usage_openai)
 from .output import ChoiceParser, Delta
 from .params import build_sampling_params, check_model, check_stream_options, read_body
 from .protocol import ChatCompletionRequest
@@ -37,7 +37,7 @@ def logprobs_content(c: CompletionOutput, start: int, end: int, top: int) -> lis
 
         def item(lp: Any) -> dict[str, Any]:
             text = lp.decoded_token or ""
-            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": json_logprob(lp.logprob), "bytes": list(text.encode())}
 
         ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:top]
         out.append({**item(chosen), "top_logprobs": [item(lp) for lp in ranked]})

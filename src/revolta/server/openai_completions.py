@@ -1,37 +1,53 @@
-"""POST /v1/completions: the legacy text API (prompt strings or token ids; default max_tokens 16)."""
+"""POST /v1/completions: the legacy text API (prompt strings or token ids; default max_tokens 16).
+
+`echo` puts the prompt before the answer; with `logprobs` the choice's logprobs then cover the prompt's
+tokens too (the first one's logprob null: nothing predicts it), then the generated ones. `echo` with
+`max_tokens: 0` returns the prompt alone with its logprobs (scoring, e.g. lm-eval's loglikelihood), as vLLM.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..engine.request import CompletionOutput
+from ..engine.request import CompletionOutput, Logprob, PromptLogprobs
 from .engine_loop import RequestStream
 from .errors import bad_request
-from .generation import ServerState, collect, created, openai_frames, unless_disconnected, usage_openai
+from .generation import (ServerState, collect, created, json_logprob, openai_frames, unless_disconnected,
+                         usage_openai)
 from .params import build_sampling_params, check_model, check_prompt_length, check_stream_options, read_body
 from .protocol import CompletionRequest
 from .structured_request import from_chat
 from .sse import data_frame, sse_response
 
 
-def completion_logprobs(c: CompletionOutput, start: int, end: int, offset: int) -> dict[str, Any]:
-    """The legacy `logprobs` object for tokens [start, end): tokens, token_logprobs, top_logprobs, offsets."""
+def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], offset: int,
+                    decode: Callable[[int], str]) -> dict[str, Any]:
+    """The legacy `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset. An entry of None (the
+    first prompt token) gives a null logprob and null top_logprobs, its text from `decode`."""
     tokens, lps, tops, offsets = [], [], [], []
-    for token_id, entry in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
-        chosen = entry[token_id]
-        tokens.append(chosen.decoded_token or "")
-        lps.append(chosen.logprob)
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in ranked})
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry[token_id] if entry is not None else None
+        text = (chosen.decoded_token or "") if chosen is not None else decode(token_id)
+        tokens.append(text)
+        lps.append(json_logprob(chosen.logprob) if chosen is not None else None)
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0) if entry is not None else []
+        tops.append({(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in ranked} if entry is not None
+                    else None)
         offsets.append(offset)
-        offset += len(chosen.decoded_token or "")
+        offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {k: a[k] + b[k] for k in a}
 
 
 class Completions:
@@ -70,10 +86,16 @@ class Completions:
         if body.stream and len(prompts) > 1:
             raise bad_request("streaming takes one prompt per request; send the prompts separately", "prompt")
         fields = body.model_dump()  # with vLLM's structured_outputs / guided_* extras
+        if body.max_tokens == 0 and not body.echo:  # vLLM refuses it too
+            raise bad_request("max_tokens must be at least 1, got 0 (0 only scores the prompt: with echo=true)",
+                              "max_tokens")
+        echo_only = body.echo and body.max_tokens == 0  # the engine samples one token; the answer drops it
         params = build_sampling_params(fields, defaults=s.defaults, config=s.config,
-                                       max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                       max_tokens=1 if echo_only else body.max_tokens, logprobs=body.logprobs,
                                        vocab_size=s.renderer.tokenizer.vocab_size,
                                        structured_outputs=from_chat(fields, s.config.structured_disable_any_whitespace))
+        if body.echo and body.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         streams = []
         try:
             for _, ids in prompts:
@@ -85,38 +107,68 @@ class Completions:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             opts = body.stream_options
-            frames = self._stream(streams[0], prompts[0], body, request_id, bool(opts and opts.include_usage))
+            frames = self._stream(streams[0], prompts[0], body, echo_only, request_id,
+                                  bool(opts and opts.include_usage))
             return sse_response(openai_frames(frames, streams[0]), s.config.sse_keep_alive_interval,
                                 streams[0].close, ready=streams[0].started)
         results = await unless_disconnected(request, asyncio.gather(*(collect(st) for st in streams)))
         choices, flat = [], []
-        for p_index, ((text, ids), completions) in enumerate(zip(prompts, results)):
+        for p_index, (prompt, (completions, prompt_logprobs)) in enumerate(zip(prompts, results)):
             for c in completions:
-                echo = text if body.echo else ""
-                choices.append({"index": p_index * params.n + c.index, "text": echo + c.text,
-                                "logprobs": completion_logprobs(c, 0, len(c.token_ids), len(echo))
-                                if body.logprobs is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if echo_only:
+                    c = dataclasses.replace(c, text="", token_ids=[], logprobs=[], finish_reason="length",
+                                            stop_reason=None)
+                choices.append({"index": p_index * params.n + c.index, **self._choice(c, prompt, prompt_logprobs,
+                                                                                       body)})
                 flat.append(c)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created(),
                              "model": s.config.served_model_name, "choices": choices,
                              "usage": usage_openai(sum(len(ids) for _, ids in prompts), flat)})
 
+    def _decode(self, token_id: int) -> str:
+        return self.state.renderer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_logprobs(self, prompt: tuple[str, list[int]], entries: PromptLogprobs | None) -> dict[str, Any]:
+        if entries is None:  # the engine did not report them: a bug, not a client error
+            raise RuntimeError("echo with logprobs: the engine returned no prompt logprobs")
+        return legacy_logprobs(prompt[1], entries, 0, self._decode)
+
+    def _choice(self, c: CompletionOutput, prompt: tuple[str, list[int]], prompt_logprobs: PromptLogprobs | None,
+                body: CompletionRequest) -> dict[str, Any]:
+        echo = prompt[0] if body.echo else ""
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = legacy_logprobs(c.token_ids, c.logprobs or [], len(echo), self._decode)
+            if body.echo:
+                logprobs = _joined(self._prompt_logprobs(prompt, prompt_logprobs), logprobs)
+        return {"text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
     async def _stream(self, stream: RequestStream, prompt: tuple[str, list[int]], body: CompletionRequest,
-                      request_id: str, include_usage: bool) -> AsyncIterator[str]:
+                      echo_only: bool, request_id: str, include_usage: bool) -> AsyncIterator[str]:
+        """The echo (with the prompt's logprobs, known with the first output) comes first in each choice's
+        first chunk; with echo_only it is the whole choice."""
         head = {"id": request_id, "object": "text_completion", "created": created(),
                 "model": self.state.config.served_model_name}
-        sent_text, sent_tokens, last = [0] * body.n, [0] * body.n, {}
-        if body.echo:
-            for i in range(body.n):
-                yield data_frame({**head, "choices": [{"index": i, "text": prompt[0], "logprobs": None,
-                                                       "finish_reason": None}]})
+        echo = prompt[0] if body.echo else ""
+        sent_text, sent_tokens, last, echoed = [0] * body.n, [0] * body.n, {}, set()
         async for out in stream:
             c = out.outputs[0]
-            i, last[c.index] = c.index, c
+            i = c.index
+            if body.echo and i not in echoed:
+                echoed.add(i)
+                yield data_frame({**head, "choices": [{
+                    "index": i, "text": echo, "finish_reason": "length" if echo_only else None, "stop_reason": None,
+                    "logprobs": self._prompt_logprobs(prompt, out.prompt_logprobs)
+                    if body.logprobs is not None else None}]})
+            if echo_only:
+                if len(echoed) == body.n:
+                    break  # closing the stream aborts the token sampled for nothing
+                continue
+            last[i] = c
             text = c.text[sent_text[i]:]
-            logprobs = completion_logprobs(c, sent_tokens[i], len(c.token_ids), sent_text[i]) \
-                if body.logprobs is not None else None
+            logprobs = legacy_logprobs(c.token_ids[sent_tokens[i]:], (c.logprobs or [])[sent_tokens[i]:],
+                                       len(echo) + sent_text[i], self._decode) if body.logprobs is not None else None
             sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
             if text or c.finish_reason is not None:
                 yield data_frame({**head, "choices": [{"index": i, "text": text, "logprobs": logprobs,
