@@ -170,8 +170,12 @@ def scripted() -> Iterator[tuple[object, str]]:
 
 @pytest.fixture
 def say(scripted):
-    """Queue what the next requests will generate (cleared after the test)."""
+    """Queue what the next requests will generate (cleared after the test); `say.prompt()` is the engine's last
+    prompt as text."""
+    llm = scripted[0]
+
     def queue(*texts: str) -> None:
-        scripted[0].scripts.extend(texts)
+        llm.scripts.extend(texts)
+    queue.prompt = lambda: llm.tokenizer.decode(llm.prompts[-1], skip_special_tokens=False)
     yield queue
     scripted[0].scripts.clear()

@@ -9,31 +9,11 @@ import httpx
 import openai
 import pytest
 
-from .conftest import run_scripted
-
 M = "scripted"
 ASK = [{"role": "user", "content": "2+2?"}]
 PREFILL = [*ASK, {"role": "assistant", "content": "The answer is"}]
 HEAD = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
 OPEN = HEAD + "<think>\n\n</think>\n\nThe answer is"  # the prefill left open: no <|im_end|>, no new header
-
-
-@pytest.fixture(scope="module")
-def scripted():
-    with run_scripted(served_model_name=M) as s:
-        yield s
-
-
-@pytest.fixture
-def say(scripted):
-    """Queue what the next requests generate; yields the engine's last prompt as text."""
-    llm = scripted[0]
-
-    def queue(*texts: str) -> None:
-        llm.scripts.extend(texts)
-    queue.prompt = lambda: llm.tokenizer.decode(llm.prompts[-1], skip_special_tokens=False)
-    yield queue
-    llm.scripts.clear()
 
 
 @pytest.fixture(scope="module")
