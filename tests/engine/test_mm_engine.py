@@ -279,3 +279,27 @@ def test_abort_mid_image_frees_the_encoder_cache(model):
     run(engine, [])
     assert other.token_ids == reference(model, other)
     assert_clean(engine)
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    cfg = ModelConfig.from_dict(dict(model_type="qwen4_exp", vision_config=dict(V_TINY, model_type="qwen4_exp_vision"),
+                                     text_config=dict(T4_TEXT, model_type="qwen4_exp_text", mtp_num_hidden_layers=1),
+                                     **TOKENS))
+    m = FlashNextModel(cfg).eval()
+    init_random_weights(m, seed=5)
+    return m
+
+
+def test_a_prompt_ending_in_a_lone_pad_token_under_mtp_gets_its_vision_row(mtp_model):
+    """The last prompt token alone in a step (chunking, or a prefix hit up to it) is scheduled like a decode
+    token; with drafting on it must still run as a prefill row with its vision features, not as a verify row
+    of the raw pad embedding."""
+    req = mm_request(mtp_model, "ends-in-pad", text(8, 95) + [VS, IMG], {"image": [image(32, 48, 95)]}, max_tokens=4)
+    assert len(req.prompt_token_ids) == 33 and req.prompt_token_ids[-1] == IMG
+    # 16-token chunks leave the last pad alone in the third step; drafting is on from the first round
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_policy": "always"}
+    engine = make_engine(mtp_model, max_num_batched_tokens=16, speculative_config=spec)
+    run(engine, [req])
+    assert req.token_ids == reference(mtp_model, req)
+    assert_clean(engine)

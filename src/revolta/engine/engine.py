@@ -488,7 +488,9 @@ class Engine:
             a, seq = it.alloc, it.seq
             start = a.num_computed_tokens
             all_ids = seq.all_token_ids
-            verify = (self._drafting and it.num_new_tokens == 1 and start + 1 == len(all_ids) and start > 0)
+            # a lone last prompt token that is a media pad runs as a prefill row: verify rows carry no vision rows
+            verify = (self._drafting and it.num_new_tokens == 1 and start + 1 == len(all_ids) and start > 0
+                      and not (seq.mm is not None and seq.mm.items_in(start, start + 1)))
             out.append(StepItem(
                 request_id=seq.request_id,
                 seq=StepSequence(token_ids=all_ids[start:start + a.num_new_tokens], num_computed=start,
