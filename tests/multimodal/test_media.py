@@ -254,6 +254,22 @@ def test_sources_limits_and_processor_kwargs(tmp_path):
         MediaConfig(min_pixels=10, max_pixels=5)
 
 
+
+def test_processor_kwargs_types_lone_max_pixels_and_empty_sources():
+    for bad in ({"max_pixels": "4096"}, {"fps": "2"}, {"num_frames": 2.5}, {"max_frames": True}):
+        with pytest.raises(MediaError, match=f"{next(iter(bad))}=.* must be"):  # not a TypeError from a comparison
+            MediaConfig().updated(bad)
+    # vLLM-style {"max_pixels": N} below the default minimum caps the size: the minimum follows it down
+    small = MediaConfig().updated({"max_pixels": 128 * 128, "video_max_pixels": 64 * 64})
+    assert (small.min_pixels, small.max_pixels) == (128 * 128, 128 * 128)
+    assert (small.video_min_pixels, small.video_max_pixels) == (64 * 64, 64 * 64)
+    assert MediaConfig().updated({"max_pixels": 512 * 512}).min_pixels == MediaConfig().min_pixels
+    with pytest.raises(MediaError, match="min_pixels"):  # both given: still a contradiction to report
+        MediaConfig().updated({"min_pixels": 4096, "max_pixels": 1024})
+    for empty in ("", "  ", "file://"):
+        with pytest.raises(MediaError, match="empty"):
+            resolve_media_source(empty)
+
 # ---------------------------------------------------------------- placeholders
 
 

@@ -67,6 +67,12 @@ class MediaConfig:
     max_image_pixels: int = MAX_IMAGE_PIXELS  # decoded-size cap, checked from the header before decoding
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # JSON from the CLI or a request: a string here would fail later as a TypeError
+            value, numbers = getattr(self, f.name), (int, float) if f.name == "fps" else (int,)
+            if not (value is None and f.name in ("fps", "num_frames")) and (
+                    isinstance(value, bool) or not isinstance(value, numbers)):
+                raise MediaError(f"mm_processor_kwargs: {f.name}={value!r} must be "
+                                 f"{'a number' if f.name == 'fps' else 'an integer'}")
         for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
             if not 1 <= getattr(self, lo) <= getattr(self, hi):
                 raise MediaError(f"mm_processor_kwargs: need 1 <= {lo}={getattr(self, lo)} <= "
@@ -82,7 +88,12 @@ class MediaConfig:
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise MediaError(f"unknown mm_processor_kwargs {unknown}; accepted: {sorted(names)}")
-        return MediaConfig(**{**{n: getattr(self, n) for n in names}, **overrides})
+        values = {**{n: getattr(self, n) for n in names}, **overrides}
+        for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+            # vLLM / HF: a max_pixels below the default min_pixels alone caps the size; the minimum follows it down
+            if hi in overrides and lo not in overrides and isinstance(values[hi], int) and values[hi] < values[lo]:
+                values[lo] = max(1, values[hi])
+        return MediaConfig(**values)
 
 
 def parse_limits(limit_mm_per_prompt: Mapping[str, int] | None) -> dict[str, int]:

@@ -31,6 +31,9 @@ def resolve_media_source(source: Any, allowed_local_media_path: str | os.PathLik
         return _check_local(source, allowed_local_media_path, allow_local_files)
     if not isinstance(source, str):
         return source
+    # Path("") is the working directory: "Is a directory: '.'" would name the wrong problem
+    if not (source[len("file://"):] if source.lower().startswith("file://") else source).strip():
+        raise MediaError(f"the media source {source!r} is empty; pass a data: URL, a local path or the media itself")
     if source.startswith("data:"):
         return _decode_data_url(source)
     scheme = source.split(":", 1)[0].lower() if "://" in source else ""
