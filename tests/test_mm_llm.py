@@ -143,3 +143,14 @@ def test_limits_audio_and_corrupt_video(llm):
                   use_tqdm=False)[0]
     assert len(ok.outputs[0].token_ids) == 4 and len(llm.engine.encoder_cache) == 0
 
+
+
+def test_every_accepted_image_part_renders_through_the_chat_template(llm):
+    """Parts `media_from_messages` accepts (vLLM's `image_pil`, the Responses `input_image`, a bare `image` key)
+    must render as the same one placeholder, not fail in the template."""
+    pil = Image.open(io.BytesIO(png_bytes(seed=4)))
+    parts = [{"type": "image_pil", "image_pil": pil}, {"type": "input_image", "image_url": data_url(png_bytes(seed=4))},
+             {"image": pil}, {"type": "image_url", "image_url": {"url": data_url(png_bytes(seed=4))}}]
+    outs = [llm.chat(user(p, text_part()), GREEDY, use_tqdm=False)[0] for p in parts]
+    assert len({tuple(o.prompt_token_ids) for o in outs}) == 1
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1

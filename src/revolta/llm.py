@@ -39,7 +39,7 @@ from .llm_sleep import SleepPauseMixin
 from .model import FlashNextModel, has_mtp_weights, load_model
 from .multimodal.footprint import MediaFootprint, media_footprint
 from .multimodal.processor import MediaConfig, MultimodalPrompt, parse_limits, process_multimodal_prompt
-from .multimodal.sources import media_from_messages
+from .multimodal.sources import media_from_messages, template_messages
 from .ple.placement import resolve_ple_placement
 from .presets.load import resolve_model
 from .progress import GenerationBar
@@ -228,7 +228,7 @@ class LLM(SleepPauseMixin):
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         """The prompt text `chat` would generate from (tools=, enable_thinking=, ... as in `chat`)."""
-        return self._require_tokenizer("chat").apply_chat_template(messages, **kwargs)
+        return self._require_tokenizer("chat").apply_chat_template(template_messages(messages), **kwargs)
 
     # ---- requests ------------------------------------------------------------------------------
     def _require_tokenizer(self, what: str) -> Tokenizer:

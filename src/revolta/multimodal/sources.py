@@ -93,12 +93,10 @@ def media_from_messages(messages: Sequence[Mapping[str, Any]],
         for part in content:
             if not isinstance(part, Mapping):
                 continue
-            kind = part.get("type") or next((k for k in (*_IMAGE_PARTS, *_VIDEO_PARTS, *_AUDIO_PARTS) if k in part),
-                                            None)
+            kind, modality = _part_kind(part)
             if kind in _AUDIO_PARTS:
                 raise MediaError("At most 0 audio(s) may be provided in one prompt. This model has no audio input.",
                                  param="audio")
-            modality = "image" if kind in _IMAGE_PARTS else "video" if kind in _VIDEO_PARTS else None
             if modality is None:
                 continue
             key = (_IMAGE_PARTS if modality == "image" else _VIDEO_PARTS)[kind]
@@ -111,4 +109,25 @@ def media_from_messages(messages: Sequence[Mapping[str, Any]],
                 out[modality].append(resolve_media_source(value, allowed_local_media_path, allow_local_files))
             except MediaError as e:  # named like the decoding errors of mm_processor: "image 2: ..."
                 raise MediaError(f"{modality} {len(out[modality])}: {e}", param=modality) from None
+    return out
+
+
+def _part_kind(part: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(part type, "image" | "video" | None) of one content part; a part without "type" is known by its key."""
+    kind = part.get("type") or next((k for k in (*_IMAGE_PARTS, *_VIDEO_PARTS, *_AUDIO_PARTS) if k in part), None)
+    return kind, "image" if kind in _IMAGE_PARTS else "video" if kind in _VIDEO_PARTS else None
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """`messages` with every image / video part as the chat template's own `{"type": "image"}` / `{"type":
+    "video"}` (what vLLM hands the template): a checkpoint's template knows only `image` / `image_url` / `video`
+    parts, so `image_pil` and friends would fail there after `media_from_messages` accepted them."""
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str) or not isinstance(content, Sequence):
+            out.append(message)
+            continue
+        parts = [{"type": m} if isinstance(p, Mapping) and (m := _part_kind(p)[1]) else p for p in content]
+        out.append({**message, "content": parts})
     return out
