@@ -219,6 +219,8 @@ def test_video_sampling_and_patching(tmp_path):
         load_video(clip, max_image_pixels=500)
     with pytest.raises(MediaError, match="uint8"):
         load_video(np.zeros((2, 8, 8, 3), np.float32))
+    with pytest.raises(MediaError, match="max_frames=1 leaves no room"):  # not 2 frames above the cap
+        load_video(arr, fps=None, num_frames=4, max_frames=1)
 
 
 def test_sources_limits_and_processor_kwargs(tmp_path):

@@ -386,9 +386,10 @@ def _sample_indices(total: int, rate: float, fps: float | None, num_frames: int 
                     multiple: int) -> list[int]:
     """Evenly spaced frame indices into a clip of `total` frames recorded at `rate` fps."""
     want = num_frames if num_frames is not None else max(1, round(total / rate * (fps or rate)))
-    want = max(multiple, min(want, max_frames)) // multiple * multiple
+    want = min(max(multiple, want), max_frames) // multiple * multiple  # max_frames is a cap, never exceeded
     if want < 1:
-        raise MediaError(f"max_frames={max_frames} leaves no room for one temporal patch of {multiple} frames")
+        raise MediaError(f"max_frames={max_frames} leaves no room for one temporal patch of {multiple} frames; "
+                         f"set max_frames >= {multiple}")
     if want == 1:
         return [0]
     return [round(i * (total - 1) / (want - 1)) for i in range(want)]
