@@ -302,4 +302,9 @@ def test_a_prompt_ending_in_a_lone_pad_token_under_mtp_gets_its_vision_row(mtp_m
     engine = make_engine(mtp_model, max_num_batched_tokens=16, speculative_config=spec)
     run(engine, [req])
     assert req.token_ids == reference(mtp_model, req)
+    hits = engine.allocator.stats.hit_tokens
+    again = mm_request(mtp_model, "again", text(8, 95) + [VS, IMG], {"image": [image(32, 48, 95)]}, max_tokens=4)
+    run(engine, [again])  # a prefix hit of 32 tokens leaves the last pad alone too
+    assert engine.allocator.stats.hit_tokens - hits == 32
+    assert again.token_ids == req.token_ids
     assert_clean(engine)
