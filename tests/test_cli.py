@@ -135,3 +135,59 @@ def test_serve_passes_kv_cache_gib_to_the_llm(tmp_path, monkeypatch):
     assert "dflash2_graph_rounds" not in seen  # unset flags leave the LLM's defaults
     assert main(["serve", str(tmp_path), "--dflash2-graph-rounds", "--dflash2-draft-graph"]) == 0
     assert seen["dflash2_graph_rounds"] is True and seen["dflash2_draft_graph"] is True
+
+
+def _fake_serve(tmp_path, monkeypatch):
+    """LLM(...)'s keyword arguments and the ServerConfig of `revolta serve`, with neither model nor server started."""
+    pytest.importorskip("fastapi")
+    import revolta.llm
+    import revolta.server.app
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            self.model_path, self.max_model_len = tmp_path, 4096
+
+    monkeypatch.setattr(revolta.llm, "LLM", FakeLLM)
+    monkeypatch.setattr(revolta.server.app, "run_server", lambda llm, config, *a, **k: seen.update(server=config) or 0)
+    return seen
+
+
+def test_serve_takes_the_vllm_engine_flags_the_llm_takes(tmp_path, monkeypatch):
+    """The engine's own messages name gpu_memory_utilization and enforce_eager; serve must pass them on."""
+    seen = _fake_serve(tmp_path, monkeypatch)
+    assert main(["serve", str(tmp_path), "--gpu-memory-utilization", "0.85", "--block-size", "32", "--enforce-eager",
+                 "--kv-offload-gib", "4", "--trust-remote-code", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "qwen3_coder"]) == 0
+    assert (seen["gpu_memory_utilization"], seen["block_size"], seen["enforce_eager"]) == (0.85, 32, True)
+    assert seen["kv_offload_gib"] == 4 and seen["trust_remote_code"] is True
+    assert seen["server"].tool_call_parser == "qwen3_coder"
+    seen.clear()
+    assert main(["serve", str(tmp_path)]) == 0  # unset flags leave the LLM's defaults
+    assert not {"gpu_memory_utilization", "block_size", "enforce_eager", "trust_remote_code"} & seen.keys()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--kernel-config", '{"ple_disk_cascade": false}'], "sm70_dflash2"),
+    (["--safetensors-load-strategy", "lazy"], "--ple-placement disk"),
+    (["--kv-transfer-config", "{}"], "--kv-offload-gib"),
+    (["--chat-template", "t.jinja"], "the checkpoint's own chat template"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "none"], "--tool-call-parser none"),
+])  # fmt: skip
+def test_serve_refuses_vllm_flags_it_has_no_counterpart_for(argv, needle, tmp_path, monkeypatch, capsys):
+    _fake_serve(tmp_path, monkeypatch)
+    try:
+        code = main(["serve", str(tmp_path), *argv])
+    except SystemExit as e:  # argparse's own exit
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and argv[0] in err and needle in err and "unrecognized" not in err
+
+
+def test_serve_with_several_served_model_names(tmp_path, monkeypatch, capsys):
+    """vLLM takes several names (the first is reported); a second name must not be read as MODEL."""
+    seen = _fake_serve(tmp_path, monkeypatch)
+    assert main(["serve", "--served-model-name", "qwen", "flash", "--", str(tmp_path)]) == 0
+    assert seen["server"].served_model_name == "qwen" and seen["server"].served_model_aliases == ("flash",)

@@ -117,6 +117,27 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
 
 
 PARALLEL_ARGS = ("tensor_parallel_size", "decode_context_parallel_size")
+# `vllm serve` flags with no revolta counterpart, and what to do instead: argparse alone would say only
+# "unrecognized arguments", which leaves a user of the release note's launch lines guessing
+VLLM_FLAGS_NOT_TAKEN = {
+    "--kernel-config": "DFlash2 kernel options go in --speculative-config's \"sm70_dflash2\" object, "
+                       "ple_disk_cascade is unsupported (always off) and ple_disk_release_pages is the environment "
+                       "variable VLLM_PLE_DISK_RELEASE_PAGES=1 (or REVOLTA_PLE_DISK_RELEASE_PAGES=1); drop the flag",
+    "--safetensors-load-strategy": "revolta maps the checkpoint files itself; for the PLE table on disk pass "
+                                   "--ple-placement disk (or VLLM_PLE_CPU_OFFLOAD=1 VLLM_PLE_DISK_OFFLOAD=1 "
+                                   "VLLM_SM70_QWEN38_HYBRID_PLE=0); drop the flag",
+    "--kv-transfer-config": "revolta has no KV connectors; for CPU KV offload pass --kv-offload-gib G (pinned host "
+                            "memory for evicted prefix blocks); drop the flag",
+    "--chat-template": "revolta renders the checkpoint's own chat template (its tokenizer_config.json); edit the "
+                       "checkpoint's template instead and drop the flag",
+}
+
+
+class _NotTaken(argparse.Action):
+    """A known vLLM flag revolta refuses: exit 2 with the flag, why, and the fix (VLLM_FLAGS_NOT_TAKEN)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is a vLLM flag revolta does not take: {VLLM_FLAGS_NOT_TAKEN[option_string]}")
 PRESET_NAMES = ("default", "trained-default", "random-default")  # presets/load.py's names (torch-free here)
 
 
@@ -127,14 +148,25 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory (default: embedded preset)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients use (default: the "
-                       "directory name, or 'revolta-default' for the embedded preset)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model name clients use (default: "
+                       "the directory name, or 'revolta-default' for the embedded preset); further names are "
+                       "accepted aliases, as in vLLM (responses report the first)")
     serve.add_argument("--max-model-len", type=int, metavar="L")
     serve.add_argument("--max-num-seqs", type=int, metavar="N")
     serve.add_argument("--max-num-batched-tokens", type=int, metavar="N")
     serve.add_argument("--kv-cache-dtype", metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
     serve.add_argument("--kv-cache-gib", type=float, metavar="GiB",
                        help="KV cache size (default: on CUDA what gpu_memory_utilization leaves, on CPU 0.5)")
+    serve.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                       help="share of the GPU for weights, graphs and KV cache (default 0.9; CUDA only)")
+    serve.add_argument("--kv-offload-gib", type=float, metavar="GiB",
+                       help="CPU KV tier in pinned host memory for evicted prefix blocks (default 0: off)")
+    serve.add_argument("--block-size", type=int, metavar="N",
+                       help="KV block size in tokens (default: chosen for the model; the release note advises "
+                            "leaving it unset)")
+    serve.add_argument("--enforce-eager", action="store_true", default=None, help="capture no CUDA graphs")
+    serve.add_argument("--trust-remote-code", action="store_true", default=None,
+                       help="accepted for vLLM command lines; revolta runs no code from the checkpoint")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON")
     serve.add_argument("--limit-mm-per-prompt", type=_json_flag("--limit-mm-per-prompt"), metavar="JSON",
@@ -156,6 +188,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--structured-outputs-config", type=_json_flag("--structured-outputs-config"), metavar="JSON",
                        help='structured-output defaults, e.g. \'{"disable_any_whitespace": true}\' (compact JSON)')
     serve.add_argument("--tool-call-parser", default="qwen3_coder", choices=["qwen3_coder", "none"])
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM command lines: tool_choice 'auto' is always on with a tool-call parser")
     serve.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"])
     serve.add_argument("--ple-placement", choices=PLE_PLACEMENTS, default=None,
                        help="where the PLE n-gram table lives: device (default), host (pinned host memory, read "
@@ -174,6 +208,8 @@ def _add_serve_parser(sub) -> None:
                        help="serve vLLM's development routes: POST /sleep?level=0|1|2, /wake_up, /pause, /resume; "
                             "GET /is_sleeping, /is_paused (off by default: they are 404)")
     serve.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    for flag in VLLM_FLAGS_NOT_TAKEN:
+        serve.add_argument(flag, nargs="?", action=_NotTaken, help=argparse.SUPPRESS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -406,16 +442,22 @@ def _serve(args: argparse.Namespace) -> int:
                                                           "speculative_config", "limit_mm_per_prompt",
                                                           "mm_processor_kwargs", "allowed_local_media_path",
                                                           "ple_placement", "dflash2_graph_rounds",
-                                                          "dflash2_draft_graph", *PARALLEL_ARGS)
+                                                          "dflash2_draft_graph", "gpu_memory_utilization",
+                                                          "kv_offload_gib", "block_size", "enforce_eager",
+                                                          "trust_remote_code", *PARALLEL_ARGS)
                    if getattr(args, name) is not None}
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
-                                      else "revolta-default")
+    if args.enable_auto_tool_choice and args.tool_call_parser == "none":
+        raise UserError("--enable-auto-tool-choice needs a tool-call parser: drop --tool-call-parser none (or drop "
+                        "--enable-auto-tool-choice)")
+    names = args.served_model_name or [os.path.basename(os.path.normpath(args.model)) if args.model
+                                       else "revolta-default"]
+    name, aliases = names[0], tuple(names[1:])
     keep_alive = DEFAULT_KEEP_ALIVE_S if args.sse_keep_alive_interval is None else args.sse_keep_alive_interval
     from .engine.structured import compact_json_default
 
     compact_json = compact_json_default(args.structured_outputs_config, "--structured-outputs-config")
     media_flags = {"max_media_memory_gib": args.max_media_memory_gib, "media_wait_timeout_s": args.media_wait_timeout}
-    ServerConfig(served_model_name=name, sse_keep_alive_interval=keep_alive,
+    ServerConfig(served_model_name=name, served_model_aliases=aliases, sse_keep_alive_interval=keep_alive,
                  max_pending_requests=args.max_pending_requests, **media_flags)  # check the flags before loading
     from .multimodal.processor import parse_limits
 
@@ -426,7 +468,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
               max_model_len=args.max_model_len, **engine_args)
-    config = ServerConfig(served_model_name=name, model_path=str(llm.model_path), max_model_len=llm.max_model_len,
+    config = ServerConfig(served_model_name=name, served_model_aliases=aliases, model_path=str(llm.model_path),
+                          max_model_len=llm.max_model_len,
                           api_key=args.api_key, sse_keep_alive_interval=keep_alive,
                           tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                           reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,

@@ -223,3 +223,16 @@ def test_legacy_logprobs_of_an_echoed_prompt_are_valid_json():
     assert out == {"tokens": ["<5>", "b", "cd"], "token_logprobs": [None, -9999.0, -1.0],
                    "top_logprobs": [None, {"x": -0.5, "b": -9999.0}, {"cd": -1.0}], "text_offset": [10, 13, 14]}
     json.dumps(out, allow_nan=False)
+
+
+def test_further_served_model_names_are_aliases():
+    """vLLM's `--served-model-name qwen flash`: requests may name either; an unknown name's 404 lists both."""
+    from revolta.server.errors import APIError
+    from revolta.server.params import check_model
+
+    config = ServerConfig(served_model_name="qwen", served_model_aliases=("flash",))
+    check_model("flash", config)
+    check_model("qwen", config)
+    with pytest.raises(APIError) as e:
+        check_model("other", config)
+    assert e.value.status == 404 and "qwen, flash" in str(e.value)

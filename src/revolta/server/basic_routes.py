@@ -38,23 +38,24 @@ def basic_router(state: ServerState) -> APIRouter:
     async def load() -> JSONResponse:
         return JSONResponse({"server_load": state.engine.num_in_flight})
 
-    card = {"id": cfg.served_model_name, "object": "model", "created": started, "owned_by": "revolta",
-            "root": cfg.model_path, "parent": None, "max_model_len": cfg.max_model_len,
-            # the Anthropic SDK's models.list() reads these
-            "type": "model", "display_name": cfg.served_model_name,
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+    cards = {name: {"id": name, "object": "model", "created": started, "owned_by": "revolta",
+                    "root": cfg.model_path, "parent": None, "max_model_len": cfg.max_model_len,
+                    # the Anthropic SDK's models.list() reads these
+                    "type": "model", "display_name": name,
+                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+             for name in cfg.served_model_names}  # vLLM lists every --served-model-name
 
     @router.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card], "has_more": False,
-                             "first_id": cfg.served_model_name, "last_id": cfg.served_model_name})
+        return JSONResponse({"object": "list", "data": list(cards.values()), "has_more": False,
+                             "first_id": cfg.served_model_names[0], "last_id": cfg.served_model_names[-1]})
 
     @router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])  # :path: served names may hold "/"
     async def model(model_id: str) -> JSONResponse:
-        if model_id != cfg.served_model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist. Valid models: {cfg.served_model_name}.",
-                           "model")
-        return JSONResponse(card)
+        if model_id not in cards:
+            raise APIError(404, f"The model `{model_id}` does not exist. Valid models: "
+                           f"{', '.join(cfg.served_model_names)}.", "model")
+        return JSONResponse(cards[model_id])
 
     @router.get("/metrics")
     async def metrics() -> PlainTextResponse:

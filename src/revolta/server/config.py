@@ -30,6 +30,7 @@ class ServerConfig:
     """
 
     served_model_name: str
+    served_model_aliases: tuple[str, ...] = ()  # vLLM's further --served-model-name names: accepted, not reported
     model_path: str = ""
     max_model_len: int = 0
     api_key: str | None = None
@@ -47,6 +48,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
+        if not all(self.served_model_aliases):
+            raise ValueError("--served-model-name: every name must be a non-empty string")
         if self.sse_keep_alive_interval < 0:
             raise ValueError(f"--sse-keep-alive-interval={self.sse_keep_alive_interval} must be >= 0 (0 = off)")
         if self.tool_call_parser not in (None, "qwen3_coder"):
@@ -61,8 +64,15 @@ class ServerConfig:
         if not self.media_wait_timeout_s >= 0:
             raise ValueError(f"--media-wait-timeout={self.media_wait_timeout_s} must be >= 0 seconds")
 
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name a request may use; the first is the one responses report."""
+        return (self.served_model_name, *self.served_model_aliases)
+
     def describe(self) -> dict[str, Any]:
         """The settings for the startup log, without the key."""
-        return {"served_model_name": self.served_model_name, "max_model_len": self.max_model_len,
+        return {"served_model_name": self.served_model_name,
+                **({"served_model_aliases": self.served_model_aliases} if self.served_model_aliases else {}),
+                "max_model_len": self.max_model_len,
                 "api_key": "set" if self.api_key else None, "sse_keep_alive_interval": self.sse_keep_alive_interval,
                 "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser}

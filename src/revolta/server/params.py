@@ -59,8 +59,9 @@ def check_model(name: str | None, config: ServerConfig, required: bool = False) 
         if required:
             raise bad_request("model is required; use " + repr(config.served_model_name), "model")
         return
-    if name not in (config.served_model_name, config.model_path):
-        raise APIError(404, f"The model `{name}` does not exist. Valid aliases: {config.served_model_name}.",
+    if name not in (*config.served_model_names, config.model_path):
+        raise APIError(404, f"The model `{name}` does not exist. Valid aliases: "
+                       f"{', '.join(config.served_model_names)}.",
                        "model")
 
 
