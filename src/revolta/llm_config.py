@@ -23,6 +23,7 @@ import torch
 from .config import ModelConfig
 from .device import resolve_device  # noqa: F401  (LLM picks its device through here)
 from .engine import CPU_KV_CACHE_GIB, EngineConfig
+from .engine.engine import GRAPH_RESERVE_ENV
 from .llm_load import speculation_source
 from .ple.load import ple_memory
 from .presets.default import PRESET_MARKER
@@ -191,8 +192,8 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
             "DFlash2 rounds run eager (dflash2_graph_rounds off)" if ec.tensor_parallel_size == 1 else \
             "tensor_parallel_size > 1 runs eager on CUDA (bounded collective waits cannot be captured)"
         rows.append(("cuda graphs", "off", why))
-    mem_source = "argument" if ec.cudagraph_mem_mib is not None else \
-        "environment (REVOLTA_CUDAGRAPH_MEM_MIB)" if "REVOLTA_CUDAGRAPH_MEM_MIB" in os.environ else \
+    env = next((v for v in GRAPH_RESERVE_ENV if v in os.environ), None)
+    mem_source = "argument" if ec.cudagraph_mem_mib is not None else f"environment ({env})" if env else \
         "default (1200 MiB with DFlash2, else 700 MiB)"
     rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
     rows.append(("ple_placement", ple_memory(llm.model).describe(), llm.ple_placement.source))

@@ -53,3 +53,17 @@ def test_dflash2_graph_options_are_off_by_default_and_refused_where_graphs_canno
                          **{name: True})
         with pytest.raises(ValueError, match=f"{name}=True needs CUDA graphs.*kernels='torch'"):
             EngineConfig(max_model_len=64, speculative_config=spec, **{name: True})  # the CPU path
+
+
+def test_vllm_graph_reserve_variable_is_honoured(monkeypatch):
+    """The release note's VLLM_V2_CUDAGRAPH_MEM_MIB (e.g. a 0.1.2 deployment's 1500) is read, not silently ignored;
+    revolta's own variable wins, and a negative value is refused by name (spec/engine.md §8 item 5)."""
+    monkeypatch.delenv("REVOLTA_CUDAGRAPH_MEM_MIB", raising=False)
+    monkeypatch.setenv("VLLM_V2_CUDAGRAPH_MEM_MIB", "1500")
+    assert EngineConfig(max_model_len=64).resolved_cudagraph_mem_mib() == 1500.0
+    monkeypatch.setenv("REVOLTA_CUDAGRAPH_MEM_MIB", "900")
+    assert EngineConfig(max_model_len=64).resolved_cudagraph_mem_mib() == 900.0
+    monkeypatch.delenv("REVOLTA_CUDAGRAPH_MEM_MIB")
+    monkeypatch.setenv("VLLM_V2_CUDAGRAPH_MEM_MIB", "-5")
+    with pytest.raises(ValueError, match="VLLM_V2_CUDAGRAPH_MEM_MIB=-5"):
+        EngineConfig(max_model_len=64)

@@ -55,6 +55,9 @@ MIN_ENCODER_TOKENS = 4096
 CPU_KV_CACHE_GIB = 0.5  # the KV cache allowance without kv_cache_gib where no GPU sizes it (the CPU)
 
 
+GRAPH_RESERVE_ENV = ("REVOLTA_CUDAGRAPH_MEM_MIB", "VLLM_V2_CUDAGRAPH_MEM_MIB")  # the first set wins
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """vLLM-named knobs of the engine.
@@ -139,16 +142,21 @@ class EngineConfig:
         return speculative_method(self.speculative_config)
 
     def resolved_cudagraph_mem_mib(self) -> float:
-        """Explicit value, else env REVOLTA_CUDAGRAPH_MEM_MIB, else the speculative method's default."""
+        """Explicit value, else env REVOLTA_CUDAGRAPH_MEM_MIB, else the release note's VLLM_V2_CUDAGRAPH_MEM_MIB (a
+        vLLM deployment's setting is honoured, not silently dropped), else the speculative method's default."""
         if self.cudagraph_mem_mib is not None:
             return float(self.cudagraph_mem_mib)
-        env = os.environ.get("REVOLTA_CUDAGRAPH_MEM_MIB")
-        if env is None:
+        var = next((v for v in GRAPH_RESERVE_ENV if v in os.environ), None)
+        if var is None:
             return default_cudagraph_reserve_mib(self.speculative_method)
+        env = os.environ[var]
         try:
-            return float(env)
+            value = float(env)
         except ValueError:
-            raise ValueError(f"REVOLTA_CUDAGRAPH_MEM_MIB={env!r} is not a number of MiB; set it to e.g. 700") from None
+            raise ValueError(f"{var}={env!r} is not a number of MiB; set it to e.g. 700") from None
+        if value < 0:
+            raise ValueError(f"{var}={env} must be >= 0 MiB (0 keeps no graph reserve); unset it for the default")
+        return value
 
     @property
     def use_cuda_graphs(self) -> bool:
