@@ -175,3 +175,22 @@ def test_fit_max_model_len_is_the_longest_whole_block_length_that_plans(real, sp
     assert fit_max_model_len(real, cache, roomy) == 262_144  # it fits whole: unchanged
     no_blocks = MemoryBudget(gpu_memory_bytes=32 * GiB, weights_bytes=26 * GiB)  # room for the state slots only
     assert fit_max_model_len(real, cache, no_blocks) == 0
+
+
+def test_a_length_that_does_not_fit_names_the_cache_bytes_it_needs(real):
+    """The error carries the least cache that holds the length (the engine's fitted-length warning says how much
+    more that is): that many bytes plan, one byte less does not."""
+    cache = CacheConfig(max_model_len=262_144, num_speculative_tokens=4, max_num_seqs=8)
+    budget = MemoryBudget(gpu_memory_bytes=32 * GiB, weights_bytes=20 * GiB)
+    with pytest.raises(CacheConfigError) as e:
+        plan_cache(real, cache, budget)
+    need = e.value.needed_cache_bytes
+    assert need > budget.cache_bytes
+
+    def exactly(n: int) -> MemoryBudget:
+        return MemoryBudget(gpu_memory_bytes=n, gpu_memory_utilization=1.0, cudagraph_reserve_bytes=0, other_bytes=0)
+
+    assert exactly(need).cache_bytes == need
+    plan_cache(real, cache, exactly(need))
+    with pytest.raises(CacheConfigError):
+        plan_cache(real, cache, exactly(need - 1))

@@ -62,7 +62,13 @@ WEIGHT_FORMATS = {  # bits per routed-expert parameter; everything else is 16-bi
 
 
 class CacheConfigError(ValueError):
-    """A cache configuration that cannot work; raised before any weight is loaded, says what to change."""
+    """A cache configuration that cannot work; raised before any weight is loaded, says what to change.
+    needed_cache_bytes: for a max_model_len that does not fit, the least cache (MemoryBudget.cache_bytes) that
+    holds one sequence of it; else None."""
+
+    def __init__(self, message: str, needed_cache_bytes: int | None = None):
+        super().__init__(message)
+        self.needed_cache_bytes = needed_cache_bytes
 
 
 def default_cudagraph_reserve_mib(speculative_method: str | None) -> float:
@@ -420,20 +426,20 @@ def plan_cache(cfg: ModelConfig, cache: CacheConfig, budget: MemoryBudget, tp: i
     need = -(-(L + cache.num_speculative_tokens) // bs)
     if num_blocks - 1 < need:
         fit = max(0, (num_blocks - 1) * bs - cache.num_speculative_tokens)
+        least = budget.cache_bytes - avail + (need + 1 + num_slots * state_pages) * page
         if budget.allowance is not None:  # the fix is the allowance: name the size that holds one sequence
-            least = budget.cache_bytes - avail + (need + 1 + num_slots * state_pages) * page
             lower = f", lower max_model_len to {fit:,}" if fit else ""
             raise CacheConfigError(
                 f"max_model_len={L:,} needs {need:,} KV blocks of {bs} tokens ({human_bytes(need * page)}) beside "
                 f"{num_slots} state slots ({human_bytes(num_slots * state)}), but the KV cache allowance "
                 f"{budget.allowance} holds {max(0, num_blocks - 1):,} blocks; raise kv_cache_gib to at least "
-                f"{-(-least * 1000 // GiB) / 1000:.3f} (serve: --kv-cache-gib G){lower} or lower max_num_seqs")
+                f"{-(-least * 1000 // GiB) / 1000:.3f} (serve: --kv-cache-gib G){lower} or lower max_num_seqs", least)
         raise CacheConfigError(
             f"max_model_len={L:,} needs {need:,} KV blocks of {bs} tokens ({human_bytes(need * page)} per GPU), "
             f"but after {num_slots} state slots ({human_bytes(num_slots * state)}) the pool holds "
             f"{max(0, num_blocks - 1):,} blocks ({human_bytes(max(0, num_blocks - 1) * page)}), i.e. "
             f"{fit:,} tokens; {f'lower --max-model-len to {fit:,} or less, ' if fit else ''}use --kv-cache-dtype "
-            "fp8_e4m3, raise --gpu-memory-utilization, use more GPUs (--tp) or lower --max-num-seqs")
+            "fp8_e4m3, raise --gpu-memory-utilization, use more GPUs (--tp) or lower --max-num-seqs", least)
     per_request = -(-L // bs) + slots_per_request * state_pages + -(-draft_per_request // page)
     # Reported capacity is what the allocated tensors physically hold: the KV blocks (state
     # slots are separate tensors sized for max_num_seqs), capped by the running slots.

@@ -272,7 +272,11 @@ class Engine:
             return plan_cache(cfg, cache, budget, tp=self.tp, dtype=dtype, dcp=self.dcp)
         plan = plan_cache(cfg, replace(cache, max_model_len=fit), budget, tp=self.tp, dtype=dtype, dcp=self.dcp)
         self.config, self.max_model_len_fitted = replace(self.config, max_model_len=fit), True
-        more = (-(-(full + cache.num_speculative_tokens) // plan.block_size) - plan.num_blocks + 1) * plan.page_bytes
+        try:  # the planner's own shortfall: it counts what grows with the length besides blocks (a drafter's KV)
+            plan_cache(cfg, cache, budget, tp=self.tp, dtype=dtype, dcp=self.dcp)
+            more = 0
+        except CacheConfigError as e:
+            more = (e.needed_cache_bytes or budget.cache_bytes) - budget.cache_bytes
         if self.model.device.type == "cuda" and self.config.kv_cache_gib is None:
             cache_is = f"gpu_memory_utilization={self.config.gpu_memory_utilization:g} of the GPU after the weights"
             how = ("raise gpu_memory_utilization, set kv_cache_gib=G (serve: --kv-cache-gib G), use "
@@ -283,9 +287,10 @@ class Engine:
                 ("" if gib is not None else ", the CPU default")
             how = "raise kv_cache_gib (serve: --kv-cache-gib G) or lower max_num_seqs"
         logger.warning("max_model_len not given: the checkpoint's max_position_embeddings=%s does not fit the KV "
-                       "cache (%s), so max_model_len=%s, the longest one sequence it holds (the full length needs %s "
-                       "more). To raise it, %s; an explicit max_model_len (serve: --max-model-len) is kept as given, "
-                       "or is an error when it does not fit", f"{full:,}", cache_is, f"{fit:,}", human_bytes(more), how)
+                       "cache (%s), so max_model_len=%s, the longest one sequence it holds%s. To raise it, %s; an "
+                       "explicit max_model_len (serve: --max-model-len) is kept as given, or is an error when it does "
+                       "not fit", f"{full:,}", cache_is, f"{fit:,}",
+                       f" (the full length needs {human_bytes(more)} more)" if more > 0 else "", how)
         return plan
 
     def _drafter_weights_bytes(self) -> int:
