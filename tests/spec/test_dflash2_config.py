@@ -251,3 +251,19 @@ def test_llm_resolves_the_codebook_option_at_its_tensor_parallel_size(drafter, t
     assert llm_spec(explicit, 2).sm70_dflash2.source("sharded_selector_codebook") == "config"
     with pytest.raises(ValueError, match="needs a tensor-parallel group"):
         llm_spec(explicit, 1)
+
+
+def test_graph_option_refusals_name_revolta_graph_flags_not_a_false_claim():
+    """revolta does capture DFlash2 rounds (dflash2_graph_rounds) and MTP rounds in CUDA graphs: refusing the
+    release note's graph options must point there, not claim that speculative steps never use graphs."""
+    from revolta.spec.dflash2.checks import check_tail_cudagraphs
+    from revolta.spec.dflash2.options import SM70DFlash2Options
+
+    messages = []
+    for raw, env in (({"context_kv_graph": True}, {}), ({"context_pipeline": True}, {}),
+                     (None, {"VLLM_SM70_DFLASH2_TAIL_CUDAGRAPHS": "1"})):
+        with pytest.raises(ValueError) as e:
+            SM70DFlash2Options.resolve(raw, env=env) if raw else check_tail_cudagraphs(env)
+        messages.append(str(e.value))
+    for message in messages:
+        assert "without CUDA graphs" not in message and "--dflash2-graph-rounds" in message, message

@@ -91,7 +91,7 @@ def check_tail_cudagraphs(env: Mapping[str, str]) -> None:
     value = env.get(TAIL_CUDAGRAPHS_ENV)
     if value is not None and value.strip().lower() not in ("0", "false", "no", "off", ""):
         raise ValueError(f"{TAIL_CUDAGRAPHS_ENV}={value!r}: revolta captures no single-request verifier tail graphs "
-                         "(its verify steps run without CUDA graphs); unset it or set 0")
+                         "(its DFlash2 graphs capture whole rounds: --dflash2-graph-rounds); unset it or set 0")
 
 
 def check_dflash2(spec: SpeculativeConfig, cfg: ModelConfig, *, kv_cache_dtype: str, dtype: str,

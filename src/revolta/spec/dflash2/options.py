@@ -26,7 +26,7 @@ describes what revolta always does (that value is accepted, the other is refused
                              packed verifier, so its automatic policy is off
 
 has no effect in revolta (any explicit value is refused, saying why)
-  context_kv_graph, context_pipeline   speculative steps run without CUDA graphs (engine.py)
+  context_kv_graph, context_pipeline   revolta's DFlash2 graphs are whole rounds (dflash2_graph_rounds)
   fused_gdn_norm, fused_gdn_split, fused_gdn_combined_split, fused_gemma_rms, fixed_gemma_rms,
   draft_window_split                   SM70 kernel variants revolta does not have (its kernels are its own)
   quant_lm_head, qpn8_rerank           the LM head is never quantised here; candidates come from exact logits
@@ -50,7 +50,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "VLLM_SM70_DFLASH2_"
-_EAGER = "revolta runs speculative draft and verify steps without CUDA graphs"
+# revolta's DFlash2 graphs are whole rounds (engine dflash2_graph_rounds / dflash2_draft_graph), not 1Cat's pieces
+_EAGER = ("revolta's DFlash2 CUDA graphs capture whole verify/commit rounds (--dflash2-graph-rounds) and the drafter "
+          "forward (--dflash2-draft-graph), not 1Cat's separate pieces")
 _KERNEL = "it selects an SM70 kernel variant of 1Cat-vLLM that revolta does not have (revolta's kernels are its own)"
 
 
