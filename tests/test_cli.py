@@ -191,3 +191,19 @@ def test_serve_with_several_served_model_names(tmp_path, monkeypatch, capsys):
     seen = _fake_serve(tmp_path, monkeypatch)
     assert main(["serve", "--served-model-name", "qwen", "flash", "--", str(tmp_path)]) == 0
     assert seen["server"].served_model_name == "qwen" and seen["server"].served_model_aliases == ("flash",)
+
+
+def test_info_takes_serve_spellings_and_preset_names(default_dir, monkeypatch, capsys):
+    """A vLLM user's -tp / --tensor-parallel-size and --max-num-batched-tokens work in `info` as in `serve`, and
+    the embedded default is named as `generate` and `serve` name it."""
+    monkeypatch.setenv("REVOLTA_CACHE", str(default_dir.parent))
+    for flag in ("-tp", "--tensor-parallel-size"):
+        assert main(["info", "default", flag, "2"]) == 0
+        assert "8 = 6 GDN + 2 QSA" in capsys.readouterr().out
+    config = str(DATA / "qwen3_8_flash_next_config.json")
+    plans = []
+    for budget in ("2048", "16384"):  # the batch budget sizes the activation estimate, so the pool
+        assert main(["info", config, "--gpu-memory", "32", "--tensor-parallel-size", "4", "--max-model-len", "524288",
+                     "--kv-cache-dtype", "fp8_e4m3", "--max-num-batched-tokens", budget]) == 0
+        plans.append(next(line for line in capsys.readouterr().out.splitlines() if "GPU KV cache size:" in line))
+    assert plans[0] != plans[1]

@@ -62,9 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="summarise a checkpoint's config",
                           description="Config summary, parameter counts by component, KV bytes per token and "
                                       "fixed state bytes per sequence (spec/model.md §10). Reads no weights.")
-    info.add_argument("path", metavar="DIR", help="checkpoint directory, or a config.json file")
-    info.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size for per-GPU figures")
-    info.add_argument("--dcp", type=int, default=1, metavar="N",
+    info.add_argument("path", metavar="DIR", help="checkpoint directory, a config.json file, or a preset name "
+                      "(default, trained-default, random-default)")
+    # serve's vLLM spellings too, so one command line's flags carry over
+    info.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
+                      help="tensor-parallel size for per-GPU figures")
+    info.add_argument("--dcp", "-dcp", "--decode-context-parallel-size", dest="dcp", type=int, default=1, metavar="N",
                       help="decode-context-parallel size: the ranks sharing a KV head each hold 1/N of its K/V")
     plan = info.add_argument_group("deployment dry run (with --gpu-memory): cache capacity without a GPU")
     plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU, e.g. 32 for a V100 32 GB")
@@ -73,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv-cache-dtype", default="auto", metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
     plan.add_argument("--max-num-seqs", type=int, default=None, metavar="N")
+    plan.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                      help="tokens per step: sizes the activation estimate (default: the engine's)")
     plan.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                       help="MTP drafts per step (default: the planner's default; 0 turns speculation off)")
     plan.add_argument("--spec-state-replay", action="store_true",
@@ -252,11 +257,17 @@ def _info(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise UserError(f"--tp={args.tp} must be >= 1")
     for flag, value, ok, allowed in (("--max-model-len", args.max_model_len, lambda v: v >= 1, ">= 1"),
+                                     ("--max-num-batched-tokens", args.max_num_batched_tokens, lambda v: v >= 1,
+                                      ">= 1"),
                                      ("--weights-gib", args.weights_gib, lambda v: v > 0, "> 0"),
                                      ("--num-speculative-tokens", args.num_speculative_tokens, lambda v: 0 <= v <= 8,
                                       "in [0, 8] (0 = no speculation; the engine drafts at most 8)")):
         if value is not None and not ok(value):  # 0 would otherwise read as "not given"
             raise UserError(f"{flag}={value} must be {allowed}")
+    if args.path in PRESET_NAMES:  # as generate and serve name them (built on first use; no weights are read)
+        from .presets.load import resolve_model
+
+        args.path = str(resolve_model(args.path)[0])
     if not os.path.exists(args.path):
         raise UserError(f"{args.path}: no such file or directory; pass a checkpoint directory or its config.json")
     cfg = ModelConfig.from_pretrained(args.path)
@@ -270,6 +281,7 @@ def _info(args: argparse.Namespace) -> int:
         from .plan import dry_run_report
 
         options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                     ("max_num_batched_tokens", args.max_num_batched_tokens),
                                      ("num_speculative_tokens", args.num_speculative_tokens),
                                      ("spec_state_replay", args.spec_state_replay or None)) if v is not None}
         spec = None
