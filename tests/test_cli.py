@@ -118,6 +118,7 @@ def test_info_dry_run_plans_a_deployment(capsys):
 def test_serve_passes_kv_cache_gib_to_the_llm(tmp_path, monkeypatch):
     """`--kv-cache-gib` (what the fitted-length warning names) reaches LLM(...); the server itself is not started."""
     pytest.importorskip("fastapi")
+    import revolta.cli
     import revolta.llm
     import revolta.server.app
 
@@ -130,6 +131,7 @@ def test_serve_passes_kv_cache_gib_to_the_llm(tmp_path, monkeypatch):
 
     monkeypatch.setattr(revolta.llm, "LLM", FakeLLM)
     monkeypatch.setattr(revolta.server.app, "run_server", lambda llm, config, *a, **k: 0)
+    monkeypatch.setattr(revolta.cli, "_check_address", lambda host, port: None)  # 8000 may be taken
     assert main(["serve", str(tmp_path), "--kv-cache-gib", "2.5", "--max-num-seqs", "3"]) == 0
     assert seen["kv_cache_gib"] == 2.5 and seen["max_num_seqs"] == 3 and seen["max_model_len"] is None
     assert "dflash2_graph_rounds" not in seen  # unset flags leave the LLM's defaults
@@ -137,10 +139,15 @@ def test_serve_passes_kv_cache_gib_to_the_llm(tmp_path, monkeypatch):
     assert seen["dflash2_graph_rounds"] is True and seen["dflash2_draft_graph"] is True
 
 
-def _fake_serve(tmp_path, monkeypatch):
-    """LLM(...)'s keyword arguments and the ServerConfig of `revolta serve`, with neither model nor server started."""
+def _fake_serve(tmp_path, monkeypatch, check_address=False):
+    """LLM(...)'s keyword arguments and the ServerConfig of `revolta serve`, with neither model nor server started
+    (nor, unless check_address, the port probed: another process may hold 8000)."""
     pytest.importorskip("fastapi")
+    import revolta.cli
     import revolta.llm
+
+    if not check_address:
+        monkeypatch.setattr(revolta.cli, "_check_address", lambda host, port: None)
     import revolta.server.app
 
     seen = {}
@@ -207,3 +214,19 @@ def test_info_takes_serve_spellings_and_preset_names(default_dir, monkeypatch, c
                      "--kv-cache-dtype", "fp8_e4m3", "--max-num-batched-tokens", budget]) == 0
         plans.append(next(line for line in capsys.readouterr().out.splitlines() if "GPU KV cache size:" in line))
     assert plans[0] != plans[1]
+
+
+def test_serve_refuses_a_taken_port_before_loading(tmp_path, monkeypatch, capsys):
+    """An address in use is a user error found before the model loads (minutes on a real checkpoint), not exit
+    status 3 (which means a dead PLE worker) after it."""
+    import socket
+
+    seen = _fake_serve(tmp_path, monkeypatch, check_address=True)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tmp_path), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--port" in err and not seen
+    assert main(["serve", str(tmp_path), "--port", str(port)]) == 0  # free again: it starts

@@ -441,6 +441,25 @@ def _require_server_extra() -> None:
                         "pip install 'revolta[server]' (from a checkout: pip install -e '.[server]')") from None
 
 
+def _check_address(host: str, port: int) -> None:
+    """The listening address is free, checked before the model loads (uvicorn would find out only after)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, OverflowError) as e:
+        raise UserError(f"--host {host} --port {port}: not an address to listen on ({e}); pass e.g. --host 0.0.0.0 "
+                        "--port 8000") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port, or stop the "
+                            "server using it") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     _require_server_extra()
     if args.model is not None and not os.path.isdir(args.model) and args.model not in PRESET_NAMES:
@@ -476,6 +495,7 @@ def _serve(args: argparse.Namespace) -> int:
     parse_limits(args.limit_mm_per_prompt)  # the LLM applies them; a bad one is an error before loading
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
         raise UserError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
+    _check_address(args.host, args.port)  # the last check before the model loads
     from .llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
