@@ -150,3 +150,11 @@ def test_greedy_draft_verification_draws_what_plain_decoding_draws():
     wrong = (plain[1] + 1) % 50
     assert rejection_sample(probs, [plain[0], wrong], None, make_generator(7)) == plain[:2]  # 2nd rejected
     assert rejection_sample(probs[:1], [], None, make_generator(7)) == plain[:1]  # no drafts: plain decoding
+
+
+def test_a_bad_draft_policy_names_where_it_came_from():
+    """A bad REVOLTA_SPEC_DRAFT_POLICY is reported as that variable, not as a speculative_config key never set."""
+    with pytest.raises(ValueError, match="REVOLTA_SPEC_DRAFT_POLICY='bogus'"):
+        SpeculativeConfig.resolve({"method": "mtp"}, True, env={"REVOLTA_SPEC_DRAFT_POLICY": "bogus"})
+    with pytest.raises(ValueError, match="speculative_config draft_policy='never'"):
+        SpeculativeConfig.resolve({"method": "mtp", "draft_policy": "never"}, True, env={})

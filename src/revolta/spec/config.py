@@ -211,8 +211,9 @@ def _draft_policy(raw: Mapping[str, Any], env: Mapping[str, str] | None) -> str:
     env = os.environ if env is None else env
     policy = raw.get("draft_policy") or env.get("REVOLTA_SPEC_DRAFT_POLICY") or "adaptive"
     if policy not in DRAFT_POLICIES:
-        raise ValueError(f"speculative_config draft_policy={policy!r} is not supported; use 'adaptive' (draft while it "
-                         "pays) or 'always' (draft every decode step)")
+        source = "speculative_config draft_policy" if raw.get("draft_policy") else "REVOLTA_SPEC_DRAFT_POLICY"
+        raise ValueError(f"{source}={policy!r} is not supported; use 'adaptive' (draft while it pays) or 'always' "
+                         "(draft every decode step)")
     return policy
 
 
