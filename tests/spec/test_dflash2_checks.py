@@ -151,8 +151,8 @@ def test_llm_checks_before_loading_weights(tmp_path, monkeypatch):
         llm.LLM(str(target), speculative_config=dflash, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="DFlash2 does not support pipeline parallelism"):
         llm.LLM(str(target), speculative_config=dflash, pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="sm70_dflash2 context_kv_graph=True .config. has no effect in revolta"):
-        llm.LLM(str(target), speculative_config={**dflash, "sm70_dflash2": {"context_kv_graph": True}})
+    with pytest.raises(ValueError, match="sm70_dflash2 fused_gdn_norm=True .config. has no effect in revolta"):
+        llm.LLM(str(target), speculative_config={**dflash, "sm70_dflash2": {"fused_gdn_norm": True}})
 
 
 @torch.no_grad()

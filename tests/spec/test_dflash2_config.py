@@ -123,10 +123,13 @@ def test_option_defaults_follow_the_release_note():
 def test_options_revolta_cannot_run_are_refused():
     for o in OPTIONS:
         if not o.honoured:
-            with pytest.raises(ValueError, match=f"{o.name}=True \\(config\\) has no effect in revolta"):
-                SM70DFlash2Options.resolve({o.name: True}, env={})
-            with pytest.raises(ValueError, match="has no effect in revolta"):
-                SM70DFlash2Options.resolve({o.name: False}, env={})
+            for value in (True, False):
+                if value in o.ignored:  # accepted and logged, runs as n/a
+                    opts = SM70DFlash2Options.resolve({o.name: value}, env={})
+                    assert getattr(opts, o.name) is None and "ignored" in opts.source(o.name), o.name
+                    continue
+                with pytest.raises(ValueError, match=f"{o.name}={value} \\(config\\) has no effect in revolta"):
+                    SM70DFlash2Options.resolve({o.name: value}, env={})
         elif len(o.honoured) == 1 and o.name != "fused_gdn_verify":
             other = not o.honoured[0]
             with pytest.raises(ValueError, match=f"{o.name}={other} \\(config\\) cannot run in revolta, which always "
@@ -150,8 +153,10 @@ def test_environment_aliases():
     # the typed field wins over the environment
     assert SM70DFlash2Options.resolve({"spec_state_replay": True},
                                       env={"VLLM_SM70_DFLASH2_SPEC_STATE_REPLAY": "0"}).spec_state_replay is True
-    with pytest.raises(ValueError, match="VLLM_SM70_DFLASH2_CONTEXT_KV_GRAPH.*has no effect in revolta"):
-        SM70DFlash2Options.resolve(None, env={"VLLM_SM70_DFLASH2_CONTEXT_KV_GRAPH": "1"})
+    with pytest.raises(ValueError, match="VLLM_SM70_DFLASH2_FUSED_GDN_NORM.*has no effect in revolta"):
+        SM70DFlash2Options.resolve(None, env={"VLLM_SM70_DFLASH2_FUSED_GDN_NORM": "1"})
+    ignored = SM70DFlash2Options.resolve(None, env={"VLLM_SM70_DFLASH2_CONTEXT_KV_GRAPH": "1"})  # speed-only: logged
+    assert ignored.source("context_kv_graph").startswith("environment (VLLM_SM70_DFLASH2_CONTEXT_KV_GRAPH), ignored")
     with pytest.raises(ValueError, match="VLLM_SM70_DFLASH2_SPEC_STATE_REPLAY='maybe' must be 1 or 0"):
         SM70DFlash2Options.resolve(None, env={"VLLM_SM70_DFLASH2_SPEC_STATE_REPLAY": "maybe"})
     with pytest.raises(ValueError, match="both spec_state_replay and fused_gdn_verify"):
@@ -259,11 +264,29 @@ def test_graph_option_refusals_name_revolta_graph_flags_not_a_false_claim():
     from revolta.spec.dflash2.checks import check_tail_cudagraphs
     from revolta.spec.dflash2.options import SM70DFlash2Options
 
-    messages = []
-    for raw, env in (({"context_kv_graph": True}, {}), ({"context_pipeline": True}, {}),
-                     (None, {"VLLM_SM70_DFLASH2_TAIL_CUDAGRAPHS": "1"})):
-        with pytest.raises(ValueError) as e:
-            SM70DFlash2Options.resolve(raw, env=env) if raw else check_tail_cudagraphs(env)
-        messages.append(str(e.value))
+    messages = [o.meaning for o in OPTIONS if o.name in ("context_kv_graph", "context_pipeline")]  # their warnings
+    with pytest.raises(ValueError) as e:
+        check_tail_cudagraphs({"VLLM_SM70_DFLASH2_TAIL_CUDAGRAPHS": "1"})
+    messages.append(str(e.value))
     for message in messages:
         assert "without CUDA graphs" not in message and "--dflash2-graph-rounds" in message, message
+
+
+def test_the_release_notes_recommended_configuration_starts_as_written(caplog, drafter):
+    """The note says to keep six sm70_dflash2 options on; two of them (context_kv_graph, context_pipeline) are speed
+    options revolta has no counterpart for: accepted with a warning, not refused. Options revolta cannot run are all
+    named in one error."""
+    recommended = {"context_kv_graph": True, "context_pipeline": True, "verify_fastpath": True,
+                   "fused_gdn_metadata": True, "fused_smallq_metadata": True, "grouped_smallq_metadata": True,
+                   "spec_state_replay": False}
+    with caplog.at_level("WARNING", logger="revolta.spec.dflash2.options"):
+        opts = SM70DFlash2Options.resolve(recommended, env={})
+    assert opts.spec_state_replay is False and opts.verify_fastpath is True and opts.context_kv_graph is None
+    assert "ignored" in opts.source("context_pipeline")
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("context_kv_graph=True" in m and "--dflash2-graph-rounds" in m for m in warned), warned
+    assert resolve({"method": "dflash2", "model": str(drafter), "draft_sample_method": "greedy",
+                    "dflash_concurrency_drafts": {"4": 3, "5": 4}, "sm70_dflash2": recommended})
+    with pytest.raises(ValueError) as e:
+        SM70DFlash2Options.resolve({"fused_gdn_norm": True, "quant_lm_head": True, "lookup": False}, env={})
+    assert all(name in str(e.value) for name in ("fused_gdn_norm=True", "quant_lm_head=True", "lookup=False"))

@@ -25,14 +25,19 @@ describes what revolta always does (that value is accepted, the other is refused
   fused_gdn_verify           false: GDN verifies with the token-by-token decode kernel; revolta has no
                              packed verifier, so its automatic policy is off
 
-has no effect in revolta (any explicit value is refused, saying why)
-  context_kv_graph, context_pipeline   revolta's DFlash2 graphs are whole rounds (dflash2_graph_rounds)
-  fused_gdn_norm, fused_gdn_split, fused_gdn_combined_split, fused_gemma_rms, fixed_gemma_rms,
-  draft_window_split                   SM70 kernel variants revolta does not have (its kernels are its own)
+has no effect in revolta (false, which says what revolta does, is accepted; true is refused, saying why)
+  fused_gdn_norm, fused_gdn_split, fused_gdn_combined_split, fused_gemma_rms, fixed_gemma_rms
+                                       SM70 kernel variants revolta does not have (its kernels are its own)
   quant_lm_head, qpn8_rerank           the LM head is never quantised here; candidates come from exact logits
   sparse_target_rejection              verification uses the dense lossless sampler (spec/verify.py)
   sharded_context_fc                   the drafter's context `fc` is not tensor-parallel
-  bf16_emulation, proposal_temperature_scale, proposal_top_p, lookup   not implemented
+  bf16_emulation, proposal_temperature_scale, proposal_top_p   not implemented
+  lookup                               n-gram lookup drafting is not implemented (any value is refused)
+
+has no effect in revolta, either value accepted with a warning: speed-only options of the release note's
+recommended configuration (which tells users to set the first two), so that configuration starts as written
+  context_kv_graph, context_pipeline   revolta's DFlash2 graphs are whole rounds (dflash2_graph_rounds)
+  draft_window_split                   an SM70 attention-window kernel variant (revolta's kernels are its own)
 
 `release_default` is the release note's value (True for the six options of the recommended
 configuration and for the two 0.1.3 memory options; None where it states none). Where revolta
@@ -61,12 +66,13 @@ class OptionSpec:
     name: str
     release_default: bool | None  # the release note's default; None: it states none
     meaning: str  # what the option does in revolta, or why it has no effect
-    honoured: tuple[bool, ...]  # values revolta runs; () = no effect, any explicit value is refused
+    honoured: tuple[bool, ...]  # values revolta runs; () = no effect (see `ignored`)
+    ignored: tuple[bool, ...] = (False,)  # no-effect options: explicit values accepted (and logged), others refused
 
 
 OPTIONS: tuple[OptionSpec, ...] = (
-    OptionSpec("context_kv_graph", True, f"{_EAGER}, so there is no context-KV graph to capture", ()),
-    OptionSpec("context_pipeline", True, f"{_EAGER}, so there is no context-KV graph to split", ()),
+    OptionSpec("context_kv_graph", True, f"{_EAGER}, so there is no context-KV graph to capture", (), (True, False)),
+    OptionSpec("context_pipeline", True, f"{_EAGER}, so there is no context-KV graph to split", (), (True, False)),
     OptionSpec("verify_fastpath", True, "one VerifyMeta/PagedMeta per step serves every GDN layer", (True,)),
     OptionSpec("fused_gdn_metadata", True, "one state-slot id per request indexes every GDN layer's state",
                (True,)),
@@ -93,8 +99,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
                ()),
     OptionSpec("proposal_temperature_scale", None, "the drafter's proposal temperature is not adjustable", ()),
     OptionSpec("proposal_top_p", None, "the drafter's proposal has no nucleus cut", ()),
-    OptionSpec("draft_window_split", True, _KERNEL, ()),
-    OptionSpec("lookup", None, "n-gram lookup drafting is not implemented", ()),
+    OptionSpec("draft_window_split", True, _KERNEL, (), (True, False)),
+    OptionSpec("lookup", None, "n-gram lookup drafting is not implemented", (), ()),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -193,14 +199,20 @@ class SM70DFlash2Options:
         get = {name: value for name, (value, _) in explicit.items()}
         replay, fused = resolve_replay(get.get("spec_state_replay"), get.get("fused_gdn_verify"),
                                        fused_auto=fused_gdn_verify_auto)
-        for name, (value, source) in explicit.items():
+        refused = []  # every option revolta cannot run, in one message
+        for name, (value, source) in list(explicit.items()):
             o = _BY_NAME[name]
-            if not o.honoured:
-                raise ValueError(f"sm70_dflash2 {name}={value!r} ({source}) has no effect in revolta: {o.meaning}; "
-                                 "remove it")
-            if name != "fused_gdn_verify" and value not in o.honoured:
-                raise ValueError(f"sm70_dflash2 {name}={value!r} ({source}) cannot run in revolta, which always runs "
-                                 f"{name}={o.honoured[0]} ({o.meaning}); remove it")
+            if not o.honoured and isinstance(value, bool) and value in o.ignored:
+                (logger.warning if value else logger.info)(
+                    "sm70_dflash2 %s=%s (%s) has no effect in revolta (%s); ignored", name, value, source, o.meaning)
+                explicit[name] = (value, f"{source}, ignored: no effect in revolta")
+            elif not o.honoured:
+                refused.append(f"{name}={value!r} ({source}) has no effect in revolta: {o.meaning}")
+            elif name != "fused_gdn_verify" and value not in o.honoured:
+                refused.append(f"{name}={value!r} ({source}) cannot run in revolta, which always runs "
+                               f"{name}={o.honoured[0]} ({o.meaning})")
+        if refused:
+            raise ValueError("sm70_dflash2 " + "; ".join(refused) + f"; remove {'it' if len(refused) == 1 else 'them'}")
         if fused:  # explicit or automatic: revolta has no packed verifier
             raise ValueError(f"sm70_dflash2 fused_gdn_verify=true cannot run in revolta: {_BY_NAME['fused_gdn_verify'].meaning}; "
                              "remove it")
