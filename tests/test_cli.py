@@ -230,3 +230,31 @@ def test_serve_refuses_a_taken_port_before_loading(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "--port" in err and not seen
     assert main(["serve", str(tmp_path), "--port", str(port)]) == 0  # free again: it starts
+
+
+def test_generate_takes_serves_kv_cache_dtype(monkeypatch):
+    """`generate --kv-cache-dtype` reaches LLM(...) as serve's does, with serve's help; unset, the LLM's default."""
+    import revolta.cli
+    import revolta.llm
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen.clear()
+            seen.update(kwargs)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(revolta.llm, "LLM", FakeLLM)
+    monkeypatch.setattr(revolta.cli, "_print_generated", lambda llm, prompts, args: 0)
+    assert main(["generate", "hi", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert seen["kv_cache_dtype"] == "fp8_e4m3"
+    assert main(["generate", "hi"]) == 0
+    assert "kv_cache_dtype" not in seen
+    subs = revolta.cli.build_parser()._subparsers._group_actions[0].choices
+    flag = {name: next(a for a in subs[name]._actions if "--kv-cache-dtype" in a.option_strings)
+            for name in ("generate", "serve", "info")}
+    assert {(a.help, a.choices, a.metavar) for a in flag.values()} == {(flag["serve"].help, flag["serve"].choices,
+                                                                        flag["serve"].metavar)}

@@ -1,6 +1,6 @@
 """`revolta` command line: generate text and describe checkpoints.
 
-    revolta generate [--model DIR] [--max-tokens N] [--temperature T] [--seed S] [--chat] "prompt" ...
+    revolta generate [--model DIR] [--max-tokens N] [--temperature T] [--seed S] [--chat] [--kv-cache-dtype D] "prompt" ...
     revolta info DIR|config.json [--tp N]
     revolta serve [MODEL] [--host H] [--port P] [vLLM-style flags]
 
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative-config", type=_json_flag("--speculative-config"), metavar="JSON",
                      help="as serve takes it: '{\"method\": null}' decodes without drafts; default MTP4 when the "
                           "checkpoint has an MTP layer, drafting only while it pays")
+    _add_kv_cache_dtype_flag(gen)
     _add_parallel_flags(gen)
 
     info = sub.add_parser("info", help="summarise a checkpoint's config",
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU, e.g. 32 for a V100 32 GB")
     plan.add_argument("--max-model-len", type=int, default=None, metavar="L", help="tokens per request (default: "
                       "the config's max_position_embeddings)")
-    plan.add_argument("--kv-cache-dtype", default="auto", metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
+    _add_kv_cache_dtype_flag(plan, default="auto")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
     plan.add_argument("--max-num-seqs", type=int, default=None, metavar="N")
     plan.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
@@ -110,6 +111,11 @@ def _json_flag(name: str):
             raise argparse.ArgumentTypeError(f"{name} must be a JSON object, e.g. '{{\"image\": 1}}'")
         return value
     return parse
+
+
+def _add_kv_cache_dtype_flag(parser, default: str | None = None) -> None:
+    """One definition for generate, info and serve; the engine checks the value (its error names the choices)."""
+    parser.add_argument("--kv-cache-dtype", default=default, metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
 
 
 def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +165,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--max-model-len", type=int, metavar="L")
     serve.add_argument("--max-num-seqs", type=int, metavar="N")
     serve.add_argument("--max-num-batched-tokens", type=int, metavar="N")
-    serve.add_argument("--kv-cache-dtype", metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
+    _add_kv_cache_dtype_flag(serve)
     serve.add_argument("--kv-cache-gib", type=float, metavar="GiB",
                        help="KV cache size (default: on CUDA what gpu_memory_utilization leaves, on CPU 0.5)")
     serve.add_argument("--gpu-memory-utilization", type=float, metavar="F",
@@ -397,8 +403,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     _sampling_params(args)  # reject bad flags before loading anything
     spec = {} if args.speculative_config is None else {"speculative_config": args.speculative_config}
-    parallel = {name: getattr(args, name) for name in PARALLEL_ARGS if getattr(args, name) is not None}
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **spec, **parallel)
+    engine_args = {name: getattr(args, name) for name in ("kv_cache_dtype", *PARALLEL_ARGS)
+                   if getattr(args, name) is not None}
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, **spec, **engine_args)
     try:
         return _print_generated(llm, prompts, args)
     finally:
