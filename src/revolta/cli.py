@@ -1,6 +1,7 @@
 """`revolta` command line: generate text and describe checkpoints.
 
-    revolta generate [--model DIR] [--max-tokens N] [--temperature T] [--seed S] [--chat] [--kv-cache-dtype D] "prompt" ...
+    revolta generate [--model DIR] [--max-tokens N] [--temperature T] [--seed S] [--chat] [--kv-cache-dtype D]
+                     "prompt" ...
     revolta info DIR|config.json [--tp N]
     revolta serve [MODEL] [--host H] [--port P] [vLLM-style flags]
 

@@ -3,8 +3,9 @@
 The embedded default model has random weights, so it never writes a `<tool_call>`. `ScriptedLLM`
 has the same public surface the server uses (add_request / step / abort_request /
 has_unfinished_requests, chat_prompt, get_tokenizer, ...) and the real tokenizer and chat template,
-but each request generates the next scripted text, one token per step. Everything between the HTTP
-request and these outputs (rendering, validation, parsing, SSE, the SDKs) is the real server.
+but each request generates the next scripted text (one per sample with n > 1), one token per step.
+Everything between the HTTP request and these outputs (rendering, validation, parsing, SSE, the SDKs)
+is the real server.
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ class ScriptedLLM:
         ids = list(prompt["prompt_token_ids"])
         self.prompts.append(ids)
         self.sampling_params.append(sampling_params)
-        script = self.tokenizer.encode(self.scripts.popleft())
-        self._live[request_id] = (ids, script, sampling_params, RequestMetrics(time.time(), num_prompt_tokens=len(ids)))
+        if len(self.scripts) < sampling_params.n:
+            raise RuntimeError(f"ScriptedLLM: n={sampling_params.n} needs as many scripts, {len(self.scripts)} queued")
+        # one script per sample, in index order
+        scripts = [self.tokenizer.encode(self.scripts.popleft()) for _ in range(sampling_params.n)]
+        metrics = RequestMetrics(time.time(), num_prompt_tokens=len(ids))
+        self._live[request_id] = (ids, scripts, sampling_params, metrics)
         self._done[request_id] = 0
         return request_id
 
@@ -65,12 +70,17 @@ class ScriptedLLM:
     def step(self) -> list[RequestOutput]:
         time.sleep(self.step_delay)
         outputs = []
-        for rid, (ids, script, params, metrics) in list(self._live.items()):
+        for rid, (ids, scripts, params, metrics) in list(self._live.items()):
             k = self._done[rid] = self._done[rid] + 1
-            finish = "stop" if k >= len(script) else "length" if params.max_tokens and k >= params.max_tokens else None
-            text = self.tokenizer.decode(script[:k], skip_special_tokens=True)
-            outputs.append(RequestOutput(rid, None, ids, [CompletionOutput(0, text, script[:k], finish_reason=finish)],
-                                         finished=finish is not None, metrics=metrics))
-            if finish is not None:
+            ends = [max(1, min(len(script), params.max_tokens or len(script))) for script in scripts]
+            for index, (script, end) in enumerate(zip(scripts, ends)):
+                if k > end:  # this sample finished on an earlier step
+                    continue
+                finish = None if k < end else "stop" if k >= len(script) else "length"
+                text = self.tokenizer.decode(script[:k], skip_special_tokens=True)
+                outputs.append(RequestOutput(rid, None, ids, [CompletionOutput(index, text, script[:k],
+                                                                               finish_reason=finish)],
+                                             finished=finish is not None, metrics=metrics))
+            if k >= max(ends):
                 del self._live[rid]
         return outputs

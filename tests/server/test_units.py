@@ -8,7 +8,7 @@ import pytest
 
 from revolta.server.config import ServerConfig
 from revolta.server.errors import anthropic_error_type
-from revolta.server.sse import KEEP_ALIVE, with_keep_alive
+from revolta.server.sse import KEEP_ALIVE, merged, with_keep_alive
 
 
 @pytest.mark.parametrize("status,kind", [(400, "invalid_request_error"), (401, "authentication_error"),
@@ -18,6 +18,41 @@ from revolta.server.sse import KEEP_ALIVE, with_keep_alive
                                          (422, "invalid_request_error"), (405, "invalid_request_error")])
 def test_anthropic_error_type_from_status(status, kind):
     assert anthropic_error_type(status) == kind
+
+
+def test_merged_interleaves_and_closes_every_source():
+    """Frames as they come, each source's order kept; an error or an early exit closes the sources still open."""
+    closed = []
+
+    async def source(name, delays, fail=False):
+        try:
+            for k, delay in enumerate(delays):
+                await asyncio.sleep(delay)
+                yield f"{name}{k}"
+            if fail:
+                raise RuntimeError(f"{name} failed")
+            await asyncio.sleep(10)  # still running when the merge ends
+        finally:
+            closed.append(name)
+
+    async def run(fail: bool, take: int):
+        got = []
+        frames = merged([source("a", [0, 0.2]), source("b", [0.1, 0.2], fail=fail)])
+        try:
+            async for frame in frames:
+                got.append(frame)
+                if len(got) == take:
+                    break
+        except RuntimeError as e:
+            got.append(str(e))
+        await frames.aclose()
+        return got
+
+    assert asyncio.run(run(fail=True, take=99)) == ["a0", "b0", "a1", "b1", "b failed"]
+    assert sorted(closed) == ["a", "b"]
+    closed.clear()
+    assert asyncio.run(run(fail=False, take=2)) == ["a0", "b0"]
+    assert sorted(closed) == ["a", "b"]
 
 
 def test_keep_alive_fills_silence_and_closes_the_source():

@@ -36,11 +36,24 @@ def _text_of(content: Any) -> str:
     return "".join(b.get("text", "") for b in content or () if isinstance(b, Mapping) and b.get("type") == "text")
 
 
+def _system_text(system: str | list[dict[str, Any]]) -> str:
+    """Anthropic's `system` takes a string or text blocks only (cache_control and citations ride along); any
+    other block is refused rather than dropped, so a request never loses part of its instructions unseen."""
+    for i, block in enumerate(() if isinstance(system, str) else system):
+        kind = block.get("type")
+        if kind != "text":
+            raise bad_request(f"system[{i}]: system takes text blocks only, got a block of type {kind!r}; put images "
+                              "and documents in a user message's content instead")
+        if not isinstance(block.get("text"), str):
+            raise bad_request(f"system[{i}].text must be a string, got {type(block.get('text')).__name__}")
+    return _text_of(system)
+
+
 def to_chat_messages(body: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
     """Anthropic system + messages -> chat messages (tool_result blocks become tool messages)."""
     out: list[dict[str, Any]] = []
     if body.system:
-        out.append({"role": "system", "content": _text_of(body.system)})
+        out.append({"role": "system", "content": _system_text(body.system)})
     for i, message in enumerate(body.messages):
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         parts, calls, reasoning = [], [], ""

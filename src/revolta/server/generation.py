@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,13 +150,14 @@ def usage_openai(prompt_tokens: int, completions: list[CompletionOutput]) -> dic
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
 
 
-async def openai_frames(frames: AsyncIterator[str], stream: RequestStream) -> AsyncIterator[str]:
-    """An OpenAI `data:` stream: `frames`, an error frame if the request fails mid-way, then [DONE]."""
+async def openai_frames(frames: AsyncIterator[str], close: Callable[[], None]) -> AsyncIterator[str]:
+    """An OpenAI `data:` stream: `frames`, an error frame if a request fails mid-way, then [DONE]; `close`
+    (RequestStream.close, or one closing several) ends the engine requests however it goes."""
     try:
         async for frame in frames:
             yield frame
     except RequestFailed as e:
         yield data_frame(openai_error_body(e.status, str(e)))
     finally:
-        stream.close()
+        close()
     yield DONE

@@ -109,7 +109,7 @@ class ChatCompletions:
             options = body.stream_options
             frames = self._stream(stream, parsers, prompt, body, request_id, bool(options and options.include_usage),
                                   bool(options and options.continuous_usage_stats), top)
-            return sse_response(openai_frames(frames, stream), s.config.sse_keep_alive_interval, stream.close,
+            return sse_response(openai_frames(frames, stream.close), s.config.sse_keep_alive_interval, stream.close,
                                 ready=stream.started)
         completions = await unless_disconnected(request, parse_all(stream, parsers))
         return JSONResponse(self._response(completions, parsers, prompt, body, request_id, top))

@@ -3,6 +3,7 @@
 `echo` puts the prompt before the answer; with `logprobs` the choice's logprobs then cover the prompt's
 tokens too (the first one's logprob null: nothing predicts it), then the generated ones. `echo` with
 `max_tokens: 0` returns the prompt alone with its logprobs (scoring, e.g. lm-eval's loglikelihood), as vLLM.
+Several prompts (strings or token-id lists) give choice index prompt * n + sample, streamed or not, as vLLM.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .generation import (ServerState, collect, created, json_logprob, openai_fra
 from .params import build_sampling_params, check_model, check_prompt_length, check_stream_options, read_body
 from .protocol import CompletionRequest
 from .structured_request import from_chat
-from .sse import data_frame, sse_response
+from .sse import data_frame, merged, sse_response
 
 
 def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], offset: int,
@@ -83,8 +84,6 @@ class Completions:
         if body.suffix:
             raise bad_request("suffix is not supported by this model", "suffix")
         prompts = await self._prompts(body.prompt)
-        if body.stream and len(prompts) > 1:
-            raise bad_request("streaming takes one prompt per request; send the prompts separately", "prompt")
         fields = body.model_dump()  # with vLLM's structured_outputs / guided_* extras
         if body.max_tokens == 0 and not body.echo:  # vLLM refuses it too
             raise bad_request("max_tokens must be at least 1, got 0 (0 only scores the prompt: with echo=true)",
@@ -107,10 +106,14 @@ class Completions:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             opts = body.stream_options
-            frames = self._stream(streams[0], prompts[0], body, echo_only, request_id,
-                                  bool(opts and opts.include_usage))
-            return sse_response(openai_frames(frames, streams[0]), s.config.sse_keep_alive_interval,
-                                streams[0].close, ready=streams[0].started)
+
+            def close() -> None:
+                for st in streams:
+                    st.close()
+            frames = self._streams(streams, prompts, body, echo_only, request_id, bool(opts and opts.include_usage))
+            # the prompts went in in order: the first one's first output opens the stream
+            return sse_response(openai_frames(frames, close), s.config.sse_keep_alive_interval, close,
+                                ready=streams[0].started)
         results = await unless_disconnected(request, asyncio.gather(*(collect(st) for st in streams)))
         choices, flat = [], []
         for p_index, (prompt, (completions, prompt_logprobs)) in enumerate(zip(prompts, results)):
@@ -144,38 +147,52 @@ class Completions:
         return {"text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
-    async def _stream(self, stream: RequestStream, prompt: tuple[str, list[int]], body: CompletionRequest,
-                      echo_only: bool, request_id: str, include_usage: bool) -> AsyncIterator[str]:
-        """The echo (with the prompt's logprobs, known with the first output) comes first in each choice's
-        first chunk; with echo_only it is the whole choice."""
+    async def _streams(self, streams: list[RequestStream], prompts: list[tuple[str, list[int]]],
+                       body: CompletionRequest, echo_only: bool, request_id: str,
+                       include_usage: bool) -> AsyncIterator[str]:
+        """Every prompt's choices as their tokens come, choice index = prompt * n + sample (as vLLM), then one
+        usage chunk for all of them."""
         head = {"id": request_id, "object": "text_completion", "created": created(),
                 "model": self.state.config.served_model_name}
+        last: dict[int, CompletionOutput] = {}  # by choice index, for the usage
+        async for frame in merged([self._stream(st, prompt, p_index * body.n, body, echo_only, head, last)
+                                   for p_index, (st, prompt) in enumerate(zip(streams, prompts))]):
+            yield frame
+        if include_usage:
+            prompt_tokens = sum(len(ids) for _, ids in prompts)
+            yield data_frame({**head, "choices": [], "usage": usage_openai(prompt_tokens, list(last.values()))})
+
+    async def _stream(self, stream: RequestStream, prompt: tuple[str, list[int]], first: int,
+                      body: CompletionRequest, echo_only: bool, head: dict[str, Any],
+                      last: dict[int, CompletionOutput]) -> AsyncIterator[str]:
+        """One prompt's choices, indexed from `first`; each one's final output goes into `last`. The echo (with
+        the prompt's logprobs, known with the first output) comes first in each choice's first chunk; with
+        echo_only it is the whole choice."""
         echo = prompt[0] if body.echo else ""
-        sent_text, sent_tokens, last, echoed = [0] * body.n, [0] * body.n, {}, set()
+        sent_text, sent_tokens, echoed = [0] * body.n, [0] * body.n, set()
         async for out in stream:
             c = out.outputs[0]
             i = c.index
             if body.echo and i not in echoed:
                 echoed.add(i)
                 yield data_frame({**head, "choices": [{
-                    "index": i, "text": echo, "finish_reason": "length" if echo_only else None, "stop_reason": None,
-                    "logprobs": self._prompt_logprobs(prompt, out.prompt_logprobs)
+                    "index": first + i, "text": echo, "finish_reason": "length" if echo_only else None,
+                    "stop_reason": None, "logprobs": self._prompt_logprobs(prompt, out.prompt_logprobs)
                     if body.logprobs is not None else None}]})
             if echo_only:
                 if len(echoed) == body.n:
-                    break  # closing the stream aborts the token sampled for nothing
+                    stream.close()  # aborts the token sampled for nothing (other prompts may still run)
+                    break
                 continue
-            last[i] = c
+            last[first + i] = c
             text = c.text[sent_text[i]:]
             logprobs = legacy_logprobs(c.token_ids[sent_tokens[i]:], (c.logprobs or [])[sent_tokens[i]:],
                                        len(echo) + sent_text[i], self._decode) if body.logprobs is not None else None
             sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
             if text or c.finish_reason is not None:
-                yield data_frame({**head, "choices": [{"index": i, "text": text, "logprobs": logprobs,
+                yield data_frame({**head, "choices": [{"index": first + i, "text": text, "logprobs": logprobs,
                                                        "finish_reason": c.finish_reason,
                                                        "stop_reason": c.stop_reason}]})
-        if include_usage:
-            yield data_frame({**head, "choices": [], "usage": usage_openai(len(prompt[1]), list(last.values()))})
 
 
 def completions_router(state: ServerState) -> APIRouter:

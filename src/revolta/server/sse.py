@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -64,6 +64,35 @@ async def with_keep_alive(frames: AsyncIterator[str], interval: float) -> AsyncI
             except (asyncio.CancelledError, Exception):  # the frames generator's own error is moot now
                 pass
         await it.aclose()
+
+
+async def merged(sources: Sequence[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The frames of all `sources` as each comes (one source's order kept; ties go to the earlier source), e.g.
+    the prompts of one streamed /v1/completions request. A source's error ends the whole; leaving early
+    cancels the pending steps and closes every source, whose finally-blocks abort their engine requests."""
+    iterators = [source.__aiter__() for source in sources]
+    pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    frame = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(iterators[i].__anext__())] = i
+                yield frame
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # a source's own error is moot now
+                pass
+        for it in iterators:
+            await it.aclose()
 
 
 class _ClosingStreamingResponse(StreamingResponse):
