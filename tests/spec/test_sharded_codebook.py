@@ -6,6 +6,8 @@ decoder layer), and drafts what the whole drafter drafts."""
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -123,7 +125,9 @@ def check_rank_drafter(rank: int, world: int, path: str) -> None:
 
 
 def _worker(rank: int, world: int, rendezvous: str, drafter: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    torch.set_num_threads(1)  # 2 shared cores: ranks must not oversubscribe them
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
     try:
         check_rank_drafter(rank, world, drafter)
         for dtype in (torch.float32, torch.float16):
@@ -138,12 +142,22 @@ def _worker(rank: int, world: int, rendezvous: str, drafter: str) -> None:
                 n = assert_bitwise_but_negative_zero(got_p, pred[p_ids])
                 n += assert_bitwise_but_negative_zero(got_s, succ[s_ids])
                 assert n > 0  # the -0 exception is exercised, not only claimed
+        # every rank done before any tears gloo down: rank 0 died once in teardown with "terminate called without
+        # an active exception" (SIGABRT) after its checks passed, as tests/parallel/tp_run.py's ranks did
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def test_sharded_lookup_matches_replicated_on_two_gloo_ranks(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), drafter_dir(tmp_path / "drafter")), nprocs=2, join=True)
+    ranks = mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), drafter_dir(tmp_path / "drafter")), nprocs=2,
+                     join=False)
+    deadline = time.monotonic() + 120  # a hung rank fails the test instead of hanging it
+    while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):  # raises when a rank failed
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise AssertionError("the two gloo ranks were still running after 120 s")
 
 
 def test_shards_cover_every_row_once():
