@@ -117,21 +117,7 @@ def test_info_dry_run_plans_a_deployment(capsys):
 
 def test_serve_passes_kv_cache_gib_to_the_llm(tmp_path, monkeypatch):
     """`--kv-cache-gib` (what the fitted-length warning names) reaches LLM(...); the server itself is not started."""
-    pytest.importorskip("fastapi")
-    import revolta.cli
-    import revolta.llm
-    import revolta.server.app
-
-    seen = {}
-
-    class FakeLLM:
-        def __init__(self, **kwargs):
-            seen.update(kwargs)
-            self.model_path, self.max_model_len = tmp_path, 4096
-
-    monkeypatch.setattr(revolta.llm, "LLM", FakeLLM)
-    monkeypatch.setattr(revolta.server.app, "run_server", lambda llm, config, *a, **k: 0)
-    monkeypatch.setattr(revolta.cli, "_check_address", lambda host, port: None)  # 8000 may be taken
+    seen = _fake_serve(tmp_path, monkeypatch)
     assert main(["serve", str(tmp_path), "--kv-cache-gib", "2.5", "--max-num-seqs", "3"]) == 0
     assert seen["kv_cache_gib"] == 2.5 and seen["max_num_seqs"] == 3 and seen["max_model_len"] is None
     assert "dflash2_graph_rounds" not in seen  # unset flags leave the LLM's defaults

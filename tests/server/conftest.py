@@ -90,18 +90,28 @@ def server() -> Iterator[Server]:
         yield s
 
 
-@pytest.fixture(scope="session")
-def oc(server):
+def openai_client(url: str):
+    """The official OpenAI SDK on the server at `url` (no retries: a test sees the first answer)."""
     import openai
 
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+
+def anthropic_client(url: str):
+    """The official Anthropic SDK on the server at `url` (no retries)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def oc(server):
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="session")
 def ac(server):
-    import anthropic
-
-    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    return anthropic_client(server.url)
 
 
 def sse_lines(response: httpx.Response) -> list[str]:

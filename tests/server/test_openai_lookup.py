@@ -9,13 +9,15 @@ import httpx
 import openai
 import pytest
 
+from .conftest import openai_client
+
 M = "scripted"  # the conftest `scripted` server's name
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
 def oc(scripted):
-    return openai.OpenAI(base_url=scripted[1] + "/v1", api_key="x", max_retries=0)
+    return openai_client(scripted[1])
 
 
 def test_model_retrieve(scripted, oc):

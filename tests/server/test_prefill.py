@@ -4,10 +4,10 @@ the prompt the engine got is checked exactly, and the answer must be only the co
 
 from __future__ import annotations
 
-import anthropic
 import httpx
-import openai
 import pytest
+
+from .conftest import anthropic_client, openai_client
 
 M = "scripted"
 ASK = [{"role": "user", "content": "2+2?"}]
@@ -18,12 +18,12 @@ OPEN = HEAD + "<think>\n\n</think>\n\nThe answer is"  # the prefill left open: n
 
 @pytest.fixture(scope="module")
 def oc(scripted):
-    return openai.OpenAI(base_url=scripted[1] + "/v1", api_key="x", max_retries=0)
+    return openai_client(scripted[1])
 
 
 @pytest.fixture(scope="module")
 def ac(scripted):
-    return anthropic.Anthropic(base_url=scripted[1], api_key="x", max_retries=0)
+    return anthropic_client(scripted[1])
 
 
 @pytest.mark.parametrize("extra", [{"continue_final_message": True, "add_generation_prompt": False},

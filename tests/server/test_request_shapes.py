@@ -8,8 +8,9 @@ import json
 
 import anthropic
 import httpx
-import openai
 import pytest
+
+from .conftest import anthropic_client, openai_client
 
 M = "scripted"
 HI = [{"role": "user", "content": "hi"}]
@@ -18,12 +19,12 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
 
 @pytest.fixture(scope="module")
 def ac(scripted):
-    return anthropic.Anthropic(base_url=scripted[1], api_key="x", max_retries=0)
+    return anthropic_client(scripted[1])
 
 
 @pytest.fixture(scope="module")
 def oc(scripted):
-    return openai.OpenAI(base_url=scripted[1] + "/v1", api_key="x", max_retries=0)
+    return openai_client(scripted[1])
 
 
 @pytest.mark.parametrize("block", [IMAGE, {"type": "document", "source": {"type": "text", "data": "x"}}])

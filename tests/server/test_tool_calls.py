@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
-import openai
 import pytest
+
+from .conftest import anthropic_client, openai_client
 
 M = "scripted"  # the conftest `scripted` server's name
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": {
@@ -25,12 +25,12 @@ THOUGHT = "The user wants weather.</think>\n\n"
 
 @pytest.fixture(scope="module")
 def oc(scripted):
-    return openai.OpenAI(base_url=scripted[1] + "/v1", api_key="x", max_retries=0)
+    return openai_client(scripted[1])
 
 
 @pytest.fixture(scope="module")
 def ac(scripted):
-    return anthropic.Anthropic(base_url=scripted[1], api_key="x", max_retries=0)
+    return anthropic_client(scripted[1])
 
 
 def tool_chunks(oc, **req):
