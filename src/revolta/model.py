@@ -307,12 +307,16 @@ class FlashNextModel(nn.Module):
 
     def mtp_forward(self, hidden: Tensor, token_ids: Tensor, positions: Tensor, cu_seqlens: list[int],
                     states: list[SequenceState], step: int = 0, paged: PagedMeta | None = None,
-                    logits_indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    logits_indices: Tensor | None = None, mm_embeds: Tensor | None = None,
+                    mm_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One MTP draft step (spec §7.2-7.3) over a flat batch.
 
         hidden: [T, h*d] wide state at positions p; token_ids: [T] the token after each hidden;
         positions: [3, T] = p (position of the hidden). MTP's own QSA cache lives in `states`, or
         in the paged cache (`paged`, the MTP layer's K/V pages). logits_indices: [N] rows to project.
+        mm_embeds: [N_mm, d] the vision rows the target embedded for the media pads token_ids[mm_index]
+        ([N_mm]); they take the token embedding's place before pre_fc_norm_embedding, as vLLM feeds its
+        drafter the target's input embeddings.
         Returns (logits [T or N, V] fp32, wide output M [T, h*d] for the next step).
         """
         if self.mtp is None:
@@ -320,7 +324,9 @@ class FlashNextModel(nn.Module):
                              "weights, or it was loaded with with_mtp=False)")
         meta = self.make_meta(token_ids, cu_seqlens, states, positions)
         meta.paged = paged
-        y, m = self.mtp(hidden, self.model.language_model.embed_tokens(token_ids), meta, step)
+        if (mm_embeds is None) != (mm_index is None):  # embed() would scatter into every pad id instead
+            raise ValueError("mtp_forward needs mm_embeds and mm_index together (the vision rows and their rows)")
+        y, m = self.mtp(hidden, self.embed(token_ids, mm_embeds, mm_index), meta, step)
         return self.compute_logits(y if logits_indices is None else y[logits_indices]), m
 
 

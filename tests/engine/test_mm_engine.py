@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 from PIL import Image
 
 from revolta.config import ModelConfig
@@ -307,4 +308,75 @@ def test_a_prompt_ending_in_a_lone_pad_token_under_mtp_gets_its_vision_row(mtp_m
     run(engine, [again])  # a prefix hit of 32 tokens leaves the last pad alone too
     assert engine.allocator.stats.hit_tokens - hits == 32
     assert again.token_ids == req.token_ids
+    assert_clean(engine)
+
+
+
+def spy_mtp_seeds(engine) -> tuple[dict[int, tuple[Tensor, Tensor]], list[tuple[int, int]]]:
+    """{position: (target wide row, MTP wide output M)} of every seeded MTP row (step 0) of a one-request run,
+    and (first position, rows) of each seeding."""
+    rows, seeds, mtp = {}, [], engine.runner.mtp
+
+    def spy(seqs, hidden, step=0, logits_rows=None):
+        logits, m = mtp(seqs, hidden, step=step, logits_rows=logits_rows)
+        if step == 0:
+            flat = [s.num_computed + j for s in seqs for j in range(len(s.token_ids))]
+            rows.update({p: (h, x) for p, h, x in zip(flat, hidden, m)})
+            seeds.extend((s.num_computed, len(s.token_ids)) for s in seqs)
+        return logits, m
+
+    engine.runner.mtp = spy
+    return rows, seeds
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("policy", ["always", "paused"])
+def test_mtp_rows_at_media_positions_take_the_vision_rows_the_target_used(mtp_model, policy, monkeypatch):
+    """The MTP row at p pairs the target's wide state at p with the token at p + 1; where that token is a
+    media pad, its embedding is the vision row the target embedded there (vLLM feeds its drafter the target's
+    input embeddings), not the raw pad embedding. 16-token chunks open the second and third steps on a pad: the
+    token after the previous chunk's last row. Paused drafting leaves the rows of the last chunk and the lone
+    pad unseeded (deferred) until its buffer fills."""
+    import revolta.spec.mtp as mtp
+
+    model = mtp_model
+    req = mm_request(model, "mtp-media", text(8, 96) + [VS, IMG], {"image": [image(32, 48, 96)]}, max_tokens=6)
+    ids, mm = req.prompt_token_ids, req.mm_prompt
+    S = len(ids)
+    assert S == 33 and ids[16] == ids[32] == IMG
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_policy": "adaptive" if policy == "paused" else policy}
+    engine = make_engine(model, max_num_batched_tokens=16, speculative_config=spec)
+    if policy == "paused":
+        monkeypatch.setattr(mtp, "MAX_DEFERRED_ROWS", 20)
+        engine.policy.should_draft = lambda num_seqs: False
+    seeded, seeds = spy_mtp_seeds(engine)
+    engine.add_request(req)
+    held = 0  # steps that ended with vision rows in the pending rows
+    for _ in range(100):
+        engine.step()
+        for p in engine.drafter.pending.values():  # only the rows of pads after pending rows, in their own copy
+            if p.mm_embeds is not None:
+                held += 1
+                assert sorted(set(p.mm_index)) == sorted(p.mm_index) and 0 <= min(p.mm_index)
+                assert max(p.mm_index) < p.hidden.shape[0] and {ids[p.start + r + 1] for r in p.mm_index} == {IMG}
+                assert p.mm_embeds.shape[0] == len(p.mm_index)
+                assert p.mm_embeds.untyped_storage().nbytes() == p.mm_embeds.nbytes
+        if not engine.has_unfinished():
+            break
+    assert held and not engine.has_unfinished() and not engine.drafter.pending
+    assert set(range(S)) <= set(seeded)
+    assert policy == "always" or (16, 20) in seeds  # chunk 2, the lone pad and 3 decode rows seeded together
+    hidden = torch.stack([seeded[p][0] for p in range(S)])  # [S, h*d] the target rows the engine kept
+    tokens = torch.tensor((ids + req.token_ids)[1:S + 1])  # [S] the token after each row
+    feats = model.model.visual(torch.cat([it.pixel_values(model.cfg.vision) for it in mm.items]),
+                               [it.grid for it in mm.items])  # [24, d]
+    pads = (tokens == IMG).nonzero().squeeze(1)
+    embed = model.model.language_model.embed_tokens
+    _, want = model.mtp(hidden, embed(tokens).index_copy(0, pads, feats),  # [S, h*d] with the target's rows
+                        model.make_meta(tokens, [0, S], [SequenceState()], mm.positions[:, :S]))
+    got = torch.stack([seeded[p][1] for p in range(S)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # the check can fail: the pad embedding gives other MTP rows at the media positions
+    _, raw = model.mtp(hidden, embed(tokens), model.make_meta(tokens, [0, S], [SequenceState()], mm.positions[:, :S]))
+    assert (raw[pads] - want[pads]).abs().max() > 100 * (got - want).abs().max()
     assert_clean(engine)

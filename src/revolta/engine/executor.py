@@ -335,7 +335,8 @@ class UniProcExecutor(Executor):
                 self.drafter.drop(it.request_id)
             else:
                 keep = len(it.seq.token_ids) + accepted[i]
-                self.drafter.keep(it.request_id, r.rows[i][1][:keep], it.seq.num_computed, it.num_preemptions)
+                self.drafter.keep(it.request_id, r.rows[i][1][:keep], it.seq.num_computed, it.num_preemptions,
+                                  it.seq.mm_embeds, it.seq.mm_index)
 
     def _execute_with_prompt_logits(self, items: list[StepItem], seqs: list[StepSequence],
                                     prompt_logits: dict[int, Tensor],

@@ -316,15 +316,19 @@ class ModelRunner:
 
         seqs: per sequence token_ids = the token after each hidden row, num_computed = the
         position of its first hidden row; hidden: [T, h*d]. Returns (logits of `logits_rows`
-        (default every row) [N, V] fp32, wide output M [T, h*d]).
+        (default every row) [N, V] fp32, wide output M [T, h*d]). A sequence's mm_embeds / mm_index
+        are the vision rows of the media pads among its tokens (the target's rows for those tokens).
         """
         inputs = self._inputs(seqs)
-        return self.mtp_packed(inputs, offsets([len(s.token_ids) for s in seqs]), hidden, step, logits_rows)
+        cu = offsets([len(s.token_ids) for s in seqs])
+        mm_embeds, mm_index = self._media_rows(seqs, cu)
+        return self.mtp_packed(inputs, cu, hidden, step, logits_rows, mm_embeds, mm_index)
 
     def mtp_packed(self, inputs: StepInputs, cu_seqlens: list[int], hidden: Tensor, step: int = 0,
-                   logits_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """`mtp` on one step's device inputs (the speculative graphs capture the draft steps)."""
+                   logits_rows: Tensor | None = None, mm_embeds: Tensor | None = None,
+                   mm_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`mtp` on one step's device inputs (the speculative graphs capture the draft steps, without media)."""
         states = [SequenceState() for _ in range(inputs.slots.shape[0])]
         return self.model.mtp_forward(hidden, inputs.input_ids, inputs.positions, cu_seqlens, states,
                                       step=step % self.num_mtp_layers, paged=self.paged_meta(inputs, cu_seqlens),
-                                      logits_indices=logits_rows)
+                                      logits_indices=logits_rows, mm_embeds=mm_embeds, mm_index=mm_index)

@@ -252,9 +252,10 @@ class SpecGraphs:
         return next(size for size in self.batch_sizes if size >= b)
 
     def can_seed(self, seeds: list[StepSequence]) -> bool:
-        """Whether the seed graph takes these seed sequences (at most R pending rows each)."""
+        """Whether the seed graph takes these seed sequences (at most R pending rows each, no vision rows:
+        a seed with media pads among its tokens runs eagerly)."""
         return (self.draft_graph and len(seeds) <= self.batch_sizes[-1]
-                and all(len(s.token_ids) <= self.rows for s in seeds))
+                and all(len(s.token_ids) <= self.rows and s.mm_embeds is None for s in seeds))
 
     @torch.no_grad()
     def draft(self, seeds: list[StepSequence], hidden: list[Tensor], steps: list[StepSequence]) -> Tensor:

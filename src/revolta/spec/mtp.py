@@ -18,6 +18,11 @@ with `defer_seed`: its pending rows are not run through MTP at once but grow by 
 MAX_DEFERRED_ROWS), so the paused steps pay one MTP forward per MAX_DEFERRED_ROWS steps instead of one
 each; the next round (or a full buffer) seeds them together.
 
+Media: where the token after a pending row is an image / video pad, the MTP row embeds the vision row the
+target embedded there (vLLM feeds its drafter the target's input embeddings). A prefill chunk's rows keep the
+vision rows of their own chunk's pads past its first token; the pad opening the next step is the token after
+the last row, and its row comes with that step. The rows go when the pending rows are seeded.
+
 Drafts are the argmax ("greedy" draft_sample_method: q is one-hot in rejection sampling). A
 request that was preempted (its pages are gone) or hit the prefix cache restarts without pending
 rows; the MTP K/V it finds in hit pages came from the request that computed them.
@@ -41,15 +46,36 @@ MAX_DEFERRED_ROWS = 16  # pending rows a paused request keeps before they are se
 
 @dataclass
 class PendingRows:
-    """Target wide states [m, h*d] at positions start .. start + m - 1, not yet run through MTP."""
+    """Target wide states [m, h*d] at positions start .. start + m - 1, not yet run through MTP, and the
+    vision rows [N_mm, d] of the media pads among the tokens after them (mm_index [N_mm]: row r's token,
+    at position start + r + 1)."""
 
     hidden: Tensor
     start: int
     num_preemptions: int
+    mm_embeds: Tensor | None = None
+    mm_index: list[int] | None = None
 
     @property
     def end(self) -> int:
         return self.start + self.hidden.shape[0]
+
+    def with_media(self, mm_embeds: Tensor | None, mm_index: list[int] | None, first: int) -> "PendingRows":
+        """These rows plus the vision rows [N, d] of a step's tokens mm_index [N] (token i at position first + i)
+        that are tokens after these rows; the others are not kept."""
+        if mm_embeds is None:
+            return self
+        pairs = [(j, first + i - self.start - 1) for j, i in enumerate(mm_index)]
+        pairs = [(j, r) for j, r in pairs if 0 <= r < self.hidden.shape[0]]
+        if not pairs:
+            return self
+        if len(pairs) < len(mm_index) or mm_embeds.untyped_storage().nbytes() > mm_embeds.nbytes:
+            # a copy of the rows kept: a view would hold the step's other vision rows (at tp > 1, every request's)
+            mm_embeds = mm_embeds[torch.tensor([j for j, _ in pairs], device=mm_embeds.device)]
+        rows, index = [mm_embeds], [r for _, r in pairs]
+        if self.mm_embeds is not None:
+            rows, index = [self.mm_embeds, mm_embeds], self.mm_index + index
+        return replace(self, mm_embeds=torch.cat(rows) if len(rows) > 1 else mm_embeds, mm_index=index)
 
 
 @dataclass
@@ -70,6 +96,7 @@ class PendingRowsDrafter:
     """The engine-facing bookkeeping every drafter shares: each request's pending target rows."""
 
     rows_name = "target"  # what the rows are, for messages
+    keeps_media = False  # whether pending rows keep the vision rows of the tokens after them (MTP embeds them)
 
     def __init__(self):
         self.pending: dict[str, PendingRows] = {}
@@ -80,14 +107,19 @@ class PendingRowsDrafter:
         p = self.pending.get(request_id)
         return p is not None and p.end == num_computed and p.num_preemptions == num_preemptions
 
-    def keep(self, request_id: str, hidden: Tensor, start: int, num_preemptions: int) -> None:
+    def keep(self, request_id: str, hidden: Tensor, start: int, num_preemptions: int,
+             mm_embeds: Tensor | None = None, mm_index: list[int] | None = None) -> None:
         """Rows [m, ...] of committed target positions start .. start + m - 1 (after the request's deferred
-        pending rows, when this step left them unseeded)."""
+        pending rows, when this step left them unseeded); mm_embeds [N_mm, d]: the step's vision rows, of its
+        tokens mm_index [N_mm] (token i at position start + i)."""
         p = self.pending.get(request_id)
+        rows = PendingRows(hidden, start, num_preemptions)
         if request_id in self.deferred and p is not None and p.end == start and p.num_preemptions == num_preemptions:
-            hidden, start = torch.cat([p.hidden, hidden]), p.start
+            rows = replace(p, hidden=torch.cat([p.hidden, hidden]))
         self.deferred.discard(request_id)
-        self.pending[request_id] = PendingRows(hidden, start, num_preemptions)
+        if self.keeps_media:
+            rows = rows.with_media(mm_embeds, mm_index, start)
+        self.pending[request_id] = rows
 
     def drop(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -119,6 +151,7 @@ class MTPDrafter(PendingRowsDrafter):
     """Keeps each request's pending target rows and proposes drafts with the MTP head."""
 
     rows_name = "MTP"
+    keeps_media = True
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
         super().__init__()
@@ -143,8 +176,9 @@ class MTPDrafter(PendingRowsDrafter):
             p = self.take(it)
             if p is None:
                 continue
+            p = p.with_media(it.step.mm_embeds, it.step.mm_index, c)  # a pad opening this step follows the last row
             seed_seqs.append(replace(it.step, token_ids=it.all_token_ids[p.start + 1:c + 1], num_computed=p.start,
-                                     mm_embeds=None, mm_index=None))
+                                     mm_embeds=p.mm_embeds, mm_index=p.mm_index))
             seed_hidden.append(p.hidden)
             seed_items.append(i)
         if not seed_seqs:
