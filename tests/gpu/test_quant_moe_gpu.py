@@ -41,3 +41,35 @@ def test_awq_moe_real_shapes(M):
     tile = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90, nibble=False)  # the sm80+ default before
     assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=tile), ref) < 2e-3
     assert bq.graph_check(gate_up, down, shared, M, torch.bfloat16, bq.H, bq.E, gen) < 1e-2
+
+
+@pytest.mark.parametrize("M", [1, 8, 40])
+def test_nvfp4_moe_default_path_matches_the_reference(M):
+    """NVFP4 experts through quant_fused_moe's default config (on sm_90 the nibble path's 16-row tiles once gave
+    relative errors ~3 here, so NVFP4 takes the tile path) and through a nibble config (64-row tiles)."""
+    from revolta.kernels import moe as MOE
+    from revolta.kernels.quant import moe as QMOE
+    from revolta.quant.config import WeightScheme
+    from revolta.quant.formats import weight_format
+
+    bq = _bench()
+    rel_err = bq.moe_hc().rel_err
+    fmt = weight_format(WeightScheme("modelopt-nvfp4", 4, 16, True))
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    E = 64
+
+    def packed(n_out, n_in, lead=(), shards=1):
+        t = {n: torch.empty((*lead, *s.shape), dtype=s.dtype, device="cuda")
+             for n, s in fmt.specs(n_out, n_in, shards).items()}
+        fmt.random_(t, n_in ** -0.5, gen)
+        return fmt.kernel_weights(t)
+
+    gate_up, down = packed(2 * bq.I, bq.H, (E,), 2), packed(bq.H, bq.I, (E,))
+    ids, w = MOE.moe_route(torch.randn(M, E, device="cuda", generator=gen), 8)
+    arch = torch.cuda.get_device_capability()
+    nib = QMOE.quant_grouped_config(M, 8, E, arch=arch[0] * 10 + arch[1], nibble=True, layout="nvfp4")
+    for dt in (torch.bfloat16, torch.float16):
+        x = torch.randn(M, bq.H, device="cuda", dtype=dt, generator=gen)
+        ref = QMOE.quant_fused_moe_ref(x, gate_up, down, ids, w)
+        assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w), ref) < 1e-2, dt
+        assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, config=nib), ref) < 1e-2, dt

@@ -113,6 +113,9 @@ def test_the_default_path_switch():
     assert not use_nibble(70, torch.float16, "awq") and use_nibble(70, torch.float16, "awq", nibble=True)
     assert not use_nibble(90, torch.float32, "awq") and not use_nibble(None, torch.bfloat16, "awq")
     assert not use_nibble(90, torch.bfloat16, "awq", nibble=False)
+    for M in (1, 5, 40):  # compiled for sm_90, NVFP4's 16 / 32-row nibble tiles summed wrong (tests/gpu)
+        assert nibble_gemv_config(M, 512, 2560, 16, "nvfp4", num_sms=132, arch=90)["BLOCK_M"] == 64
+        assert nibble_gemv_config(M, 512, 2560, 32, "awq", num_sms=132, arch=90)["BLOCK_M"] == (16 if M < 40 else 64)
     x = torch.zeros(3, K, dtype=torch.float16)
     assert "NIBBLE_DOT" not in gemv_nibble.gemv_config_for(x, N, K, G, "awq", 8)  # CPU: the tile path by default
     assert gemv_nibble.gemv_config_for(x, N, K, G, "awq", 8, nibble=True)["NIBBLE_DOT"]

@@ -45,6 +45,17 @@ def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70()
     assert (one["SPLIT_UP"], one["SPLIT_DOWN"]) == (4, 2) and (many["SPLIT_UP"], many["SPLIT_DOWN"]) == (1, 1)
 
 
+def test_nvfp4_keeps_the_tile_path_on_a_gpu_and_asked_nibble_tiles_are_64_rows():
+    """Compiled for sm_90 the nibble path's 16-row NVFP4 tiles summed wrong (tests/gpu/test_quant_moe_gpu.py); the
+    interpreter (arch None) still runs them, the tests above check its sums."""
+    for M in (1, 8, 40):
+        assert "NIBBLE_DOT" not in quant_grouped_config(M, 9, 65, 90, layout="nvfp4")
+        assert "NIBBLE_DOT" not in quant_grouped_config(M, 9, 65, 80, layout="nvfp4")
+        assert quant_grouped_config(M, 9, 65, 90, nibble=True, layout="nvfp4")["BLOCK_M"] == 64
+        assert quant_grouped_config(M, 9, 65, layout="nvfp4")["BLOCK_M"] == 16
+        assert quant_grouped_config(M, 9, 65, 90, layout="awq")["BLOCK_M"] == 16
+
+
 def test_nibble_k_step_is_a_power_of_two_inside_one_group():
     from revolta.kernels.quant.nibble import nibble_block_k, split_len
 

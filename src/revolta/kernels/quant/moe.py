@@ -235,7 +235,7 @@ def _quant_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids
 
 
 def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None,
-                         nibble: bool | None = None) -> dict:
+                         nibble: bool | None = None, layout: str = "awq") -> dict:
     """Launch config of the packed grouped kernels (the benchmark times variants beside it).
 
     Tile path (nibble=False), sm80+: moe_grouped's tl.dot tiles (16 rows, 2 x 32 gate + up rows, 64 down rows,
@@ -249,12 +249,18 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     8 / 40 against the tile path's 71.2 / 416 / 1585, and these 64 / 128-row tiles beat 128 / 256 (57.2 / 250 / 1033)
     at every M. On sm70 tl.dot is FMA over 16 padded rows (36-68 PTX instructions per weight in narrow tiles that do
     not spill), so sm70 keeps the tile path.
+    NVFP4 (`layout`) keeps the tile path on a GPU: compiled for sm_90 (Triton 3.6, H100), the nibble path's 16-row
+    tiles gave wrong sums for NVFP4 (relative error ~3 against the reference at M = 1 / 8 / 40, bf16 and fp16;
+    .carry/d15_nvfp4_moe.py) while its 64-row tiles and the tile path matched (< 7e-3), so a nibble config asked for
+    NVFP4 gets 64 rows (rows past M are masked). The interpreter computes every tile right.
     """
+    nvfp4_compiled = layout == "nvfp4" and arch is not None
     if nibble is None:
-        nibble = arch is None or arch >= 80
+        nibble = (arch is None or arch >= 80) and not nvfp4_compiled
     if nibble:
         wide = arch is None or arch >= 80
-        return dict(BLOCK_M=16, BLOCK_N_UP=64 if wide else 16, BLOCK_K_UP=32, BLOCK_N_DOWN=128 if wide else 32,
+        return dict(BLOCK_M=64 if nvfp4_compiled and wide else 16, BLOCK_N_UP=64 if wide else 16, BLOCK_K_UP=32,
+                    BLOCK_N_DOWN=128 if wide else 32,
                     BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3,
                     NIBBLE_DOT=True, SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1)
     if arch is None or arch >= 80:
@@ -318,7 +324,8 @@ def quant_fused_moe(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk
         return out
     if config is None and M * k > GROUPED_MAX_PAIRS:
         return _expert_loop(x, gate_up, down, topk_ids, topk_weights, shared_expert, dequantize)
-    cfg = config or quant_grouped_config(M, k, E + (shared_expert is not None), _arch(x.device))
+    cfg = config or quant_grouped_config(M, k, E + (shared_expert is not None), _arch(x.device),
+                                         layout=gate_up.layout)
     y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg)  # [M·k·SPLIT_DOWN, H]
     block_n = min(1024, triton.next_power_of_2(H))
     _moe_sum_kernel[(M, triton.cdiv(H, block_n))](y, out, H, y.stride(0), out.stride(0), TOP_K=y.shape[0] // M,
