@@ -251,7 +251,7 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     not spill), so sm70 keeps the tile path.
     NVFP4 (`layout`) keeps the tile path on a GPU: compiled for sm_90 (Triton 3.6, H100), the nibble path's 16-row
     tiles gave wrong sums for NVFP4 (relative error ~3 against the reference at M = 1 / 8 / 40, bf16 and fp16;
-    .carry/d15_nvfp4_moe.py) while its 64-row tiles and the tile path matched (< 7e-3), so a nibble config asked for
+    tests/gpu/test_quant_moe_gpu.py) while its 64-row tiles and the tile path matched (< 7e-3), so a nibble config asked for
     NVFP4 gets 64 rows (rows past M are masked). The interpreter computes every tile right.
     """
     nvfp4_compiled = layout == "nvfp4" and arch is not None
