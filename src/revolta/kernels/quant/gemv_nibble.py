@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import device_facts, gemv_config, launch_gemv, store_partial
-from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, split_len
+from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_rows, split_len
 
 # THE default: the formats whose dense packed GEMV takes the nibble path on sm80+ (fp16 / bf16 activations). AWQ and
 # compressed-tensors int4 by construction: the same packed bytes, the sm_90 inner loop at 7.7 SASS instructions per
@@ -65,14 +65,12 @@ def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms:
     loop costs 7.7 (AWQ, 16 rows) / 11.1 (64 rows) SASS instructions per weight at 128 features against 10.4 / 19.1
     at 64 and 32.0 at 32 (NVFP4: 27 at 128, 45-110 narrower; benchmarks/quant_gemv_instructions.py), so more
     programs come from split-K, not narrower tiles. sm70 (only when asked): 16-row tiles (M tiles on the grid) of 32
-    features, narrow enough not to spill (tests/kernels/test_quant_aot.py); NVFP4 compiled: 64 rows (see
-    moe.quant_grouped_config: its smaller tiles gave wrong sums on sm_90). One group per K step (`nibble_block_k`:
+    features, narrow enough not to spill (tests/kernels/test_quant_aot.py); at least `nibble_min_rows` (NVFP4 on
+    sm80+: 64). One group per K step (`nibble_block_k`:
     32 for group 32, 16 for NVFP4). SPLIT_K: module docstring.
     """
     wide = arch is None or arch >= 80
-    bm = 16 if M <= 16 or not wide else triton.next_power_of_2(M)
-    if layout == "nvfp4" and arch is not None and wide:
-        bm = 64  # compiled for sm_90, NVFP4 sums went wrong in 16 / 32-row tiles (kernels/quant/moe.py's config)
+    bm = max(16 if M <= 16 or not wide else triton.next_power_of_2(M), nibble_min_rows(layout, arch))
     bn = max(16, min(128 if wide else 32, triton.next_power_of_2(N)))  # tl.dot needs 16 columns
     bk = nibble_block_k(32, group, layout)
     steps = triton.cdiv(K, bk)

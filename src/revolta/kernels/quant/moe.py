@@ -46,7 +46,7 @@ from ..moe_grouped import _mac, _pairs, _program, expected_distinct, moe_group
 from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
 from .moe_decode import _split_act_kernel
-from .nibble import LAYOUTS, nibble_block_k, split_len
+from .nibble import LAYOUTS, nibble_block_k, nibble_min_rows, split_len
 
 
 @dataclass(frozen=True)
@@ -249,17 +249,15 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     8 / 40 against the tile path's 71.2 / 416 / 1585, and these 64 / 128-row tiles beat 128 / 256 (57.2 / 250 / 1033)
     at every M. On sm70 tl.dot is FMA over 16 padded rows (36-68 PTX instructions per weight in narrow tiles that do
     not spill), so sm70 keeps the tile path.
-    NVFP4 (`layout`) keeps the tile path on a GPU: compiled for sm_90 (Triton 3.6, H100), the nibble path's 16-row
-    tiles gave wrong sums for NVFP4 (relative error ~3 against the reference at M = 1 / 8 / 40, bf16 and fp16;
-    tests/gpu/test_quant_moe_gpu.py) while its 64-row tiles and the tile path matched (< 7e-3), so a nibble config asked for
-    NVFP4 gets 64 rows (rows past M are masked). The interpreter computes every tile right.
+    NVFP4 (`layout`) keeps the tile path on a GPU: compiled, the nibble path's 16-row NVFP4 tiles summed wrong
+    (relative error ~3 at M = 1 / 8 / 40 on an H100) while the tile path matched; a nibble config asked for NVFP4
+    gets `nibble_min_rows` (64) rows, which matched too (rows past M are masked).
     """
-    nvfp4_compiled = layout == "nvfp4" and arch is not None
     if nibble is None:
-        nibble = (arch is None or arch >= 80) and not nvfp4_compiled
+        nibble = (arch is None or arch >= 80) and nibble_min_rows(layout, arch) == 16  # NVFP4 on a GPU: tiles
     if nibble:
         wide = arch is None or arch >= 80
-        return dict(BLOCK_M=64 if nvfp4_compiled and wide else 16, BLOCK_N_UP=64 if wide else 16, BLOCK_K_UP=32,
+        return dict(BLOCK_M=nibble_min_rows(layout, arch), BLOCK_N_UP=64 if wide else 16, BLOCK_K_UP=32,
                     BLOCK_N_DOWN=128 if wide else 32,
                     BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3,
                     NIBBLE_DOT=True, SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1)

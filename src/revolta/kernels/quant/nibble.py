@@ -199,6 +199,14 @@ def _nibble_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, k_l
     return acc, acc2
 
 
+def nibble_min_rows(layout: str, arch: int | None) -> int:
+    """The fewest activation rows (BLOCK_M) a compiled nibble tile may have: 64 for NVFP4 on sm80+, else 16.
+    Compiled for sm_90 (Triton 3.6, H100) the NVFP4 decode summed wrong in 16- and 32-row tiles (relative error 1-3
+    against the reference, any stages / split / BLOCK_N / warps) and right in 64-row ones
+    (tests/gpu/test_quant_gemv_gpu.py, test_quant_moe_gpu.py); the interpreter (arch None) computes them all right."""
+    return 64 if layout == "nvfp4" and arch is not None and arch >= 80 else 16
+
+
 def nibble_block_k(block_k: int, group: int, layout: str) -> int:
     """The K step of the nibble path: one group per step (NVFP4: 16), at most block_k inside a larger group
     (per-channel scales), at least 16 (tl.dot's K)."""
