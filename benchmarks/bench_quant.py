@@ -2,17 +2,22 @@
 
 Rows (one per projection of tests/data/qwen3_8_flash_next_config.json, AWQ g32 unless noted):
   * GEMV at M = 1, 5, 8, 16, 40, both decode paths side by side in one run: "tile" (common.py's tile kernels in
-    awq.py / ct_int4.py / nvfp4.py) and "nibble" (gemv_nibble.py: the group-factored decode), each against a
-    device copy of the same packed bytes (qweight + qzeros + scales); "% copy" = copy time / GEMV time (bytes
-    read once); target M = 1 >= 70% of copy. The header names the path the model takes per format on this GPU
-    (kernels/quant/gemv_nibble.py: NIBBLE_GEMV_SM80); "nibble cfg" = BLOCK_M x BLOCK_N / SPLIT_K;
+    awq.py / ct_int4.py / nvfp4.py) and "nibble" (gemv_nibble.py: the group-factored decode); "% copy" = the
+    GEMV's bandwidth on its packed bytes (qweight + qzeros + scales, read once) over the copy bandwidth measured in
+    the same run (a 1 GiB device copy, read + write counted, as bench_fulldepth and the MoE rows count it); target
+    M = 1 >= 70%. "copy us" is a graph-replayed copy of the same packed bytes, for scale only: it moves them twice,
+    so copy us / GEMV us is up to 2x the bandwidth fraction (RESULTS.md K6 reported that ratio as "% of copy").
+    The header names the path the model takes per format on this GPU (kernels/quant/gemv_nibble.py:
+    NIBBLE_GEMV_SM80); "nibble cfg" = BLOCK_M x BLOCK_N / SPLIT_K;
   * the same for compressed-tensors int4 (symmetric) and NVFP4 (ModelOpt layout) on two projections;
   * prefill at 8192 tokens: the large-M path (Triton dequantize of weight slices to fp16 + cuBLAS) against
     cuBLAS on the fp16 weight; target >= 50%.
 Each GEMV row checks both paths against the fp32 torch reference (max |err| / max |ref|).
-Timing: triton.testing.do_bench (L2 flushed between runs), median, of a CUDA graph replay of one call (how decode
-runs; K6 timed the eager calls, which include the Python launch cost: ~40 us at the smallest shapes); --eager
-times the calls themselves.
+Timing: triton.testing.do_bench (L2 flushed between runs), median, of a CUDA graph replay of back-to-back calls
+over rotating copies of the weights (~256 MB in all, so each call reads its weights from memory), divided by the
+calls: how a decode step's graph runs them (a graph of one call adds the graph launch, ~5-8 us, to every call:
+K6b's first table); K6 timed the eager calls, which include the Python launch cost (~40 us at the smallest shapes);
+--eager times single eager calls.
 
     PYTHONPATH=src python benchmarks/bench_quant.py                 # H200, fp16, ~3 minutes
     PYTHONPATH=src python benchmarks/bench_quant.py --dtype bf16 --skip-prefill
@@ -82,8 +87,21 @@ def rel_err(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30)).item()
 
 
-def bench(fn, small, graph=False):
-    """ms per call (median; L2 flushed before each); graph: of a CUDA graph replay of one call."""
+ROTATE_BYTES = 256 << 20  # weight copies a timed graph cycles through: 5x the H100's / H200's 50 MB of L2
+ROTATE_MAX = 64
+
+
+def rotating(t: dict, small: bool) -> list[dict]:
+    """Copies of the packed tensors `t` (equal values) whose bytes add up to ~ROTATE_BYTES (at most ROTATE_MAX), so
+    that back-to-back calls in one graph read their weights from memory, not from L2; [t] when small."""
+    size = sum(v.numel() * v.element_size() for v in t.values())
+    n = 1 if small else max(1, min(ROTATE_MAX, ROTATE_BYTES // size))
+    return [t] + [{k: v.clone() for k, v in t.items()} for _ in range(n - 1)]
+
+
+def bench(fn, small, graph=False, calls=1):
+    """ms per call (median; L2 flushed before each run of fn); graph: of a CUDA graph replay of fn; fn makes `calls`
+    calls (back to back in the graph, as a decode step's kernels run) and the time is divided by them."""
     if small:
         fn()
         return float("nan")
@@ -100,7 +118,16 @@ def bench(fn, small, graph=False):
         with torch.cuda.graph(g):
             fn()
         fn = g.replay
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") / calls
+
+
+def copy_gbs(small: bool) -> float:
+    """Device copy bandwidth (read + write) of a 1 GiB buffer, GB/s (engine_timing.copy_bandwidth_gbs)."""
+    if small:
+        return float("nan")
+    from engine_timing import copy_bandwidth_gbs
+
+    return copy_bandwidth_gbs("cuda", gib=1.0)
 
 
 def gemv_rows(fmt_name, fmt, t, label, N, K, Ms, dtype, args, gen, rows):
@@ -118,6 +145,7 @@ def gemv_rows(fmt_name, fmt, t, label, N, K, Ms, dtype, args, gen, rows):
     sms, arch = device_facts(device)
     group = fmt.group(K)
     layout = {"awq": "awq", "ct-int4": "ct_int4"}.get(fmt.name, "nvfp4")
+    copies = rotating(t, args.small or not graph)
     for M in Ms:
         x = torch.randn(M, K, generator=gen, device=device).to(dtype)
         want = x.float() @ w_ref.t()
@@ -126,8 +154,8 @@ def gemv_rows(fmt_name, fmt, t, label, N, K, Ms, dtype, args, gen, rows):
                  graph=graph)
         for path, nibble in (("tile", False), ("nibble", True)):
             r[f"{path}_err"] = rel_err(fmt.gemv(x, t, None, nibble=nibble), want)
-            ms = bench(lambda: fmt.gemv(x, t, None, nibble=nibble), args.small, graph)
-            r[f"{path}_us"], r[f"{path}_of_copy"] = ms * 1e3, copy_ms / ms
+            ms = bench(lambda: [fmt.gemv(x, c, None, nibble=nibble) for c in copies], args.small, graph, len(copies))
+            r[f"{path}_us"], r[f"{path}_of_copy"] = ms * 1e3, packed_bytes / (ms * 1e-3) / 1e9 / args.copy_gbs
         c = nibble_gemv_config(M, N, K, group, layout, sms, arch)
         r["nibble_cfg"] = f"{c['BLOCK_M']}x{c['BLOCK_N']}/{c['SPLIT_K']}"
         rows.append(r)
@@ -173,11 +201,13 @@ def main() -> int:
         shapes, Ms = [("small a", 128, 256), ("small b", 64, 128)], (1, 5, 17)
     gen = torch.Generator(device=device).manual_seed(0)
     rows, start = [], time.time()
+    args.copy_gbs = copy_gbs(args.small)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
     arch = device_facts(device)[1]
     default = ", ".join(f"{f} {'nibble' if use_nibble(arch, dtype, f) else 'tile'}" for f in ("awq", "ct_int4", "nvfp4"))
     print(f"device {name}, torch {torch.__version__}, activations {args.dtype}, AWQ group {args.group}, timing "
-          f"{'eager calls' if args.eager else 'CUDA graph replay'}\nmodel default here: {default} "
+          f"{'eager calls' if args.eager else 'CUDA graph replay'}, copy bandwidth {args.copy_gbs:,.0f} GB/s (% copy "
+          f"is over it)\nmodel default here: {default} "
           f"(kernels/quant/gemv_nibble.py NIBBLE_GEMV_SM80)")
     print(GEMV_HEADER)
     for label, N, K in shapes:

@@ -6,7 +6,7 @@ top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows, uniform rout
   * quant = quant_fused_moe (default config: the group-factored "nib" path on sm80+), timed as a CUDA graph over 8 rotating inputs and routings (each
     call finds few of its experts in L2); % copy = distinct touched experts' packed bytes (qweight + qzeros +
     scales of gate_up and down, the shared expert counted) / time / copy bandwidth; target >= 60%;
-  * the variants (VARIANTS: the tile path of K5c and its best tiles, the nib path's tiles, warps, stages and
+  * the variants (VARIANTS: the tile path of K5c, the nib path's tiles, stages and
     split-K) timed beside the default at bf16 ("tile" at both dtypes), so one run can pick the best;
   * 16-bit = moe.fused_moe (the grouped kernels) on a bf16/fp16 bank of the same shapes and routing, its
     % copy over its own touched bytes, and quant's speedup over it;
@@ -27,21 +27,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 H, I, E, TOPK, GROUP = 2560, 640, 512, 10, 32
 VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice for that path): "tile" = the
-    # decode-each-weight kernels (moe.py), "nib" = the group-factored decode (moe_decode.py; the sm80+ default)
+    # decode-each-weight kernels (moe.py), "nib" = the group-factored decode (moe_decode.py; the sm80+ default).
+    # Under Nsight Compute on an H100 (RESULTS.md K5d) the default's programs kept ~20% of the warps active (440 at
+    # M = 1: 3.3 a SM) and M = 8's 770 programs ran 1.5 waves, so these vary the program count (split-K at every M,
+    # narrower tiles) and the stages (3 won for the dense GEMV, K6b)
     "tile": ("tile", {}),
-    "n64": ("tile", dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128)),
-    "fma": ("tile", dict(BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=16, BLOCK_K_UP=128, BLOCK_N_DOWN=32, BLOCK_K_DOWN=128)),
-    "nib-n128": ("nib", dict(BLOCK_N_UP=128, BLOCK_N_DOWN=256)),  # the default before the H200 run (K5c)
-    "nib-n32": ("nib", dict(BLOCK_N_UP=32, BLOCK_N_DOWN=64)),
-    "nib-n256": ("nib", dict(BLOCK_N_UP=256, BLOCK_N_DOWN=256)),
-    "nib-w8": ("nib", dict(num_warps=8)),
     "nib-s3": ("nib", dict(num_stages=3)),
-    "nib-nosplit": ("nib", dict(SPLIT_UP=1, SPLIT_DOWN=1)),
+    "nib-d64": ("nib", dict(BLOCK_N_DOWN=64)),
+    "nib-u32": ("nib", dict(BLOCK_N_UP=32)),
+    "nib-sk2": ("nib", dict(SPLIT_UP=2, SPLIT_DOWN=2)),
+    "nib-sk4": ("nib", dict(SPLIT_UP=4, SPLIT_DOWN=2)),
     "nib-sk8": ("nib", dict(SPLIT_UP=8, SPLIT_DOWN=4)),
-    "nib-sk2": ("nib", dict(SPLIT_UP=2, SPLIT_DOWN=1)),
-    "nib-n64-sk8": ("nib", dict(BLOCK_N_UP=64, BLOCK_N_DOWN=128, SPLIT_UP=8, SPLIT_DOWN=4)),
+    "nib-d64-sk8-s3": ("nib", dict(BLOCK_N_DOWN=64, SPLIT_UP=8, SPLIT_DOWN=4, num_stages=3)),
+    "nib-u32-d64-sk4-s3": ("nib", dict(BLOCK_N_UP=32, BLOCK_N_DOWN=64, SPLIT_UP=4, SPLIT_DOWN=2, num_stages=3)),
 }
-ONE_ROW = ("fma", "nib-sk8", "nib-sk2", "nib-n64-sk8")  # variants timed at M = 1 only
+ONE_ROW = ()  # variants timed at M = 1 only
 
 
 def awq_bank(num_experts, h, i, device, gen):

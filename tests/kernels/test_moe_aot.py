@@ -123,7 +123,8 @@ def _builds(arch):
                        "BLOCK_E BLOCK_M BLOCK_B BLOCK_P", "iiiiinnncccc",
                        dict(BLOCK_E=1024, BLOCK_M=64, BLOCK_B=16, BLOCK_P=1024), 4, 2)
     b["moe_scatter"] = (moe._moe_scatter_kernel, "topk_ids ranks starts sorted_ids T BLOCK", "iiiinc", dict(BLOCK=1024), 4, 2)
-    b["moe_sum"] = (moe._moe_sum_kernel, "y out H stride_ym stride_om TOP_K BLOCK_N", "fannncc", dict(TOP_K=11, BLOCK_N=1024), 4, 2)
+    b["moe_sum"] = (moe._moe_sum_kernel, "y out H stride_ym stride_om TOP_K BLOCK_N", "fannncc",
+                    dict(TOP_K=11, BLOCK_N=moe.SUM_BLOCK), 2, 2)
     seen = set()
     # real shapes (512 experts + shared = 513, k = 10 + 1) and the 64-expert stand-in at decode / verify sizes
     for M, E in ((1, 513), (5, 513), (8, 513), (40, 513), (64, 513), (8192, 513), (8, 65), (40, 65)):

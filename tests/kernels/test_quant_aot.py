@@ -48,7 +48,7 @@ def _builds(arch):
                                      cfg["num_warps"], cfg["num_stages"])
     b.update(_nibble_builds(arch))
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
-                          dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=1024), 4, 2)
+                          dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK), 2, 2)
     b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",
                         dict(G=32, BLOCK_K=32, BLOCK_N=64), 4, 2)
     b["ct_int4_dequant"] = (ct_int4._ct_dequant_kernel, "wp sc zp w N K n0 n_rows G HAS_ZP BLOCK_N BLOCK_K",

@@ -92,15 +92,20 @@ def test_nibble_configs_at_the_real_shapes():
         for layout, group in (("awq", 32), ("nvfp4", 16)):
             one = nibble_gemv_config(1, n, k, group, layout, num_sms=132, arch=90)
             programs = triton.cdiv(n, one["BLOCK_N"]) * one["SPLIT_K"]
-            # M = 1 fills the H200's SMs (k_proj, 4 tiles of 128 features: 128 programs at the widest split)
+            # M = 1 fills the H200's SMs (k_proj, 8 tiles of 64 features: 128 programs at the widest split)
             assert programs >= 132 or one["SPLIT_K"] == gemv_nibble.NIBBLE_MAX_SPLIT, (n, k, layout, one)
             assert one["k_per_split"] * one["SPLIT_K"] >= k and one["k_per_split"] % one["BLOCK_K"] == 0
+            assert one["k_per_split"] >= 2 * one["BLOCK_K"]  # at least 2 K steps a slice
             for M in (1, 5, 8, 16, 40, 64):
                 cfg = nibble_gemv_config(M, n, k, group, layout, num_sms=132, arch=90)
                 assert cfg["BLOCK_M"] >= min(M, 16) and triton.cdiv(M, cfg["BLOCK_M"]) == 1
-                assert cfg["BLOCK_K"] == group and cfg["BLOCK_N"] == 128  # one group per K step, wide tiles
-                budget = max(n * k // 2 // gemv_nibble.NIBBLE_WS_SHARE, gemv_nibble.NIBBLE_WS_FLOOR)
-                assert cfg["SPLIT_K"] == 1 or cfg["SPLIT_K"] * M * n * 8 <= budget, (n, k, M, cfg)  # the partials
+                assert cfg["BLOCK_K"] == group  # one group per K step
+                if cfg["BLOCK_M"] == 16:  # the swept skinny tiles (sweep_nibble_gemv.py): one config for 1-16 rows
+                    assert (cfg["BLOCK_N"], cfg["num_stages"]) == (64, 3) and cfg == one, (n, k, M, cfg)
+                else:  # 64 rows (and NVFP4): wide tiles, the partials held to the budget
+                    assert cfg["BLOCK_N"] == 128
+                    budget = max(n * k // 2 // gemv_nibble.NIBBLE_WS_SHARE, gemv_nibble.NIBBLE_WS_FLOOR)
+                    assert cfg["SPLIT_K"] == 1 or cfg["SPLIT_K"] * M * n * 8 <= budget, (n, k, M, cfg)
         sm70 = nibble_gemv_config(40, n, k, 32, "awq", num_sms=80, arch=70)
         assert (sm70["BLOCK_M"], sm70["BLOCK_N"]) == (16, 32)  # narrow tiles: no spills (test_quant_aot.py)
 

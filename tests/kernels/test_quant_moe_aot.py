@@ -78,7 +78,7 @@ def _builds(arch):
 
 def nibble_builds(fmt, M, arch, overrides=None):
     """The nibble path's gate_up and down builds in `quant_grouped_config(..., nibble=True)`'s config (| overrides)."""
-    from revolta.kernels.quant import moe, moe_decode, nibble
+    from revolta.kernels.quant import common, moe, moe_decode, nibble
 
     wt, consts = FORMATS[fmt]
     cfg = moe.quant_grouped_config(M, TOP_K, EXPERTS + 1, arch, nibble=True) | (overrides or {})
@@ -93,7 +93,7 @@ def nibble_builds(fmt, M, arch, overrides=None):
     extra = {}
     if cfg["SPLIT_UP"] > 1:
         extra["nibble_split_act"] = (moe_decode._split_act_kernel, "ws act T I stride_am SPLIT BLOCK", "fannncc",
-                                     dict(SPLIT=cfg["SPLIT_UP"], BLOCK=1024), 4, 2, fmt)
+                                     dict(SPLIT=cfg["SPLIT_UP"], BLOCK=common.REDUCE_BLOCK), 2, 2, fmt)
     return extra | {f"{tag}_gate_up": (moe_decode._nibble_gate_up_kernel, NIBBLE_GATE_UP,
                                "a" + wt * 3 + "af" + "i" * 5 + "n" * 10 + "c" * 11, up, *launch, fmt),
             f"{tag}_down": (moe_decode._nibble_down_kernel, NIBBLE_DOWN, "a" + wt * 2 + "ff" + "i" * 5 + "n" * 9 + "c" * 10,

@@ -343,6 +343,18 @@ def _moe_sum_kernel(y, out, H, stride_ym, stride_om, TOP_K: tl.constexpr, BLOCK_
     tl.store(out + i_m * stride_om + o_n, b_o.to(out.dtype.element_ty), mask=m_n)
 
 
+SUM_BLOCK = 256  # features per program of the slot sum: 10 programs a token at hidden 2560 (1024 gave 3, and
+# 8.4 µs at M = 1 on an H100 under Nsight Compute, stalled on its serial loads: benchmarks/RESULTS.md K5d)
+
+
+def moe_sum(y: Tensor, out: Tensor, slots: int) -> Tensor:
+    """out [M, H] = Σ_j y[m·slots + j] (fp32, slots in order, rounded once to out.dtype); y [M·slots, H] fp32."""
+    M, H = out.shape
+    _moe_sum_kernel[(M, triton.cdiv(H, SUM_BLOCK))](y, out, H, y.stride(0), out.stride(0), TOP_K=slots,
+                                                    BLOCK_N=SUM_BLOCK, num_warps=2)
+    return out
+
+
 GROUPED_MAX_PAIRS = 1024  # (token, slot) pairs up to which fused_moe takes the expert-grouped kernels
 
 
@@ -436,9 +448,7 @@ def fused_moe(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tens
         y = grouped_expert_mlp(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert, cfg)
     else:
         y = _pairs_expert_mlp(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert, cfg)
-    block_n = min(1024, triton.next_power_of_2(H))
-    _moe_sum_kernel[(M, triton.cdiv(H, block_n))](y, out, H, y.stride(0), out.stride(0), TOP_K=k, BLOCK_N=block_n)
-    return out
+    return moe_sum(y, out, k)
 
 
 def _pairs_expert_mlp(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared_expert, cfg) -> Tensor:

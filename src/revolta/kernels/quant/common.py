@@ -24,6 +24,8 @@ DOT_MIN_ROWS = 16  # from here on the tile product uses tl.dot (tensor cores on 
 # sm80+: tl.dot from 5 rows (MTP4 verify, C8 decode). H200, AWQ g32 at the real shapes (RESULTS.md K6): the FMA
 # path took 464-609 µs at M = 8 on the 6-16 MB projections (2% of copy), the dot path 66-154 µs at M = 40
 DOT_MIN_ROWS_SM80 = 5
+REDUCE_BLOCK = 256  # features per program of the split-K reduce: 1024 gave 8 programs for N = 8192 and 3.5 µs at
+# M = 1 on an H100 under Nsight Compute, stalled on its serial loads (benchmarks/RESULTS.md K6b)
 DEQUANT_CHUNK_BYTES = 64 << 20  # largest dequantized weight slice the large-M path materialises
 
 
@@ -177,10 +179,10 @@ def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args
                  SPLIT_K=split, USE_DOT=cfg["USE_DOT"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
                  num_stages=cfg["num_stages"], **constexprs)
     if split > 1:
-        block = min(1024, triton.next_power_of_2(N))
-        _splitk_reduce_kernel[(M, triton.cdiv(N, block))](ws, bias if bias is not None else ws, out, M, N,
-                                                         out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
-                                                         BLOCK=block, num_warps=4)
+        _splitk_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](ws, bias if bias is not None else ws, out, M, N,
+                                                                out.stride(0), SPLIT_K=split,
+                                                                HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
+                                                                num_warps=2)
     return out
 
 

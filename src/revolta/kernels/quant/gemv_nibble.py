@@ -9,14 +9,19 @@ bitwise reproducible, CUDA-graph safe), which adds the bias and rounds once to x
 
 Why a wide split at M = 1: the tile path there (benchmarks/RESULTS.md K6) ran ~2 programs per SM, each with one
 2 KB K step of loads in flight: too few bytes in flight to cover the memory latency (Little's law: ~4 MB at the
-H200's bandwidth). Here a program's K step is one group of 32 inputs x 128 features (~2.3 KB of AWQ words, zeros,
-scales), and the split aims at NIBBLE_PROGRAMS_PER_SM programs per SM, each with num_stages - 1 steps of loads
-ahead. It stops at slices of 2 K steps and where the partials (fp32, written and read once: 8 B per row, feature
-and split) would cost more than 1/NIBBLE_WS_SHARE of the packed bytes (or NIBBLE_WS_FLOOR), so it shrinks as M
-grows; it depends on (M, N, K, device) only.
+H200's bandwidth). Here a program's K step is one group of 32 inputs x BLOCK_N features, and the split aims at
+NIBBLE_PROGRAMS_PER_SM programs per SM, each with num_stages - 1 steps of loads ahead, with slices of at least
+2 K steps. Measured (benchmarks/sweep_nibble_gemv.py on an H100, RESULTS.md K6b: BLOCK_N 64 / 128 / 256 x split
+1-32 x 4 / 8 warps x 3 / 4 stages at four real shapes, M = 1 and 8): 64-feature tiles, 3 stages and this split came
+within 4% of the best config of every shape at both M, where the earlier 128-feature tiles with 4 stages took
+1.02-1.70x the best. Up to 16 rows (swept at 1 and 8; 9-16 rows run the same 16-row tiles) the split does not
+shrink with M (at M = 8 the best configs kept M = 1's split: the partials, 8 B per row, feature and split, cost
+less than the programs they buy); from 17 rows (64-row tiles, not swept) the partials are held to
+1/NIBBLE_WS_SHARE of the packed bytes (or NIBBLE_WS_FLOOR) and the tiles stay 128 wide. The config depends on (M, N, K, device) only.
 Row invariance: a row's output does not depend on the other rows of its call (their dot rows are independent, and
 masked rows load zeros), so two calls with the same config (BLOCK_M, SPLIT_K) give a row bitwise the same result;
-calls of different M may get a different SPLIT_K (the partials budget) or BLOCK_M and then differ in the last bits.
+calls of 1-16 rows share one config; from 17 rows a call may get another SPLIT_K (the partials budget) or BLOCK_M
+and then differ in the last bits.
 
 Selection: `gemv_config_for(..., nibble=None)` -> NIBBLE_DOT in the config; None means the formats in
 `NIBBLE_GEMV_SM80` on sm80+ with fp16 / bf16 activations. sm70 always keeps the tile path by default (tl.dot is FMA
@@ -43,7 +48,7 @@ from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_row
 # prints both side by side.
 NIBBLE_GEMV_SM80 = ("awq", "ct_int4")
 NIBBLE_PROGRAMS_PER_SM = 4  # split-K target: this many programs per SM (bytes in flight)
-NIBBLE_MAX_SPLIT = 32
+NIBBLE_MAX_SPLIT = 16  # 32 was never the fastest in the sweep
 NIBBLE_WS_SHARE = 4  # split-K partials cost at most 1/4 of the packed bytes (~K/2 B per feature) ...
 NIBBLE_WS_FLOOR = 1 << 20  # ... or 1 MiB (~0.3 us at the H200's bandwidth: less than a serial K loop of small N)
 
@@ -61,27 +66,30 @@ def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms:
                        arch: int | None = None) -> dict:
     """Launch config of the nibble GEMV of M rows (1..MAX_GEMV_ROWS) over W [N, K] in `layout` (nibble.LAYOUTS).
 
-    sm80+ (and the interpreter): BLOCK_M 16 up to 16 rows, else 32 / 64 (one M tile); BLOCK_N 128: the sm_90 inner
-    loop costs 7.7 (AWQ, 16 rows) / 11.1 (64 rows) SASS instructions per weight at 128 features against 10.4 / 19.1
-    at 64 and 32.0 at 32 (NVFP4: 27 at 128, 45-110 narrower; benchmarks/quant_gemv_instructions.py), so more
-    programs come from split-K, not narrower tiles. sm70 (only when asked): 16-row tiles (M tiles on the grid) of 32
-    features, narrow enough not to spill (tests/kernels/test_quant_aot.py); at least `nibble_min_rows` (NVFP4 on
-    sm80+: 64). One group per K step (`nibble_block_k`:
-    32 for group 32, 16 for NVFP4). SPLIT_K: module docstring.
+    sm80+ (and the interpreter): BLOCK_M 16 up to 16 rows, else 32 / 64 (one M tile); BLOCK_N 64 up to 16 rows and
+    3 stages (measured: module docstring), 128 beyond (the sm_90 inner loop costs 7.7 (AWQ, 16 rows) / 11.1 (64
+    rows) SASS instructions per weight at 128 features against 10.4 / 19.1 at 64, benchmarks/
+    quant_gemv_instructions.py; fewer instructions lost to more programs in flight at 16 rows); NVFP4 128 (27
+    instructions per weight at 128, 45-110 narrower; not swept). sm70 (only when asked): 16-row tiles (M tiles on
+    the grid) of 32 features, narrow enough not to spill (tests/kernels/test_quant_aot.py); at least
+    `nibble_min_rows` (NVFP4 on sm80+: 64). One group per K step (`nibble_block_k`: 32 for group 32, 16 for NVFP4).
+    SPLIT_K: module docstring.
     """
     wide = arch is None or arch >= 80
     bm = max(16 if M <= 16 or not wide else triton.next_power_of_2(M), nibble_min_rows(layout, arch))
-    bn = max(16, min(128 if wide else 32, triton.next_power_of_2(N)))  # tl.dot needs 16 columns
+    skinny = wide and bm == 16  # the swept case
+    bn = max(16, min((64 if skinny else 128) if wide else 32, triton.next_power_of_2(N)))  # tl.dot: >= 16 columns
     bk = nibble_block_k(32, group, layout)
     steps = triton.cdiv(K, bk)
-    budget = max(N * K // 2 // NIBBLE_WS_SHARE, NIBBLE_WS_FLOOR)  # bytes of partials allowed
+    budget = max(N * K // 2 // NIBBLE_WS_SHARE, NIBBLE_WS_FLOOR)  # bytes of partials allowed from 17 rows
     programs = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     split = 1
     while (split < NIBBLE_MAX_SPLIT and programs * split < NIBBLE_PROGRAMS_PER_SM * num_sms
-           and steps // (2 * split) >= 2 and 2 * split * M * N * 8 <= budget):
+           and steps // (2 * split) >= 2 and (skinny or 2 * split * M * N * 8 <= budget)):
         split *= 2
+    stages = 3 if skinny or arch is None or arch < 90 else 4
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, USE_DOT=True, NIBBLE_DOT=True,
-                k_per_split=split_len(K, split, bk), num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3)
+                k_per_split=split_len(K, split, bk), num_warps=4, num_stages=stages)
 
 
 def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align: int = 1,

@@ -41,11 +41,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..moe import GROUPED_MAX_PAIRS, _arch, _moe_sum_kernel
+from ..moe import GROUPED_MAX_PAIRS, _arch, moe_sum
 from ..moe_grouped import _mac, _pairs, _program, expected_distinct, moe_group
 from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
 from .moe_decode import _split_act_kernel
+from .common import REDUCE_BLOCK
 from .nibble import LAYOUTS, nibble_block_k, nibble_min_rows, split_len
 
 
@@ -325,10 +326,7 @@ def quant_fused_moe(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk
     cfg = config or quant_grouped_config(M, k, E + (shared_expert is not None), _arch(x.device),
                                          layout=gate_up.layout)
     y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg)  # [M·k·SPLIT_DOWN, H]
-    block_n = min(1024, triton.next_power_of_2(H))
-    _moe_sum_kernel[(M, triton.cdiv(H, block_n))](y, out, H, y.stride(0), out.stride(0), TOP_K=y.shape[0] // M,
-                                                  BLOCK_N=block_n)
-    return out
+    return moe_sum(y, out, y.shape[0] // M)
 
 
 def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg) -> Tensor:
@@ -390,8 +388,8 @@ def _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_u
         *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, bk_up), TOP_K=k,
         BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=bk_up, SPLIT=split_up, **fmt_up, **flags, **launch)
     if split_up > 1:
-        block = min(1024, triton.next_power_of_2(I))
-        _split_act_kernel[(T, triton.cdiv(I, block))](ws, act, T, I, act.stride(0), SPLIT=split_up, BLOCK=block)
+        _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
+                                                             BLOCK=REDUCE_BLOCK, num_warps=2)
     _nibble_down_kernel[(num_slots, triton.cdiv(H, cfg["BLOCK_N_DOWN"]), split_dn)](
         act, *w_dn, *s_down, topk_weights.contiguous(), y, *slots, gate_up.tensors[0].shape[0], H, I,
         act.stride(0), *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, bk_dn),

@@ -1,0 +1,114 @@
+"""Launch-config sweep of the nibble GEMV (kernels/quant/gemv_nibble.py) at the real projection shapes (issue 21).
+
+Times a grid of nibble GEMV configs (BLOCK_N, SPLIT_K, num_warps, num_stages; BLOCK_M 16) beside the default that
+`nibble_gemv_config` picks, on AWQ g32 weights, each checked against the fp32 reference; timed as bench_quant.py
+times (CUDA graph replays of back-to-back calls over rotating weight copies, L2 flushed). Prints, per (projection,
+M): the default's time, the best config found, and both as % of the copy bandwidth measured in the same run
+(bandwidth on the packed bytes over a 1 GiB device copy's, read + write counted: bench_quant.py's "% copy").
+
+    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F]
+    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py --small    # CPU interpreter: two configs, correctness
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+SHAPES = (("qsa q_proj", 12288, 2560), ("gdn out_proj", 2560, 6144), ("expert gate_up", 1280, 2560),
+          ("expert down", 2560, 640))
+GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4))
+QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,))  # --quick: 9 configs
+
+
+def configs(M, N, K, group, device, small, quick=False):
+    """The sweep's configs for one shape (the default's first), each a full nibble_gemv config."""
+    from revolta.kernels.quant.common import device_facts
+    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
+    from revolta.kernels.quant.nibble import split_len
+
+    base = nibble_gemv_config(M, N, K, group, "awq", *device_facts(device))
+    out = [base]
+    grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,)) if small else QUICK if quick else GRID
+    for bn, sk, w, s in itertools.product(*grid.values()):
+        if bn > N or K // base["BLOCK_K"] < 2 * sk:
+            continue
+        c = base | dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=w, num_stages=s,
+                        k_per_split=split_len(K, sk, base["BLOCK_K"]))
+        if c != base:
+            out.append(c)
+    return out
+
+
+def name(c):
+    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="9 configs a shape (QUICK) instead of 72 (GRID)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.small:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from bench_quant import bench, copy_gbs, packed_awq, rel_err, rotating
+
+    from revolta.kernels.quant.awq import awq_gemv
+
+    device = torch.device("cpu" if args.small else "cuda")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = (("small", 128, 256),) if args.small else SHAPES
+    rows, t0 = [], time.time()
+    gbs = copy_gbs(args.small)
+    print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "
+          f"copy bandwidth {gbs:,.0f} GB/s")
+    print(f"{'projection':16s} {'M':>3s} {'floor us':>8s} {'default':>22s} {'us':>8s} {'%copy':>6s} "
+          f"{'best':>22s} {'us':>8s} {'%copy':>6s} {'configs':>7s} {'worst err':>9s}")
+    for label, N, K in shapes:
+        fmt, t = packed_awq(N, K, args.group, device, gen)
+        floor_us = sum(v.numel() * v.element_size() for v in t.values()) / gbs / 1e3  # packed bytes at copy bandwidth
+        w_ref = fmt.dequantize(t, torch.float32)
+        copies = rotating(t, args.small)
+        for M in (int(m) for m in args.ms.split(",")):
+            x = torch.randn(M, K, generator=gen, device=device).to(dtype)
+            want = x.float() @ w_ref.t()
+            timed, worst = [], 0.0
+            for c in configs(M, N, K, args.group, device, args.small, args.quick):
+                def call(c=c, w=t):
+                    return awq_gemv(x, w["qweight"], w["qzeros"], w["scales"], args.group, config=c)
+                err = rel_err(call(), want)
+                worst = max(worst, err)
+                if err > 2e-2:
+                    print(f"  WRONG {label} M={M} {name(c)}: rel err {err:.2e}")
+                    continue
+                timed.append((bench(lambda c=c: [call(c, w) for w in copies], args.small, True, len(copies)) * 1e3, c))
+            d_us, d_cfg = timed[0]
+            b_us, b_cfg = min(timed, key=lambda r: r[0])
+            rows.append(dict(proj=label, N=N, K=K, M=M, floor_us=floor_us, copy_GBps=gbs, default=name(d_cfg),
+                             default_us=d_us, best=name(b_cfg), best_us=b_us, worst_err=worst,
+                             all={name(c): us for us, c in timed}))
+            print(f"{label:16s} {M:>3d} {floor_us:8.2f} {name(d_cfg):>22s} {d_us:8.2f} {floor_us / d_us:6.1%} "
+                  f"{name(b_cfg):>22s} {b_us:8.2f} {floor_us / b_us:6.1%} {len(timed):>7d} {worst:9.2e}", flush=True)
+    print(f"{time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
