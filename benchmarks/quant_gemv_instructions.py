@@ -1,7 +1,10 @@
 """SASS instructions per weight in the inner K loop of the dense packed GEMV: the tile path (common.py's kernels in
 awq.py / ct_int4.py / nvfp4.py) against the nibble path (gemv_nibble.py), built ahead of time (no GPU needed).
 
-Builds are test_quant_aot.py's (the GDN in_proj_qkv shape, each path's launch config for the arch at M = 1, 8, 40).
+Builds are test_quant_aot.py's (the GDN in_proj_qkv shape, each path's launch config for the arch at M = 1, 8, 40),
+with the arguments the launcher specialises as multiples of 16 marked so (test_quant_aot._aligned). RESULTS.md's
+counts before K6b were of builds without, whose loads did not vectorise (the nibble M = 1 loop at 128 features: 7.7
+per weight there, 6.3 with).
 Counting as quant_moe_instructions.py: the inner loop is the shortest backward branch holding an MMA or FFMA
 (aot.inner_loop_sass); per weight = loop instructions / weights a thread decodes per iteration (BLOCK_N x BLOCK_K /
 threads). sm_70 SASS is not disassembled by CUDA 13's tools: PTX only there.
@@ -37,7 +40,8 @@ def main() -> int:
         for name, (kernel, names, types, c, warps, stages) in T._builds(arch).items():
             if "_gemv_M" not in name:
                 continue
-            built = aot.build(kernel, T._sig(names, types, T.ACT[arch]), c, arch, warps, stages)
+            built = aot.build(kernel, T._sig(names, types, T.ACT[arch]), c, arch, warps, stages,
+                              T._aligned(names, types))
             sass = aot.inner_loop_sass(built.asm["cubin"]) if arch >= 75 else []
             ptx = aot.inner_loop_ptx(built.asm["ptx"])
             per = c["BLOCK_N"] * c["BLOCK_K"] / (32 * warps)

@@ -17,7 +17,8 @@ within 4% of the best config of every shape at both M, where the earlier 128-fea
 1.02-1.70x the best. Up to 16 rows (swept at 1 and 8; 9-16 rows run the same 16-row tiles) the split does not
 shrink with M (at M = 8 the best configs kept M = 1's split: the partials, 8 B per row, feature and split, cost
 less than the programs they buy); from 17 rows (64-row tiles, not swept) the partials are held to
-1/NIBBLE_WS_SHARE of the packed bytes (or NIBBLE_WS_FLOOR) and the tiles stay 128 wide. The config depends on (M, N, K, device) only.
+1/NIBBLE_WS_SHARE of the packed bytes (or NIBBLE_WS_FLOOR) and the tiles stay 128 wide. The config depends on
+(M, N, K, device) only.
 Row invariance: a row's output does not depend on the other rows of its call (their dot rows are independent, and
 masked rows load zeros), so two calls with the same config (BLOCK_M, SPLIT_K) give a row bitwise the same result;
 calls of 1-16 rows share one config; from 17 rows a call may get another SPLIT_K (the partials budget) or BLOCK_M
@@ -39,13 +40,13 @@ from torch import Tensor
 from .common import device_facts, gemv_config, launch_gemv, store_partial
 from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_rows, split_len
 
-# THE default: the formats whose dense packed GEMV takes the nibble path on sm80+ (fp16 / bf16 activations). AWQ and
-# compressed-tensors int4 by construction: the same packed bytes, the sm_90 inner loop at 7.7 SASS instructions per
-# weight against the tile path's 16.1-18.6 at M = 1 and 12.6-14.4 at M = 8, 11.1 at 64 rows against 16.1-18.6
-# (benchmarks/quant_gemv_instructions.py), and 4-6x the programs in flight at M = 1 (the MoE's decode on the same
-# helpers: 1.25-1.8x on the H200, RESULTS.md K5c). NVFP4 not: its E2M1 decode costs 26.8 per weight here against the
-# tile path's 24.9-31.6, so only a measurement can tell. Neither path timed on a GPU yet: benchmarks/bench_quant.py
-# prints both side by side.
+# THE default: the formats whose dense packed GEMV takes the nibble path on sm80+ (fp16 / bf16 activations): AWQ and
+# compressed-tensors int4. Measured on an H100 (RESULTS.md K6b, one graph-replayed call each): 1.7-3.9x the tile
+# path at M = 1-8 on the large projections, even at 1-16 rows where its 64-feature tiles cost 9.2 SASS instructions
+# per weight against the tile path's 10.4-13.1 (benchmarks/quant_gemv_instructions.py, aligned builds): more
+# programs in flight, not fewer instructions, is what it buys. NVFP4 not: its E2M1 decode costs 26.8 per weight
+# against the tile path's 21.5-30.2 and it needs 64-row tiles on sm_90 (`nibble_min_rows`); K6b timed it 1.5-1.7x
+# the tile path at M = 1-8 in 64 x 128 tiles, not yet made the default.
 NIBBLE_GEMV_SM80 = ("awq", "ct_int4")
 NIBBLE_PROGRAMS_PER_SM = 4  # split-K target: this many programs per SM (bytes in flight)
 NIBBLE_MAX_SPLIT = 16  # 32 was never the fastest in the sweep
@@ -67,13 +68,12 @@ def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms:
     """Launch config of the nibble GEMV of M rows (1..MAX_GEMV_ROWS) over W [N, K] in `layout` (nibble.LAYOUTS).
 
     sm80+ (and the interpreter): BLOCK_M 16 up to 16 rows, else 32 / 64 (one M tile); BLOCK_N 64 up to 16 rows and
-    3 stages (measured: module docstring), 128 beyond (the sm_90 inner loop costs 7.7 (AWQ, 16 rows) / 11.1 (64
-    rows) SASS instructions per weight at 128 features against 10.4 / 19.1 at 64, benchmarks/
-    quant_gemv_instructions.py; fewer instructions lost to more programs in flight at 16 rows); NVFP4 128 (27
-    instructions per weight at 128, 45-110 narrower; not swept). sm70 (only when asked): 16-row tiles (M tiles on
-    the grid) of 32 features, narrow enough not to spill (tests/kernels/test_quant_aot.py); at least
-    `nibble_min_rows` (NVFP4 on sm80+: 64). One group per K step (`nibble_block_k`: 32 for group 32, 16 for NVFP4).
-    SPLIT_K: module docstring.
+    3 stages (measured: module docstring; 9.2 SASS instructions per weight in the sm_90 loop against 6.3 at 128
+    features, benchmarks/quant_gemv_instructions.py: the programs in flight matter more), 128 beyond (8.3 per
+    weight at 64 rows; not swept); NVFP4 128 (27 per weight at 128, more narrower; not swept). sm70 (only when
+    asked): 16-row tiles (M tiles on the grid) of 32 features, narrow enough not to spill
+    (tests/kernels/test_quant_aot.py); at least `nibble_min_rows` (NVFP4 on sm80+: 64). One group per K step
+    (`nibble_block_k`: 32 for group 32, 16 for NVFP4). SPLIT_K: module docstring.
     """
     wide = arch is None or arch >= 80
     bm = max(16 if M <= 16 or not wide else triton.next_power_of_2(M), nibble_min_rows(layout, arch))
