@@ -40,6 +40,8 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "nib-sk8": ("nib", dict(SPLIT_UP=8, SPLIT_DOWN=4)),
     "nib-d64-sk8-s3": ("nib", dict(BLOCK_N_DOWN=64, SPLIT_UP=8, SPLIT_DOWN=4, num_stages=3)),
     "nib-u32-d64-sk4-s3": ("nib", dict(BLOCK_N_UP=32, BLOCK_N_DOWN=64, SPLIT_UP=4, SPLIT_DOWN=2, num_stages=3)),
+    "nib-ahead": ("nib", dict(SCALE_AHEAD=True)),  # scales one K step ahead (nibble._nibble_rows_matmul)
+    "nib-ahead-d64-s3": ("nib", dict(SCALE_AHEAD=True, BLOCK_N_DOWN=64, num_stages=3)),
 }
 ONE_ROW = ()  # variants timed at M = 1 only
 

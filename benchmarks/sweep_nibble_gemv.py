@@ -37,7 +37,7 @@ def configs(M, N, K, group, device, small, quick=False):
     from revolta.kernels.quant.nibble import split_len
 
     base = nibble_gemv_config(M, N, K, group, "awq", *device_facts(device))
-    out = [base]
+    out = [base, base | dict(SCALE_AHEAD=False)]  # the default, and it with the scales loaded in their own K step
     grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,)) if small else QUICK if quick else GRID
     for bn, sk, w, s in itertools.product(*grid.values()):
         if bn > N or K // base["BLOCK_K"] < 2 * sk:
@@ -50,7 +50,8 @@ def configs(M, N, K, group, device, small, quick=False):
 
 
 def name(c):
-    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}"
+    ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
+    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
 
 
 def main() -> int:

@@ -20,6 +20,8 @@ TOLS = TOL | {torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 NIB = dict(BLOCK_M=16, BLOCK_N_UP=16, BLOCK_K_UP=32, BLOCK_N_DOWN=32, BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4,
            num_stages=2, NIBBLE_DOT=True, SPLIT_UP=1, SPLIT_DOWN=1)
 SPLIT = NIB | dict(SPLIT_UP=2, SPLIT_DOWN=2)  # I = 32 is one K step: the second down split is empty (adds zeros)
+CONFIGS = {"nib": NIB, "split": SPLIT, "ahead": SPLIT | dict(SCALE_AHEAD=True),  # scales loaded one K step ahead
+           "nib-ahead": NIB | dict(SCALE_AHEAD=True)}
 
 
 @pytest.mark.usefixtures("bf16_dots")
@@ -29,10 +31,13 @@ SPLIT = NIB | dict(SPLIT_UP=2, SPLIT_DOWN=2)  # I = 32 is one K step: the second
     ("ct_sym", 1, "split", torch.float16), ("ct_sym", 8, "nib", torch.bfloat16), ("ct_sym", 5, "nib", torch.float32),
     ("ct_asym", 1, "split", torch.bfloat16), ("ct_asym", 5, "nib", torch.float16),
     ("ct_asym", 40, "nib", torch.bfloat16), ("ct_channel", 8, "nib", torch.float16),
-    ("nvfp4", 1, "split", torch.float16), ("ct_nvfp4", 8, "nib", torch.bfloat16)], ids=str)
+    ("nvfp4", 1, "split", torch.float16), ("ct_nvfp4", 8, "nib", torch.bfloat16),
+    ("awq", 1, "ahead", torch.float16), ("awq", 40, "nib-ahead", torch.bfloat16),
+    ("ct_asym", 5, "nib-ahead", torch.float16), ("ct_channel", 8, "nib-ahead", torch.bfloat16),
+    ("nvfp4", 1, "ahead", torch.float16)], ids=str)
 def test_nibble_path_matches_reference(name, M, cfg, dtype):
     x, gate_up, down, ids, w, shared, ref = _case(name, M, dtype)
-    out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=SPLIT if cfg == "split" else NIB)
+    out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=CONFIGS[cfg])
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOLS[dtype])
 

@@ -261,7 +261,8 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
         return dict(BLOCK_M=nibble_min_rows(layout, arch), BLOCK_N_UP=64 if wide else 16, BLOCK_K_UP=32,
                     BLOCK_N_DOWN=128 if wide else 32,
                     BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3,
-                    NIBBLE_DOT=True, SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1)
+                    NIBBLE_DOT=True, SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1,
+                    SCALE_AHEAD=False)  # not timed yet (nibble._nibble_rows_matmul: +25-30% registers here)
     if arch is None or arch >= 80:
         return dict(BLOCK_M=16, BLOCK_N_UP=32, BLOCK_K_UP=128, BLOCK_N_DOWN=64, BLOCK_K_DOWN=128, USE_DOT=True,
                     num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3)
@@ -382,7 +383,7 @@ def _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_u
     bk_dn = nibble_block_k(cfg["BLOCK_K_DOWN"], down.group, down.layout)
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
     y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
-    flags = dict(BLOCK_M=cfg["BLOCK_M"], HAS_SHARED=has_shared, SORTED=sort)
+    flags = dict(BLOCK_M=cfg["BLOCK_M"], HAS_SHARED=has_shared, SORTED=sort, SCALE_AHEAD=cfg.get("SCALE_AHEAD", False))
     _nibble_gate_up_kernel[(num_slots, triton.cdiv(I, cfg["BLOCK_N_UP"]), split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, *slots, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
         *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, bk_up), TOP_K=k,

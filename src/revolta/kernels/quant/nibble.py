@@ -93,30 +93,35 @@ def _pair_order(BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _awq_group(qw, qz, sc, n, k, N, K, G: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
-    """(q - z [BLOCK_K, R] in DT, s [R] fp32): inputs k.. (inside one group), rows n.. of an AutoAWQ linear (qweight
-    [K, N/8], qzeros [K/G, N/8], scales [K/G, N]; nibble order awq.AWQ_SHIFTS), Wᵀ as it is stored."""
+def _awq_group(qw, qz, n, k, N, K, G: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
+    """q - z [BLOCK_K, R] in DT: inputs k.. (inside one group), rows n.. of an AutoAWQ linear (qweight [K, N/8],
+    qzeros [K/G, N/8]; nibble order awq.AWQ_SHIFTS), Wᵀ as it is stored."""
     NW = N // 8
     o_k = k + tl.arange(0, BLOCK_K)
     o_w = n // 8 + tl.arange(0, R // 8)
-    o_n = n + tl.arange(0, R)
     m_w = o_w < NW
     g = k // G
     b_q = tl.load(qw + o_k[:, None].to(tl.int64) * NW + o_w[None, :], mask=m_w[None, :], other=0)  # [BK, R/8]
     b_z = tl.load(qz + g * NW + o_w[None, :], mask=m_w[None, :], other=0)  # [1, R/8]
-    b_s = tl.load(sc + g * N + o_n, mask=o_n < N, other=0.0).to(tl.float32)
     zl0, zh0 = _slot_pair(b_z, 0, DT)
     zl1, zh1 = _slot_pair(b_z, 1, DT)
     zl2, zh2 = _slot_pair(b_z, 2, DT)
     zl3, zh3 = _slot_pair(b_z, 3, DT)
-    return _unpack8(b_q, zl0, zl1, zl2, zl3, zh0, zh1, zh2, zh3, DT), b_s
+    return _unpack8(b_q, zl0, zl1, zl2, zl3, zh0, zh1, zh2, zh3, DT)
 
 
 @triton.jit
-def _ct_group(wp, sc, zp, n, k, N, K, G: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr,
+def _awq_scale(sc, n, k, N, G: tl.constexpr, R: tl.constexpr):
+    """s [R] fp32 of rows n.. in the group holding input k (scales [K/G, N])."""
+    o_n = n + tl.arange(0, R)
+    return tl.load(sc + (k // G) * N + o_n, mask=o_n < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _ct_group(wp, zp, n, k, N, K, G: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr,
               DT: tl.constexpr):
-    """`_awq_group` for compressed-tensors int4 (weight_packed [N, K/8], weight_scale [N, K/G], weight_zero_point
-    [N/8, K/G] or the symmetric zero 8)."""
+    """`_awq_group` for compressed-tensors int4 (weight_packed [N, K/8], weight_zero_point [N/8, K/G] or the
+    symmetric zero 8)."""
     KW = K // 8
     KG = K // G
     o_n = n + tl.arange(0, R)
@@ -129,41 +134,68 @@ def _ct_group(wp, sc, zp, n, k, N, K, G: tl.constexpr, R: tl.constexpr, BLOCK_K:
         b_z = _codes((b_z >> ((o_n % 8) * 4)) & 15, DT)
     else:
         b_z = _codes(tl.full([R], 8, tl.int32), DT)
-    b_s = tl.load(sc + o_n.to(tl.int64) * KG + g, mask=m_n, other=0.0).to(tl.float32)
     b_z = b_z[:, None]
-    return tl.trans(_unpack8(b_q, b_z, b_z, b_z, b_z, b_z, b_z, b_z, b_z, DT)), b_s
+    return tl.trans(_unpack8(b_q, b_z, b_z, b_z, b_z, b_z, b_z, b_z, b_z, DT))
 
 
 @triton.jit
-def _nvfp4_group(wt, sc, gs, n, k, N, K, rows_per_shard, INVERTED: tl.constexpr, R: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DT: tl.constexpr):
-    """`_awq_group` for NVFP4 (BLOCK_K = 16, one E4M3 scale): E2M1 values (exact in DT) and the group scale."""
-    KB, KS = K // 2, K // 16
+def _ct_scale(sc, n, k, N, K, G: tl.constexpr, R: tl.constexpr):
+    """s [R] fp32 (weight_scale [N, K/G])."""
+    o_n = n + tl.arange(0, R)
+    return tl.load(sc + o_n.to(tl.int64) * (K // G) + k // G, mask=o_n < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_group(wt, n, k, N, K, R: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
+    """`_awq_group` for NVFP4 (BLOCK_K = 16): E2M1 values, exact in DT."""
+    KB = K // 2
+    o_n = n + tl.arange(0, R)
+    o_b = k // 2 + tl.arange(0, BLOCK_K // 2)
+    b_b = tl.load(wt + o_n[:, None].to(tl.int64) * KB + o_b[None, :], mask=(o_n < N)[:, None], other=0).to(tl.int32)
+    b_c = tl.reshape(tl.join(b_b & 15, b_b >> 4), (R, BLOCK_K))  # low nibble first
+    return tl.trans(e2m1_to_f32(b_c).to(DT))
+
+
+@triton.jit
+def _nvfp4_scale(sc, gs, n, k, N, K, rows_per_shard, INVERTED: tl.constexpr, R: tl.constexpr):
+    """The 16-input group's E4M3 scale x the shard's global scale, [R] fp32."""
     o_n = n + tl.arange(0, R)
     m_n = o_n < N
-    o_b = k // 2 + tl.arange(0, BLOCK_K // 2)
-    b_b = tl.load(wt + o_n[:, None].to(tl.int64) * KB + o_b[None, :], mask=m_n[:, None], other=0).to(tl.int32)
-    b_c = tl.reshape(tl.join(b_b & 15, b_b >> 4), (R, BLOCK_K))  # low nibble first
-    b_s = e4m3_to_f32(tl.load(sc + o_n.to(tl.int64) * KS + k // 16, mask=m_n, other=0))
+    b_s = e4m3_to_f32(tl.load(sc + o_n.to(tl.int64) * (K // 16) + k // 16, mask=m_n, other=0))
     b_g = tl.load(gs + o_n // rows_per_shard, mask=m_n, other=1.0).to(tl.float32)
     if INVERTED:
         b_s = b_s / b_g
     else:
         b_s = b_s * b_g
-    return tl.trans(e2m1_to_f32(b_c).to(DT)), b_s
+    return b_s
 
 
 @triton.jit
-def _group(w0, w1, w2, n, k, N, K, rows_per_shard, FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr,
-           INVERTED: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
-    """(unscaled Wᵀ [BLOCK_K, R] in DT, scale [R] fp32) of one K step (inside one group) of W [N, K]."""
+def _group(w0, w1, w2, n, k, N, K, FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, R: tl.constexpr,
+           BLOCK_K: tl.constexpr, DT: tl.constexpr):
+    """Unscaled Wᵀ [BLOCK_K, R] in DT of one K step (inside one group) of W [N, K]; w0..w2: the format's three
+    tensors (awq: qweight, qzeros, scales; ct_int4: weight_packed, weight_scale, zero points; nvfp4: codes, E4M3
+    scale bytes, global scales)."""
     if FMT == 0:
-        b_w, b_s = _awq_group(w0, w1, w2, n, k, N, K, G, R, BLOCK_K, DT)
+        b_w = _awq_group(w0, w1, n, k, N, K, G, R, BLOCK_K, DT)
     elif FMT == 1:
-        b_w, b_s = _ct_group(w0, w1, w2, n, k, N, K, G, R, BLOCK_K, HAS_ZP, DT)
+        b_w = _ct_group(w0, w2, n, k, N, K, G, R, BLOCK_K, HAS_ZP, DT)
     else:
-        b_w, b_s = _nvfp4_group(w0, w1, w2, n, k, N, K, rows_per_shard, INVERTED, R, BLOCK_K, DT)
-    return b_w, b_s
+        b_w = _nvfp4_group(w0, n, k, N, K, R, BLOCK_K, DT)
+    return b_w
+
+
+@triton.jit
+def _scale(w0, w1, w2, n, k, N, K, rows_per_shard, FMT: tl.constexpr, G: tl.constexpr, INVERTED: tl.constexpr,
+           R: tl.constexpr):
+    """The scale [R] fp32 of rows n.. in the group holding input k."""
+    if FMT == 0:
+        b_s = _awq_scale(w2, n, k, N, G, R)
+    elif FMT == 1:
+        b_s = _ct_scale(w1, n, k, N, K, G, R)
+    else:
+        b_s = _nvfp4_scale(w1, w2, n, k, N, K, rows_per_shard, INVERTED, R)
+    return b_s
 
 
 @triton.jit
@@ -179,9 +211,16 @@ def _group_mac(acc, b_a, b_w, b_s):
 @triton.jit
 def _nibble_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, k_lo, k_hi, rows_per_shard,
                         FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
-                        R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
+                        R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                        SCALE_AHEAD: tl.constexpr):
     """(A · Wg[n_g.., k_lo:k_hi]ᵀ, A · Wu[n_u.., k_lo:k_hi]ᵀ), each [BLOCK_M, R] fp32 (the second only when TWO),
-    one quantization group per K step. a_rows [BLOCK_M]: row pointers of A; m_a: row mask."""
+    one quantization group per K step. a_rows [BLOCK_M]: row pointers of A; m_a: row mask.
+
+    SCALE_AHEAD loads each step's scales one step ahead. They are used after the dot, and Triton's pipeliner stages
+    only the loads that feed it (the codes), so loaded in their own step the scales cost a memory latency every
+    step: in the aligned sm_90 build of the dense GEMV their LDG sat ~40 instructions before its first use, inside
+    the step. Ahead, the use is a whole step later, at the same 56 registers (dense GEMV, 64-feature tiles); the MoE
+    kernels' builds took 25-30% more registers with it (128 -> 160 gate_up, 116 -> 154 down at M = 1)."""
     DT = a_rows.dtype.element_ty
     acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
     acc2 = tl.zeros_like(acc)
@@ -189,13 +228,29 @@ def _nibble_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, k_l
         o_k = _pair_order(BLOCK_K)  # the K order of _ct_group's tile
     else:
         o_k = tl.arange(0, BLOCK_K)
+    k_first = tl.minimum(k_lo, K - BLOCK_K)  # an empty slice (split-K's last) loads in bounds and uses nothing
+    s_g = _scale(g0, g1, g2, n_g, k_first, N, K, rows_per_shard, FMT, G, INVERTED, R)
+    s_u = s_g
+    if TWO:
+        s_u = _scale(u0, u1, u2, n_u, k_first, N, K, rows_per_shard, FMT, G, INVERTED, R)
     for k0 in range(k_lo, k_hi, BLOCK_K):
+        if SCALE_AHEAD:
+            k_s = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # next step's (the last step reloads its own)
+        else:
+            k_s = k0
+            s_g = _scale(g0, g1, g2, n_g, k_s, N, K, rows_per_shard, FMT, G, INVERTED, R)
         b_a = tl.load(a_rows[:, None] + (k0 + o_k)[None, :], mask=m_a[:, None], other=0.0)  # [BM, BK]
-        b_w, b_s = _group(g0, g1, g2, n_g, k0, N, K, rows_per_shard, FMT, G, HAS_ZP, INVERTED, R, BLOCK_K, DT)
-        acc = _group_mac(acc, b_a, b_w, b_s)
+        b_w = _group(g0, g1, g2, n_g, k0, N, K, FMT, G, HAS_ZP, R, BLOCK_K, DT)
+        acc = _group_mac(acc, b_a, b_w, s_g)
+        if SCALE_AHEAD:
+            s_g = _scale(g0, g1, g2, n_g, k_s, N, K, rows_per_shard, FMT, G, INVERTED, R)
         if TWO:
-            b_w, b_s = _group(u0, u1, u2, n_u, k0, N, K, rows_per_shard, FMT, G, HAS_ZP, INVERTED, R, BLOCK_K, DT)
-            acc2 = _group_mac(acc2, b_a, b_w, b_s)
+            if not SCALE_AHEAD:
+                s_u = _scale(u0, u1, u2, n_u, k_s, N, K, rows_per_shard, FMT, G, INVERTED, R)
+            b_w = _group(u0, u1, u2, n_u, k0, N, K, FMT, G, HAS_ZP, R, BLOCK_K, DT)
+            acc2 = _group_mac(acc2, b_a, b_w, s_u)
+            if SCALE_AHEAD:
+                s_u = _scale(u0, u1, u2, n_u, k_s, N, K, rows_per_shard, FMT, G, INVERTED, R)
     return acc, acc2
 
 
