@@ -244,7 +244,8 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     expected rows per touched expert, narrower than moe_grouped's because the decoded tile is held in fp32
     beside the accumulator (no spills in the sm_70 build, tests/kernels/test_quant_moe_aot.py).
     nibble (default: sm80+ and the interpreter): the group-factored decode path (moe_decode.py), 2 x 64 gate + up
-    rows and 128 down rows per program, one group (32) per K step; at M = 1 gate_up in 4 K splits and down in 2. Its
+    rows and 128 down rows per program, one group (32) per K step, 3 stages (4 on sm90 until the H100 run of
+    RESULTS.md K5e: 3 was 1-5% faster at M = 1 / 8 / 40); at M = 1 gate_up in 4 K splits and down in 2. Its
     sm_90 inner loop is 5.4-6.1 SASS instructions per weight against the tile path's 11.2-14.5
     (benchmarks/quant_moe_instructions.py); on the H200 (RESULTS.md K5c, bf16) it took 49.6 / 238 / 886 µs at M = 1 /
     8 / 40 against the tile path's 71.2 / 416 / 1585, and these 64 / 128-row tiles beat 128 / 256 (57.2 / 250 / 1033)
@@ -260,9 +261,9 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
         wide = arch is None or arch >= 80
         return dict(BLOCK_M=nibble_min_rows(layout, arch), BLOCK_N_UP=64 if wide else 16, BLOCK_K_UP=32,
                     BLOCK_N_DOWN=128 if wide else 32,
-                    BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3,
-                    NIBBLE_DOT=True, SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1,
-                    SCALE_AHEAD=False)  # not timed yet (nibble._nibble_rows_matmul: +25-30% registers here)
+                    BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4, num_stages=3, NIBBLE_DOT=True,
+                    SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1,
+                    SCALE_AHEAD=False)  # timed 1.13-1.24x slower here (RESULTS.md K5e: +25-30% registers)
     if arch is None or arch >= 80:
         return dict(BLOCK_M=16, BLOCK_N_UP=32, BLOCK_K_UP=128, BLOCK_N_DOWN=64, BLOCK_K_DOWN=128, USE_DOT=True,
                     num_warps=4, num_stages=4 if arch is not None and arch >= 90 else 3)

@@ -219,8 +219,9 @@ def _nibble_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, k_l
     SCALE_AHEAD loads each step's scales one step ahead. They are used after the dot, and Triton's pipeliner stages
     only the loads that feed it (the codes), so loaded in their own step the scales cost a memory latency every
     step: in the aligned sm_90 build of the dense GEMV their LDG sat ~40 instructions before its first use, inside
-    the step. Ahead, the use is a whole step later, at the same 56 registers (dense GEMV, 64-feature tiles); the MoE
-    kernels' builds took 25-30% more registers with it (128 -> 160 gate_up, 116 -> 154 down at M = 1)."""
+    the step. Ahead, the use is a whole step later, at the same 56 registers (dense GEMV, 64-feature tiles): 1-3%
+    faster on an H100 (RESULTS.md K6b), on by default there. The MoE kernels' builds took 25-30% more registers
+    with it (128 -> 160 gate_up, 116 -> 154 down at M = 1) and ran 1.13-1.24x slower (K5e): off there."""
     DT = a_rows.dtype.element_ty
     acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
     acc2 = tl.zeros_like(acc)
