@@ -118,6 +118,10 @@ def test_the_default_path_switch():
     assert not use_nibble(70, torch.float16, "awq") and use_nibble(70, torch.float16, "awq", nibble=True)
     assert not use_nibble(90, torch.float32, "awq") and not use_nibble(None, torch.bfloat16, "awq")
     assert not use_nibble(90, torch.bfloat16, "awq", nibble=False)
+    # from 17 rows only the widest projections (the 64-row tiles lost at N <= 6144 on an H100: RESULTS.md K6b)
+    for M, N, want in ((16, 2560, True), (17, 2560, False), (40, 6144, False), (40, 10240, True), (40, 12288, True)):
+        assert use_nibble(90, torch.float16, "awq", M=M, N=N) is want, (M, N)
+        assert use_nibble(90, torch.float16, "awq", nibble=True, M=M, N=N)  # asked: always
     for M in (1, 5, 40):  # compiled for sm_90, NVFP4's 16 / 32-row nibble tiles summed wrong (tests/gpu)
         assert nibble_gemv_config(M, 512, 2560, 16, "nvfp4", num_sms=132, arch=90)["BLOCK_M"] == 64
         assert nibble_gemv_config(M, 512, 2560, 32, "awq", num_sms=132, arch=90)["BLOCK_M"] == (16 if M < 40 else 64)

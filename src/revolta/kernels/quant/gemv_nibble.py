@@ -25,7 +25,7 @@ calls of 1-16 rows share one config; from 17 rows a call may get another SPLIT_K
 and then differ in the last bits.
 
 Selection: `gemv_config_for(..., nibble=None)` -> NIBBLE_DOT in the config; None means the formats in
-`NIBBLE_GEMV_SM80` on sm80+ with fp16 / bf16 activations. sm70 always keeps the tile path by default (tl.dot is FMA
+`NIBBLE_GEMV_SM80` on sm80+ with fp16 / bf16 activations (from 17 rows only from NIBBLE_WIDE_MIN_N outputs). sm70 always keeps the tile path by default (tl.dot is FMA
 on 16 padded rows there), and fp32 activations too (the fp32 models; the nibble path computes them exactly with
 fp32 dots when asked).
 """
@@ -48,19 +48,28 @@ from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_row
 # against the tile path's 21.5-30.2 and it needs 64-row tiles on sm_90 (`nibble_min_rows`); K6b timed it 1.5-1.7x
 # the tile path at M = 1-8 in 64 x 128 tiles, not yet made the default.
 NIBBLE_GEMV_SM80 = ("awq", "ct_int4")
+# From 17 rows (the MTP4 verify at C8: 40) the nibble path's 64-row tiles beat the tile path only on the widest
+# projections: on an H100 (RESULTS.md K6b, AWQ, 40 rows) q_proj (N 12288) 70.6 vs 98.9 us, in_proj_qkv (10240)
+# 69.7 vs 97.5, and lost at every N <= 6144 (0.44-0.73x: k_proj, o_proj, in_proj_z, out_proj, the expert-sized
+# linears). Compressed-tensors int4 shares both kernels' structure and follows the same rule (not timed at 40 rows).
+NIBBLE_WIDE_MIN_N = 8192
 NIBBLE_PROGRAMS_PER_SM = 4  # split-K target: this many programs per SM (bytes in flight)
 NIBBLE_MAX_SPLIT = 16  # 32 was never the fastest in the sweep
 NIBBLE_WS_SHARE = 4  # split-K partials cost at most 1/4 of the packed bytes (~K/2 B per feature) ...
 NIBBLE_WS_FLOOR = 1 << 20  # ... or 1 MiB (~0.3 us at the H200's bandwidth: less than a serial K loop of small N)
 
 
-def use_nibble(arch: int | None, dtype: torch.dtype, layout: str, nibble: bool | None = None) -> bool:
-    """Whether a GEMV over a `layout` weight (nibble.LAYOUTS) with `dtype` activations on compute capability `arch`
-    (None: the interpreter) takes the nibble path: `nibble` when given, else the default above."""
+def use_nibble(arch: int | None, dtype: torch.dtype, layout: str, nibble: bool | None = None, M: int = 1,
+               N: int | None = None) -> bool:
+    """Whether a GEMV of M rows over a `layout` weight (nibble.LAYOUTS) with N outputs and `dtype` activations on
+    compute capability `arch` (None: the interpreter) takes the nibble path: `nibble` when given, else the default
+    above, for 1-16 rows (its swept 16-row tiles) and from 17 rows only from NIBBLE_WIDE_MIN_N outputs."""
     if nibble is not None:
         return nibble
-    return (layout in NIBBLE_GEMV_SM80 and arch is not None and arch >= 80
-            and dtype in (torch.float16, torch.bfloat16))
+    sixteen_bit = dtype in (torch.float16, torch.bfloat16)
+    if not (layout in NIBBLE_GEMV_SM80 and arch is not None and arch >= 80 and sixteen_bit):
+        return False
+    return M <= 16 or N is None or N >= NIBBLE_WIDE_MIN_N
 
 
 def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms: int,
@@ -97,7 +106,7 @@ def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align:
     """The GEMV config for the rows of x on x's device: the nibble path's (NIBBLE_DOT) or the tile path's
     (common.gemv_config), as `use_nibble` picks."""
     sms, arch = device_facts(x.device)
-    if use_nibble(arch, x.dtype, layout, nibble):
+    if use_nibble(arch, x.dtype, layout, nibble, x.shape[0], N):
         return nibble_gemv_config(x.shape[0], N, K, group, layout, sms, arch)
     return gemv_config(x.shape[0], N, K, group, sms, n_align, arch)
 
