@@ -114,7 +114,7 @@ def test_the_default_path_switch():
     """The nibble path by default: AWQ and compressed-tensors int4 on sm80+ with 16-bit activations; nibble= decides
     when given."""
     assert use_nibble(90, torch.bfloat16, "awq") and use_nibble(80, torch.float16, "ct_int4")
-    assert not use_nibble(90, torch.bfloat16, "nvfp4") and use_nibble(90, torch.bfloat16, "nvfp4", nibble=True)
+    assert use_nibble(90, torch.bfloat16, "nvfp4") and not use_nibble(90, torch.bfloat16, "nvfp4", nibble=False)
     assert not use_nibble(70, torch.float16, "awq") and use_nibble(70, torch.float16, "awq", nibble=True)
     assert not use_nibble(90, torch.float32, "awq") and not use_nibble(None, torch.bfloat16, "awq")
     assert not use_nibble(90, torch.bfloat16, "awq", nibble=False)

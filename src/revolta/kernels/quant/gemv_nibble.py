@@ -25,9 +25,9 @@ calls of 1-16 rows share one config; from 17 rows a call may get another SPLIT_K
 and then differ in the last bits.
 
 Selection: `gemv_config_for(..., nibble=None)` -> NIBBLE_DOT in the config; None means the formats in
-`NIBBLE_GEMV_SM80` on sm80+ with fp16 / bf16 activations (from 17 rows only from NIBBLE_WIDE_MIN_N outputs). sm70 always keeps the tile path by default (tl.dot is FMA
-on 16 padded rows there), and fp32 activations too (the fp32 models; the nibble path computes them exactly with
-fp32 dots when asked).
+`NIBBLE_GEMV_SM80` on sm80+ with fp16 / bf16 activations (from 17 rows only from NIBBLE_WIDE_MIN_N outputs). sm70
+always keeps the tile path by default (tl.dot is FMA on 16 padded rows there), and fp32 activations too (the fp32
+models; the nibble path computes them exactly with fp32 dots when asked).
 """
 
 from __future__ import annotations
@@ -40,18 +40,17 @@ from torch import Tensor
 from .common import device_facts, gemv_config, launch_gemv, store_partial
 from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_rows, split_len
 
-# THE default: the formats whose dense packed GEMV takes the nibble path on sm80+ (fp16 / bf16 activations): AWQ and
-# compressed-tensors int4. Measured on an H100 (RESULTS.md K6b, one graph-replayed call each): 1.7-3.9x the tile
-# path at M = 1-8 on the large projections, even at 1-16 rows where its 64-feature tiles cost 9.2 SASS instructions
-# per weight against the tile path's 10.4-13.1 (benchmarks/quant_gemv_instructions.py, aligned builds): more
-# programs in flight, not fewer instructions, is what it buys. NVFP4 not: its E2M1 decode costs 26.8 per weight
-# against the tile path's 21.5-30.2 and it needs 64-row tiles on sm_90 (`nibble_min_rows`); K6b timed it 1.5-1.7x
-# the tile path at M = 1-8 in 64 x 128 tiles, not yet made the default.
-NIBBLE_GEMV_SM80 = ("awq", "ct_int4")
+# THE default: the formats whose dense packed GEMV takes the nibble path on sm80+ (fp16 / bf16 activations).
+# Measured on an H100 (RESULTS.md K6b): AWQ 2.2-4.9x the tile path at 1-16 rows on the large projections (second
+# run), even where its 64-feature tiles cost 9.2 SASS instructions per weight against the tile path's 10.4-13.1
+# (benchmarks/quant_gemv_instructions.py, aligned builds): more programs in flight, not fewer instructions, is what
+# it buys; compressed-tensors int4 2.1-2.4x at M = 1, 1.5-1.7x at 8; NVFP4, in the 64-row tiles it needs on sm_90
+# (`nibble_min_rows`), 1.5-1.7x at M = 1 and 1.4x at 8 (both runs; q_proj and in_proj_qkv).
+NIBBLE_GEMV_SM80 = ("awq", "ct_int4", "nvfp4")
 # From 17 rows (the MTP4 verify at C8: 40) the nibble path's 64-row tiles beat the tile path only on the widest
 # projections: on an H100 (RESULTS.md K6b, AWQ, 40 rows) q_proj (N 12288) 70.6 vs 98.9 us, in_proj_qkv (10240)
 # 69.7 vs 97.5, and lost at every N <= 6144 (0.44-0.73x: k_proj, o_proj, in_proj_z, out_proj, the expert-sized
-# linears). Compressed-tensors int4 shares both kernels' structure and follows the same rule (not timed at 40 rows).
+# linears). Compressed-tensors int4 and NVFP4 follow the same rule (not timed at 40 rows).
 NIBBLE_WIDE_MIN_N = 8192
 NIBBLE_PROGRAMS_PER_SM = 4  # split-K target: this many programs per SM (bytes in flight)
 NIBBLE_MAX_SPLIT = 16  # 32 was never the fastest in the sweep
