@@ -213,19 +213,25 @@ def test_metrics_say_when_drafting_is_paused_and_why():
 
 def test_n_and_seed_limits_are_400s_naming_the_field():
     """n=0 was served as n=1 (`n or 1`); a seed beyond int64 reached torch as "Overflow when unpacking long long"
-    with no field named. Both are 400s naming the field, as vLLM's int64 seed bound and n >= 1 rule give."""
+    with no field named; n had no upper bound (each choice is a request in the engine). All are 400s naming the
+    field, as vLLM's int64 seed bound and n >= 1 rule give, with OpenAI's n <= 128."""
     from revolta.engine.sampling import SamplingParams
     from revolta.server.errors import APIError
     from revolta.server.params import build_sampling_params
 
     config, defaults = ServerConfig(served_model_name="m", max_model_len=64), SamplingParams()
-    for fields, param in (({"n": 0}, "n"), ({"seed": 2**64}, "seed"), ({"seed": 2**63}, "seed"),
-                          ({"seed": -2**63 - 1}, "seed")):
+    for fields, param in (({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 10**9}, "n"), ({"seed": 2**64}, "seed"),
+                          ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed")):
         with pytest.raises(APIError) as e:
             build_sampling_params({**fields, "temperature": 1.0}, defaults=defaults, config=config, max_tokens=2)
         assert e.value.status == 400 and e.value.param == param, (fields, e.value.message)
     for seed in (0, 2**63 - 1, -2**63):
         assert build_sampling_params({"seed": seed}, defaults=defaults, config=config, max_tokens=2).seed == seed
+    most = build_sampling_params({"n": 128, "temperature": 1.0}, defaults=defaults, config=config, max_tokens=2)
+    assert most.n == 128
+    small = ServerConfig(served_model_name="m", max_model_len=64, max_n=2)
+    with pytest.raises(APIError, match="n=3 is more than the 2 choices"):
+        build_sampling_params({"n": 3, "temperature": 1.0}, defaults=defaults, config=small, max_tokens=2)
 
 
 def test_reasoning_effort_must_be_one_of_openais_values():

@@ -7,6 +7,7 @@ from typing import Any
 
 DEFAULT_KEEP_ALIVE_S = 10.0  # well under the common 50-60 s proxy idle timeouts, even during a long prefill
 MAX_STOP_STRINGS = 4  # vLLM's VLLM_MAX_STOP_STRINGS default
+MAX_N = 128  # OpenAI's documented maximum of `n`: each choice is its own request in the engine
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20  # Anthropic's cap on a Messages request body
 
 
@@ -19,6 +20,8 @@ class ServerConfig:
     sse_keep_alive_interval: seconds of silence before a `: keep-alive` comment on a stream (0 = off).
     tool_call_parser / reasoning_parser: "qwen3_coder" / "qwen3", or None to leave model text unparsed.
     max_body_bytes: larger request bodies are refused with 413.
+    max_n: the most choices (`n`) one request may ask for; more is a 400 naming `n` (each choice is a request in
+        the engine, so an unbounded n would queue without limit from one call).
     max_pending_requests: most requests in the engine at once (running + queued); more are refused
         at once with 503 and Retry-After instead of queueing without bound (None = no limit).
     enable_dev_endpoints: serve /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused (dev_routes.py).
@@ -39,6 +42,7 @@ class ServerConfig:
     reasoning_parser: str | None = "qwen3"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_stop_strings: int = MAX_STOP_STRINGS
+    max_n: int = MAX_N
     max_pending_requests: int | None = None
     structured_disable_any_whitespace: bool = False  # --structured-outputs-config {"disable_any_whitespace": ...}
     enable_dev_endpoints: bool = False

@@ -116,6 +116,9 @@ def build_sampling_params(fields: Mapping[str, Any], *, defaults: SamplingParams
     n = 1 if fields.get("n") is None else fields["n"]  # n=0 is an error, not the default
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}", "n")
+    if n > config.max_n:
+        raise bad_request(f"n={n} is more than the {config.max_n} choices one request may ask for: send several "
+                          "requests", "n")
     temperature = fields.get("temperature")
     temperature = defaults.temperature if temperature is None else temperature
     if n > 1 and temperature == 0:
