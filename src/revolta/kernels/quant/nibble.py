@@ -199,6 +199,17 @@ def _scale(w0, w1, w2, n, k, N, K, rows_per_shard, FMT: tl.constexpr, G: tl.cons
 
 
 @triton.jit
+def _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, k, N, K, rows_per_shard, FMT: tl.constexpr, G: tl.constexpr,
+            INVERTED: tl.constexpr, R: tl.constexpr, TWO: tl.constexpr):
+    """(gate scales, up scales) [R] fp32 at input k; without TWO the second is the first (not loaded again)."""
+    s_g = _scale(g0, g1, g2, n_g, k, N, K, rows_per_shard, FMT, G, INVERTED, R)
+    s_u = s_g
+    if TWO:
+        s_u = _scale(u0, u1, u2, n_u, k, N, K, rows_per_shard, FMT, G, INVERTED, R)
+    return s_g, s_u
+
+
+@triton.jit
 def _group_mac(acc, b_a, b_w, b_s):
     """acc [BM, R] += (A [BM, BK] @ (q - z)ᵀ [BK, R]) · s: one group's dot, scaled after it."""
     if b_a.dtype == tl.float32:
@@ -229,29 +240,21 @@ def _nibble_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, k_l
         o_k = _pair_order(BLOCK_K)  # the K order of _ct_group's tile
     else:
         o_k = tl.arange(0, BLOCK_K)
-    k_first = tl.minimum(k_lo, K - BLOCK_K)  # an empty slice (split-K's last) loads in bounds and uses nothing
-    s_g = _scale(g0, g1, g2, n_g, k_first, N, K, rows_per_shard, FMT, G, INVERTED, R)
-    s_u = s_g
-    if TWO:
-        s_u = _scale(u0, u1, u2, n_u, k_first, N, K, rows_per_shard, FMT, G, INVERTED, R)
+    if SCALE_AHEAD:  # an empty slice (split-K's last) loads in bounds and uses nothing
+        s_g, s_u = _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, tl.minimum(k_lo, K - BLOCK_K), N, K, rows_per_shard,
+                           FMT, G, INVERTED, R, TWO)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if SCALE_AHEAD:
-            k_s = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # next step's (the last step reloads its own)
-        else:
-            k_s = k0
-            s_g = _scale(g0, g1, g2, n_g, k_s, N, K, rows_per_shard, FMT, G, INVERTED, R)
+        if not SCALE_AHEAD:
+            s_g, s_u = _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, k0, N, K, rows_per_shard, FMT, G, INVERTED, R, TWO)
         b_a = tl.load(a_rows[:, None] + (k0 + o_k)[None, :], mask=m_a[:, None], other=0.0)  # [BM, BK]
         b_w = _group(g0, g1, g2, n_g, k0, N, K, FMT, G, HAS_ZP, R, BLOCK_K, DT)
         acc = _group_mac(acc, b_a, b_w, s_g)
-        if SCALE_AHEAD:
-            s_g = _scale(g0, g1, g2, n_g, k_s, N, K, rows_per_shard, FMT, G, INVERTED, R)
         if TWO:
-            if not SCALE_AHEAD:
-                s_u = _scale(u0, u1, u2, n_u, k_s, N, K, rows_per_shard, FMT, G, INVERTED, R)
             b_w = _group(u0, u1, u2, n_u, k0, N, K, FMT, G, HAS_ZP, R, BLOCK_K, DT)
             acc2 = _group_mac(acc2, b_a, b_w, s_u)
-            if SCALE_AHEAD:
-                s_u = _scale(u0, u1, u2, n_u, k_s, N, K, rows_per_shard, FMT, G, INVERTED, R)
+        if SCALE_AHEAD:  # the next step's (the last step reloads its own: stays in bounds)
+            s_g, s_u = _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), N, K,
+                               rows_per_shard, FMT, G, INVERTED, R, TWO)
     return acc, acc2
 
 
