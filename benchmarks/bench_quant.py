@@ -91,11 +91,15 @@ ROTATE_BYTES = 256 << 20  # weight copies a timed graph cycles through: 5x the H
 ROTATE_MAX = 64
 
 
+def packed_nbytes(t: dict) -> int:
+    """Bytes of a packed linear's tensors (qweight + qzeros + scales, or its format's)."""
+    return sum(v.numel() * v.element_size() for v in t.values())
+
+
 def rotating(t: dict, small: bool) -> list[dict]:
     """Copies of the packed tensors `t` (equal values) whose bytes add up to ~ROTATE_BYTES (at most ROTATE_MAX), so
     that back-to-back calls in one graph read their weights from memory, not from L2; [t] when small."""
-    size = sum(v.numel() * v.element_size() for v in t.values())
-    n = 1 if small else max(1, min(ROTATE_MAX, ROTATE_BYTES // size))
+    n = 1 if small else max(1, min(ROTATE_MAX, ROTATE_BYTES // packed_nbytes(t)))
     return [t] + [{k: v.clone() for k, v in t.items()} for _ in range(n - 1)]
 
 
@@ -137,7 +141,7 @@ def gemv_rows(fmt_name, fmt, t, label, N, K, Ms, dtype, args, gen, rows):
 
     device = t[next(iter(t))].device
     graph = not args.eager
-    packed_bytes = sum(v.numel() * v.element_size() for v in t.values())
+    packed_bytes = packed_nbytes(t)
     flat = torch.cat([v.reshape(-1).view(torch.uint8) for v in t.values()])
     dst = torch.empty_like(flat)
     copy_ms = bench(lambda: dst.copy_(flat), args.small, graph)

@@ -65,7 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from bench_quant import bench, copy_gbs, packed_awq, rel_err, rotating
+    from bench_quant import bench, copy_gbs, packed_awq, packed_nbytes, rel_err, rotating
 
     from revolta.kernels.quant.awq import awq_gemv
 
@@ -81,7 +81,7 @@ def main() -> int:
           f"{'best':>22s} {'us':>8s} {'%copy':>6s} {'configs':>7s} {'worst err':>9s}")
     for label, N, K in shapes:
         fmt, t = packed_awq(N, K, args.group, device, gen)
-        floor_us = sum(v.numel() * v.element_size() for v in t.values()) / gbs / 1e3  # packed bytes at copy bandwidth
+        floor_us = packed_nbytes(t) / gbs / 1e3  # the packed bytes at the copy bandwidth
         w_ref = fmt.dequantize(t, torch.float32)
         copies = rotating(t, args.small)
         for M in (int(m) for m in args.ms.split(",")):
