@@ -52,6 +52,7 @@ NIBBLE_GEMV_SM80 = ("awq", "ct_int4", "nvfp4")
 # 69.7 vs 97.5, and lost at every N <= 6144 (0.44-0.73x: k_proj, o_proj, in_proj_z, out_proj, the expert-sized
 # linears). Compressed-tensors int4 and NVFP4 follow the same rule (not timed at 40 rows).
 NIBBLE_WIDE_MIN_N = 8192
+NIBBLE_SKINNY_ROWS = 16  # up to this many rows one 16-row tile (tl.dot's least) runs the swept skinny config
 NIBBLE_PROGRAMS_PER_SM = 4  # split-K target: this many programs per SM (bytes in flight)
 NIBBLE_MAX_SPLIT = 16  # 32 was never the fastest in the sweep
 NIBBLE_WS_SHARE = 4  # split-K partials cost at most 1/4 of the packed bytes (~K/2 B per feature) ...
@@ -68,7 +69,7 @@ def use_nibble(arch: int | None, dtype: torch.dtype, layout: str, nibble: bool |
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if not (layout in NIBBLE_GEMV_SM80 and arch is not None and arch >= 80 and sixteen_bit):
         return False
-    return M <= 16 or N is None or N >= NIBBLE_WIDE_MIN_N
+    return M <= NIBBLE_SKINNY_ROWS or N is None or N >= NIBBLE_WIDE_MIN_N
 
 
 def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms: int,
@@ -84,8 +85,9 @@ def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms:
     (`nibble_block_k`: 32 for group 32, 16 for NVFP4). SPLIT_K: module docstring.
     """
     wide = arch is None or arch >= 80
-    bm = max(16 if M <= 16 or not wide else triton.next_power_of_2(M), nibble_min_rows(layout, arch))
-    skinny = wide and bm == 16  # the swept case
+    skinny_rows = M <= NIBBLE_SKINNY_ROWS or not wide
+    bm = max(NIBBLE_SKINNY_ROWS if skinny_rows else triton.next_power_of_2(M), nibble_min_rows(layout, arch))
+    skinny = wide and bm == NIBBLE_SKINNY_ROWS  # the swept case (NVFP4's 64-row tiles are not)
     bn = max(16, min((64 if skinny else 128) if wide else 32, triton.next_power_of_2(N)))  # tl.dot: >= 16 columns
     bk = nibble_block_k(32, group, layout)
     steps = triton.cdiv(K, bk)
