@@ -209,11 +209,17 @@ def _builds(arch):
     return b
 
 
+def aligned_args(names, types, pointers, sizes, skip=()):
+    """The arguments a build marks as the launcher specialises them at run time when they are multiples of 16:
+    pointers (`types` codes in `pointers`), the `sizes` and the strides, less `skip`. The quant AOT tests use it too."""
+    return tuple(n for n, t in zip(names.split(), types)
+                 if (t in pointers or n in sizes or n.startswith("stride_")) and n not in skip)
+
+
 def _aligned(names, types):
     """The MoE GEMMs' arguments that the launcher specialises as multiples of 16 at the real shapes: every
     pointer, the sizes H / I, the routed-expert count and the strides (T and S, the pair and slot counts, vary)."""
-    return tuple(n for n, t in zip(names.split(), types)
-                 if t in "afil" or n in ("H", "I", "num_routed") or n.startswith("stride_"))
+    return aligned_args(names, types, "afil", ("H", "I", "num_routed"))
 
 
 def _compile(kernel, signature, constexprs, arch, num_warps, num_stages, aligned=()):

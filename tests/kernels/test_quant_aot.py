@@ -33,8 +33,9 @@ def _aligned(names, types):
     """The arguments the launcher specialises as multiples of 16 at the real shapes (pointers, N, K, strides, the K
     slice): built with them, loads vectorise and pipeline as they do on the GPU (without, x loads were 2-byte LDGs
     outside cp.async in the nibble GEMV's sm_90 loop)."""
-    return tuple(n for n, t in zip(names.split(), types)
-                 if t in "ahwfib" or n in ("N", "K", "k_per_split") or n.startswith("stride_"))
+    from test_moe_aot import aligned_args
+
+    return aligned_args(names, types, "ahwfib", ("N", "K", "k_per_split"))
 
 
 def _builds(arch):

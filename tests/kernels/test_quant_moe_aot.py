@@ -50,9 +50,10 @@ def _sig(names, types, act):
 def _aligned(names, types, fmt):
     """Pointers, sizes and strides that are multiples of 16 at the real shapes (not NVFP4's per-expert global
     scales: 2 or 1 per expert)."""
-    return tuple(n for n, t in zip(names.split(), types)
-                 if t in "ahwfib" or n in ("H", "I", "num_routed", "k_split")
-                 or n.startswith("stride_") and not (fmt == "nvfp4" and n == "stride_e2"))
+    from test_moe_aot import aligned_args
+
+    return aligned_args(names, types, "ahwfib", ("H", "I", "num_routed", "k_split"),
+                        skip=("stride_e2",) if fmt == "nvfp4" else ())
 
 
 def _builds(arch):
