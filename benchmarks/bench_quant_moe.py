@@ -43,7 +43,6 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "nib-ahead": ("nib", dict(SCALE_AHEAD=True)),  # scales one K step ahead (nibble._nibble_rows_matmul)
     "nib-ahead-d64-s3": ("nib", dict(SCALE_AHEAD=True, BLOCK_N_DOWN=64, num_stages=3)),
 }
-ONE_ROW = ()  # variants timed at M = 1 only
 
 
 def awq_bank(num_experts, h, i, device, gen):
@@ -113,8 +112,7 @@ def run(small: bool = False, json_path: str | None = None) -> int:
             base = {p: QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, nibble=p == "nib")
                     for p in ("tile", "nib")}
             variants = {"quant": None} | {n: base[p] | v for n, (p, v) in VARIANTS.items()
-                                          if (n == "tile" or dt == torch.bfloat16 or small)
-                                          and (M == 1 or n not in ONE_ROW)}
+                                          if n == "tile" or dt == torch.bfloat16 or small}
             for vname, cfg in variants.items():
                 out = QMOE.quant_fused_moe(xs[0], gate_up, down, *routes[0], shared_expert=shared, config=cfg)
                 checks.append(dict(what=f"quant {vname} {tag}", rel_err=rel_err(out, ref)))
