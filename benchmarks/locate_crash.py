@@ -176,9 +176,9 @@ def main(argv=None) -> int:
         from revolta.kernels import hc
         from revolta.kernels.quant import gemv_nibble
 
-        gemv_nibble.use_nibble = lambda arch, dtype, layout, nibble=None, M=1, N=None: (  # sm90's rule, any arch
-            nibble if nibble is not None else layout in gemv_nibble.NIBBLE_GEMV_SM80
-            and (M <= 16 or N is None or N >= gemv_nibble.NIBBLE_WIDE_MIN_N))
+        sm90_rule = gemv_nibble.use_nibble  # the H200's choice whatever the device and activation dtype
+        gemv_nibble.use_nibble = lambda arch, dtype, layout, nibble=None, M=1, N=None: sm90_rule(
+            90, torch.float16, layout, nibble, M, N)
         dot_default = hc.hc_dot_default
         hc.hc_dot_default = lambda arch=None: dict(dot_default(arch), ENABLED=True)
     checked = contextlib.nullcontext([])
