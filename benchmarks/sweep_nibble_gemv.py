@@ -6,7 +6,7 @@ times (CUDA graph replays of back-to-back calls over rotating weight copies, L2 
 M): the default's time, the best config found, and both as % of the copy bandwidth measured in the same run
 (bandwidth on the packed bytes over a 1 GiB device copy's, read + write counted: bench_quant.py's "% copy").
 
-    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F]
+    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F] [--quick | --groups]
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py --small    # CPU interpreter: two configs, correctness
 """
 
@@ -26,32 +26,38 @@ sys.path.insert(0, HERE)
 
 SHAPES = (("qsa q_proj", 12288, 2560), ("gdn out_proj", 2560, 6144), ("expert gate_up", 1280, 2560),
           ("expert down", 2560, 640))
-GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4))
-QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,))  # --quick: 9 configs
+GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4),
+            STEP_GROUPS=(1,))
+QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,), STEP_GROUPS=(1,))  # 9
+# --groups: quantization groups a K step (nibble._nibble_rows_matmul's STEP_GROUPS) against one, 48 configs
+GROUPS = dict(BLOCK_N=(64, 128), SPLIT_K=(2, 4, 8, 16), num_warps=(4,), num_stages=(3, 4), STEP_GROUPS=(1, 2, 4))
 
 
-def configs(M, N, K, group, device, small, quick=False):
+def configs(M, N, K, group, device, small, grid):
     """The sweep's configs for one shape (the default's first), each a full nibble_gemv config."""
     from revolta.kernels.quant.common import device_facts
-    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
+    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config, with_step_groups
     from revolta.kernels.quant.nibble import split_len
 
     base = nibble_gemv_config(M, N, K, group, "awq", *device_facts(device))
     out = [base, base | dict(SCALE_AHEAD=False)]  # the default, and it with the scales loaded in their own K step
-    grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,)) if small else QUICK if quick else GRID
-    for bn, sk, w, s in itertools.product(*grid.values()):
-        if bn > N or K // base["BLOCK_K"] < 2 * sk:
+    if small:
+        grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,), STEP_GROUPS=(1, 2))
+    for bn, sk, w, s, sg in itertools.product(*grid.values()):
+        if bn > N or K // base["BLOCK_K"] < 2 * sk * sg:  # at least 2 K steps a slice
             continue
         c = base | dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=w, num_stages=s,
                         k_per_split=split_len(K, sk, base["BLOCK_K"]))
-        if c != base:
+        c = with_step_groups(c, K, sg)
+        if c != base and c["STEP_GROUPS"] == sg and c not in out:
             out.append(c)
     return out
 
 
 def name(c):
-    ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
-    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
+    ahead = "" if c["SCALE_AHEAD"] or c["STEP_GROUPS"] > 1 else "/now"  # "now": scales loaded in their own K step
+    groups = f"/g{c['STEP_GROUPS']}" if c["STEP_GROUPS"] > 1 else ""
+    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{groups}{ahead}"
 
 
 def main() -> int:
@@ -61,6 +67,8 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--quick", action="store_true", help="9 configs a shape (QUICK) instead of 72 (GRID)")
+    ap.add_argument("--groups", action="store_true", help="STEP_GROUPS 1 / 2 / 4 x tiles, splits, stages (GROUPS)")
+    ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.small:
@@ -73,6 +81,9 @@ def main() -> int:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     gen = torch.Generator(device=device).manual_seed(0)
     shapes = (("small", 128, 256),) if args.small else SHAPES
+    if args.shapes:
+        shapes = tuple(sh for sh in SHAPES if sh[0] in args.shapes.split(","))
+    grid = GROUPS if args.groups else QUICK if args.quick else GRID
     rows, t0 = [], time.time()
     gbs = copy_gbs(args.small)
     print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "
@@ -88,7 +99,7 @@ def main() -> int:
             x = torch.randn(M, K, generator=gen, device=device).to(dtype)
             want = x.float() @ w_ref.t()
             timed, worst = [], 0.0
-            for c in configs(M, N, K, args.group, device, args.small, args.quick):
+            for c in configs(M, N, K, args.group, device, args.small, grid):
                 def call(c=c, w=t):
                     return awq_gemv(x, w["qweight"], w["qzeros"], w["scales"], args.group, config=c)
                 err = rel_err(call(), want)
