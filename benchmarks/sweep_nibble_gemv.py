@@ -29,8 +29,8 @@ SHAPES = (("qsa q_proj", 12288, 2560), ("gdn out_proj", 2560, 6144), ("expert ga
 GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4),
             STEP_GROUPS=(1,))
 QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,), STEP_GROUPS=(1,))  # 9
-# --groups: quantization groups a K step (nibble._nibble_rows_matmul's STEP_GROUPS) against one, 48 configs
-GROUPS = dict(BLOCK_N=(64, 128), SPLIT_K=(2, 4, 8, 16), num_warps=(4,), num_stages=(3, 4), STEP_GROUPS=(1, 2, 4))
+# --groups: quantization groups a K step (nibble._nibble_rows_matmul's STEP_GROUPS) against one, <= 60 configs
+GROUPS = dict(BLOCK_N=(64, 128), SPLIT_K=(1, 2, 4, 8, 16), num_warps=(4,), num_stages=(3, 4), STEP_GROUPS=(1, 2, 4))
 
 
 def configs(M, N, K, group, device, small, grid):
