@@ -30,6 +30,8 @@ GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 
             STEP_GROUPS=(1,))
 QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,), STEP_GROUPS=(1,))  # 9
 # --groups: quantization groups a K step (nibble._nibble_rows_matmul's STEP_GROUPS) against one, <= 60 configs
+# --groups at M = 1 also times the word-column GEMV (None: wordcol_config's split)
+WORDCOL = dict(BLOCK_N=(256, 512), num_warps=(1, 2), SPLIT_K=(None, 8, 16, 32, 64))
 GROUPS = dict(BLOCK_N=(64, 128), SPLIT_K=(1, 2, 4, 8, 16), num_warps=(4,), num_stages=(3, 4), STEP_GROUPS=(1, 2, 4))
 
 
@@ -51,10 +53,19 @@ def configs(M, N, K, group, device, small, grid):
         c = with_step_groups(c, K, sg)
         if c != base and c["STEP_GROUPS"] == sg and c not in out:
             out.append(c)
+    if M == 1 and (small or grid is GROUPS):  # the word-column GEMV (gemv_wordcol.py): one row only
+        from revolta.kernels.quant.gemv_wordcol import wordcol_config
+
+        sms = device_facts(device)[0]
+        for bn, w, sk in itertools.product(*WORDCOL.values()):
+            if bn <= max(256, N) and K // group >= 2 * (sk or 1):
+                out.append(wordcol_config(N, K, group, sms, bn, w, sk))
     return out
 
 
 def name(c):
+    if c.get("WORDCOL"):
+        return f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}"
     ahead = "" if c["SCALE_AHEAD"] or c["STEP_GROUPS"] > 1 else "/now"  # "now": scales loaded in their own K step
     groups = f"/g{c['STEP_GROUPS']}" if c["STEP_GROUPS"] > 1 else ""
     return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{groups}{ahead}"

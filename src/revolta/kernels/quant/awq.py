@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .common import launch_gemv, load_x_tile, nibbles_f32, store_partial, tile_product
 from .gemv_nibble import gemv_config_for, nibble_gemv
+from .gemv_wordcol import awq_wordcol_gemv
 
 PACK = 8  # 4-bit values per int32 word
 AWQ_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # bit offset of column j (of each 8) inside its word
@@ -132,4 +133,6 @@ def awq_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_s
     cfg = config or gemv_config_for(x, N, K, group_size, "awq", PACK, nibble)
     if cfg.get("NIBBLE_DOT"):
         return nibble_gemv(x, N, bias, cfg, "awq", (qweight, qzeros, scales), group_size)
+    if cfg.get("WORDCOL"):
+        return awq_wordcol_gemv(x, qweight, qzeros, scales, group_size, bias, cfg)
     return launch_gemv(_awq_gemv_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group_size)

@@ -1,0 +1,141 @@
+"""The one-row AWQ GEMV on CUDA cores, one thread per packed word column ("word-column" path; config key WORDCOL).
+
+AutoAWQ packs 8 output features of one input row in a 32-bit word (qweight [K, N/8]). Here a thread owns one word
+column (8 features) of the program's BLOCK_N / 8 and walks a quantization group's G rows in registers: each row one
+4-byte load (a warp reads 128 contiguous bytes), the activation x[k] the same for every thread, and per weight one
+shift, one AND-OR and one FFMA (nibble q under the top mantissa bits of 1.0: v = 1 + q/16 exactly, no
+int-to-float conversion):
+
+    p_f = Σ_k x_k v_kf  over the group,   out_f += 16 s_f (p_f - v_zf Σ_k x_k)  =  s_f Σ_k x_k (q_kf - z_f),
+
+so the zero and the scale cost a few operations per (feature, group), not per weight, and nothing leaves the thread
+until the K slice ends. The nibble path (gemv_nibble.py) instead feeds tl.dot with 16 padded rows: its decoded tile
+goes through shared memory to the MMA layout, 9.4 SASS instructions per weight in the sm_90 loop at M = 1
+(benchmarks/quant_gemv_instructions.py) against 4.7 here at 256-feature single-warp programs.
+Accuracy: products and sums in fp32 (no weight is rounded); p_f - v_zf Σx cancels at most the Σx term, of the size
+of the signal (q/16 < 1), so a bit or two of fp32.
+
+The K slices' fp32 partials are added in slice order by common.py's `_splitk_reduce_kernel` (as the other paths).
+M = 1 only; sm80+ and the interpreter (sm70 keeps the tile path: not built or timed there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import launch_gemv, store_partial
+from .nibble import split_len
+
+WORDCOL_PROGRAMS_PER_SM = 8  # split-K target: this many single-warp programs per SM
+
+
+def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256, num_warps: int = 1,
+                   split: int | None = None) -> dict:
+    """Launch config of the word-column GEMV of one row over W [N, K] (AWQ, `group` rows a group): BLOCK_N features
+    a program (one word column a thread: block_n = 256 per warp), split-K over whole groups aiming at
+    WORDCOL_PROGRAMS_PER_SM programs per SM (at most 64 slices) unless `split` is given."""
+    tiles = triton.cdiv(N, block_n)
+    groups = triton.cdiv(K, group)
+    if split is None:
+        split = 1
+        while split < 64 and tiles * split < WORDCOL_PROGRAMS_PER_SM * num_sms and groups // (2 * split) >= 2:
+            split *= 2
+    return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=group, SPLIT_K=split, USE_DOT=False, WORDCOL=True,
+                k_per_split=split_len(K, split, group), num_warps=num_warps, num_stages=1)
+
+
+@triton.jit
+def _top_nibble(words, j: tl.constexpr):
+    """fp32 1 + q/16 of nibble j (bits 4j..4j+3) of int32 words: the nibble moved under the mantissa's top 4 bits
+    (19..22) and OR'ed into 1.0's bits, exactly."""
+    if 4 * j <= 19:
+        b = words << (19 - 4 * j)
+    else:
+        b = words >> (4 * j - 19)
+    return ((b & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _feature(j: tl.constexpr):
+    """The feature (0..7 within its word) that AWQ stores at nibble j (pack order 0, 2, 4, 6, 1, 3, 5, 7)."""
+    return (j % 4) * 2 + j // 4
+
+
+@triton.jit
+def _flush(acc, p, b_z, sx, sc_row, o_w, m_w, j: tl.constexpr):
+    """acc [W] += s · Σ x (q - z) for nibble j's features, from p = Σ x v (v = 1 + q/16) and sx = Σ x."""
+    s = tl.load(sc_row + o_w * 8 + _feature(j), mask=m_w).to(tl.float32)
+    return acc + 16.0 * s * (p - _top_nibble(b_z, j) * sx)
+
+
+@triton.jit
+def _store(ws, out, bias, acc, o_w, N, stride_om, i_s, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+           j: tl.constexpr):
+    store_partial(ws, out, bias, acc[None, :], tl.arange(0, 1), o_w * 8 + _feature(j), 1, N, stride_om, i_s, SPLIT_K,
+                  HAS_BIAS)
+
+
+@triton.jit
+def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, G: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+    """out [1, N] (SPLIT_K == 1) or ws [SPLIT_K, 1, N] fp32 (K slice program_id(1)) of x [1, K] @ Wᵀ, W as AutoAWQ's
+    qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT: launch_gemv's argument list
+    (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop)."""
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    NW = N // 8
+    W: tl.constexpr = BLOCK_N // 8
+    o_w = i_n * W + tl.arange(0, W)
+    m_w = None if EVEN else o_w < NW
+    k_lo = i_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    a0 = tl.zeros([W], dtype=tl.float32)  # one accumulator per nibble position: features 8w + _feature(j)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    for k0 in range(k_lo, k_hi, G):
+        p0 = tl.zeros([W], dtype=tl.float32)
+        p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
+        sx = 0.0
+        rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrapper checks)
+        for r in tl.static_range(G):  # the group's rows: independent loads the compiler issues ahead
+            wd = tl.load(rows + r * NW, mask=m_w)  # [W] int32
+            xk = tl.load(x + k0 + r).to(tl.float32)
+            sx += xk
+            p0 += _top_nibble(wd, 0) * xk
+            p1 += _top_nibble(wd, 1) * xk
+            p2 += _top_nibble(wd, 2) * xk
+            p3 += _top_nibble(wd, 3) * xk
+            p4 += _top_nibble(wd, 4) * xk
+            p5 += _top_nibble(wd, 5) * xk
+            p6 += _top_nibble(wd, 6) * xk
+            p7 += _top_nibble(wd, 7) * xk
+        g = k0 // G
+        b_z = tl.load(qz + g * NW + o_w, mask=m_w)  # [W]
+        sc_row = sc + g * N
+        a0 = _flush(a0, p0, b_z, sx, sc_row, o_w, m_w, 0)
+        a1 = _flush(a1, p1, b_z, sx, sc_row, o_w, m_w, 1)
+        a2 = _flush(a2, p2, b_z, sx, sc_row, o_w, m_w, 2)
+        a3 = _flush(a3, p3, b_z, sx, sc_row, o_w, m_w, 3)
+        a4 = _flush(a4, p4, b_z, sx, sc_row, o_w, m_w, 4)
+        a5 = _flush(a5, p5, b_z, sx, sc_row, o_w, m_w, 5)
+        a6 = _flush(a6, p6, b_z, sx, sc_row, o_w, m_w, 6)
+        a7 = _flush(a7, p7, b_z, sx, sc_row, o_w, m_w, 7)
+    _store(ws, out, bias, a0, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 0)
+    _store(ws, out, bias, a1, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 1)
+    _store(ws, out, bias, a2, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 2)
+    _store(ws, out, bias, a3, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 3)
+    _store(ws, out, bias, a4, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 4)
+    _store(ws, out, bias, a5, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 5)
+    _store(ws, out, bias, a6, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 6)
+    _store(ws, out, bias, a7, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 7)
+
+
+def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, bias: Tensor | None,
+                     cfg: dict) -> Tensor:
+    """x [1, K] @ Wᵀ (+ bias) -> [1, N] in x.dtype on the word-column path (`wordcol_config`)."""
+    assert x.shape[0] == 1 and cfg.get("WORDCOL"), f"the word-column GEMV takes one row and its config: {cfg}"
+    assert qweight.numel() < 2 ** 31, "the word-column GEMV indexes qweight in int32"
+    N = scales.shape[1]
+    return launch_gemv(_awq_wordcol_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group,
+                       EVEN=N % cfg["BLOCK_N"] == 0)
