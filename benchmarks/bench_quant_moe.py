@@ -26,6 +26,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 H, I, E, TOPK, GROUP = 2560, 640, 512, 10, 32
+WC = dict(WORDCOL=True, NIBBLE_DOT=False, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=256, BLOCK_N_DOWN=256, num_warps=1,
+          num_stages=1)
 VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice for that path): "tile" = the
     # decode-each-weight kernels (moe.py), "nib" = the group-factored decode (moe_decode.py; the sm80+ default).
     # Under Nsight Compute on an H100 (RESULTS.md K5d) the default's programs kept ~20% of the warps active (440 at
@@ -48,6 +50,10 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "nib-g4-s4": ("nib", dict(STEP_GROUPS_UP=4, STEP_GROUPS_DOWN=4, num_stages=4)),
     "nib-g2-sk8": ("nib", dict(STEP_GROUPS_UP=2, STEP_GROUPS_DOWN=2, SPLIT_UP=8, SPLIT_DOWN=4)),
     "nib-g4-u32-d64": ("nib", dict(STEP_GROUPS_UP=4, STEP_GROUPS_DOWN=4, BLOCK_N_UP=32, BLOCK_N_DOWN=64)),
+    # M = 1 only: the word-column walk on CUDA cores (moe_wordcol.py), single-warp programs of 256 features
+    "wc-sk8-4": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=4)),
+    "wc-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4)),
+    "wc-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8)),
 }
 
 
@@ -118,7 +124,8 @@ def run(small: bool = False, json_path: str | None = None) -> int:
             base = {p: QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, nibble=p == "nib")
                     for p in ("tile", "nib")}
             variants = {"quant": None} | {n: base[p] | v for n, (p, v) in VARIANTS.items()
-                                          if n == "tile" or dt == torch.bfloat16 or small}
+                                          if (n == "tile" or dt == torch.bfloat16 or small)
+                                          and (M == 1 or not n.startswith("wc"))}
             for vname, cfg in variants.items():
                 out = QMOE.quant_fused_moe(xs[0], gate_up, down, *routes[0], shared_expert=shared, config=cfg)
                 checks.append(dict(what=f"quant {vname} {tag}", rel_err=rel_err(out, ref)))

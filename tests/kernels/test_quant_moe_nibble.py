@@ -48,6 +48,23 @@ def test_nibble_path_matches_reference(name, M, cfg, dtype):
     torch.testing.assert_close(out, ref, **TOLS[dtype])
 
 
+WORDCOL = dict(WORDCOL=True, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=32, BLOCK_N_DOWN=256, num_warps=1, num_stages=1)
+
+
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("split", [(1, 1), (2, 2), (3, 1)], ids=str)
+def test_wordcol_path_matches_reference(dtype, split):
+    """One token of AWQ experts on the word-column path (moe_wordcol.py): the gate / up sums in one K slice or in
+    split-K partials (H = 64: 2 groups; 3 slices leave the last empty), down over I = 32 (one group: a second slice is
+    empty), 256 down features a program over H = 64 (masked), the shared expert as slot k."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", 1, dtype)
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1])
+    out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOLS[dtype])
+
+
 def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70():
     for M in (1, 8, 40):
         assert quant_grouped_config(M, 11, 513, 90)["NIBBLE_DOT"] and quant_grouped_config(M, 11, 513)["NIBBLE_DOT"]

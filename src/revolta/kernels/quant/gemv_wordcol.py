@@ -78,29 +78,21 @@ def _store(ws, out, bias, acc, o_w, N, stride_om, i_s, SPLIT_K: tl.constexpr, HA
 
 
 @triton.jit
-def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, G: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
-    """out [1, N] (SPLIT_K == 1) or ws [SPLIT_K, 1, N] fp32 (K slice program_id(1)) of x [1, K] @ Wᵀ, W as AutoAWQ's
-    qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT: launch_gemv's argument list
-    (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop)."""
-    i_n, i_s = tl.program_id(0), tl.program_id(1)
+def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr):
+    """x_row[k_lo:k_hi] @ W[features of words o_w, k_lo:k_hi]ᵀ for an AutoAWQ linear of N outputs (qweight [K, N/8],
+    qzeros [K/G, N/8], scales [K/G, N]; k_lo, k_hi whole groups): eight fp32 [W] sums, the j-th for features
+    8·o_w + _feature(j). m_w: the words' mask (None: all in range)."""
     NW = N // 8
-    W: tl.constexpr = BLOCK_N // 8
-    o_w = i_n * W + tl.arange(0, W)
-    m_w = None if EVEN else o_w < NW
-    k_lo = i_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    a0 = tl.zeros([W], dtype=tl.float32)  # one accumulator per nibble position: features 8w + _feature(j)
+    a0 = tl.zeros([W], dtype=tl.float32)  # one accumulator per nibble position
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     for k0 in range(k_lo, k_hi, G):
         p0 = tl.zeros([W], dtype=tl.float32)
         p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
         sx = 0.0
-        rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrapper checks)
+        rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
         for r in tl.static_range(G):  # the group's rows: independent loads the compiler issues ahead
             wd = tl.load(rows + r * NW, mask=m_w)  # [W] int32
-            xk = tl.load(x + k0 + r).to(tl.float32)
+            xk = tl.load(x_row + k0 + r).to(tl.float32)
             sx += xk
             p0 += _top_nibble(wd, 0) * xk
             p1 += _top_nibble(wd, 1) * xk
@@ -121,6 +113,23 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
         a5 = _flush(a5, p5, b_z, sx, sc_row, o_w, m_w, 5)
         a6 = _flush(a6, p6, b_z, sx, sc_row, o_w, m_w, 6)
         a7 = _flush(a7, p7, b_z, sx, sc_row, o_w, m_w, 7)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, G: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+    """out [1, N] (SPLIT_K == 1) or ws [SPLIT_K, 1, N] fp32 (K slice program_id(1)) of x [1, K] @ Wᵀ, W as AutoAWQ's
+    qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT: launch_gemv's argument list
+    (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop)."""
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    W: tl.constexpr = BLOCK_N // 8
+    o_w = i_n * W + tl.arange(0, W)
+    m_w = None if EVEN else o_w < N // 8
+    k_lo = i_s * k_per_split
+    a0, a1, a2, a3, a4, a5, a6, a7 = wordcol_slice(x, qw, qz, sc, o_w, m_w, N, k_lo, tl.minimum(k_lo + k_per_split, K),
+                                                   G, W)
     _store(ws, out, bias, a0, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 0)
     _store(ws, out, bias, a1, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 1)
     _store(ws, out, bias, a2, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 2)

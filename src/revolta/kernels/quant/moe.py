@@ -46,6 +46,7 @@ from ..moe_grouped import _mac, _pairs, _program, expected_distinct, moe_group
 from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
 from .moe_decode import _split_act_kernel
+from .moe_wordcol import _wordcol_down_kernel, _wordcol_gate_up_kernel
 from .common import REDUCE_BLOCK
 from .nibble import LAYOUTS, nibble_block_k, nibble_min_rows, split_len
 
@@ -354,6 +355,9 @@ def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert,
         s_down = w_dn
     act = torch.empty(T, I, dtype=x.dtype, device=x.device)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("WORDCOL", False):
+        return _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
+                                   num_slots, shared_expert is not None, cfg)
     if cfg.get("NIBBLE_DOT", False):
         slots = (ids, order, slot_expert, slot_start, slot_end)
         return _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_up, s_down, act, slots,
@@ -399,4 +403,32 @@ def _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_u
         act, *w_dn, *s_down, topk_weights.contiguous(), y, *slots, gate_up.tensors[0].shape[0], H, I,
         act.stride(0), *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, bk_dn * sg_dn),
         BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=bk_dn, SPLIT=split_dn, STEP_GROUPS=sg_dn, **fmt_dn, **flags, **launch)
+    return y
+
+
+def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights, num_slots,
+                        has_shared, cfg) -> Tensor:
+    """`_grouped_expert_mlp` for one token on the word-column path (moe_wordcol.py; AWQ): y [k·SPLIT_DOWN, H] fp32."""
+    M, H = x.shape
+    T, I = act.shape
+    assert M == 1 and gate_up.layout == "awq" and gate_up.group == down.group, (
+        f"the word-column MoE takes one token of AWQ experts with one group size, got M={M}, {gate_up.layout}")
+    assert all(t.numel() < 2 ** 31 for t in (w_up[0][0], w_dn[0][0])), "the word-column walk indexes in int32"
+    G = gate_up.group
+    split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
+    bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
+    ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
+    y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=1)
+    _wordcol_gate_up_kernel[(num_slots, triton.cdiv(I, bn_up), split_up)](
+        x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, *(t.stride(0) for t in w_up),
+        act.stride(0), split_len(H, split_up, G), G=G, BLOCK_N=bn_up, HAS_SHARED=has_shared, SPLIT=split_up,
+        EVEN=I % bn_up == 0, **launch)
+    if split_up > 1:
+        _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
+                                                             BLOCK=REDUCE_BLOCK, num_warps=2)
+    _wordcol_down_kernel[(num_slots, triton.cdiv(H, bn_dn), split_dn)](
+        act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
+        *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, G), G=G, BLOCK_N=bn_dn,
+        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, **launch)
     return y

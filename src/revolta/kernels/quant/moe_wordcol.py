@@ -1,0 +1,96 @@
+"""The packed-expert MoE for one token on CUDA cores (kernels/quant/moe.py, config key WORDCOL): AWQ experts through
+gemv_wordcol.py's word-column walk, one thread per packed word column, instead of tl.dot over 16 padded rows.
+
+At M = 1 every (token, expert) pair is its own slot (grid axis 0: the k routed slots and the shared expert as slot
+k), so a program is (slot, N tile, K slice). gate_up programs compute the gate and up sums of their features over
+their slice of the hidden size; one slice writes act = SiLU(gate)·up (rounded to x.dtype once), several write fp32
+partials to ws [SPLIT_UP, T, 2I] for moe_decode._split_act_kernel, as the nibble path does. down programs write
+y rows pair·SPLIT_DOWN + s = w_pair · (act[pair, K slice s] @ down_eᵀ), which moe._moe_sum_kernel adds in order.
+Fixed order everywhere: no atomics, bitwise reproducible, no host sync (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gemv_wordcol import _feature, wordcol_slice
+from .moe_decode import _down_operands, _gate_up_operands
+
+
+@triton.jit
+def _act_store(act, ws, g, u, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT: tl.constexpr, j: tl.constexpr):
+    col = o_f * 8 + _feature(j)  # [W] features of nibble j
+    if SPLIT == 1:
+        tl.store(act + pair * stride_am + col, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=m_w)
+    else:
+        p_w = ws + (i_k * T + pair) * (2 * I) + col
+        tl.store(p_w, g, mask=m_w)
+        tl.store(p_w + I, u, mask=m_w)
+
+
+@triton.jit
+def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws, topk_ids, num_routed, H, I, T,
+                            stride_e0, stride_e1, stride_e2, stride_am, k_split, G: tl.constexpr,
+                            BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
+                            EVEN: tl.constexpr):
+    """act [T, I] = SiLU(gate)·up in x.dtype (SPLIT == 1) or K slice program_id(2) of gate and up to ws [SPLIT, T, 2I];
+    x [1, H]; pair = slot = program_id(0), its expert topk_ids[pair] (the shared expert: num_routed)."""
+    pair = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_k = tl.program_id(2)
+    i_e = tl.load(topk_ids + pair).to(tl.int64)
+    g0, g1, g2, n_g, u0, u1, u2, n_u, N = _gate_up_operands(w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, i_e, i_n,
+                                                            num_routed, I, stride_e0, stride_e1, stride_e2, BLOCK_N,
+                                                            HAS_SHARED)
+    W: tl.constexpr = BLOCK_N // 8
+    o_f = i_n * W + tl.arange(0, W)  # the program's words among the I / 8 of gate (and of up)
+    m_w = None if EVEN else o_f < I // 8
+    k_lo = i_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, H)
+    g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_slice(x, g0, g1, g2, n_g // 8 + tl.arange(0, W), m_w, N, k_lo,
+                                                           k_hi, G, W)
+    u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice(x, u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w, N, k_lo,
+                                                           k_hi, G, W)
+    _act_store(act, ws, g_0, u_0, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 0)
+    _act_store(act, ws, g_1, u_1, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 1)
+    _act_store(act, ws, g_2, u_2, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 2)
+    _act_store(act, ws, g_3, u_3, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 3)
+    _act_store(act, ws, g_4, u_4, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 4)
+    _act_store(act, ws, g_5, u_5, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 5)
+    _act_store(act, ws, g_6, u_6, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 6)
+    _act_store(act, ws, g_7, u_7, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 7)
+
+
+@triton.jit
+def _y_store(y, a, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT: tl.constexpr, j: tl.constexpr):
+    tl.store(y + (pair * SPLIT + i_k) * stride_ym + o_w * 8 + _feature(j), a * rw, mask=m_w)
+
+
+@triton.jit
+def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids, num_routed, H, I, stride_am,
+                         stride_e0, stride_e1, stride_e2, stride_ym, k_split, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr):
+    """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ)."""
+    pair = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_k = tl.program_id(2)
+    i_e = tl.load(topk_ids + pair).to(tl.int64)
+    d0, d1, d2 = _down_operands(w0, w1, w2, sd0, sd1, sd2, i_e, num_routed, stride_e0, stride_e1, stride_e2,
+                                HAS_SHARED)
+    W: tl.constexpr = BLOCK_N // 8
+    o_w = i_n * W + tl.arange(0, W)
+    m_w = None if EVEN else o_w < H // 8
+    k_lo = i_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, I)
+    a_0, a_1, a_2, a_3, a_4, a_5, a_6, a_7 = wordcol_slice(act + pair * stride_am, d0, d1, d2, o_w, m_w, H, k_lo,
+                                                           k_hi, G, W)
+    rw = tl.load(topk_weights + pair).to(tl.float32)
+    _y_store(y, a_0, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 0)
+    _y_store(y, a_1, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 1)
+    _y_store(y, a_2, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 2)
+    _y_store(y, a_3, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 3)
+    _y_store(y, a_4, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 4)
+    _y_store(y, a_5, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 5)
+    _y_store(y, a_6, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 6)
+    _y_store(y, a_7, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 7)
