@@ -51,9 +51,11 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "nib-g2-sk8": ("nib", dict(STEP_GROUPS_UP=2, STEP_GROUPS_DOWN=2, SPLIT_UP=8, SPLIT_DOWN=4)),
     "nib-g4-u32-d64": ("nib", dict(STEP_GROUPS_UP=4, STEP_GROUPS_DOWN=4, BLOCK_N_UP=32, BLOCK_N_DOWN=64)),
     # M = 1 only: the word-column walk on CUDA cores (moe_wordcol.py), single-warp programs of 256 features
-    "wc-sk8-4": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=4)),
-    "wc-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4)),
     "wc-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8)),
+    "wc-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16)),
+    "wc-r16-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=16)),
+    "wc-r16-sk128-32": ("nib", dict(WC, SPLIT_UP=128, SPLIT_DOWN=32, ROWS=16)),
+    "wc-r8-sk128-64": ("nib", dict(WC, SPLIT_UP=128, SPLIT_DOWN=64, ROWS=8)),
 }
 
 

@@ -25,13 +25,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 SHAPES = (("qsa q_proj", 12288, 2560), ("gdn out_proj", 2560, 6144), ("expert gate_up", 1280, 2560),
-          ("expert down", 2560, 640))
+          ("expert down", 2560, 640), ("gdn in_proj_qkv", 10240, 2560), ("gdn in_proj_z", 6144, 2560),
+          ("qsa k_proj", 512, 2560))
+FIRST_SHAPES = 4  # the default sweep's; --wordcol and --shapes reach the rest
 GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4),
             STEP_GROUPS=(1,))
 QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,), STEP_GROUPS=(1,))  # 9
 # --groups: quantization groups a K step (nibble._nibble_rows_matmul's STEP_GROUPS) against one, <= 60 configs
 # --groups at M = 1 also times the word-column GEMV (None: wordcol_config's split)
-WORDCOL = dict(BLOCK_N=(256, 512), num_warps=(1, 2), SPLIT_K=(None, 8, 16, 32, 64))
+WORDCOL = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32, 64, 128), rows=(32, 16, 8))
 GROUPS = dict(BLOCK_N=(64, 128), SPLIT_K=(1, 2, 4, 8, 16), num_warps=(4,), num_stages=(3, 4), STEP_GROUPS=(1, 2, 4))
 
 
@@ -43,6 +45,8 @@ def configs(M, N, K, group, device, small, grid):
 
     base = nibble_gemv_config(M, N, K, group, "awq", *device_facts(device))
     out = [base, base | dict(SCALE_AHEAD=False)]  # the default, and it with the scales loaded in their own K step
+    if not grid["BLOCK_N"]:
+        out = out[:1]
     if small:
         grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,), STEP_GROUPS=(1, 2))
     for bn, sk, w, s, sg in itertools.product(*grid.values()):
@@ -53,19 +57,19 @@ def configs(M, N, K, group, device, small, grid):
         c = with_step_groups(c, K, sg)
         if c != base and c["STEP_GROUPS"] == sg and c not in out:
             out.append(c)
-    if M == 1 and (small or grid is GROUPS):  # the word-column GEMV (gemv_wordcol.py): one row only
+    if M == 1 and (small or grid is GROUPS or not grid["BLOCK_N"]):  # the word-column GEMV (gemv_wordcol.py): M = 1
         from revolta.kernels.quant.gemv_wordcol import wordcol_config
 
         sms = device_facts(device)[0]
-        for bn, w, sk in itertools.product(*WORDCOL.values()):
-            if bn <= max(256, N) and K // group >= 2 * (sk or 1):
-                out.append(wordcol_config(N, K, group, sms, bn, w, sk))
+        for bn, w, sk, rows in itertools.product(*WORDCOL.values()):
+            if bn <= max(256, N) and K // rows >= 2 * (sk or 1):
+                out.append(wordcol_config(N, K, group, sms, bn, w, sk, rows))
     return out
 
 
 def name(c):
     if c.get("WORDCOL"):
-        return f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}"
+        return f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
     ahead = "" if c["SCALE_AHEAD"] or c["STEP_GROUPS"] > 1 else "/now"  # "now": scales loaded in their own K step
     groups = f"/g{c['STEP_GROUPS']}" if c["STEP_GROUPS"] > 1 else ""
     return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{groups}{ahead}"
@@ -79,6 +83,7 @@ def main() -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--quick", action="store_true", help="9 configs a shape (QUICK) instead of 72 (GRID)")
     ap.add_argument("--groups", action="store_true", help="STEP_GROUPS 1 / 2 / 4 x tiles, splits, stages (GROUPS)")
+    ap.add_argument("--wordcol", action="store_true", help="the default and the word-column configs only (M = 1)")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -91,10 +96,12 @@ def main() -> int:
     device = torch.device("cpu" if args.small else "cuda")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     gen = torch.Generator(device=device).manual_seed(0)
-    shapes = (("small", 128, 256),) if args.small else SHAPES
+    shapes = (("small", 128, 256),) if args.small else SHAPES if args.wordcol else SHAPES[:FIRST_SHAPES]
     if args.shapes:
         shapes = tuple(sh for sh in SHAPES if sh[0] in args.shapes.split(","))
     grid = GROUPS if args.groups else QUICK if args.quick else GRID
+    if args.wordcol:
+        grid = dict(BLOCK_N=(), SPLIT_K=(), num_warps=(), num_stages=(), STEP_GROUPS=())  # no nibble variants
     rows, t0 = [], time.time()
     gbs = copy_gbs(args.small)
     print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "

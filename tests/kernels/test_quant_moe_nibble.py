@@ -53,13 +53,14 @@ WORDCOL = dict(WORDCOL=True, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=32, BLOCK_N_DO
 
 @pytest.mark.usefixtures("bf16_dots")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("split", [(1, 1), (2, 2), (3, 1)], ids=str)
+@pytest.mark.parametrize("split", [(1, 1), (2, 2), (3, 1), (5, 3, 8)], ids=str)
 def test_wordcol_path_matches_reference(dtype, split):
     """One token of AWQ experts on the word-column path (moe_wordcol.py): the gate / up sums in one K slice or in
     split-K partials (H = 64: 2 groups; 3 slices leave the last empty), down over I = 32 (one group: a second slice is
-    empty), 256 down features a program over H = 64 (masked), the shared expert as slot k."""
+    empty; steps of 8 rows in 5 / 3 slices), 256 down features a program over H = 64 (masked), the shared expert as
+    slot k."""
     x, gate_up, down, ids, w, shared, ref = _case("awq", 1, dtype)
-    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1])
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2] if len(split) > 2 else 32)
     out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOLS[dtype])
@@ -70,7 +71,7 @@ def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70()
         assert quant_grouped_config(M, 11, 513, 90)["NIBBLE_DOT"] and quant_grouped_config(M, 11, 513)["NIBBLE_DOT"]
         assert "NIBBLE_DOT" not in quant_grouped_config(M, 11, 513, 70)
     one, many = quant_grouped_config(1, 11, 513, 90), quant_grouped_config(8, 11, 513, 90)
-    assert (one["SPLIT_UP"], one["SPLIT_DOWN"]) == (4, 2) and (many["SPLIT_UP"], many["SPLIT_DOWN"]) == (1, 1)
+    assert (one["SPLIT_UP"], one["SPLIT_DOWN"]) == (4, 2) == (many["SPLIT_UP"], many["SPLIT_DOWN"])
 
 
 def test_nvfp4_keeps_the_tile_path_on_a_gpu_and_asked_nibble_tiles_are_64_rows():

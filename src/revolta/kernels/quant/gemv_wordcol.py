@@ -32,18 +32,21 @@ WORDCOL_PROGRAMS_PER_SM = 8  # split-K target: this many single-warp programs pe
 
 
 def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256, num_warps: int = 1,
-                   split: int | None = None) -> dict:
+                   split: int | None = None, rows: int | None = None) -> dict:
     """Launch config of the word-column GEMV of one row over W [N, K] (AWQ, `group` rows a group): BLOCK_N features
-    a program (one word column a thread: block_n = 256 per warp), split-K over whole groups aiming at
-    WORDCOL_PROGRAMS_PER_SM programs per SM (at most 64 slices) unless `split` is given."""
+    a program (one word column a thread: block_n = 256 per warp), BLOCK_K = rows a step (default: the group, at most
+    32; it divides the group), split-K over whole steps aiming at WORDCOL_PROGRAMS_PER_SM programs per SM (at most 64
+    slices, at least 2 steps each) unless `split` is given."""
+    rows = rows or min(group, 32)
+    assert group % rows == 0, (group, rows)
     tiles = triton.cdiv(N, block_n)
-    groups = triton.cdiv(K, group)
+    steps = triton.cdiv(K, rows)
     if split is None:
         split = 1
-        while split < 64 and tiles * split < WORDCOL_PROGRAMS_PER_SM * num_sms and groups // (2 * split) >= 2:
+        while split < 64 and tiles * split < WORDCOL_PROGRAMS_PER_SM * num_sms and steps // (2 * split) >= 2:
             split *= 2
-    return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=group, SPLIT_K=split, USE_DOT=False, WORDCOL=True,
-                k_per_split=split_len(K, split, group), num_warps=num_warps, num_stages=1)
+    return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=rows, SPLIT_K=split, USE_DOT=False, WORDCOL=True,
+                k_per_split=split_len(K, split, rows), num_warps=num_warps, num_stages=1)
 
 
 @triton.jit
@@ -78,19 +81,21 @@ def _store(ws, out, bias, acc, o_w, N, stride_om, i_s, SPLIT_K: tl.constexpr, HA
 
 
 @triton.jit
-def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr):
+def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr):
     """x_row[k_lo:k_hi] @ W[features of words o_w, k_lo:k_hi]ᵀ for an AutoAWQ linear of N outputs (qweight [K, N/8],
-    qzeros [K/G, N/8], scales [K/G, N]; k_lo, k_hi whole groups): eight fp32 [W] sums, the j-th for features
-    8·o_w + _feature(j). m_w: the words' mask (None: all in range)."""
+    qzeros [K/G, N/8], scales [K/G, N]; k_lo, k_hi multiples of ROWS, which divides G): eight fp32 [W] sums, the j-th
+    for features 8·o_w + _feature(j). m_w: the words' mask (None: all in range). A step walks ROWS rows of one
+    group and flushes them with that group's scale and zero (the flush is linear in the sums, so a group may span
+    steps and K slices)."""
     NW = N // 8
     a0 = tl.zeros([W], dtype=tl.float32)  # one accumulator per nibble position
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
-    for k0 in range(k_lo, k_hi, G):
+    for k0 in range(k_lo, k_hi, ROWS):
         p0 = tl.zeros([W], dtype=tl.float32)
         p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
         sx = 0.0
         rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
-        for r in tl.static_range(G):  # the group's rows: independent loads the compiler issues ahead
+        for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead
             wd = tl.load(rows + r * NW, mask=m_w)  # [W] int32
             xk = tl.load(x_row + k0 + r).to(tl.float32)
             sx += xk
@@ -119,17 +124,18 @@ def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W
 @triton.jit
 def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, G: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr):
     """out [1, N] (SPLIT_K == 1) or ws [SPLIT_K, 1, N] fp32 (K slice program_id(1)) of x [1, K] @ Wᵀ, W as AutoAWQ's
     qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT: launch_gemv's argument list
-    (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop)."""
+    (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop).
+    ROWS: rows a step (wordcol_slice)."""
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     W: tl.constexpr = BLOCK_N // 8
     o_w = i_n * W + tl.arange(0, W)
     m_w = None if EVEN else o_w < N // 8
     k_lo = i_s * k_per_split
     a0, a1, a2, a3, a4, a5, a6, a7 = wordcol_slice(x, qw, qz, sc, o_w, m_w, N, k_lo, tl.minimum(k_lo + k_per_split, K),
-                                                   G, W)
+                                                   G, W, ROWS)
     _store(ws, out, bias, a0, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 0)
     _store(ws, out, bias, a1, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 1)
     _store(ws, out, bias, a2, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 2)
@@ -147,4 +153,4 @@ def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor,
     assert qweight.numel() < 2 ** 31, "the word-column GEMV indexes qweight in int32"
     N = scales.shape[1]
     return launch_gemv(_awq_wordcol_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group,
-                       EVEN=N % cfg["BLOCK_N"] == 0)
+                       EVEN=N % cfg["BLOCK_N"] == 0, ROWS=cfg["BLOCK_K"])

@@ -246,7 +246,8 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     beside the accumulator (no spills in the sm_70 build, tests/kernels/test_quant_moe_aot.py).
     nibble (default: sm80+ and the interpreter): the group-factored decode path (moe_decode.py), 2 x 64 gate + up
     rows and 128 down rows per program, one group (32) per K step, 3 stages (4 on sm90 until the H100 run of
-    RESULTS.md K5e: 3 was 1-5% faster at M = 1 / 8 / 40); at M = 1 gate_up in 4 K splits and down in 2. Its
+    RESULTS.md K5e: 3 was 1-5% faster at M = 1 / 8 / 40); gate_up in 4 K splits and down in 2 at every M (at M = 8
+    and 40 first without: on an H100, bf16, RESULTS.md K5f, the splits took 230 / 835 µs against 254 / 914). Its
     sm_90 inner loop is 5.4-6.1 SASS instructions per weight against the tile path's 11.2-14.5
     (benchmarks/quant_moe_instructions.py); on the H200 (RESULTS.md K5c, bf16) it took 49.6 / 238 / 886 µs at M = 1 /
     8 / 40 against the tile path's 71.2 / 416 / 1585, and these 64 / 128-row tiles beat 128 / 256 (57.2 / 250 / 1033)
@@ -263,7 +264,7 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
         return dict(BLOCK_M=nibble_min_rows(layout, arch), BLOCK_N_UP=64 if wide else 16, BLOCK_K_UP=32,
                     BLOCK_N_DOWN=128 if wide else 32,
                     BLOCK_K_DOWN=32, USE_DOT=True, num_warps=4, num_stages=3, NIBBLE_DOT=True,
-                    SPLIT_UP=4 if M == 1 else 1, SPLIT_DOWN=2 if M == 1 else 1,
+                    SPLIT_UP=4, SPLIT_DOWN=2,
                     SCALE_AHEAD=False)  # timed 1.13-1.24x slower here (RESULTS.md K5e: +25-30% registers)
     if arch is None or arch >= 80:
         return dict(BLOCK_M=16, BLOCK_N_UP=32, BLOCK_K_UP=128, BLOCK_N_DOWN=64, BLOCK_K_DOWN=128, USE_DOT=True,
@@ -415,6 +416,7 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         f"the word-column MoE takes one token of AWQ experts with one group size, got M={M}, {gate_up.layout}")
     assert all(t.numel() < 2 ** 31 for t in (w_up[0][0], w_dn[0][0])), "the word-column walk indexes in int32"
     G = gate_up.group
+    rows = cfg.get("ROWS", min(G, 32))  # rows a step of the walk (gemv_wordcol.wordcol_slice): divides the group
     split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
     bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
@@ -422,13 +424,13 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     launch = dict(num_warps=cfg["num_warps"], num_stages=1)
     _wordcol_gate_up_kernel[(num_slots, triton.cdiv(I, bn_up), split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, *(t.stride(0) for t in w_up),
-        act.stride(0), split_len(H, split_up, G), G=G, BLOCK_N=bn_up, HAS_SHARED=has_shared, SPLIT=split_up,
-        EVEN=I % bn_up == 0, **launch)
+        act.stride(0), split_len(H, split_up, rows), G=G, BLOCK_N=bn_up, HAS_SHARED=has_shared, SPLIT=split_up,
+        EVEN=I % bn_up == 0, ROWS=rows, **launch)
     if split_up > 1:
         _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                              BLOCK=REDUCE_BLOCK, num_warps=2)
     _wordcol_down_kernel[(num_slots, triton.cdiv(H, bn_dn), split_dn)](
         act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
-        *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, G), G=G, BLOCK_N=bn_dn,
-        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, **launch)
+        *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows), G=G, BLOCK_N=bn_dn,
+        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows, **launch)
     return y
