@@ -44,12 +44,6 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "nib-u32-d64-sk4-s3": ("nib", dict(BLOCK_N_UP=32, BLOCK_N_DOWN=64, SPLIT_UP=4, SPLIT_DOWN=2, num_stages=3)),
     "nib-ahead": ("nib", dict(SCALE_AHEAD=True)),  # scales one K step ahead (nibble._nibble_rows_matmul)
     "nib-ahead-d64-s3": ("nib", dict(SCALE_AHEAD=True, BLOCK_N_DOWN=64, num_stages=3)),
-    # several quantization groups a K step (nibble._nibble_rows_matmul's STEP_GROUPS): more packed bytes a stage
-    "nib-g2": ("nib", dict(STEP_GROUPS_UP=2, STEP_GROUPS_DOWN=2)),
-    "nib-g4": ("nib", dict(STEP_GROUPS_UP=4, STEP_GROUPS_DOWN=4)),
-    "nib-g4-s4": ("nib", dict(STEP_GROUPS_UP=4, STEP_GROUPS_DOWN=4, num_stages=4)),
-    "nib-g2-sk8": ("nib", dict(STEP_GROUPS_UP=2, STEP_GROUPS_DOWN=2, SPLIT_UP=8, SPLIT_DOWN=4)),
-    "nib-g4-u32-d64": ("nib", dict(STEP_GROUPS_UP=4, STEP_GROUPS_DOWN=4, BLOCK_N_UP=32, BLOCK_N_DOWN=64)),
     # M = 1 only: the word-column walk on CUDA cores (moe_wordcol.py), single-warp programs of 256 features
     "wc-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8)),
     "wc-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16)),

@@ -6,7 +6,7 @@ times (CUDA graph replays of back-to-back calls over rotating weight copies, L2 
 M): the default's time, the best config found, and both as % of the copy bandwidth measured in the same run
 (bandwidth on the packed bytes over a 1 GiB device copy's, read + write counted: bench_quant.py's "% copy").
 
-    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F] [--quick | --groups]
+    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F] [--quick | --wordcol]
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py --small    # CPU interpreter: two configs, correctness
 """
 
@@ -28,19 +28,16 @@ SHAPES = (("qsa q_proj", 12288, 2560), ("gdn out_proj", 2560, 6144), ("expert ga
           ("expert down", 2560, 640), ("gdn in_proj_qkv", 10240, 2560), ("gdn in_proj_z", 6144, 2560),
           ("qsa k_proj", 512, 2560))
 FIRST_SHAPES = 4  # the default sweep's; --wordcol and --shapes reach the rest
-GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4),
-            STEP_GROUPS=(1,))
-QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,), STEP_GROUPS=(1,))  # 9
-# --groups: quantization groups a K step (nibble._nibble_rows_matmul's STEP_GROUPS) against one, <= 60 configs
-# --groups at M = 1 also times the word-column GEMV (None: wordcol_config's split)
+GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4))
+QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,))  # --quick: 9 configs
+# at M = 1 (--wordcol, --small) the word-column GEMV (gemv_wordcol.py) too (SPLIT_K None: wordcol_config's split)
 WORDCOL = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32, 64, 128), rows=(32, 16, 8))
-GROUPS = dict(BLOCK_N=(64, 128), SPLIT_K=(1, 2, 4, 8, 16), num_warps=(4,), num_stages=(3, 4), STEP_GROUPS=(1, 2, 4))
 
 
 def configs(M, N, K, group, device, small, grid):
     """The sweep's configs for one shape (the default's first), each a full nibble_gemv config."""
     from revolta.kernels.quant.common import device_facts
-    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config, with_step_groups
+    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
     from revolta.kernels.quant.nibble import split_len
 
     base = nibble_gemv_config(M, N, K, group, "awq", *device_facts(device))
@@ -48,16 +45,15 @@ def configs(M, N, K, group, device, small, grid):
     if not grid["BLOCK_N"]:
         out = out[:1]
     if small:
-        grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,), STEP_GROUPS=(1, 2))
-    for bn, sk, w, s, sg in itertools.product(*grid.values()):
-        if bn > N or K // base["BLOCK_K"] < 2 * sk * sg:  # at least 2 K steps a slice
+        grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,))
+    for bn, sk, w, s in itertools.product(*grid.values()):
+        if bn > N or K // base["BLOCK_K"] < 2 * sk:
             continue
         c = base | dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=w, num_stages=s,
                         k_per_split=split_len(K, sk, base["BLOCK_K"]))
-        c = with_step_groups(c, K, sg)
-        if c != base and c["STEP_GROUPS"] == sg and c not in out:
+        if c != base:
             out.append(c)
-    if M == 1 and (small or grid is GROUPS or not grid["BLOCK_N"]):  # the word-column GEMV (gemv_wordcol.py): M = 1
+    if M == 1 and (small or not grid["BLOCK_N"]):  # the word-column GEMV (gemv_wordcol.py): one row only
         from revolta.kernels.quant.gemv_wordcol import wordcol_config
 
         sms = device_facts(device)[0]
@@ -70,9 +66,8 @@ def configs(M, N, K, group, device, small, grid):
 def name(c):
     if c.get("WORDCOL"):
         return f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
-    ahead = "" if c["SCALE_AHEAD"] or c["STEP_GROUPS"] > 1 else "/now"  # "now": scales loaded in their own K step
-    groups = f"/g{c['STEP_GROUPS']}" if c["STEP_GROUPS"] > 1 else ""
-    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{groups}{ahead}"
+    ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
+    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
 
 
 def main() -> int:
@@ -82,7 +77,6 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--quick", action="store_true", help="9 configs a shape (QUICK) instead of 72 (GRID)")
-    ap.add_argument("--groups", action="store_true", help="STEP_GROUPS 1 / 2 / 4 x tiles, splits, stages (GROUPS)")
     ap.add_argument("--wordcol", action="store_true", help="the default and the word-column configs only (M = 1)")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
@@ -99,9 +93,9 @@ def main() -> int:
     shapes = (("small", 128, 256),) if args.small else SHAPES if args.wordcol else SHAPES[:FIRST_SHAPES]
     if args.shapes:
         shapes = tuple(sh for sh in SHAPES if sh[0] in args.shapes.split(","))
-    grid = GROUPS if args.groups else QUICK if args.quick else GRID
+    grid = QUICK if args.quick else GRID
     if args.wordcol:
-        grid = dict(BLOCK_N=(), SPLIT_K=(), num_warps=(), num_stages=(), STEP_GROUPS=())  # no nibble variants
+        grid = dict(BLOCK_N=(), SPLIT_K=(), num_warps=(), num_stages=())  # no nibble variants
     rows, t0 = [], time.time()
     gbs = copy_gbs(args.small)
     print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "

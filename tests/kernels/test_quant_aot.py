@@ -86,12 +86,11 @@ def _nibble_builds(arch):
                                ("ct_int4", 1, "iwi", dict(FMT=1, G=32, HAS_ZP=True)),
                                ("nvfp4", 1, "bbf", dict(FMT=2, G=16, HAS_ZP=False))):
         cfg = gemv_nibble.nibble_gemv_config(M, N, K, consts["G"], fmt, 132 if arch == 90 else 80, arch)
-        names = GEMV_ARGS.format(w="w0 w1 w2 rows_per_shard") + " FMT G HAS_ZP INVERTED" + TAIL + " SCALE_AHEAD STEP_GROUPS"
-        b[f"{fmt}_nibble_gemv_M{M}"] = (gemv_nibble._nibble_gemv_kernel, names, "a" + wt + "nfaannnnnn" + "c" * 12,
+        names = GEMV_ARGS.format(w="w0 w1 w2 rows_per_shard") + " FMT G HAS_ZP INVERTED" + TAIL + " SCALE_AHEAD"
+        b[f"{fmt}_nibble_gemv_M{M}"] = (gemv_nibble._nibble_gemv_kernel, names, "a" + wt + "nfaannnnnn" + "c" * 11,
                                         dict(consts, INVERTED=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                              BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"], USE_DOT=True,
-                                             HAS_BIAS=False, SCALE_AHEAD=cfg["SCALE_AHEAD"],
-                                             STEP_GROUPS=cfg["STEP_GROUPS"]), cfg["num_warps"],
+                                             HAS_BIAS=False, SCALE_AHEAD=cfg["SCALE_AHEAD"]), cfg["num_warps"],
                                         cfg["num_stages"])
     return b
 

@@ -60,24 +60,6 @@ def test_nibble_gemv_groups_wider_than_the_k_step(name):
 
 
 @pytest.mark.parametrize("name", ["awq", "ct_asym", "nvfp4"])
-@pytest.mark.parametrize("groups", [2, 4])
-def test_nibble_gemv_several_groups_a_step(name, groups):
-    """STEP_GROUPS groups a K step sum the same groups in the same order as one a step: bitwise the same result, in
-    one slice and in two; a K that is not whole steps keeps one group a step."""
-    g = torch.Generator().manual_seed(11)
-    make, _, tri, _, _ = CASES[name]
-    args = make(N, K, G, g)
-    x = torch.randn(3, K, generator=g).to(torch.float16)
-    for split in (1, 2):
-        one = _config(name, 3) | dict(SPLIT_K=split)
-        one["k_per_split"] = split_len(K, split, one["BLOCK_K"])
-        many = gemv_nibble.with_step_groups(one, K, groups)
-        assert many["STEP_GROUPS"] == groups and many["k_per_split"] % (groups * one["BLOCK_K"]) == 0
-        assert torch.equal(tri(x, *args, config=many), tri(x, *args, config=one)), split
-    assert gemv_nibble.with_step_groups(one, K + one["BLOCK_K"], groups) is one
-
-
-@pytest.mark.parametrize("name", ["awq", "ct_asym", "nvfp4"])
 def test_nibble_gemv_fp32_activations(name):
     g = torch.Generator().manual_seed(7)
     make, ref, tri, _, _ = CASES[name]

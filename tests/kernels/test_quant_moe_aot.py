@@ -32,10 +32,10 @@ DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids order slot_expert slot
 
 NIBBLE_GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act ws topk_ids order slot_expert slot_start slot_end num_routed H "
                   "I T stride_xm stride_e0 stride_e1 stride_e2 stride_am k_split FMT G HAS_ZP INVERTED TOP_K BLOCK_M "
-                  "BLOCK_N BLOCK_K HAS_SHARED SORTED SPLIT SCALE_AHEAD STEP_GROUPS")
+                  "BLOCK_N BLOCK_K HAS_SHARED SORTED SPLIT SCALE_AHEAD")
 NIBBLE_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids order slot_expert slot_start slot_end num_routed H I "
                "stride_am stride_e0 stride_e1 stride_e2 stride_ym k_split FMT G HAS_ZP INVERTED BLOCK_M BLOCK_N BLOCK_K "
-               "HAS_SHARED SORTED SPLIT SCALE_AHEAD STEP_GROUPS")
+               "HAS_SHARED SORTED SPLIT SCALE_AHEAD")
 
 NIBBLE_BUILDS = (("awq", 1), ("awq", 8), ("awq", 40), ("ct_int4", 1), ("ct_int4", 8), ("nvfp4", 8))
 
@@ -87,9 +87,8 @@ def nibble_builds(fmt, M, arch, overrides=None):
     layout = moe.LAYOUTS[consts["FMT"]]
     flags = dict(consts, BLOCK_M=cfg["BLOCK_M"], HAS_SHARED=True, SORTED=M > 1, SCALE_AHEAD=cfg["SCALE_AHEAD"])
     up = dict(flags, TOP_K=TOP_K, BLOCK_N=cfg["BLOCK_N_UP"], SPLIT=cfg["SPLIT_UP"],
-              STEP_GROUPS=cfg.get("STEP_GROUPS_UP", 1),
               BLOCK_K=nibble.nibble_block_k(cfg["BLOCK_K_UP"], consts["G"], layout))
-    down = dict(flags, BLOCK_N=cfg["BLOCK_N_DOWN"], SPLIT=cfg["SPLIT_DOWN"], STEP_GROUPS=cfg.get("STEP_GROUPS_DOWN", 1),
+    down = dict(flags, BLOCK_N=cfg["BLOCK_N_DOWN"], SPLIT=cfg["SPLIT_DOWN"],
                 BLOCK_K=nibble.nibble_block_k(cfg["BLOCK_K_DOWN"], consts["G"], layout))
     tag = f"{fmt}_nibble_M{M}"
     extra = {}
@@ -97,8 +96,8 @@ def nibble_builds(fmt, M, arch, overrides=None):
         extra["nibble_split_act"] = (moe_decode._split_act_kernel, "ws act T I stride_am SPLIT BLOCK", "fannncc",
                                      dict(SPLIT=cfg["SPLIT_UP"], BLOCK=common.REDUCE_BLOCK), 2, 2, fmt)
     return extra | {f"{tag}_gate_up": (moe_decode._nibble_gate_up_kernel, NIBBLE_GATE_UP,
-                               "a" + wt * 3 + "af" + "i" * 5 + "n" * 10 + "c" * 13, up, *launch, fmt),
-            f"{tag}_down": (moe_decode._nibble_down_kernel, NIBBLE_DOWN, "a" + wt * 2 + "ff" + "i" * 5 + "n" * 9 + "c" * 12,
+                               "a" + wt * 3 + "af" + "i" * 5 + "n" * 10 + "c" * 12, up, *launch, fmt),
+            f"{tag}_down": (moe_decode._nibble_down_kernel, NIBBLE_DOWN, "a" + wt * 2 + "ff" + "i" * 5 + "n" * 9 + "c" * 11,
                             down, *launch, fmt)}
 
 

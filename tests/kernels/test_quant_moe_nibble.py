@@ -21,11 +21,7 @@ NIB = dict(BLOCK_M=16, BLOCK_N_UP=16, BLOCK_K_UP=32, BLOCK_N_DOWN=32, BLOCK_K_DO
            num_stages=2, NIBBLE_DOT=True, SPLIT_UP=1, SPLIT_DOWN=1)
 SPLIT = NIB | dict(SPLIT_UP=2, SPLIT_DOWN=2)  # I = 32 is one K step: the second down split is empty (adds zeros)
 CONFIGS = {"nib": NIB, "split": SPLIT, "ahead": SPLIT | dict(SCALE_AHEAD=True),  # scales loaded one K step ahead
-           "nib-ahead": NIB | dict(SCALE_AHEAD=True),
-           # two groups a K step (nibble._nibble_rows_matmul's STEP_GROUPS): H = 64 is one such step; I = 32 is not a
-           # whole one in int4 (group 32: down keeps one group a step) and is in NVFP4 (group 16)
-           "groups": NIB | dict(STEP_GROUPS_UP=2, STEP_GROUPS_DOWN=2),
-           "groups-ahead": SPLIT | dict(STEP_GROUPS_UP=2, STEP_GROUPS_DOWN=2, SCALE_AHEAD=True)}
+           "nib-ahead": NIB | dict(SCALE_AHEAD=True)}
 
 
 @pytest.mark.usefixtures("bf16_dots")
@@ -38,9 +34,7 @@ CONFIGS = {"nib": NIB, "split": SPLIT, "ahead": SPLIT | dict(SCALE_AHEAD=True), 
     ("nvfp4", 1, "split", torch.float16), ("ct_nvfp4", 8, "nib", torch.bfloat16),
     ("awq", 1, "ahead", torch.float16), ("awq", 40, "nib-ahead", torch.bfloat16),
     ("ct_asym", 5, "nib-ahead", torch.float16), ("ct_channel", 8, "nib-ahead", torch.bfloat16),
-    ("nvfp4", 1, "ahead", torch.float16), ("awq", 8, "groups", torch.float16), ("ct_asym", 1, "groups", torch.bfloat16),
-    ("nvfp4", 5, "groups", torch.float16), ("awq", 1, "groups-ahead", torch.float16),
-    ("nvfp4", 8, "groups-ahead", torch.bfloat16)], ids=str)
+    ("nvfp4", 1, "ahead", torch.float16)], ids=str)
 def test_nibble_path_matches_reference(name, M, cfg, dtype):
     x, gate_up, down, ids, w, shared, ref = _case(name, M, dtype)
     out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=CONFIGS[cfg])

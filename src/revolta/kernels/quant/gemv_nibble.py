@@ -99,16 +99,7 @@ def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms:
         split *= 2
     stages = 3 if skinny or arch is None or arch < 90 else 4
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, USE_DOT=True, NIBBLE_DOT=True, SCALE_AHEAD=True,
-                STEP_GROUPS=1, k_per_split=split_len(K, split, bk), num_warps=4, num_stages=stages)
-
-
-def with_step_groups(cfg: dict, K: int, groups: int) -> dict:
-    """`cfg` walking `groups` quantization groups per K step (nibble._nibble_rows_matmul's STEP_GROUPS), its
-    slices re-cut to whole steps; unchanged when K is not a whole number of such steps."""
-    step = cfg["BLOCK_K"] * groups
-    if groups == 1 or K % step:
-        return cfg
-    return cfg | dict(STEP_GROUPS=groups, k_per_split=split_len(K, cfg["SPLIT_K"], step))
+                k_per_split=split_len(K, split, bk), num_warps=4, num_stages=stages)
 
 
 def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align: int = 1,
@@ -125,11 +116,10 @@ def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align:
 def _nibble_gemv_kernel(x, w0, w1, w2, rows_per_shard, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split,
                         FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_AHEAD: tl.constexpr,
-                        STEP_GROUPS: tl.constexpr):
+                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_AHEAD: tl.constexpr):
     """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ; w0..w2: the
-    format's three tensors (nibble._group). USE_DOT: always True (launch_gemv's argument list); SCALE_AHEAD,
-    STEP_GROUPS: nibble._nibble_rows_matmul."""
+    format's three tensors (nibble._group). USE_DOT: always True (launch_gemv's argument list); SCALE_AHEAD:
+    nibble._nibble_rows_matmul."""
     i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = i_n * BLOCK_N
@@ -137,7 +127,7 @@ def _nibble_gemv_kernel(x, w0, w1, w2, rows_per_shard, ws, out, bias, M, N, K, s
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc, _ = _nibble_rows_matmul(x + o_m.to(tl.int64) * stride_xm, o_m < M, w0, w1, w2, n, w0, w1, w2, n, N, K, k_lo,
                                  k_hi, rows_per_shard, FMT, G, HAS_ZP, INVERTED, BLOCK_N, BLOCK_M, BLOCK_K,
-                                 False, SCALE_AHEAD, STEP_GROUPS)  # [BM, BN] fp32
+                                 False, SCALE_AHEAD)  # [BM, BN] fp32
     store_partial(ws, out, bias, acc, o_m, n + tl.arange(0, BLOCK_N), M, N, stride_om, i_s, SPLIT_K, HAS_BIAS)
 
 
@@ -148,5 +138,4 @@ def nibble_gemv(x: Tensor, N: int, bias: Tensor | None, cfg: dict, layout: str, 
     nvfp4: codes, E4M3 scale bytes, global scales [S] with `rows_per_shard` rows each)."""
     assert cfg.get("NIBBLE_DOT") and cfg["BLOCK_M"] >= 16, f"the nibble path is tl.dot only (BLOCK_M >= 16): {cfg}"
     return launch_gemv(_nibble_gemv_kernel, x, N, bias, cfg, *tensors, rows_per_shard, FMT=LAYOUTS.index(layout),
-                       G=group, HAS_ZP=has_zp, INVERTED=inverted, SCALE_AHEAD=cfg.get("SCALE_AHEAD", False),
-                       STEP_GROUPS=cfg.get("STEP_GROUPS", 1))
+                       G=group, HAS_ZP=has_zp, INVERTED=inverted, SCALE_AHEAD=cfg.get("SCALE_AHEAD", False))

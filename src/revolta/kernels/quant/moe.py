@@ -387,23 +387,20 @@ def _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_u
     split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
     bk_up = nibble_block_k(cfg["BLOCK_K_UP"], gate_up.group, gate_up.layout)
     bk_dn = nibble_block_k(cfg["BLOCK_K_DOWN"], down.group, down.layout)
-    # several groups a K step (nibble._nibble_rows_matmul) where K is a whole number of such steps
-    sg_up, sg_dn = (s if K % (bk * s) == 0 else 1 for s, K, bk in ((cfg.get("STEP_GROUPS_UP", 1), H, bk_up),
-                                                                   (cfg.get("STEP_GROUPS_DOWN", 1), I, bk_dn)))
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
     y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
     flags = dict(BLOCK_M=cfg["BLOCK_M"], HAS_SHARED=has_shared, SORTED=sort, SCALE_AHEAD=cfg.get("SCALE_AHEAD", False))
     _nibble_gate_up_kernel[(num_slots, triton.cdiv(I, cfg["BLOCK_N_UP"]), split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, *slots, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
-        *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, bk_up * sg_up), TOP_K=k,
-        BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=bk_up, SPLIT=split_up, STEP_GROUPS=sg_up, **fmt_up, **flags, **launch)
+        *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, bk_up), TOP_K=k,
+        BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=bk_up, SPLIT=split_up, **fmt_up, **flags, **launch)
     if split_up > 1:
         _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                              BLOCK=REDUCE_BLOCK, num_warps=2)
     _nibble_down_kernel[(num_slots, triton.cdiv(H, cfg["BLOCK_N_DOWN"]), split_dn)](
         act, *w_dn, *s_down, topk_weights.contiguous(), y, *slots, gate_up.tensors[0].shape[0], H, I,
-        act.stride(0), *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, bk_dn * sg_dn),
-        BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=bk_dn, SPLIT=split_dn, STEP_GROUPS=sg_dn, **fmt_dn, **flags, **launch)
+        act.stride(0), *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, bk_dn),
+        BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=bk_dn, SPLIT=split_dn, **fmt_dn, **flags, **launch)
     return y
 
 

@@ -58,7 +58,7 @@ def _nibble_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws,
                            stride_am, k_split, FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr,
                            INVERTED: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr, SORTED: tl.constexpr,
-                           SPLIT: tl.constexpr, SCALE_AHEAD: tl.constexpr, STEP_GROUPS: tl.constexpr):
+                           SPLIT: tl.constexpr, SCALE_AHEAD: tl.constexpr):
     """act [T, I] = SiLU(gate)·up in x.dtype; SPLIT > 1: K slice program_id(2) of gate and up to ws [SPLIT, T, 2I]."""
     i_n, i_e, start, end = _program(topk_ids, slot_expert, slot_start, slot_end, SORTED)
     if i_e < 0:
@@ -75,8 +75,7 @@ def _nibble_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws,
         b_pair, m_p = _pairs(order, m0, end, BLOCK_M, SORTED)
         a_rows = x + (b_pair // TOP_K) * stride_xm
         b_g, b_u = _nibble_rows_matmul(a_rows, m_p, g0, g1, g2, n_g, u0, u1, u2, n_u, N, H, k_lo, k_hi, I, FMT, G,
-                                       HAS_ZP, INVERTED, BLOCK_N, BLOCK_M, BLOCK_K, True, SCALE_AHEAD,
-                                       STEP_GROUPS)  # [BM, BN] each
+                                       HAS_ZP, INVERTED, BLOCK_N, BLOCK_M, BLOCK_K, True, SCALE_AHEAD)  # [BM, BN] each
         m_s = m_p[:, None] & m_n[None, :]
         if SPLIT == 1:
             tl.store(act + b_pair[:, None] * stride_am + o_n[None, :], (b_g * tl.sigmoid(b_g) * b_u).to(
@@ -107,8 +106,7 @@ def _nibble_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_id
                         slot_end, num_routed, H, I, stride_am, stride_e0, stride_e1, stride_e2, stride_ym, k_split,
                         FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        SORTED: tl.constexpr, SPLIT: tl.constexpr, SCALE_AHEAD: tl.constexpr,
-                        STEP_GROUPS: tl.constexpr):
+                        SORTED: tl.constexpr, SPLIT: tl.constexpr, SCALE_AHEAD: tl.constexpr):
     """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ)."""
     i_n, i_e, start, end = _program(topk_ids, slot_expert, slot_start, slot_end, SORTED)
     if i_e < 0:
@@ -125,7 +123,7 @@ def _nibble_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_id
         b_pair, m_p = _pairs(order, m0, end, BLOCK_M, SORTED)
         acc, _ = _nibble_rows_matmul(act + b_pair * stride_am, m_p, d0, d1, d2, n, d0, d1, d2, n, H, I, k_lo, k_hi, H,
                                      FMT, G, HAS_ZP, INVERTED, BLOCK_N, BLOCK_M, BLOCK_K, False,
-                                     SCALE_AHEAD, STEP_GROUPS)  # [BM, BN]
+                                     SCALE_AHEAD)  # [BM, BN]
         b_rw = tl.load(topk_weights + b_pair, mask=m_p, other=0.0).to(tl.float32)
         p_y = y + (b_pair[:, None] * SPLIT + i_k) * stride_ym + o_n[None, :]
         tl.store(p_y, acc * b_rw[:, None], mask=m_p[:, None] & m_n[None, :])

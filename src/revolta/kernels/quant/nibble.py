@@ -223,7 +223,7 @@ def _group_mac(acc, b_a, b_w, b_s):
 def _nibble_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, k_lo, k_hi, rows_per_shard,
                         FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
                         R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                        SCALE_AHEAD: tl.constexpr, STEP_GROUPS: tl.constexpr = 1):
+                        SCALE_AHEAD: tl.constexpr):
     """(A · Wg[n_g.., k_lo:k_hi]ᵀ, A · Wu[n_u.., k_lo:k_hi]ᵀ), each [BLOCK_M, R] fp32 (the second only when TWO),
     one quantization group per K step. a_rows [BLOCK_M]: row pointers of A; m_a: row mask.
 
@@ -232,12 +232,7 @@ def _nibble_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, k_l
     step: in the aligned sm_90 build of the dense GEMV their LDG sat ~40 instructions before its first use, inside
     the step. Ahead, the use is a whole step later, at the same 56 registers (dense GEMV, 64-feature tiles): 1-3%
     faster on an H100 (RESULTS.md K6b), on by default there. The MoE kernels' builds took 25-30% more registers
-    with it (128 -> 160 gate_up, 116 -> 154 down at M = 1) and ran 1.13-1.24x slower (K5e): off there.
-
-    STEP_GROUPS > 1 walks STEP_GROUPS groups per loop iteration, unrolled (one pipeline stage: STEP_GROUPS x the
-    packed bytes in flight per stage, and the loop's address and pipeline bookkeeping paid once for them; the slice
-    must hold a whole number of such steps). The groups are summed in the same order either way (bitwise the same
-    result); SCALE_AHEAD then loads each group's scales one group ahead."""
+    with it (128 -> 160 gate_up, 116 -> 154 down at M = 1) and ran 1.13-1.24x slower (K5e): off there."""
     DT = a_rows.dtype.element_ty
     acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
     acc2 = tl.zeros_like(acc)
@@ -248,21 +243,18 @@ def _nibble_rows_matmul(a_rows, m_a, g0, g1, g2, n_g, u0, u1, u2, n_u, N, K, k_l
     if SCALE_AHEAD:  # an empty slice (split-K's last) loads in bounds and uses nothing
         s_g, s_u = _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, tl.minimum(k_lo, K - BLOCK_K), N, K, rows_per_shard,
                            FMT, G, INVERTED, R, TWO)
-    for k0 in range(k_lo, k_hi, BLOCK_K * STEP_GROUPS):
-        for j in tl.static_range(STEP_GROUPS):
-            kj = k0 + j * BLOCK_K
-            if not SCALE_AHEAD:
-                s_g, s_u = _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, kj, N, K, rows_per_shard, FMT, G, INVERTED, R,
-                                   TWO)
-            b_a = tl.load(a_rows[:, None] + (kj + o_k)[None, :], mask=m_a[:, None], other=0.0)  # [BM, BK]
-            b_w = _group(g0, g1, g2, n_g, kj, N, K, FMT, G, HAS_ZP, R, BLOCK_K, DT)
-            acc = _group_mac(acc, b_a, b_w, s_g)
-            if TWO:
-                b_w = _group(u0, u1, u2, n_u, kj, N, K, FMT, G, HAS_ZP, R, BLOCK_K, DT)
-                acc2 = _group_mac(acc2, b_a, b_w, s_u)
-            if SCALE_AHEAD:  # the next group's (the last one reloads its own: stays in bounds)
-                s_g, s_u = _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, tl.minimum(kj + BLOCK_K, k_hi - BLOCK_K), N, K,
-                                   rows_per_shard, FMT, G, INVERTED, R, TWO)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if not SCALE_AHEAD:
+            s_g, s_u = _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, k0, N, K, rows_per_shard, FMT, G, INVERTED, R, TWO)
+        b_a = tl.load(a_rows[:, None] + (k0 + o_k)[None, :], mask=m_a[:, None], other=0.0)  # [BM, BK]
+        b_w = _group(g0, g1, g2, n_g, k0, N, K, FMT, G, HAS_ZP, R, BLOCK_K, DT)
+        acc = _group_mac(acc, b_a, b_w, s_g)
+        if TWO:
+            b_w = _group(u0, u1, u2, n_u, k0, N, K, FMT, G, HAS_ZP, R, BLOCK_K, DT)
+            acc2 = _group_mac(acc2, b_a, b_w, s_u)
+        if SCALE_AHEAD:  # the next step's (the last step reloads its own: stays in bounds)
+            s_g, s_u = _scales(g0, g1, g2, n_g, u0, u1, u2, n_u, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), N, K,
+                               rows_per_shard, FMT, G, INVERTED, R, TWO)
     return acc, acc2
 
 
