@@ -1,7 +1,8 @@
 """On a GPU: the dense packed GEMV's nibble path (kernels/quant/gemv_nibble.py) at the real projection shapes
 (largest and smallest N, the widest K) against the fp32 dequantized reference, beside the tile path, for AWQ g32,
 compressed-tensors int4 with zero points and NVFP4, bf16 and fp16, M = 1, 5, 40; and captured in a CUDA graph that
-replays on new activations (the split-K workspace is allocated inside the capture)."""
+replays on new activations (the split-K workspace is allocated inside the capture); the default one-row AWQ path
+(the word-column GEMV) likewise."""
 
 from __future__ import annotations
 
@@ -57,3 +58,32 @@ def test_nibble_gemv_replays_in_a_cuda_graph():
     x.copy_(torch.randn(1, 6144, device="cuda", generator=gen))
     g.replay()
     assert torch.equal(y, fmt.gemv(x, t, None, nibble=True))  # same config, same order: bitwise
+
+
+@pytest.mark.parametrize("N,K", [(12288, 2560), (6144, 2560), (2560, 6144)])
+def test_default_one_row_awq_gemv(N, K):
+    """The default one-row AWQ GEMV (the word-column path from 6144 outputs on sm80+, gemv_wordcol.py) against the
+    fp32 reference, and replayed from a CUDA graph on a new row (bitwise the eager call)."""
+    from revolta.kernels.quant.common import device_facts
+    from revolta.kernels.quant.gemv_wordcol import use_wordcol
+
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    fmt, t = _packed("awq", N, K, gen)
+    w = fmt.dequantize(t, torch.float32)
+    arch = device_facts(torch.device("cuda"))[1]
+    for dt in (torch.bfloat16, torch.float16):
+        assert use_wordcol(arch, dt, "awq", 1, N) == (N >= 6144 and arch >= 80)
+        x = torch.randn(1, K, device="cuda", generator=gen).to(dt)
+        tol = 8e-3 if dt == torch.bfloat16 else 1e-3  # no weight rounded, fp32 sums, one rounding of the output
+        assert _rel(fmt.gemv(x, t, None), x.float() @ w.t()) < tol, dt
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fmt.gemv(x, t, None)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fmt.gemv(x, t, None)
+    x.copy_(torch.randn(1, K, device="cuda", generator=gen))
+    g.replay()
+    assert torch.equal(y, fmt.gemv(x, t, None))

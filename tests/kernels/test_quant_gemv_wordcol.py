@@ -1,6 +1,7 @@
 """The one-row AWQ GEMV on CUDA cores (kernels/quant/gemv_wordcol.py) against the fp32 dequantized reference under the
 interpreter: fp16, bf16 and fp32 activations, groups of 32 / 64 / 128, N a multiple of the program's features and not
-(masked), one to three split-K slices (an empty last one), bias; its launch config at the real shapes.
+(masked), steps of 8 / 16 / 32 rows, one to five split-K slices (groups spanning slices), bias; its launch config
+at the real shapes and the default path switch.
 Packed test weights and the bf16 interpreter fixture: test_quant.py, conftest.py."""
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 import triton
 from test_quant import CASES
 
-from revolta.kernels.quant.gemv_wordcol import WORDCOL_PROGRAMS_PER_SM, wordcol_config
+from revolta.kernels.quant.gemv_wordcol import (WORDCOL_MAX_SPLIT, WORDCOL_MIN_N, WORDCOL_PROGRAMS_PER_SM,
+                                                use_wordcol, wordcol_config)
 
 pytestmark = pytest.mark.usefixtures("poison", "bf16_dots")  # conftest.py: NaN-poisoned outputs; bf16 as on the GPU
 
@@ -40,9 +42,26 @@ def test_wordcol_gemv_matches_reference(N, K, G, bn, warps, split, rows, dtype):
 
 
 def test_wordcol_configs_at_the_real_shapes():
+    """The default config: 8-row steps, 64 K slices on the projections it is the default for (the configs that won on
+    an H100, RESULTS.md K6c), at least 2 whole steps a slice everywhere."""
     for n, k in ((12288, 2560), (512, 2560), (2560, 6144), (10240, 2560), (6144, 2560), (1280, 2560), (2560, 640)):
         cfg = wordcol_config(n, k, 32, num_sms=132)
+        assert cfg["WORDCOL"] and cfg["BLOCK_M"] == 1 and not cfg["USE_DOT"] and cfg["BLOCK_K"] == 8
+        assert cfg["k_per_split"] % 8 == 0 and cfg["k_per_split"] * cfg["SPLIT_K"] >= k
+        assert cfg["k_per_split"] >= 16 and cfg["SPLIT_K"] <= WORDCOL_MAX_SPLIT
         programs = triton.cdiv(n, cfg["BLOCK_N"]) * cfg["SPLIT_K"]
-        assert programs >= WORDCOL_PROGRAMS_PER_SM * 132 or cfg["SPLIT_K"] == 64 or k // 32 < 4 * cfg["SPLIT_K"]
-        assert cfg["BLOCK_K"] == 32 and cfg["k_per_split"] % 32 == 0 and cfg["k_per_split"] * cfg["SPLIT_K"] >= k
-        assert cfg["WORDCOL"] and cfg["BLOCK_M"] == 1 and not cfg["USE_DOT"]
+        assert programs >= WORDCOL_PROGRAMS_PER_SM * 132 or cfg["SPLIT_K"] == WORDCOL_MAX_SPLIT or k // 8 < 4 * cfg[
+            "SPLIT_K"], (n, k, cfg)
+        if n >= WORDCOL_MIN_N:
+            assert cfg["SPLIT_K"] == 64, (n, k, cfg)
+
+
+def test_the_default_picks_the_word_column_path_for_one_awq_row_of_a_wide_projection():
+    for N in (6144, 10240, 12288):
+        assert use_wordcol(90, torch.float16, "awq", 1, N) and use_wordcol(80, torch.bfloat16, "awq", 1, N)
+    assert not use_wordcol(90, torch.float16, "awq", 2, 12288)  # one row only
+    assert not use_wordcol(90, torch.float16, "awq", 1, 2560)  # lost at N <= 2560 (K6c)
+    assert not use_wordcol(90, torch.float16, "ct_int4", 1, 12288) and not use_wordcol(90, torch.float16, "nvfp4", 1,
+                                                                                           12288)
+    assert not use_wordcol(70, torch.float16, "awq", 1, 12288) and not use_wordcol(None, torch.float16, "awq", 1, 12288)
+    assert not use_wordcol(90, torch.float32, "awq", 1, 12288)

@@ -21,8 +21,9 @@ less than the programs they buy); from 17 rows (64-row tiles, not swept) the par
 (M, N, K, device) only.
 Row invariance: a row's output does not depend on the other rows of its call (their dot rows are independent, and
 masked rows load zeros), so two calls with the same config (BLOCK_M, SPLIT_K) give a row bitwise the same result;
-calls of 1-16 rows share one config; from 17 rows a call may get another SPLIT_K (the partials budget) or BLOCK_M
-and then differ in the last bits.
+calls of 1-16 rows share one config (one AWQ row of a wide projection takes the word-column path by default:
+gemv_wordcol.py); from 17 rows a call may get another SPLIT_K (the partials budget) or BLOCK_M and then differ in
+the last bits.
 
 Selection: `gemv_config_for(..., nibble=None)` -> NIBBLE_DOT in the config; None means the formats in
 `NIBBLE_GEMV_SM80` on sm80+ with fp16 / bf16 activations (from 17 rows only from NIBBLE_WIDE_MIN_N outputs). sm70
@@ -38,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import device_facts, gemv_config, launch_gemv, store_partial
+from .gemv_wordcol import use_wordcol, wordcol_config
 from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_rows, split_len
 
 # THE default: the formats whose dense packed GEMV takes the nibble path on sm80+ (fp16 / bf16 activations).
@@ -104,9 +106,12 @@ def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms:
 
 def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align: int = 1,
                     nibble: bool | None = None) -> dict:
-    """The GEMV config for the rows of x on x's device: the nibble path's (NIBBLE_DOT) or the tile path's
-    (common.gemv_config), as `use_nibble` picks."""
+    """The GEMV config for the rows of x on x's device: when `nibble` is None and `use_wordcol` picks it, the
+    one-row word-column path's (gemv_wordcol.py, WORDCOL); else the nibble path's (NIBBLE_DOT) or the tile path's
+    (common.gemv_config), as `use_nibble` picks (`nibble` given: that path)."""
     sms, arch = device_facts(x.device)
+    if nibble is None and use_wordcol(arch, x.dtype, layout, x.shape[0], N):
+        return wordcol_config(N, K, group, sms)
     if use_nibble(arch, x.dtype, layout, nibble, x.shape[0], N):
         return nibble_gemv_config(x.shape[0], N, K, group, layout, sms, arch)
     return gemv_config(x.shape[0], N, K, group, sms, n_align, arch)

@@ -16,11 +16,19 @@ Accuracy: products and sums in fp32 (no weight is rounded); p_f - v_zf Σx cance
 of the signal (q/16 < 1), so a bit or two of fp32.
 
 The K slices' fp32 partials are added in slice order by common.py's `_splitk_reduce_kernel` (as the other paths).
-M = 1 only; sm80+ and the interpreter (sm70 keeps the tile path: not built or timed there).
+M = 1 only. The default (`use_wordcol`) for one row of 16-bit activations over AWQ weights with at least
+WORDCOL_MIN_N outputs on sm80+: on an H100 (benchmarks/RESULTS.md K6c, AWQ g32, fp16, graph-replayed back-to-back
+calls) q_proj 16.25 against the nibble path's 21.66 us, in_proj_qkv 14.94 against 19.03, in_proj_z 11.98 against 13.08;
+it lost on N <= 2560 (out_proj 14.34 against 13.94, k_proj, the expert-sized linears), whose few 256-feature programs
+leave the GPU idle. Its last bits differ from the same row's in a 2-16-row call (the nibble path), so a request's
+plain decode step and its speculative verify rows no longer share one sum order on those projections (batch
+invariance is not promised across row counts: docs/speculative.md). sm70 keeps the tile path (built there without
+spills, not timed).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -28,25 +36,38 @@ from torch import Tensor
 from .common import launch_gemv, store_partial
 from .nibble import split_len
 
-WORDCOL_PROGRAMS_PER_SM = 8  # split-K target: this many single-warp programs per SM
+WORDCOL_PROGRAMS_PER_SM = 12  # split-K target: single-warp programs per SM (~1,500-2,500 won on an H100: K6c)
+WORDCOL_MAX_SPLIT = 64  # 128 slices lost at every shape timed (K6c)
+WORDCOL_ROWS = 8  # rows a step: small steps let 64 slices of K = 2560 stay whole steps (K6c: 8 rows won at 64)
+WORDCOL_MIN_N = 6144  # the default from this many outputs (K6c: won at 6144-12288, lost at 2560 and below)
+WORDCOL_LAYOUTS = ("awq",)  # packed along N: the word-column walk
 
 
 def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256, num_warps: int = 1,
                    split: int | None = None, rows: int | None = None) -> dict:
     """Launch config of the word-column GEMV of one row over W [N, K] (AWQ, `group` rows a group): BLOCK_N features
-    a program (one word column a thread: block_n = 256 per warp), BLOCK_K = rows a step (default: the group, at most
-    32; it divides the group), split-K over whole steps aiming at WORDCOL_PROGRAMS_PER_SM programs per SM (at most 64
-    slices, at least 2 steps each) unless `split` is given."""
-    rows = rows or min(group, 32)
+    a program (one word column a thread: block_n = 256 per warp), BLOCK_K = rows a step (default WORDCOL_ROWS, at
+    most the group, which it divides), split-K over whole steps aiming at WORDCOL_PROGRAMS_PER_SM programs per SM (at
+    most WORDCOL_MAX_SPLIT slices, at least 2 steps each) unless `split` is given."""
+    rows = rows or min(group, WORDCOL_ROWS)
     assert group % rows == 0, (group, rows)
     tiles = triton.cdiv(N, block_n)
     steps = triton.cdiv(K, rows)
     if split is None:
         split = 1
-        while split < 64 and tiles * split < WORDCOL_PROGRAMS_PER_SM * num_sms and steps // (2 * split) >= 2:
+        while (split < WORDCOL_MAX_SPLIT and tiles * split < WORDCOL_PROGRAMS_PER_SM * num_sms
+               and steps // (2 * split) >= 2):
             split *= 2
     return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=rows, SPLIT_K=split, USE_DOT=False, WORDCOL=True,
                 k_per_split=split_len(K, split, rows), num_warps=num_warps, num_stages=1)
+
+
+def use_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int, N: int) -> bool:
+    """Whether the default GEMV of M rows over a `layout` weight with N outputs and `dtype` activations on compute
+    capability `arch` (None: the interpreter) is the word-column path: one row, AWQ, 16-bit activations, sm80+, at
+    least WORDCOL_MIN_N outputs (module docstring)."""
+    return (M == 1 and layout in WORDCOL_LAYOUTS and arch is not None and arch >= 80 and N >= WORDCOL_MIN_N
+            and dtype in (torch.float16, torch.bfloat16))
 
 
 @triton.jit
