@@ -11,7 +11,8 @@ int-to-float conversion):
 so the zero and the scale cost a few operations per (feature, group), not per weight, and nothing leaves the thread
 until the K slice ends. The nibble path (gemv_nibble.py) instead feeds tl.dot with 16 padded rows: its decoded tile
 goes through shared memory to the MMA layout, 9.4 SASS instructions per weight in the sm_90 loop at M = 1
-(benchmarks/quant_gemv_instructions.py) against 4.7 here at 256-feature single-warp programs.
+(benchmarks/quant_gemv_instructions.py) against 4.8 here in 32-row steps and 5.6 in the default 8-row ones (the
+scale and zero cost more per weight; the shorter steps buy more programs: see the default below).
 Accuracy: products and sums in fp32 (no weight is rounded); p_f - v_zf Σx cancels at most the Σx term, of the size
 of the signal (q/16 < 1), so a bit or two of fp32.
 
