@@ -31,7 +31,7 @@ FIRST_SHAPES = 4  # the default sweep's; --wordcol and --shapes reach the rest
 GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4))
 QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,))  # --quick: 9 configs
 # at M = 1 (--wordcol, --small) the word-column GEMV (gemv_wordcol.py) too (SPLIT_K None: wordcol_config's split)
-WORDCOL = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32, 64, 128), rows=(32, 16, 8))
+WORDCOL = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32, 64, 128), rows=(32, 16, 8), prefetch=(False, True))
 
 
 def configs(M, N, K, group, device, small, grid):
@@ -57,15 +57,15 @@ def configs(M, N, K, group, device, small, grid):
         from revolta.kernels.quant.gemv_wordcol import wordcol_config
 
         sms = device_facts(device)[0]
-        for bn, w, sk, rows in itertools.product(*WORDCOL.values()):
-            if bn <= max(256, N) and K // rows >= 2 * (sk or 1):
-                out.append(wordcol_config(N, K, group, sms, bn, w, sk, rows))
+        for bn, w, sk, rows, pf in itertools.product(*WORDCOL.values()):
+            if bn <= max(256, N) and K // rows >= 2 * (sk or 1) and (rows == 8 or not pf):
+                out.append(wordcol_config(N, K, group, sms, bn, w, sk, rows, pf))
     return out
 
 
 def name(c):
     if c.get("WORDCOL"):
-        return f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
+        return f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}" + ("/pf" if c["PREFETCH"] else "")
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
     return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
 

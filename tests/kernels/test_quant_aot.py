@@ -61,10 +61,11 @@ def _builds(arch):
 
     wc = gemv_wordcol.wordcol_config(N, K, 32, 132 if arch == 90 else 80)
     b["awq_wordcol_gemv_M1"] = (gemv_wordcol._awq_wordcol_kernel,
-                                GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL + " EVEN ROWS", "aiihfaannnnnn" + "c" * 9,
+                                GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL + " EVEN ROWS PREFETCH",
+                                "aiihfaannnnnn" + "c" * 10,
                                 dict(G=32, BLOCK_M=1, BLOCK_N=wc["BLOCK_N"], BLOCK_K=wc["BLOCK_K"],
                                      SPLIT_K=wc["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
-                                     ROWS=wc["BLOCK_K"]), wc["num_warps"], wc["num_stages"])
+                                     ROWS=wc["BLOCK_K"], PREFETCH=wc["PREFETCH"]), wc["num_warps"], wc["num_stages"])
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
                           dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK), 2, 2)
     b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",

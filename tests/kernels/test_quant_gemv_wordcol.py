@@ -24,6 +24,8 @@ EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5
     (256, 384, 128, 256, 1, 4, None, torch.float32),  # 12 steps in 4 slices of 3: groups span slices
     (256, 384, 128, 256, 1, 5, 16, torch.float32),  # 24 steps of 16 rows in 5 slices of 5 (the last 4)
     (512, 256, 32, 256, 1, 4, 16, torch.bfloat16),  # half-group steps, 2 a slice
+    (512, 256, 32, 256, 1, 3, "prefetch", torch.float16),  # 8-row steps, the next one's words loaded ahead: slices of
+    (576, 128, 64, 256, 1, 1, "prefetch", torch.float32),  # 88 / 88 / 80 rows; one slice, masked features
     (1024, 128, 32, 512, 2, 1, None, torch.float16),  # two warps a program, no split (out written directly)
     (512, 128, 32, 512, 1, 1, None, torch.float32),  # two words a thread
 ], ids=str)
@@ -34,7 +36,8 @@ def test_wordcol_gemv_matches_reference(N, K, G, bn, warps, split, rows, dtype):
     x = torch.randn(1, K, generator=g).to(dtype)
     bias = torch.randn(N, generator=g).to(dtype) if split == 1 or N == 576 else None
     want = ref(x, *args, bias=bias)  # x @ (W dequantized to fp32).T in fp32, rounded once to x.dtype
-    cfg = wordcol_config(N, K, G, 4, bn, warps, split, rows)
+    prefetch = rows == "prefetch"
+    cfg = wordcol_config(N, K, G, 4, bn, warps, split, 8 if prefetch else rows, prefetch)
     got = tri(x, *args, bias=bias, config=cfg)
     assert got.dtype == dtype and not got.isnan().any()
     # no weight rounded, products and sums in fp32: the sum order and the final rounding differ

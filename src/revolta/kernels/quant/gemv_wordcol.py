@@ -45,13 +45,14 @@ WORDCOL_LAYOUTS = ("awq",)  # packed along N: the word-column walk
 
 
 def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256, num_warps: int = 1,
-                   split: int | None = None, rows: int | None = None) -> dict:
+                   split: int | None = None, rows: int | None = None, prefetch: bool = False) -> dict:
     """Launch config of the word-column GEMV of one row over W [N, K] (AWQ, `group` rows a group): BLOCK_N features
     a program (one word column a thread: block_n = 256 per warp), BLOCK_K = rows a step (default WORDCOL_ROWS, at
     most the group, which it divides), split-K over whole steps aiming at WORDCOL_PROGRAMS_PER_SM programs per SM (at
-    most WORDCOL_MAX_SPLIT slices, at least 2 steps each) unless `split` is given."""
+    most WORDCOL_MAX_SPLIT slices, at least 2 steps each) unless `split` is given. prefetch: wordcol_slice's
+    PREFETCH (8-row steps; not timed yet)."""
     rows = rows or min(group, WORDCOL_ROWS)
-    assert group % rows == 0, (group, rows)
+    assert group % rows == 0 and (rows == 8 or not prefetch), (group, rows, prefetch)
     tiles = triton.cdiv(N, block_n)
     steps = triton.cdiv(K, rows)
     if split is None:
@@ -60,7 +61,7 @@ def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256,
                and steps // (2 * split) >= 2):
             split *= 2
     return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=rows, SPLIT_K=split, USE_DOT=False, WORDCOL=True,
-                k_per_split=split_len(K, split, rows), num_warps=num_warps, num_stages=1)
+                PREFETCH=prefetch, k_per_split=split_len(K, split, rows), num_warps=num_warps, num_stages=1)
 
 
 def use_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int, N: int) -> bool:
@@ -103,32 +104,56 @@ def _store(ws, out, bias, acc, o_w, N, stride_om, i_s, SPLIT_K: tl.constexpr, HA
 
 
 @triton.jit
-def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr):
+def _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, wd, xk):
+    """One row of a step: the 8 nibble positions' sums += x_k · v, Σx += x_k (xk: fp32 scalar; wd: [W] words)."""
+    return (p0 + _top_nibble(wd, 0) * xk, p1 + _top_nibble(wd, 1) * xk, p2 + _top_nibble(wd, 2) * xk,
+            p3 + _top_nibble(wd, 3) * xk, p4 + _top_nibble(wd, 4) * xk, p5 + _top_nibble(wd, 5) * xk,
+            p6 + _top_nibble(wd, 6) * xk, p7 + _top_nibble(wd, 7) * xk, sx + xk)
+
+
+@triton.jit
+def _load8(rows, NW, m_w):
+    """The words [W] of 8 consecutive rows from `rows` (row pointers of the first)."""
+    return (tl.load(rows, mask=m_w), tl.load(rows + NW, mask=m_w), tl.load(rows + 2 * NW, mask=m_w),
+            tl.load(rows + 3 * NW, mask=m_w), tl.load(rows + 4 * NW, mask=m_w), tl.load(rows + 5 * NW, mask=m_w),
+            tl.load(rows + 6 * NW, mask=m_w), tl.load(rows + 7 * NW, mask=m_w))
+
+
+@triton.jit
+def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
+                  PREFETCH: tl.constexpr = False):
     """x_row[k_lo:k_hi] @ W[features of words o_w, k_lo:k_hi]ᵀ for an AutoAWQ linear of N outputs (qweight [K, N/8],
     qzeros [K/G, N/8], scales [K/G, N]; k_lo, k_hi multiples of ROWS, which divides G): eight fp32 [W] sums, the j-th
     for features 8·o_w + _feature(j). m_w: the words' mask (None: all in range). A step walks ROWS rows of one
     group and flushes them with that group's scale and zero (the flush is linear in the sums, so a group may span
-    steps and K slices)."""
+    steps and K slices).
+
+    PREFETCH (ROWS 8): the next step's words are loaded before this step's are used (carried in registers), so a
+    program has a step of loads in flight while it computes; without it each step waits a full memory latency,
+    which is why the walk needs many programs (RESULTS.md K6c). Not timed yet."""
     NW = N // 8
     a0 = tl.zeros([W], dtype=tl.float32)  # one accumulator per nibble position
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    if PREFETCH:  # k0 * NW < qweight.numel() < 2^31 (the wrappers check); the clamp keeps every load in bounds
+        n0, n1, n2, n3, n4, n5, n6, n7 = _load8(qw + tl.minimum(k_lo, k_hi - 8) * NW + o_w, NW, m_w)
     for k0 in range(k_lo, k_hi, ROWS):
         p0 = tl.zeros([W], dtype=tl.float32)
         p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
         sx = 0.0
-        rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
-        for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead
-            wd = tl.load(rows + r * NW, mask=m_w)  # [W] int32
-            xk = tl.load(x_row + k0 + r).to(tl.float32)
-            sx += xk
-            p0 += _top_nibble(wd, 0) * xk
-            p1 += _top_nibble(wd, 1) * xk
-            p2 += _top_nibble(wd, 2) * xk
-            p3 += _top_nibble(wd, 3) * xk
-            p4 += _top_nibble(wd, 4) * xk
-            p5 += _top_nibble(wd, 5) * xk
-            p6 += _top_nibble(wd, 6) * xk
-            p7 += _top_nibble(wd, 7) * xk
+        if PREFETCH:
+            c0, c1, c2, c3, c4, c5, c6, c7 = n0, n1, n2, n3, n4, n5, n6, n7
+            n0, n1, n2, n3, n4, n5, n6, n7 = _load8(qw + tl.minimum(k0 + 8, k_hi - 8) * NW + o_w, NW, m_w)
+            for r in tl.static_range(8):
+                wd = c0 if r == 0 else c1 if r == 1 else c2 if r == 2 else c3 if r == 3 else c4 if r == 4 else (
+                    c5 if r == 5 else c6 if r == 6 else c7)
+                p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, wd,
+                                                          tl.load(x_row + k0 + r).to(tl.float32))
+        else:
+            rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
+            for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead
+                p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx,
+                                                          tl.load(rows + r * NW, mask=m_w),
+                                                          tl.load(x_row + k0 + r).to(tl.float32))
         g = k0 // G
         b_z = tl.load(qz + g * NW + o_w, mask=m_w)  # [W]
         sc_row = sc + g * N
@@ -146,18 +171,19 @@ def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W
 @triton.jit
 def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, G: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr):
+                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
+                        PREFETCH: tl.constexpr):
     """out [1, N] (SPLIT_K == 1) or ws [SPLIT_K, 1, N] fp32 (K slice program_id(1)) of x [1, K] @ Wᵀ, W as AutoAWQ's
     qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT: launch_gemv's argument list
     (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop).
-    ROWS: rows a step (wordcol_slice)."""
+    ROWS, PREFETCH: wordcol_slice's."""
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     W: tl.constexpr = BLOCK_N // 8
     o_w = i_n * W + tl.arange(0, W)
     m_w = None if EVEN else o_w < N // 8
     k_lo = i_s * k_per_split
     a0, a1, a2, a3, a4, a5, a6, a7 = wordcol_slice(x, qw, qz, sc, o_w, m_w, N, k_lo, tl.minimum(k_lo + k_per_split, K),
-                                                   G, W, ROWS)
+                                                   G, W, ROWS, PREFETCH)
     _store(ws, out, bias, a0, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 0)
     _store(ws, out, bias, a1, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 1)
     _store(ws, out, bias, a2, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 2)
@@ -175,4 +201,4 @@ def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor,
     assert qweight.numel() < 2 ** 31, "the word-column GEMV indexes qweight in int32"
     N = scales.shape[1]
     return launch_gemv(_awq_wordcol_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group,
-                       EVEN=N % cfg["BLOCK_N"] == 0, ROWS=cfg["BLOCK_K"])
+                       EVEN=N % cfg["BLOCK_N"] == 0, ROWS=cfg["BLOCK_K"], PREFETCH=cfg.get("PREFETCH", False))
