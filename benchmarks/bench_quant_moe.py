@@ -29,27 +29,19 @@ H, I, E, TOPK, GROUP = 2560, 640, 512, 10, 32
 WC = dict(WORDCOL=True, NIBBLE_DOT=False, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=256, BLOCK_N_DOWN=256, num_warps=1,
           num_stages=1)
 VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice for that path): "tile" = the
-    # decode-each-weight kernels (moe.py), "nib" = the group-factored decode (moe_decode.py; the sm80+ default).
-    # Under Nsight Compute on an H100 (RESULTS.md K5d) the default's programs kept ~20% of the warps active (440 at
-    # M = 1: 3.3 a SM) and M = 8's 770 programs ran 1.5 waves, so these vary the program count (split-K at every M,
-    # narrower tiles) and the stages (3 won for the dense GEMV, K6b)
+    # decode-each-weight kernels (moe.py), "nib" = the group-factored decode (moe_decode.py; the sm80+ default, whose
+    # 4 / 2 K splits at every M won in K5f). Variants that lost in K5e / K5f (narrower tiles, 3 stages, scales ahead,
+    # several groups a step) were taken out so a cold-cache run compiles fewer kernels
     "tile": ("tile", {}),
-    "nib-s3": ("nib", dict(num_stages=3)),
     "nib-d64": ("nib", dict(BLOCK_N_DOWN=64)),
-    "nib-u32": ("nib", dict(BLOCK_N_UP=32)),
     "nib-sk2": ("nib", dict(SPLIT_UP=2, SPLIT_DOWN=2)),
-    "nib-sk4": ("nib", dict(SPLIT_UP=4, SPLIT_DOWN=2)),
     "nib-sk8": ("nib", dict(SPLIT_UP=8, SPLIT_DOWN=4)),
-    "nib-d64-sk8-s3": ("nib", dict(BLOCK_N_DOWN=64, SPLIT_UP=8, SPLIT_DOWN=4, num_stages=3)),
-    "nib-u32-d64-sk4-s3": ("nib", dict(BLOCK_N_UP=32, BLOCK_N_DOWN=64, SPLIT_UP=4, SPLIT_DOWN=2, num_stages=3)),
-    "nib-ahead": ("nib", dict(SCALE_AHEAD=True)),  # scales one K step ahead (nibble._nibble_rows_matmul)
-    "nib-ahead-d64-s3": ("nib", dict(SCALE_AHEAD=True, BLOCK_N_DOWN=64, num_stages=3)),
     # M = 1 only: the word-column walk on CUDA cores (moe_wordcol.py), single-warp programs of 256 features
     "wc-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8)),
     "wc-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16)),
-    "wc-r16-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=16)),
-    "wc-r16-sk128-32": ("nib", dict(WC, SPLIT_UP=128, SPLIT_DOWN=32, ROWS=16)),
-    "wc-r8-sk128-64": ("nib", dict(WC, SPLIT_UP=128, SPLIT_DOWN=64, ROWS=8)),
+    "wc-r8-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8)),
+    "wc-pf-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, PREFETCH=True)),
+    "wc-pf-sk128-32": ("nib", dict(WC, SPLIT_UP=128, SPLIT_DOWN=32, ROWS=8, PREFETCH=True)),
 }
 
 

@@ -74,7 +74,28 @@ def _builds(arch):
                                      *launch, fmt)
     for fmt, M in NIBBLE_BUILDS:
         b.update(nibble_builds(fmt, M, arch))
+    b.update(wordcol_builds())
     return b
+
+
+WORDCOL_GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act ws topk_ids num_routed H I T stride_e0 stride_e1 stride_e2 "
+                   "stride_am k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH")
+WORDCOL_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids num_routed H I stride_am stride_e0 stride_e1 "
+                "stride_e2 stride_ym k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH")
+
+
+def wordcol_builds():
+    """The one-token word-column MoE (moe_wordcol.py, AWQ) in a bench_quant_moe config: 64 / 16 K splits, 8-row steps
+    with the next step's words loaded ahead, gate_up masked (I = 640 is 2.5 programs of 256 features)."""
+    from revolta.kernels.quant import moe_wordcol
+
+    flags = dict(G=32, BLOCK_N=256, HAS_SHARED=True, ROWS=8, PREFETCH=True)
+    return {"awq_wordcol_M1_gate_up": (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
+                                       "a" + "iih" * 3 + "afi" + "n" * 9 + "c" * 7,
+                                       dict(flags, SPLIT=64, EVEN=False), 1, 1, "awq"),
+            "awq_wordcol_M1_down": (moe_wordcol._wordcol_down_kernel, WORDCOL_DOWN,
+                                    "a" + "iih" * 2 + "ffi" + "n" * 9 + "c" * 7, dict(flags, SPLIT=16, EVEN=True), 1, 1,
+                                    "awq")}
 
 
 def nibble_builds(fmt, M, arch, overrides=None):
@@ -125,8 +146,10 @@ def test_aot_real_shapes(arch, reports):
     from test_moe_aot import check_reports
 
     check_reports(reports[arch], arch)
-    spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items() if "nibble" in n and r["spill_store_bytes"]}
-    assert not spills, f"sm_{arch} nibble-path builds spill (budget 0 on every arch): {spills}"
+    spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
+              if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
+    assert not spills, f"sm_{arch} nibble / word-column builds spill (budget 0 on every arch): {spills}"
+    assert sum("wordcol" in n for n in reports[arch]) == 2
     assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 

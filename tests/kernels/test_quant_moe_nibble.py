@@ -47,14 +47,15 @@ WORDCOL = dict(WORDCOL=True, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=32, BLOCK_N_DO
 
 @pytest.mark.usefixtures("bf16_dots")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("split", [(1, 1), (2, 2), (3, 1), (5, 3, 8)], ids=str)
+@pytest.mark.parametrize("split", [(1, 1), (2, 2), (3, 1), (5, 3, 8), (2, 3, 8, True)], ids=str)
 def test_wordcol_path_matches_reference(dtype, split):
     """One token of AWQ experts on the word-column path (moe_wordcol.py): the gate / up sums in one K slice or in
     split-K partials (H = 64: 2 groups; 3 slices leave the last empty), down over I = 32 (one group: a second slice is
-    empty; steps of 8 rows in 5 / 3 slices), 256 down features a program over H = 64 (masked), the shared expert as
-    slot k."""
+    empty; steps of 8 rows in 5 / 3 slices, with and without the next step's words loaded ahead), 256 down features a
+    program over H = 64 (masked), the shared expert as slot k."""
     x, gate_up, down, ids, w, shared, ref = _case("awq", 1, dtype)
-    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2] if len(split) > 2 else 32)
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2] if len(split) > 2 else 32,
+                         PREFETCH=len(split) > 3)
     out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOLS[dtype])
