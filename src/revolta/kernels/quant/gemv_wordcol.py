@@ -1,14 +1,14 @@
 """The one-row AWQ GEMV on CUDA cores, one thread per packed word column ("word-column" path; config key WORDCOL).
 
 AutoAWQ packs 8 output features of one input row in a 32-bit word (qweight [K, N/8]). Here a thread owns one word
-column (8 features) of the program's BLOCK_N / 8 and walks a quantization group's G rows in registers: each row one
-4-byte load (a warp reads 128 contiguous bytes), the activation x[k] the same for every thread, and per weight one
-shift, one AND-OR and one FFMA (nibble q under the top mantissa bits of 1.0: v = 1 + q/16 exactly, no
-int-to-float conversion):
+column (8 features) of the program's BLOCK_N / 8 and walks steps of ROWS rows (within one quantization group) in
+registers: each row one 4-byte load (a warp reads 128 contiguous bytes), the activation x[k] the same for every
+thread, and per weight one shift, one AND-OR and one FFMA (nibble q under the top mantissa bits of 1.0: v = 1 + q/16
+exactly, no int-to-float conversion):
 
-    p_f = Σ_k x_k v_kf  over the group,   out_f += 16 s_f (p_f - v_zf Σ_k x_k)  =  s_f Σ_k x_k (q_kf - z_f),
+    p_f = Σ_k x_k v_kf  over the step,   out_f += 16 s_f (p_f - v_zf Σ_k x_k)  =  s_f Σ_k x_k (q_kf - z_f),
 
-so the zero and the scale cost a few operations per (feature, group), not per weight, and nothing leaves the thread
+so the zero and the scale cost a few operations per (feature, step), not per weight, and nothing leaves the thread
 until the K slice ends. The nibble path (gemv_nibble.py) instead feeds tl.dot with 16 padded rows: its decoded tile
 goes through shared memory to the MMA layout, 9.4 SASS instructions per weight in the sm_90 loop at M = 1
 (benchmarks/quant_gemv_instructions.py) against 4.8 here in 32-row steps and 5.6 in the default 8-row ones (the
