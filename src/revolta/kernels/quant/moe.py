@@ -256,6 +256,9 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     NVFP4 (`layout`) keeps the tile path on a GPU: compiled, the nibble path's 16-row NVFP4 tiles summed wrong
     (relative error ~3 at M = 1 / 8 / 40 on an H100) while the tile path matched; a nibble config asked for NVFP4
     gets `nibble_min_rows` (64) rows, which matched too (rows past M are masked).
+    WORDCOL (asked only; one token of AWQ experts): the word-column walk on CUDA cores (moe_wordcol.py), keys
+    BLOCK_N_UP / BLOCK_N_DOWN (256 a warp), SPLIT_UP / SPLIT_DOWN, ROWS, PREFETCH; RESULTS.md K5f: 44.2 µs at M = 1 in
+    its one timed config against this default's 47.3 (H100, bf16), not the default until its other configs are timed.
     """
     if nibble is None:
         nibble = (arch is None or arch >= 80) and nibble_min_rows(layout, arch) == 16  # NVFP4 on a GPU: tiles
