@@ -46,8 +46,9 @@ WORDCOL = dict(WORDCOL=True, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=32, BLOCK_N_DO
 
 
 @pytest.mark.usefixtures("bf16_dots")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("split", [(1, 1), (2, 2), (3, 1), (5, 3, 8), (2, 3, 8, True)], ids=str)
+@pytest.mark.parametrize("dtype,split", [(torch.float16, (1, 1)), (torch.bfloat16, (2, 2)), (torch.float32, (3, 1)),
+                                         (torch.float16, (5, 3, 8)), (torch.bfloat16, (2, 3, 8, True)),
+                                         (torch.float32, (2, 3, 8, True))], ids=str)
 def test_wordcol_path_matches_reference(dtype, split):
     """One token of AWQ experts on the word-column path (moe_wordcol.py): the gate / up sums in one K slice or in
     split-K partials (H = 64: 2 groups; 3 slices leave the last empty), down over I = 32 (one group: a second slice is
