@@ -35,25 +35,27 @@ WORDCOL = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32, 64, 128), rows
 
 
 def configs(M, N, K, group, device, small, grid):
-    """The sweep's configs for one shape (the default's first), each a full nibble_gemv config."""
+    """The sweep's configs for one shape (the default's first), each a full nibble_gemv config; grid None: the
+    default and the word-column configs only."""
     from revolta.kernels.quant.common import device_facts
     from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
     from revolta.kernels.quant.nibble import split_len
 
     base = nibble_gemv_config(M, N, K, group, "awq", *device_facts(device))
     out = [base, base | dict(SCALE_AHEAD=False)]  # the default, and it with the scales loaded in their own K step
-    if not grid["BLOCK_N"]:
-        out = out[:1]
+    wordcol_only = grid is None
     if small:
         grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,))
-    for bn, sk, w, s in itertools.product(*grid.values()):
+    if wordcol_only:
+        out, grid = out[:1], {}
+    for bn, sk, w, s in itertools.product(*grid.values()) if grid else ():
         if bn > N or K // base["BLOCK_K"] < 2 * sk:
             continue
         c = base | dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=w, num_stages=s,
                         k_per_split=split_len(K, sk, base["BLOCK_K"]))
         if c != base:
             out.append(c)
-    if M == 1 and (small or not grid["BLOCK_N"]):  # the word-column GEMV (gemv_wordcol.py): one row only
+    if M == 1 and (small or wordcol_only):  # the word-column GEMV (gemv_wordcol.py): one row only
         from revolta.kernels.quant.gemv_wordcol import wordcol_config
 
         sms = device_facts(device)[0]
@@ -93,9 +95,7 @@ def main() -> int:
     shapes = (("small", 128, 256),) if args.small else SHAPES if args.wordcol else SHAPES[:FIRST_SHAPES]
     if args.shapes:
         shapes = tuple(sh for sh in SHAPES if sh[0] in args.shapes.split(","))
-    grid = QUICK if args.quick else GRID
-    if args.wordcol:
-        grid = dict(BLOCK_N=(), SPLIT_K=(), num_warps=(), num_stages=())  # no nibble variants
+    grid = None if args.wordcol else QUICK if args.quick else GRID  # None: no nibble variants
     rows, t0 = [], time.time()
     gbs = copy_gbs(args.small)
     print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "

@@ -131,6 +131,7 @@ def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W
     PREFETCH (ROWS 8): the next step's words are loaded before this step's are used (carried in registers), so a
     program has a step of loads in flight while it computes; without it each step waits a full memory latency,
     which is why the walk needs many programs (RESULTS.md K6c). Not timed yet."""
+    tl.static_assert(ROWS == 8 or not PREFETCH, "PREFETCH walks 8-row steps")
     NW = N // 8
     a0 = tl.zeros([W], dtype=tl.float32)  # one accumulator per nibble position
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
@@ -143,11 +144,23 @@ def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W
         if PREFETCH:
             c0, c1, c2, c3, c4, c5, c6, c7 = n0, n1, n2, n3, n4, n5, n6, n7
             n0, n1, n2, n3, n4, n5, n6, n7 = _load8(qw + tl.minimum(k0 + 8, k_hi - 8) * NW + o_w, NW, m_w)
-            for r in tl.static_range(8):
-                wd = c0 if r == 0 else c1 if r == 1 else c2 if r == 2 else c3 if r == 3 else c4 if r == 4 else (
-                    c5 if r == 5 else c6 if r == 6 else c7)
-                p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, wd,
-                                                          tl.load(x_row + k0 + r).to(tl.float32))
+            xs = x_row + k0
+            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c0,
+                                                      tl.load(xs).to(tl.float32))
+            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c1,
+                                                      tl.load(xs + 1).to(tl.float32))
+            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c2,
+                                                      tl.load(xs + 2).to(tl.float32))
+            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c3,
+                                                      tl.load(xs + 3).to(tl.float32))
+            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c4,
+                                                      tl.load(xs + 4).to(tl.float32))
+            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c5,
+                                                      tl.load(xs + 5).to(tl.float32))
+            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c6,
+                                                      tl.load(xs + 6).to(tl.float32))
+            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c7,
+                                                      tl.load(xs + 7).to(tl.float32))
         else:
             rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
             for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead

@@ -417,8 +417,7 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     assert all(t.numel() < 2 ** 31 for t in (w_up[0][0], w_dn[0][0])), "the word-column walk indexes in int32"
     G = gate_up.group
     rows = cfg.get("ROWS", min(G, 32))  # rows a step of the walk (gemv_wordcol.wordcol_slice): divides the group
-    prefetch = cfg.get("PREFETCH", False)  # the next step's words loaded ahead (8-row steps)
-    assert rows == 8 or not prefetch, f"PREFETCH walks 8-row steps, got ROWS={rows}"
+    prefetch = cfg.get("PREFETCH", False)  # the next step's words loaded ahead (8-row steps: wordcol_slice checks)
     split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
     bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
