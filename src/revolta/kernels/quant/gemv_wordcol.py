@@ -144,23 +144,10 @@ def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W
         if PREFETCH:
             c0, c1, c2, c3, c4, c5, c6, c7 = n0, n1, n2, n3, n4, n5, n6, n7
             n0, n1, n2, n3, n4, n5, n6, n7 = _load8(qw + tl.minimum(k0 + 8, k_hi - 8) * NW + o_w, NW, m_w)
-            xs = x_row + k0
-            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c0,
-                                                      tl.load(xs).to(tl.float32))
-            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c1,
-                                                      tl.load(xs + 1).to(tl.float32))
-            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c2,
-                                                      tl.load(xs + 2).to(tl.float32))
-            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c3,
-                                                      tl.load(xs + 3).to(tl.float32))
-            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c4,
-                                                      tl.load(xs + 4).to(tl.float32))
-            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c5,
-                                                      tl.load(xs + 5).to(tl.float32))
-            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c6,
-                                                      tl.load(xs + 6).to(tl.float32))
-            p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, c7,
-                                                      tl.load(xs + 7).to(tl.float32))
+            cs = (c0, c1, c2, c3, c4, c5, c6, c7)
+            for r in tl.static_range(8):
+                p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, cs[r],
+                                                          tl.load(x_row + k0 + r).to(tl.float32))
         else:
             rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
             for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead
