@@ -37,14 +37,22 @@ def _cmdline(p: psutil.Process) -> str:
         return ""
 
 
-def _started(llm: LLM) -> tuple[list[psutil.Process], dict[int, psutil.Process]]:
-    """Every process this test process has started, at any depth, once each rank's PLE worker runs (a worker
-    rank builds its executor after rank 0 has built its own), and those workers by their rank's pid."""
+def _children() -> list[psutil.Process]:
+    """This test process's descendants, at any depth (under pytest-xdist also a server another module's fixture
+    started on this worker: `_started` leaves out what ran before the LLM)."""
+    return psutil.Process().children(recursive=True)
+
+
+def _started(llm: LLM, before: list[psutil.Process]) -> tuple[list[psutil.Process], dict[int, psutil.Process]]:
+    """Every process started since `before` (`_children()` taken before the LLM was made), at any depth, once each
+    rank's PLE worker runs (a worker rank builds its executor after rank 0 has built its own), and those workers
+    by their rank's pid."""
     ranks = [psutil.Process().pid] + [p.pid for p in llm.engine.executor.procs]
+    earlier = {p.pid for p in before}
     deadline = time.monotonic() + 60
     while True:
         # multiprocessing's resource tracker is this interpreter's, started with the first spawn: not the LLM's
-        procs = [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in _cmdline(p)]
+        procs = [p for p in _children() if p.pid not in earlier and "resource_tracker" not in _cmdline(p)]
         workers = {p.ppid(): p for p in procs if "revolta.ple.worker" in _cmdline(p)}
         if sorted(workers) == sorted(ranks):
             return procs, workers
@@ -71,8 +79,9 @@ def _assert_all_gone(procs: list[psutil.Process], bound_s: float = BOUND_S) -> N
 def test_tp2_disk_gives_the_tp1_device_tokens(ckpt):
     path, rows = ckpt
     want, _ = _run(LLM(model=path, **ARGS))  # TP1, the FP8 table on the device
+    before = _children()
     llm = LLM(model=path, tensor_parallel_size=2, ple_placement="disk", **ARGS)
-    started, _ = _started(llm)  # one PLE worker per rank
+    started, _ = _started(llm, before)  # one PLE worker per rank
     try:
         tables = [m.table for m in llm.model.modules() if isinstance(getattr(m, "table", None), RankStagedRows)]
         half = vocab_range(rows, 0, 2)[1]
@@ -90,8 +99,9 @@ def test_tp2_disk_gives_the_tp1_device_tokens(ckpt):
 
 def test_a_killed_rank_ple_worker_fails_the_stream_within_the_bound(ckpt):
     path, _ = ckpt
+    before = _children()
     llm = LLM(model=path, tensor_parallel_size=2, ple_placement="disk", speculative_config={"method": None}, **ARGS)
-    started, workers = _started(llm)
+    started, workers = _started(llm, before)
     try:
         victim = workers[llm.engine.executor.procs[0].pid]  # rank 1's
         params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
