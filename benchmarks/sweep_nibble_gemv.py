@@ -31,7 +31,8 @@ FIRST_SHAPES = 4  # the default sweep's; --wordcol and --shapes reach the rest
 GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4))
 QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,))  # --quick: 9 configs
 # at M = 1 (--wordcol, --small) the word-column GEMV (gemv_wordcol.py) too (SPLIT_K None: wordcol_config's split)
-WORDCOL = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32, 64, 128), rows=(32, 16, 8), prefetch=(False, True))
+# 512 features: two words a thread, twice a program's loads in flight per step; 128 slices lost everywhere (K6c)
+WORDCOL = dict(BLOCK_N=(256, 512), num_warps=(1,), SPLIT_K=(None, 32, 64), rows=(32, 16, 8), prefetch=(False, True))
 
 
 def configs(M, N, K, group, device, small, grid):
