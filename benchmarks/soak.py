@@ -20,8 +20,7 @@ installed) under --out and prints a summary:
   interval's lowest reading (rss_floor_mib) beside the reading at the sample (rss_mib). The CI gate is <= 16 MiB.
 
 The server runs with glibc's mmap threshold held at its initial 128 KiB (MALLOC_MMAP_THRESHOLD_; a value already
-in the environment is kept; --malloc-defaults leaves it to `revolta serve`, which holds it at 1 MiB itself since
-b2e1def: server/host_allocator.py). Left alone, glibc raises the threshold to the
+in the environment is kept; --malloc-defaults runs glibc's defaults). By default glibc raises the threshold to the
 size of each large block freed, so later transients of that size come from the heap and their pages stay resident
 after free: the RSS floor then ratchets up, in rare steps, to the largest transient seen so far (+15-25 MiB at a
 random point of a 2-minute run on the embedded default, flat again after; the Python heap, the tensors and
@@ -94,7 +93,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-rss-growth-mib", type=float, default=16.0)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--malloc-defaults", action="store_true",
-                   help="no MALLOC_MMAP_THRESHOLD_: the server's own setting (1 MiB, held)")
+                   help="keep glibc's rising mmap threshold (the RSS floor then ratchets to the largest transient)")
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     return p.parse_args(argv[:argv.index("--")] if "--" in argv else argv), extra

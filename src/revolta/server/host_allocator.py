@@ -9,15 +9,13 @@ copy: six threads decoding 3000 x 2000 px images in turn left ~170 MiB resident 
 the threshold explicitly turns the dynamic raise off (mallopt(3)), so blocks that large are unmapped when freed.
 
 Process-wide, so only the `revolta serve` entry point calls it; `revolta.LLM` used as a library leaves the
-allocator alone. A MALLOC_MMAP_THRESHOLD_ in the environment (glibc reads it at start-up, which also holds the
-threshold) is the user's choice and is kept (benchmarks/soak.py sets 128 KiB).
+allocator alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 MMAP_THRESHOLD = 1 << 20  # bytes: blocks this large get their own mapping (a page-table cost only above 1 MiB)
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
@@ -25,8 +23,6 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 
 def return_large_frees_to_os(threshold: int = MMAP_THRESHOLD) -> str:
     """Fix the allocator's mmap threshold at `threshold` bytes; returns what was done, for the startup summary."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return f"mmap threshold {os.environ['MALLOC_MMAP_THRESHOLD_']} B from MALLOC_MMAP_THRESHOLD_ (kept)"
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
