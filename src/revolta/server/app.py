@@ -18,7 +18,6 @@ from .dev_routes import dev_router
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ServerState
-from .host_allocator import return_large_frees_to_os
 from .media_budget import MediaBudget, MediaReleaseMiddleware, resolve_budget
 from .metrics import Metrics
 from .middleware import ServerMiddleware
@@ -79,7 +78,6 @@ def run_server(llm: Any, config: ServerConfig, host: str, port: int, fault_injec
         fatal.append(error)
         threading.Timer(FATAL_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
 
-    logger.info("host allocator: %s", return_large_frees_to_os())  # decoded media leave RSS when freed
     app = build_app(llm, config, fault_injection, on_fatal=on_fatal)
     # http="h11"/"httptools" both advertise ASGI 2.3, so Starlette watches for disconnects while streaming
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
