@@ -25,6 +25,7 @@ from ..multimodal.media import MediaError
 from ..tokenizer import resolve_generation_prompt
 from .config import ServerConfig
 from .errors import bad_request
+from .heap_trim import TRIM_MIN_BYTES, heap_trimmer
 from .media_budget import MediaBudget
 from .params import check_prompt_length
 from .reasoning import prompt_opens_thinking
@@ -137,6 +138,7 @@ class PromptRenderer:
     def __init__(self, llm: Any, config: ServerConfig, media_budget: MediaBudget):
         self._llm, self._config, self.media_budget = llm, config, media_budget
         self.tokenizer = llm.get_tokenizer()
+        self._trim_heap = heap_trimmer()  # after large decodes: their freed buffers leave the RSS (heap_trim.py)
 
     def _template(self, messages: list[dict[str, Any]], tools: ToolSetup, enable_thinking: bool,
                   template_kwargs: Mapping[str, Any], add_generation_prompt: bool,
@@ -161,12 +163,16 @@ class PromptRenderer:
         except MediaError as e:  # the header is bad: the loader's own message
             raise bad_request(str(e), e.param) from None
 
-    def _process(self, prompt: Mapping[str, Any]) -> Any:
-        """Decode and place the media (worker thread): LLM.process_prompt's result."""
+    def _process(self, prompt: Mapping[str, Any], trim: bool) -> Any:
+        """Decode and place the media (worker thread): LLM.process_prompt's result. trim: hand the freed decode
+        buffers back to the OS afterwards, also when decoding failed."""
         try:
             return self._llm.process_prompt(prompt)
         except ValueError as e:  # MediaError: corrupt data, too many items, over a pixel limit
             raise bad_request(str(e), getattr(e, "param", None)) from None
+        finally:
+            if trim and self._trim_heap is not None:
+                self._trim_heap()
 
     async def render(self, messages: list[dict[str, Any]], tools: ToolSetup,
                      template_kwargs: Mapping[str, Any] | None = None, enable_thinking: bool | None = None,
@@ -192,7 +198,7 @@ class PromptRenderer:
         else:
             hold = await self.media_budget.admit(footprint, request)
             try:
-                processed = await asyncio.to_thread(self._process, prompt)
+                processed = await asyncio.to_thread(self._process, prompt, footprint.peak >= TRIM_MIN_BYTES)
                 mm = processed.mm_prompt
                 hold.settle(sum(it.frames.nbytes for it in mm.items) if mm is not None else 0)
             finally:
