@@ -18,7 +18,8 @@ Policy (spec'd by issue 26; every rule below is tested in tests/server/test_medi
   drops a request when it finishes or is aborted).
 
 Not covered: encoded request bodies (each bounded by the body-size limit), the vision tower's float input (built
-for one engine step at a time) and text prompts. Decoding itself runs on worker threads (chat_prompt.py).
+for one engine step at a time) and text prompts. Decoding itself runs on worker threads (chat_prompt.py), which
+hand the C heap's free pages back after a large decode (heap_trim.py), so RSS follows the budget.
 All state lives on the event loop's thread: no locks.
 """
 
