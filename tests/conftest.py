@@ -4,12 +4,13 @@ import sys
 # Under pytest-xdist (the README's test command runs `-n 2` on the 2-core CI machine) each worker is one of n
 # processes sharing the cores: with an OpenMP thread per core in every worker they spin against each other (single
 # tests ran 7-11x slower). One intra-op thread per worker, and for every process a test starts (servers, ranks).
-if os.environ.get("PYTEST_XDIST_WORKER"):
+XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+if XDIST_WORKER:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where a plugin imported torch first
 
 # Without a GPU, Triton kernels run in the interpreter. The flag is read when a kernel is

@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Callable
 
 TRIM_MIN_BYTES = 16 << 20  # media priced at least this (peak decode bytes) trim after decoding; smaller ones leave
 # little behind for what the walk over every arena costs
 
 
-def heap_trimmer() -> Callable[[], None] | None:
+def heap_trimmer() -> Callable[[], int] | None:
     """A function that hands the C heap's free pages back to the OS (glibc's malloc_trim(0)), or None where the C
     library has no malloc_trim (musl, macOS: their allocators do not keep a raised mmap threshold)."""
     name = ctypes.util.find_library("c")
+    if name is None:
+        return None
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        trim = ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError):
         return None
-    if trim is None:
-        return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-
-    def release() -> None:
-        trim(0)
-
-    return release
+    return functools.partial(trim, 0)

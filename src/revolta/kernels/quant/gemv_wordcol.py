@@ -142,9 +142,8 @@ def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W
         p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
         sx = 0.0
         if PREFETCH:
-            c0, c1, c2, c3, c4, c5, c6, c7 = n0, n1, n2, n3, n4, n5, n6, n7
+            cs = (n0, n1, n2, n3, n4, n5, n6, n7)  # this step's words; the next step's load now
             n0, n1, n2, n3, n4, n5, n6, n7 = _load8(qw + tl.minimum(k0 + 8, k_hi - 8) * NW + o_w, NW, m_w)
-            cs = (c0, c1, c2, c3, c4, c5, c6, c7)
             for r in tl.static_range(8):
                 p0, p1, p2, p3, p4, p5, p6, p7, sx = _row(p0, p1, p2, p3, p4, p5, p6, p7, sx, cs[r],
                                                           tl.load(x_row + k0 + r).to(tl.float32))
