@@ -85,16 +85,20 @@ WORDCOL_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids num_routed H I
 
 
 def wordcol_builds():
-    """The one-token word-column MoE (moe_wordcol.py, AWQ) in a bench_quant_moe config: 64 / 16 K splits, 8-row steps
-    with the next step's words loaded ahead, gate_up masked (I = 640 is 2.5 programs of 256 features)."""
+    """The one-token word-column MoE (moe_wordcol.py, AWQ) in the config one token takes on sm80+ (MOE_WORDCOL: 64 / 16
+    K splits of 8-row steps), gate_up masked (I = 640 is 2.5 programs of 256 features)."""
     from revolta.kernels.quant import moe_wordcol
+    from revolta.kernels.quant.moe import MOE_WORDCOL as C
 
-    flags = dict(G=32, BLOCK_N=256, HAS_SHARED=True, ROWS=8, PREFETCH=True)
+    flags = dict(G=32, HAS_SHARED=True, ROWS=C["ROWS"], PREFETCH=C["PREFETCH"])
+    warps = C["num_warps"]
     return {"awq_wordcol_M1_gate_up": (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
                                        "a" + "iih" * 3 + "afi" + "n" * 9 + "c" * 7,
-                                       dict(flags, SPLIT=64, EVEN=False), 1, 1, "awq"),
+                                       dict(flags, BLOCK_N=C["BLOCK_N_UP"], SPLIT=C["SPLIT_UP"], EVEN=False), warps, 1,
+                                       "awq"),
             "awq_wordcol_M1_down": (moe_wordcol._wordcol_down_kernel, WORDCOL_DOWN,
-                                    "a" + "iih" * 2 + "ffi" + "n" * 9 + "c" * 7, dict(flags, SPLIT=16, EVEN=True), 1, 1,
+                                    "a" + "iih" * 2 + "ffi" + "n" * 9 + "c" * 7,
+                                    dict(flags, BLOCK_N=C["BLOCK_N_DOWN"], SPLIT=C["SPLIT_DOWN"], EVEN=True), warps, 1,
                                     "awq")}
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_quant_moe import TOL, _case
 
-from revolta.kernels.quant.moe import quant_fused_moe, quant_grouped_config
+from revolta.kernels.quant.moe import MOE_WORDCOL, quant_fused_moe, quant_grouped_config, use_moe_wordcol
 
 pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py: unwritten outputs are NaN
 
@@ -68,6 +68,32 @@ def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70()
         assert "NIBBLE_DOT" not in quant_grouped_config(M, 11, 513, 70)
     one, many = quant_grouped_config(1, 11, 513, 90), quant_grouped_config(8, 11, 513, 90)
     assert (one["SPLIT_UP"], one["SPLIT_DOWN"]) == (4, 2) == (many["SPLIT_UP"], many["SPLIT_DOWN"])
+
+
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_default_wordcol_config_matches_reference(dtype):
+    """The config one AWQ token takes by default on sm80+ (MOE_WORDCOL: 64 / 16 K slices of 8-row steps, most of
+    them empty at H = 64, I = 32) computes the reference's MoE."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", 1, dtype)
+    out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=MOE_WORDCOL)
+    torch.testing.assert_close(out, ref, **TOLS[dtype])
+
+
+def test_one_awq_token_in_16_bit_takes_the_word_column_walk_on_sm80_up():
+    """RESULTS.md K5g (H200): 42.4 us against the nibble path's 47.9 at the real shapes. Only when the caller names
+    the activations' dtype: fp32 activations, more rows, other layouts, sm70 and the interpreter keep their paths."""
+    for arch in (80, 90):
+        for dtype in (torch.float16, torch.bfloat16):
+            assert use_moe_wordcol(arch, dtype, "awq", 1)
+            assert quant_grouped_config(1, 11, 513, arch, dtype=dtype) == MOE_WORDCOL
+            assert quant_grouped_config(1, 11, 513, arch, dtype=dtype) is not MOE_WORDCOL  # a copy: callers may edit
+    assert not use_moe_wordcol(90, torch.float32, "awq", 1) and not use_moe_wordcol(90, torch.float16, "awq", 2)
+    assert not use_moe_wordcol(90, torch.float16, "ct_int4", 1) and not use_moe_wordcol(70, torch.float16, "awq", 1)
+    assert not use_moe_wordcol(None, torch.float16, "awq", 1)
+    assert quant_grouped_config(8, 11, 513, 90, dtype=torch.float16)["NIBBLE_DOT"]
+    assert quant_grouped_config(1, 11, 513, 90, nibble=True, dtype=torch.float16)["NIBBLE_DOT"]  # asked: nibble
+    assert quant_grouped_config(1, 11, 513, 90)["NIBBLE_DOT"]  # no dtype named: the nibble path, as before
 
 
 def test_nvfp4_keeps_the_tile_path_on_a_gpu_and_asked_nibble_tiles_are_64_rows():

@@ -7,10 +7,11 @@ arithmetic of `moe.fused_moe_ref`).
 
 Small M (M·k <= GROUPED_MAX_PAIRS (token, slot) pairs: decode, speculative verification) runs the pipeline of
 moe_grouped.py with its grouping (`moe_group`) and its program layout: one program per (touched expert, N tile)
-loops over every row that chose the expert, so each touched expert's packed bytes are read once per call. Two
-decode paths (`quant_grouped_config` picks; config key NIBBLE_DOT): the group-factored path of moe_decode.py (the
-sm80+ default: raw codes dotted per quantization group, scales applied after the dot, split-K at M = 1), and the
-tile path below (sm70, and the sm80+ default before it). Tile path: the packed tile is loaded and decoded to fp32 in
+loops over every row that chose the expert, so each touched expert's packed bytes are read once per call. Three
+decode paths (`quant_grouped_config` picks; config keys WORDCOL, NIBBLE_DOT): one token of AWQ experts in 16-bit
+activations on sm80+ takes the word-column walk of moe_wordcol.py (`use_moe_wordcol`); otherwise the group-factored
+path of moe_decode.py (the sm80+ default: raw codes dotted per quantization group, scales applied after the dot,
+split-K), and the tile path below (sm70, and the sm80+ default before it). Tile path: the packed tile is loaded and decoded to fp32 in
 registers right after the load
 (`_weight_tile`: the formats' own tile decoders `_awq_tile` / `_ct_tile` / `_nvfp4_tile`), rounded to x.dtype
 for tl.dot (what the reference's dequantized weight holds), or kept fp32 for the FMA tiles. No host sync,
@@ -236,8 +237,22 @@ def _quant_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids
 # launch
 
 
+# one token of AWQ experts on sm80+ (use_moe_wordcol): single-warp programs of 256 features, 8-row steps, gate_up in
+# 64 K slices and down in 16. H200, bf16 (RESULTS.md K5g): 42.4 us at the real shapes against the nibble path's 47.9
+# and the same walk in 32-row steps' 47.6 (H100, K5f: 44.2 against 47.3 in 32-row steps)
+MOE_WORDCOL = dict(WORDCOL=True, NIBBLE_DOT=False, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=256, BLOCK_N_DOWN=256,
+                   SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, PREFETCH=False, num_warps=1, num_stages=1)
+
+
+def use_moe_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int) -> bool:
+    """Whether one token's packed MoE takes the word-column walk by default: M = 1, AWQ experts (packed along N),
+    16-bit activations, sm80+ (None: the interpreter keeps the nibble path, as the dense GEMV's use_wordcol does)."""
+    return (M == 1 and layout == "awq" and arch is not None and arch >= 80
+            and dtype in (torch.float16, torch.bfloat16))
+
+
 def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None,
-                         nibble: bool | None = None, layout: str = "awq") -> dict:
+                         nibble: bool | None = None, layout: str = "awq", dtype: torch.dtype | None = None) -> dict:
     """Launch config of the packed grouped kernels (the benchmark times variants beside it).
 
     Tile path (nibble=False), sm80+: moe_grouped's tl.dot tiles (16 rows, 2 x 32 gate + up rows, 64 down rows,
@@ -256,10 +271,12 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     NVFP4 (`layout`) keeps the tile path on a GPU: compiled, the nibble path's 16-row NVFP4 tiles summed wrong
     (relative error ~3 at M = 1 / 8 / 40 on an H100) while the tile path matched; a nibble config asked for NVFP4
     gets `nibble_min_rows` (64) rows, which matched too (rows past M are masked).
-    WORDCOL (asked only; one token of AWQ experts): the word-column walk on CUDA cores (moe_wordcol.py), keys
-    BLOCK_N_UP / BLOCK_N_DOWN (256 a warp), SPLIT_UP / SPLIT_DOWN, ROWS, PREFETCH; RESULTS.md K5f: 44.2 µs at M = 1 in
-    its one timed config against this default's 47.3 (H100, bf16), not the default until its other configs are timed.
+    WORDCOL (one token of AWQ experts, `use_moe_wordcol`, when `dtype` is given and nibble is None): the word-column
+    walk on CUDA cores (moe_wordcol.py), MOE_WORDCOL's keys BLOCK_N_UP / BLOCK_N_DOWN (256 a warp), SPLIT_UP /
+    SPLIT_DOWN, ROWS, PREFETCH.
     """
+    if nibble is None and dtype is not None and use_moe_wordcol(arch, dtype, layout, M):
+        return dict(MOE_WORDCOL)
     if nibble is None:
         nibble = (arch is None or arch >= 80) and nibble_min_rows(layout, arch) == 16  # NVFP4 on a GPU: tiles
     if nibble:
@@ -331,7 +348,7 @@ def quant_fused_moe(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk
     if config is None and M * k > GROUPED_MAX_PAIRS:
         return _expert_loop(x, gate_up, down, topk_ids, topk_weights, shared_expert, dequantize)
     cfg = config or quant_grouped_config(M, k, E + (shared_expert is not None), _arch(x.device),
-                                         layout=gate_up.layout)
+                                         layout=gate_up.layout, dtype=x.dtype)
     y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg)  # [M·k·SPLIT_DOWN, H]
     return moe_sum(y, out, y.shape[0] // M)
 
@@ -412,11 +429,11 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     """`_grouped_expert_mlp` for one token on the word-column path (moe_wordcol.py; AWQ): y [k·SPLIT_DOWN, H] fp32."""
     M, H = x.shape
     T, I = act.shape
-    assert M == 1 and gate_up.layout == "awq" and gate_up.group == down.group, (
-        f"the word-column MoE takes one token of AWQ experts with one group size, got M={M}, {gate_up.layout}")
+    assert M == 1 and gate_up.layout == "awq", f"the word-column MoE takes one token of AWQ experts, got M={M}, " \
+        f"{gate_up.layout}"
     assert all(t.numel() < 2 ** 31 for t in (w_up[0][0], w_dn[0][0])), "the word-column walk indexes in int32"
-    G = gate_up.group
-    rows = cfg.get("ROWS", min(G, 32))  # rows a step of the walk (gemv_wordcol.wordcol_slice): divides the group
+    # rows a step of the walk (gemv_wordcol.wordcol_slice), dividing each linear's group
+    rows_up, rows_dn = (min(p.group, cfg.get("ROWS", 32)) for p in (gate_up, down))
     prefetch = cfg.get("PREFETCH", False)  # the next step's words loaded ahead (8-row steps: wordcol_slice checks)
     split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
     bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
@@ -425,13 +442,13 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     launch = dict(num_warps=cfg["num_warps"], num_stages=1)
     _wordcol_gate_up_kernel[(num_slots, triton.cdiv(I, bn_up), split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, *(t.stride(0) for t in w_up),
-        act.stride(0), split_len(H, split_up, rows), G=G, BLOCK_N=bn_up, HAS_SHARED=has_shared, SPLIT=split_up,
-        EVEN=I % bn_up == 0, ROWS=rows, PREFETCH=prefetch, **launch)
+        act.stride(0), split_len(H, split_up, rows_up), G=gate_up.group, BLOCK_N=bn_up, HAS_SHARED=has_shared,
+        SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch, **launch)
     if split_up > 1:
         _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                              BLOCK=REDUCE_BLOCK, num_warps=2)
     _wordcol_down_kernel[(num_slots, triton.cdiv(H, bn_dn), split_dn)](
         act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
-        *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows), G=G, BLOCK_N=bn_dn,
-        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows, PREFETCH=prefetch, **launch)
+        *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
+        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, **launch)
     return y
