@@ -134,7 +134,8 @@ def engine_config(args, spec: dict, capture: tuple[int, ...]) -> EngineConfig:
     return EngineConfig(max_model_len=args.max_model_len, max_num_seqs=largest,
                         max_num_batched_tokens=max(2048, largest * args.prompt_len), kv_cache_gib=args.kv_cache_gib,
                         kernels="triton" if args.cuda else "torch", enable_prefix_caching=False,
-                        speculative_config=spec, cudagraph_capture_sizes=capture)
+                        speculative_config=spec, cudagraph_capture_sizes=capture,
+                        dflash2_graph_rounds=args.dflash2_graph_rounds)
 
 
 def eager_round_graphs(engine, sizes: list[int]) -> None:
@@ -373,12 +374,16 @@ class Results(dict):
 
 
 def measured_speedup_table(out: dict, gpu: str, commit: str) -> dict:
-    """The start-up warning's table (src/revolta/spec/measured_speedup.json) from this run's rows."""
+    """The start-up warning's table (src/revolta/spec/measured_speedup.json) from this run's rows; `source` names
+    the model the run built (the full-size AWQ model or the 16-bit stand-in) and its RESULTS.md section."""
+    m = out["model"]
+    what = ("F3, the full-size model (AWQ int4, 512 experts)" if m["experts"] == 512 and m["weights"] == "awq"
+            else f"F1, the full-depth stand-in ({m['layers']} layers, {m['experts']} experts, {m['weights']})")
     rows = [{"method": r["method"], "num_speculative_tokens": r["drafts"], "concurrency": r["concurrency"],
              "speedup": round(r["model_speedup"][str(RECORD_ACCEPTANCE)], 3),
-             "basis": f"cost model at per-draft acceptance {RECORD_ACCEPTANCE} from the measured round "
-                      f"({r['round_ms']:.1f} ms) and plain step times",
-             "device": gpu, "source": "benchmarks/RESULTS.md, full-depth stand-in (bench_fulldepth.py)",
+             "basis": f"cost model at per-draft acceptance {RECORD_ACCEPTANCE} over the measured round and step "
+                      "times",
+             "device": gpu, "source": f"benchmarks/RESULTS.md {what}, bench_fulldepth.py",
              "commit": commit} for r in out["spec"] if math.isfinite(r["model_speedup"][str(RECORD_ACCEPTANCE)])]
     return {"rows": rows}
 
@@ -444,6 +449,8 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true", help="C1 and C8 only, 12 timed steps")
     ap.add_argument("--json", default=None, help="default: $OUT/bench_fulldepth.json")
     ap.add_argument("--strict", action="store_true", help="raise when a speculative stage fails (default: log it)")
+    ap.add_argument("--dflash2-graph-rounds", action="store_true",
+                    help="DFlash2 rounds through the verify / commit graphs (EngineConfig.dflash2_graph_rounds)")
     args = ap.parse_args(argv)
     if args.layers < 4:
         ap.error(f"--layers {args.layers}: the stand-in repeats GDN GDN GDN QSA, so it needs at least 4 layers "

@@ -50,7 +50,7 @@ def slower_warning(method: str | None, rows: list[MeasuredSpeedup] | None = None
         return None
     rows.sort(key=lambda r: r.concurrency)
     figures = ", ".join(f"{r.speedup:.2f}x at C{r.concurrency}" for r in rows)
-    sources = "; ".join(dict.fromkeys(r.source for r in rows))
+    sources = "; ".join(dict.fromkeys(f"{r.source}: {r.basis}" for r in rows))
     return (f"speculative decoding ({_METHOD_NAMES.get(method, method)}, {rows[0].num_speculative_tokens} drafts) "
-            f"measured {figures} the tokens/s of plain decoding on {rows[0].device} ({sources}); below 1x it is "
+            f"reached {figures} the tokens/s of plain decoding on {rows[0].device} ({sources}); below 1x it is "
             "slower than decoding without it: pass speculative_config={'method': None} for plain decoding")
