@@ -135,7 +135,7 @@ def engine_config(args, spec: dict, capture: tuple[int, ...]) -> EngineConfig:
                         max_num_batched_tokens=max(2048, largest * args.prompt_len), kv_cache_gib=args.kv_cache_gib,
                         kernels="triton" if args.cuda else "torch", enable_prefix_caching=False,
                         speculative_config=spec, cudagraph_capture_sizes=capture,
-                        dflash2_graph_rounds=args.dflash2_graph_rounds)
+                        dflash2_graph_rounds=args.dflash2_graph_rounds, dflash2_draft_graph=args.dflash2_draft_graph)
 
 
 def eager_round_graphs(engine, sizes: list[int]) -> None:
@@ -451,6 +451,8 @@ def parse_args(argv):
     ap.add_argument("--strict", action="store_true", help="raise when a speculative stage fails (default: log it)")
     ap.add_argument("--dflash2-graph-rounds", action="store_true",
                     help="DFlash2 rounds through the verify / commit graphs (EngineConfig.dflash2_graph_rounds)")
+    ap.add_argument("--dflash2-draft-graph", action="store_true",
+                    help="the DFlash2 drafter's forward from CUDA graphs too (EngineConfig.dflash2_draft_graph)")
     args = ap.parse_args(argv)
     if args.layers < 4:
         ap.error(f"--layers {args.layers}: the stand-in repeats GDN GDN GDN QSA, so it needs at least 4 layers "

@@ -11,8 +11,8 @@ loops over every row that chose the expert, so each touched expert's packed byte
 decode paths (`quant_grouped_config` picks; config keys WORDCOL, NIBBLE_DOT): one token of AWQ experts in 16-bit
 activations on sm80+ takes the word-column walk of moe_wordcol.py (`use_moe_wordcol`); otherwise the group-factored
 path of moe_decode.py (the sm80+ default: raw codes dotted per quantization group, scales applied after the dot,
-split-K), and the tile path below (sm70, and the sm80+ default before it). Tile path: the packed tile is loaded and decoded to fp32 in
-registers right after the load
+split-K), and the tile path below (sm70, and the sm80+ default before it). Tile path: the packed tile is loaded and
+decoded to fp32 in registers right after the load
 (`_weight_tile`: the formats' own tile decoders `_awq_tile` / `_ct_tile` / `_nvfp4_tile`), rounded to x.dtype
 for tl.dot (what the reference's dequantized weight holds), or kept fp32 for the FMA tiles. No host sync,
 shapes fixed by M·k and E: it captures in a CUDA graph. The shared expert rides as expert E when its three
