@@ -38,22 +38,23 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
 
 class Timed:
     """A replay callable timed on each call: CUDA events around it on a GPU (no extra sync), wall
-    clock on the CPU (where the graphs' code runs eagerly)."""
+    clock on the CPU (where the graphs' code runs eagerly). Each call appends (start, end, host time
+    at the call): the host time places the replay inside its step (`host_split`)."""
 
     def __init__(self, fn, events: list, cuda: bool = True):
         self.fn, self.events, self.cuda = fn, events, cuda
 
     def __call__(self):
+        called = time.perf_counter()
         if not self.cuda:
-            t0 = time.perf_counter()
             self.fn()
-            self.events.append((t0, time.perf_counter()))
+            self.events.append((called, time.perf_counter(), called))
             return
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         self.fn()
         b.record()
-        self.events.append((a, b))
+        self.events.append((a, b, called))
 
     replay = __call__  # stands in for a CUDAGraph too
 
@@ -82,8 +83,30 @@ def gpu_ms(parts: dict[str, list], skip: int = 2) -> dict[str, float]:
     """Median milliseconds of each wrapped graph (GPU time; after a sync), skipping the first `skip` calls."""
     if any(isinstance(ev[0][0], torch.cuda.Event) for ev in parts.values() if ev):
         torch.cuda.synchronize()
-    return {f"{name}_gpu_ms": statistics.median([_ms(a, b) for a, b in ev[skip:] or ev])
+    return {f"{name}_gpu_ms": statistics.median([_ms(e[0], e[1]) for e in ev[skip:] or ev])
             for name, ev in parts.items() if ev}
+
+
+def host_split(steps: list[StepRecord], events: list) -> dict[str, float]:
+    """Where a graph-served step's wall time goes besides its replay (median ms over `steps`): host work before the
+    replay was called (scheduling, cache bookkeeping, packing and copying the inputs: the GPU idles, the step having
+    started after a sync), the replay's GPU time, and the rest (everything after the replay on host and device:
+    the logits copy, sampling and its sync, appending tokens, the scheduler's update). `events`: the Timed
+    replays' (start, end, host call time), one per graph-served step among others."""
+    if events and isinstance(events[0][0], torch.cuda.Event):
+        torch.cuda.synchronize()  # every event recorded before reading them
+    before, gpu, after = [], [], []
+    for s in steps:
+        inside = [e for e in events if s.start_s <= e[2] <= s.start_s + s.wall_s]
+        if len(inside) != 1:
+            continue
+        b = (inside[0][2] - s.start_s) * 1e3
+        g = _ms(inside[0][0], inside[0][1])
+        before.append(b), gpu.append(g), after.append(s.wall_s * 1e3 - b - g)
+    if not before:
+        return {}
+    return {"host_before_ms": statistics.median(before), "replay_gpu_ms": statistics.median(gpu),
+            "after_replay_ms": statistics.median(after)}
 
 
 def graph_replays(engine) -> int:
@@ -103,6 +126,7 @@ class StepRecord:
     active: int
     decoding: bool
     graphed: bool
+    start_s: float = 0.0  # time.perf_counter() at the step's start (after the sync before it)
 
 
 @torch.no_grad()
@@ -118,7 +142,7 @@ def step_once(engine, reqs: list[Request]) -> StepRecord:
     engine.step()
     sync(device)
     return StepRecord(time.perf_counter() - t0, sum(len(r.token_ids) for r in reqs) - before, active, decoding,
-                      graph_replays(engine) > replays)
+                      graph_replays(engine) > replays, t0)
 
 
 def drive(engine, reqs: list[Request]) -> list[StepRecord]:

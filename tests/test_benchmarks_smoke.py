@@ -131,3 +131,16 @@ def test_fulldepth_awq_weights_and_host_ple_table(tmp_path):
     cfg = standin_config(4, 8, with_mtp=True, widths="tiny").text
     per_token = plain["bytes"]["table_rows"] - cfg.hidden_size * 4  # fp32 embedding row on CPU
     assert per_token == len(cfg.ple_layer_ids) * cfg.num_ngram_heads * cfg.ngram_head_dim  # FP8: one byte each
+
+
+def test_host_split_places_each_replay_inside_its_step():
+    """bench_fulldepth's split of a graph-served step: host time before the replay was called, the replay's GPU
+    time, the rest; a replay outside every step (another stage's) is not counted."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from engine_timing import StepRecord, host_split
+
+    steps = [StepRecord(0.010, 1, 1, True, True, start_s=100.0), StepRecord(0.012, 1, 1, True, True, start_s=200.0)]
+    events = [(100.002, 100.008, 100.002), (200.004, 200.010, 200.004), (300.0, 300.001, 300.0)]
+    split = host_split(steps, events)
+    assert split == pytest.approx({"host_before_ms": 3.0, "replay_gpu_ms": 6.0, "after_replay_ms": 2.0})
+    assert host_split(steps, []) == {}
