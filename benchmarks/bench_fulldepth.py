@@ -62,8 +62,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
-from engine_timing import (Req, copy_bandwidth_gbs, drive, gpu_ms, host_split, random_prompts, step_once, sync,  # noqa: E402
-                           time_graphs)
+from engine_timing import Req, copy_bandwidth_gbs, drive, gpu_ms, host_split, random_prompts  # noqa: E402
+from engine_timing import step_once, sync, time_graphs  # noqa: E402
 from forced_drafts import force_drafts  # noqa: E402
 from kernel_families import FAMILIES, breakdown, count_routing  # noqa: E402
 from standin import (DrafterShape, build_model, mtp_draft_bytes, standin_config, step_bytes, weight_tensors,  # noqa: E402
