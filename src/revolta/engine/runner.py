@@ -55,6 +55,9 @@ _SECTIONS = ("input_ids", "positions", "group_pos", "slots", "has_initial_state"
              "block_table", "slot_mapping")
 
 
+PACK_LIST_MAX_TOKENS = 512  # steps of up to this many new tokens are packed as one Python list (pack_buffer)
+
+
 def offsets(lens: list[int]) -> list[int]:
     """[B + 1] cumulative offsets (cu_seqlens) of B lengths."""
     cu = [0]
@@ -66,6 +69,88 @@ def offsets(lens: list[int]) -> list[int]:
 def section_sizes(B: int, T: int, W: int) -> list[int]:
     """Lengths of the packed step buffer's sections (_SECTIONS order) for B sequences, T tokens, a W-wide table."""
     return [T, 3 * T, 3 * B, B, B, B + 1, B, B * W, T]
+
+
+def pack_buffer(seqs: list[StepSequence], block_size: int, ratio: int, num_rows: int | None = None,
+                width: int | None = None) -> Tensor:
+    """The packed host int64 buffer of a step (sections: `_SECTIONS`; `StepInputs.unpack` reads it).
+
+    num_rows / width pad the batch to a captured graph's size and block-table width: padded rows are one-token
+    sequences on the dummy slot 0 and the null block 0, which no request owns. `ratio`: the QSA compress group, whose
+    first token's position `group_pos` holds. A step of at most PACK_LIST_MAX_TOKENS new tokens (decode,
+    verification) is built as one Python list and one tensor (`_pack_list`: a few small tensor ops per request cost
+    more host time than the whole list), a longer one with tensor ops over all its tokens at once (`_pack_tensors`);
+    both give the same buffer (tests/engine/test_pack_step.py).
+    """
+    lens = [len(s.token_ids) for s in seqs]
+    if not seqs or min(lens) < 1:
+        raise ValueError(f"every scheduled sequence needs at least one new token, got lengths {lens}")
+    W = max(len(s.block_ids) for s in seqs) if width is None else width
+    for s, n in zip(seqs, lens):
+        end = s.num_computed + n
+        need = -(-end // block_size)
+        if len(s.block_ids) < need or len(s.block_ids) > W:
+            raise ValueError(f"a sequence with {end} tokens needs {need} blocks of {block_size} (table width {W}), "
+                             f"got {len(s.block_ids)}")
+    pad = 0 if num_rows is None else num_rows - len(seqs)
+    table = [b for s in seqs for b in s.block_ids + [0] * (W - len(s.block_ids))]
+    small = ([s.slot for s in seqs] + [0] * pad + [int(s.num_computed > 0) for s in seqs] + [0] * pad
+             + offsets(lens + [1] * pad) + [s.num_computed + n for s, n in zip(seqs, lens)] + [1] * pad
+             + table + [0] * (pad * W))  # slots, has_initial_state, cu_seqlens, seq_lens, block_table
+    groups = [_group_first(s, ratio) for s in seqs]
+    if sum(lens) <= PACK_LIST_MAX_TOKENS:
+        return torch.tensor(_pack_list(seqs, block_size, pad, groups, small))
+    return _pack_tensors(seqs, lens, block_size, pad, groups, small, torch.tensor(table).view(len(seqs), W))
+
+
+def _group_first(s: StepSequence, ratio: int) -> list[int]:
+    """[3] position of the first token of the compress group holding the sequence's start."""
+    first = (s.num_computed // ratio) * ratio
+    if s.positions is not None and first < s.positions.shape[1]:
+        return s.positions[:, first].tolist()
+    return [first + s.rope_delta] * 3
+
+
+def _pack_list(seqs: list[StepSequence], block_size: int, pad: int, groups: list[list[int]],
+               small: list[int]) -> list[int]:
+    """pack_buffer's sections as one Python list, token by token: ids, positions (a media prompt's first P given,
+    then index + rope_delta), group positions, the small sections, the slot mapping."""
+    bs = block_size
+    ids, rows, slot_mapping = [], ([], [], []), []
+    for s in seqs:
+        start, end = s.num_computed, s.num_computed + len(s.token_ids)
+        known = 0 if s.positions is None else s.positions.shape[1]
+        given = s.positions[:, start:min(end, known)].tolist() if start < known else ([], [], [])
+        after = range(max(start, known) + s.rope_delta, max(end, known) + s.rope_delta)
+        ids += s.token_ids
+        for r in range(3):
+            rows[r].extend(given[r] + list(after))
+        slot_mapping += [s.block_ids[i // bs] * bs + i % bs for i in range(start, end)]
+    zeros = [0] * pad
+    return (ids + zeros + rows[0] + zeros + rows[1] + zeros + rows[2] + zeros
+            + [g[r] for r in range(3) for g in groups + [[0, 0, 0]] * pad] + small + slot_mapping + zeros)
+
+
+def _pack_tensors(seqs: list[StepSequence], lens: list[int], block_size: int, pad: int, groups: list[list[int]],
+                  small: list[int], table: Tensor) -> Tensor:
+    """pack_buffer's sections for a long step, with tensor ops over all its tokens; table [B, W]."""
+    cu = offsets(lens)
+    rep = torch.tensor(lens)
+    to_index = torch.tensor([s.num_computed - c for s, c in zip(seqs, cu)])  # row of the step -> token index
+    index = torch.arange(cu[-1]) + to_index.repeat_interleave(rep)  # [T]
+    slot_mapping = table[torch.arange(len(seqs)).repeat_interleave(rep), index // block_size]
+    slot_mapping = slot_mapping * block_size + index % block_size  # [T]
+    positions = (index + torch.tensor([s.rope_delta for s in seqs]).repeat_interleave(rep)).expand(3, -1).clone()
+    for s, c, n in zip(seqs, cu, lens):  # a media prompt's first P positions are given
+        known, start = (0 if s.positions is None else s.positions.shape[1]), s.num_computed
+        if start < known:
+            m = min(start + n, known) - start
+            positions[:, c:c + m] = s.positions[:, start:start + m].cpu()
+    zeros3 = torch.zeros(3, pad, dtype=torch.long)
+    return torch.cat([torch.tensor([t for s in seqs for t in s.token_ids] + [0] * pad),
+                      torch.cat([positions, zeros3], dim=1).reshape(-1),
+                      torch.cat([torch.tensor(groups).t(), zeros3], dim=1).reshape(-1),
+                      torch.tensor(small), slot_mapping, torch.zeros(pad, dtype=torch.long)])
 
 
 @dataclass
@@ -144,52 +229,9 @@ class ModelRunner:
         if self.ple_feeder is not None:
             self.ple_feeder.check_health()
 
-    def _positions(self, seq: StepSequence, start: int, end: int) -> Tensor:
-        known = 0 if seq.positions is None else seq.positions.shape[1]
-        after = torch.arange(max(start, known), max(end, known)).unsqueeze(0).expand(3, -1) + seq.rope_delta
-        if start >= known:
-            return after
-        # a chunk across the end of the prompt's positions continues at index + rope_delta
-        return torch.cat([seq.positions[:, start:min(end, known)].cpu(), after], dim=1)
-
     def pack_step(self, seqs: list[StepSequence], num_rows: int | None = None, width: int | None = None) -> Tensor:
-        """The packed host int64 buffer of a step (pinned on CUDA).
-
-        num_rows / width pad the batch to a captured graph's size and block-table width: padded
-        rows are one-token sequences on the dummy slot 0 and the null block 0, which no request owns.
-        """
-        lens = [len(s.token_ids) for s in seqs]
-        if not seqs or min(lens) < 1:
-            raise ValueError(f"every scheduled sequence needs at least one new token, got lengths {lens}")
-        bs = self.block_size
-        W = max(len(s.block_ids) for s in seqs) if width is None else width
-        pad = 0 if num_rows is None else num_rows - len(seqs)
-        ids, pos, group_pos, slot_mapping, table = [], [], [], [], []
-        for s in seqs:
-            end = s.num_computed + len(s.token_ids)
-            need = -(-end // bs)
-            if len(s.block_ids) < need or len(s.block_ids) > W:
-                raise ValueError(f"a sequence with {end} tokens needs {need} blocks of {bs} (table width {W}), "
-                                 f"got {len(s.block_ids)}")
-            ids += s.token_ids
-            pos.append(self._positions(s, s.num_computed, end))
-            first = (s.num_computed // self.ratio) * self.ratio  # first token of the group holding the start
-            group_pos.append(self._positions(s, first, first + 1))
-            slot_mapping += [s.block_ids[i // bs] * bs + i % bs for i in range(s.num_computed, end)]
-            table += s.block_ids + [0] * (W - len(s.block_ids))
-        zeros3 = torch.zeros(3, pad, dtype=torch.long)
-        parts = [
-            torch.tensor(ids + [0] * pad),
-            torch.cat(pos + [zeros3], dim=1).reshape(-1),
-            torch.cat(group_pos + [zeros3], dim=1).reshape(-1),
-            torch.tensor([s.slot for s in seqs] + [0] * pad),
-            torch.tensor([int(s.num_computed > 0) for s in seqs] + [0] * pad),
-            torch.tensor(offsets(lens + [1] * pad)),
-            torch.tensor([s.num_computed + n for s, n in zip(seqs, lens)] + [1] * pad),
-            torch.tensor(table + [0] * (pad * W)),
-            torch.tensor(slot_mapping + [0] * pad),
-        ]
-        flat = torch.cat([p.long() for p in parts])
+        """The packed host int64 buffer of a step (`pack_buffer`), pinned on CUDA."""
+        flat = pack_buffer(seqs, self.block_size, self.ratio, num_rows, width)
         return flat.pin_memory() if self.model.device.type == "cuda" else flat
 
     def forward_packed(self, inputs: StepInputs, cu_seqlens: list[int], logits_indices: Tensor | None = None,
