@@ -222,10 +222,15 @@ def _copy(src: list[Tensor], dst: list[Tensor], pairs: Iterable[tuple[int, int]]
     pairs = [(s, d) for d, s in pairs]
     if not pairs:
         return
+    ids: dict[tuple[int, torch.device], Tensor] = {}  # one index copy per (side, device), not per tensor
+
+    def index(side: int, device: torch.device) -> Tensor:
+        if (side, device) not in ids:
+            ids[side, device] = torch.tensor([p[side] for p in pairs], dtype=torch.long, device=device)
+        return ids[side, device]
+
     for s, d in zip(src, dst, strict=True):
-        si = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=s.device)
-        di = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=d.device)
-        d.index_copy_(0, di, s.index_select(0, si).to(d.device, non_blocking=True))
+        d.index_copy_(0, index(1, d.device), s.index_select(0, index(0, s.device)).to(d.device, non_blocking=True))
 
 
 def make_block_table(rows: Sequence[Sequence[int]], max_blocks: int, device: str | torch.device = "cpu") -> Tensor:
