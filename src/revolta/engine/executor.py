@@ -23,6 +23,7 @@ worker-side, so nothing of them reaches the engine.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
@@ -72,7 +73,7 @@ class StepItem:
     prompt_logits: bool = False
     verify: bool = False
     num_drafts: int = 0
-    all_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: Sequence[int] = field(default_factory=list)  # prompt + output (scheduler's TokenView)
     num_preemptions: int = 0
 
 

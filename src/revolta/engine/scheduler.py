@@ -22,6 +22,7 @@ from ..cache.hybrid import Allocation, HybridAllocator
 from ..multimodal.encoder_cache import EncoderCache, EncoderStep
 from ..multimodal.processor import MediaItem, MultimodalPrompt
 from .request import Request
+from .token_view import TokenView
 
 
 class SeqState:
@@ -40,8 +41,10 @@ class SeqState:
         self.extra_keys = self.mm.extra_keys if self.mm is not None else None
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids + self.request.token_ids
+    def all_token_ids(self) -> TokenView:
+        """The prompt and output tokens, read in place: the cache and the step read the length and a slice every
+        step, and a copy of a 512K-token context costs milliseconds of host time per request."""
+        return TokenView(self.request.prompt_token_ids, self.request.token_ids)
 
     @property
     def num_pending_tokens(self) -> int:

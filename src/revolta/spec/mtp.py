@@ -30,6 +30,7 @@ rows; the MTP K/V it finds in hit pages came from the request that computed them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -86,7 +87,7 @@ class DraftItem:
 
     request_id: str
     step: StepSequence
-    all_token_ids: list[int]
+    all_token_ids: Sequence[int]
     num_preemptions: int
     num_drafts: int
     defer_seed: bool = False  # a plain decode step while drafting is paused: its pending rows may wait
