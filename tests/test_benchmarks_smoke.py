@@ -144,3 +144,14 @@ def test_host_split_places_each_replay_inside_its_step():
     split = host_split(steps, events)
     assert split == pytest.approx({"host_before_ms": 3.0, "replay_gpu_ms": 6.0, "after_replay_ms": 2.0})
     assert host_split(steps, []) == {}
+
+
+def test_host_phases_smoke():
+    """benchmarks/host_phases.py (RESULTS.md H1) runs and times every phase it names."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import host_phases
+
+    out = host_phases.main(["--concurrency", "2", "--context", "8", "--steps", "3"])
+    assert {"model.forward", "pack_step", "scheduler.schedule", "scheduler.update", "sampling", "step",
+            "outside the forward"} <= set(out)
+    assert all(mean > 0 and median > 0 for mean, median in out.values())
