@@ -41,7 +41,7 @@ def _random_step(rng: random.Random) -> tuple[list[StepSequence], int, int]:
         positions = None if given is None else torch.randint(0, 1000, (3, given))
         seqs.append(StepSequence([rng.randint(0, 5000) for _ in range(n)], start, blocks, rng.randint(0, 20),
                                  rope_delta=rng.randint(-50, 50), positions=positions))
-    width = max(len(s.block_ids) for s in seqs) + rng.choice([0, 0, 3])
+    width = max(len(s.block_ids) for s in seqs) + rng.choice([0, 0, 3, 200])  # a graph's wide table too
     return seqs, len(seqs) + rng.choice([0, 0, 2]), width
 
 

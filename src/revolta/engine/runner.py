@@ -78,9 +78,10 @@ def pack_buffer(seqs: list[StepSequence], block_size: int, ratio: int, num_rows:
 
     num_rows / width pad the batch to a captured graph's size and block-table width: padded rows are one-token
     sequences on the dummy slot 0 and the null block 0, which no request owns. `ratio`: the QSA compress group, whose
-    first token's position `group_pos` holds. A step of at most PACK_LIST_MAX_TOKENS new tokens (decode,
-    verification) is built as one Python list and one tensor (`_pack_list`: a few small tensor ops per request cost
-    more host time than the whole list), a longer one with tensor ops over all its tokens at once (`_pack_tensors`);
+    first token's position `group_pos` holds. The buffer is assembled in an int64 array (the block table, as wide as a
+    graph's max_model_len allows, by one slice copy a request); a step of at most PACK_LIST_MAX_TOKENS new tokens
+    (decode, verification) builds its per-token sections as Python lists (`_token_lists`: a few small tensor ops per
+    request cost more host time than the lists), a longer one with tensor ops over all its tokens (`_token_tensors`);
     both give the same buffer (tests/engine/test_pack_step.py).
     """
     lens = [len(s.token_ids) for s in seqs]
@@ -94,14 +95,24 @@ def pack_buffer(seqs: list[StepSequence], block_size: int, ratio: int, num_rows:
             raise ValueError(f"a sequence with {end} tokens needs {need} blocks of {block_size} (table width {W}), "
                              f"got {len(s.block_ids)}")
     pad = 0 if num_rows is None else num_rows - len(seqs)
-    table = [b for s in seqs for b in s.block_ids + [0] * (W - len(s.block_ids))]
+    table = array("q", bytes(8 * (len(seqs) + pad) * W))  # [(B + pad) * W] zeros: the null block
+    for i, s in enumerate(seqs):
+        table[i * W:i * W + len(s.block_ids)] = array("q", s.block_ids)
     small = ([s.slot for s in seqs] + [0] * pad + [int(s.num_computed > 0) for s in seqs] + [0] * pad
-             + offsets(lens + [1] * pad) + [s.num_computed + n for s, n in zip(seqs, lens)] + [1] * pad
-             + table + [0] * (pad * W))  # slots, has_initial_state, cu_seqlens, seq_lens, block_table
+             + offsets(lens + [1] * pad) + [s.num_computed + n for s, n in zip(seqs, lens)]
+             + [1] * pad)  # slots, has_initial_state, cu_seqlens, seq_lens
     groups = [_group_first(s, ratio) for s in seqs]
-    if sum(lens) <= PACK_LIST_MAX_TOKENS:
-        return int64_tensor(_pack_list(seqs, block_size, pad, groups, small))
-    return _pack_tensors(seqs, lens, block_size, pad, groups, small, int64_tensor(table).view(len(seqs), W))
+    group_rows = [g[r] for r in range(3) for g in groups + [[0, 0, 0]] * pad]  # [3, B + pad] row-major
+    if sum(lens) > PACK_LIST_MAX_TOKENS:
+        ids, positions, slot_mapping = _token_tensors(seqs, lens, block_size, pad,
+                                                      torch.frombuffer(table, dtype=torch.int64).view(-1, W))
+        return torch.cat([ids, positions, int64_tensor(group_rows + small), torch.frombuffer(table, dtype=torch.int64),
+                          slot_mapping])
+    ids, positions, slot_mapping = _token_lists(seqs, block_size, pad)
+    buf = array("q", ids + positions + group_rows + small)
+    buf += table
+    buf.extend(slot_mapping)
+    return torch.frombuffer(buf, dtype=torch.int64)
 
 
 def int64_tensor(values: list[int]) -> Tensor:
@@ -118,10 +129,9 @@ def _group_first(s: StepSequence, ratio: int) -> list[int]:
     return [first + s.rope_delta] * 3
 
 
-def _pack_list(seqs: list[StepSequence], block_size: int, pad: int, groups: list[list[int]],
-               small: list[int]) -> list[int]:
-    """pack_buffer's sections as one Python list, token by token: ids, positions (a media prompt's first P given,
-    then index + rope_delta), group positions, the small sections, the slot mapping."""
+def _token_lists(seqs: list[StepSequence], block_size: int, pad: int) -> tuple[list[int], list[int], list[int]]:
+    """The per-token sections as Python lists, token by token: ids [T + pad], positions [3 * (T + pad)] row-major (a
+    media prompt's first P given, then index + rope_delta), slot mapping [T + pad]; padded rows 0."""
     bs = block_size
     ids, rows, slot_mapping = [], ([], [], []), []
     for s in seqs:
@@ -134,13 +144,12 @@ def _pack_list(seqs: list[StepSequence], block_size: int, pad: int, groups: list
             rows[r].extend(given[r] + list(after))
         slot_mapping += [s.block_ids[i // bs] * bs + i % bs for i in range(start, end)]
     zeros = [0] * pad
-    return (ids + zeros + rows[0] + zeros + rows[1] + zeros + rows[2] + zeros
-            + [g[r] for r in range(3) for g in groups + [[0, 0, 0]] * pad] + small + slot_mapping + zeros)
+    return ids + zeros, rows[0] + zeros + rows[1] + zeros + rows[2] + zeros, slot_mapping + zeros
 
 
-def _pack_tensors(seqs: list[StepSequence], lens: list[int], block_size: int, pad: int, groups: list[list[int]],
-                  small: list[int], table: Tensor) -> Tensor:
-    """pack_buffer's sections for a long step, with tensor ops over all its tokens; table [B, W]."""
+def _token_tensors(seqs: list[StepSequence], lens: list[int], block_size: int, pad: int,
+                   table: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`_token_lists` for a long step, with tensor ops over all its tokens; table [B + pad, W]."""
     cu = offsets(lens)
     rep = torch.tensor(lens)
     to_index = torch.tensor([s.num_computed - c for s, c in zip(seqs, cu)])  # row of the step -> token index
@@ -153,11 +162,9 @@ def _pack_tensors(seqs: list[StepSequence], lens: list[int], block_size: int, pa
         if start < known:
             m = min(start + n, known) - start
             positions[:, c:c + m] = s.positions[:, start:start + m].cpu()
-    zeros3 = torch.zeros(3, pad, dtype=torch.long)
-    return torch.cat([int64_tensor([t for s in seqs for t in s.token_ids] + [0] * pad),
-                      torch.cat([positions, zeros3], dim=1).reshape(-1),
-                      torch.cat([torch.tensor(groups).t(), zeros3], dim=1).reshape(-1),
-                      int64_tensor(small), slot_mapping, torch.zeros(pad, dtype=torch.long)])
+    zeros, zeros3 = torch.zeros(pad, dtype=torch.long), torch.zeros(3, pad, dtype=torch.long)
+    return (int64_tensor([t for s in seqs for t in s.token_ids] + [0] * pad),
+            torch.cat([positions, zeros3], dim=1).reshape(-1), torch.cat([slot_mapping, zeros]))
 
 
 @dataclass
