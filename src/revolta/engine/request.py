@@ -12,6 +12,7 @@ text so far, and its stop rules (`append` decides when it is done). The engine o
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -203,10 +204,16 @@ class Request:
         self.metrics.num_generation_tokens = len(self.token_ids)
         if self.spec_stats is not None:
             self.metrics.spec_decode = copy.deepcopy(self.spec_stats)
-        return RequestOutput(self.parent_id or self.request_id, self.prompt, list(self.prompt_token_ids),
+        return RequestOutput(self.parent_id or self.request_id, self.prompt, self._output_prompt_ids,
                              [self.completion()], finished=self.finished, metrics=self.metrics,
                              prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
                              num_cached_tokens=self.num_cached_tokens)
+
+    @functools.cached_property
+    def _output_prompt_ids(self) -> list[int]:
+        """One copy of the prompt ids for every RequestOutput of this request (a streamed request's output is made
+        every step, and copying a 512K-token prompt each time cost milliseconds of the engine loop)."""
+        return list(self.prompt_token_ids)
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
