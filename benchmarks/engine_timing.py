@@ -79,10 +79,15 @@ def _ms(a, b) -> float:
     return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
 
 
+def _sync_events(*event_lists: list) -> None:
+    """Wait until every CUDA event in the Timed lists is recorded (their times are read next); no-op on the CPU."""
+    if any(isinstance(ev[0][0], torch.cuda.Event) for ev in event_lists if ev):
+        torch.cuda.synchronize()
+
+
 def gpu_ms(parts: dict[str, list], skip: int = 2) -> dict[str, float]:
     """Median milliseconds of each wrapped graph (GPU time; after a sync), skipping the first `skip` calls."""
-    if any(isinstance(ev[0][0], torch.cuda.Event) for ev in parts.values() if ev):
-        torch.cuda.synchronize()
+    _sync_events(*parts.values())
     return {f"{name}_gpu_ms": statistics.median([_ms(e[0], e[1]) for e in ev[skip:] or ev])
             for name, ev in parts.items() if ev}
 
@@ -93,16 +98,15 @@ def host_split(steps: list[StepRecord], events: list) -> dict[str, float]:
     started after a sync), the replay's GPU time, and the rest (everything after the replay on host and device:
     the logits copy, sampling and its sync, appending tokens, the scheduler's update). `events`: the Timed
     replays' (start, end, host call time), one per graph-served step among others."""
-    if events and isinstance(events[0][0], torch.cuda.Event):
-        torch.cuda.synchronize()  # every event recorded before reading them
+    _sync_events(events)
     before, gpu, after = [], [], []
     for s in steps:
         inside = [e for e in events if s.start_s <= e[2] <= s.start_s + s.wall_s]
         if len(inside) != 1:
             continue
-        b = (inside[0][2] - s.start_s) * 1e3
-        g = _ms(inside[0][0], inside[0][1])
-        before.append(b), gpu.append(g), after.append(s.wall_s * 1e3 - b - g)
+        before.append((inside[0][2] - s.start_s) * 1e3)
+        gpu.append(_ms(inside[0][0], inside[0][1]))
+        after.append(s.wall_s * 1e3 - before[-1] - gpu[-1])
     if not before:
         return {}
     return {"host_before_ms": statistics.median(before), "replay_gpu_ms": statistics.median(gpu),

@@ -104,10 +104,9 @@ def pack_buffer(seqs: list[StepSequence], block_size: int, ratio: int, num_rows:
     groups = [_group_first(s, ratio) for s in seqs]
     group_rows = [g[r] for r in range(3) for g in groups + [[0, 0, 0]] * pad]  # [3, B + pad] row-major
     if sum(lens) > PACK_LIST_MAX_TOKENS:
-        ids, positions, slot_mapping = _token_tensors(seqs, lens, block_size, pad,
-                                                      torch.frombuffer(table, dtype=torch.int64).view(-1, W))
-        return torch.cat([ids, positions, int64_tensor(group_rows + small), torch.frombuffer(table, dtype=torch.int64),
-                          slot_mapping])
+        table_t = torch.frombuffer(table, dtype=torch.int64)
+        ids, positions, slot_mapping = _token_tensors(seqs, lens, block_size, pad, table_t.view(-1, W))
+        return torch.cat([ids, positions, int64_tensor(group_rows + small), table_t, slot_mapping])
     ids, positions, slot_mapping = _token_lists(seqs, block_size, pad)
     buf = array("q", ids + positions + group_rows + small)
     buf += table
