@@ -123,3 +123,34 @@ def test_a_step_reaches_the_workers_as_it_was_sent():
     assert op == "execute" and got == {"token_ids": [1, 2, 3], "mm_embeds": None}
     inbox.close()
     inbox.join_thread()
+
+
+def test_a_stopped_worker_has_released_its_group(tmp_path):
+    """A worker told to stop ends its gloo threads before it returns. Threads that outlive the worker's
+    function die in the interpreter's teardown, and one that did aborted the process once ("terminate called
+    without an active exception", a non-zero exit code after a clean stop)."""
+    from revolta.weights import save_checkpoint
+    from tp_run import gloo_threads, worker_then_threads
+    from tp_tiny import full_model
+
+    cfg = tiny()
+    save_checkpoint(full_model(cfg), tmp_path / "ckpt", progress=False)
+    rs = tp_executor.RankSpec(cfg, str(tmp_path / "ckpt"), 2, 1, False, torch.float32, str(tmp_path / "store"), 30.0)
+    ctx = stdlib_mp.get_context("spawn")
+    inbox, ready, out = ctx.Queue(), ctx.Queue(), tmp_path / "threads.txt"
+    proc = ctx.Process(target=worker_then_threads, args=(1, rs, inbox, ready, str(out)), daemon=True)
+    proc.start()
+    try:
+        assert ready.get(timeout=60) == 1
+        tp_executor._init_group(0, rs)
+        try:
+            assert gloo_threads()  # the probe sees the threads of a live group
+            tp_executor._send([inbox], "stop", ())
+            proc.join(60)
+        finally:
+            tp_executor._leave_group(failed=False)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    assert proc.exitcode == 0 and out.read_text() == ""

@@ -57,3 +57,19 @@ def run_ranks(fn, tp: int, tmp: Path, *args, timeout_s: float = 120.0, final_bar
                              f"{[p.exitcode for p in procs]}; errors:\n" + "\n".join(f"rank {r}:\n{e}"
                                                                                     for r, e in errors.items()))
     return [torch.load(Path(tmp, f"result{r}.pt")) for r in range(tp)]
+
+
+def gloo_threads() -> list[str]:
+    """Names of this process's gloo threads (torch names them pt_gloo_* and gloo_*): they live as long as a
+    gloo process group object does, whatever destroy_process_group has done."""
+    tasks = Path("/proc/self/task")
+    return sorted(name for t in tasks.iterdir() if (name := (t / "comm").read_text().strip()).startswith(("pt_gloo", "gloo")))
+
+
+def worker_then_threads(rank: int, rs, inbox, ready, out: str) -> None:
+    """Run tp_executor's real worker loop as `rank`, then write the gloo threads still alive in this process
+    (one name a line) to `out`: what would still run when the interpreter tears the process down."""
+    from revolta.engine import tp_executor
+
+    tp_executor._worker(rank, rs, inbox, ready)
+    Path(out).write_text("".join(f"{name}\n" for name in gloo_threads()))

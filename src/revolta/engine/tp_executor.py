@@ -30,6 +30,8 @@ broadcast per step instead of a queue per worker; CUDA graphs at tp > 1.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import logging
 import os
 import pickle
@@ -86,6 +88,10 @@ def _init_group(rank: int, rs: RankSpec) -> tuple[ParallelContext, torch.device]
     if place.device.type == "cuda":
         torch.cuda.set_device(place.device)
     wait = timedelta(seconds=rs.timeout_s)
+    # torch.distributed.nn.functional binds group.WORLD as its functions' default argument when it is imported,
+    # and the first meta-device model build imports it (through torch._dynamo): imported after the join, it would
+    # hold the group, and its gloo threads, until the interpreter's teardown (`_worker`). Before: it binds None.
+    importlib.import_module("torch.distributed.nn")
     dist.init_process_group(place.backend, store=dist.FileStore(rs.store, rs.tp), rank=rank, world_size=rs.tp,
                             timeout=group_timeout(place.backend, wait),
                             device_id=place.device if place.device.type == "cuda" else None)
@@ -131,12 +137,26 @@ def _report(rs: RankSpec, rank: int, e: Exception) -> None:
 
 def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     """Rank `rank` > 0: load the shard, build the executor from rank 0's plan, then run each call rank 0 sends
-    until "stop" or rank 0's process is gone. An error ends the rank, reported to rank 0 first."""
+    until "stop" or rank 0's process is gone. An error ends the rank, reported to rank 0 first.
+
+    The group is gone, its gloo threads included, before this returns: they live as long as any reference to the
+    group does (the shard's layers hold one), and threads left to the interpreter's teardown aborted a cleanly
+    stopped worker once ("terminate called without an active exception"). So `_serve` holds every reference and
+    the collection after it ends them while the interpreter is whole."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // rs.tp))  # the ranks share the host's cores
     ready.put(rank)  # about to join the group: rank 0 waits for this before its (blocking) rendezvous
-    ctx, device = _init_group(rank, rs)  # the NCCL environment came with rank 0's (TPGroup.start)
+    clean = False
+    try:
+        clean = _serve(rank, rs, inbox, *_init_group(rank, rs))  # the NCCL environment came with rank 0's
+    finally:
+        _leave_group(failed=not clean)
+        gc.collect()  # the shard's layers and the context are cyclic garbage now: the group object goes with them
+
+
+def _serve(rank: int, rs: RankSpec, inbox, ctx: ParallelContext, device: torch.device) -> bool:
+    """The worker's loop (`_worker`): True after "stop", False when rank 0's process is gone."""
     parent = mp.parent_process()
-    executor, clean = None, False
+    executor = None
     try:
         model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype, dcp=rs.dcp,
                                 ple_placement=rs.ple_placement, device=device)
@@ -146,13 +166,12 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
                     op, args = _receive(inbox, timeout_s=1.0)
                 except queue_mod.Empty:
                     if parent is None or not parent.is_alive():
-                        return
+                        return False
                     if executor is not None:  # an idle rank's dead PLE worker ends the rank (reported below)
                         executor.check_health()
                     continue
                 if op == "stop":
-                    clean = True
-                    return
+                    return True
                 if op == "build":
                     executor = _rank_executor(model, *args, ctx)
                 else:
@@ -163,7 +182,6 @@ def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     finally:
         if executor is not None:
             executor.close()  # the rank's PLE worker, if any (bounded)
-        _leave_group(failed=not clean)
 
 
 def _leave_group(failed: bool) -> None:
