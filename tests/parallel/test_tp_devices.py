@@ -125,10 +125,11 @@ def test_a_step_reaches_the_workers_as_it_was_sent():
     inbox.join_thread()
 
 
-def test_a_stopped_worker_has_released_its_group(tmp_path):
-    """A worker told to stop ends its gloo threads before it returns. Threads that outlive the worker's
-    function die in the interpreter's teardown, and one that did aborted the process once ("terminate called
-    without an active exception", a non-zero exit code after a clean stop)."""
+@pytest.mark.parametrize("op,exitcode", [("stop", 0), ("no_such_call", 1)], ids=["stopped", "failed"])
+def test_a_worker_has_released_its_group_when_it_ends(tmp_path, op, exitcode):
+    """A worker that stops, or fails (here: a call before its executor exists), ends its gloo threads before its
+    function ends. Threads that outlive it die in the interpreter's teardown, and one that did aborted a cleanly
+    stopped worker once ("terminate called without an active exception", a non-zero exit code)."""
     from revolta.weights import save_checkpoint
     from tp_run import gloo_threads, worker_then_threads
     from tp_tiny import full_model
@@ -145,7 +146,7 @@ def test_a_stopped_worker_has_released_its_group(tmp_path):
         tp_executor._init_group(0, rs)
         try:
             assert gloo_threads()  # the probe sees the threads of a live group
-            tp_executor._send([inbox], "stop", ())
+            tp_executor._send([inbox], op, ())
             proc.join(60)
         finally:
             tp_executor._leave_group(failed=False)
@@ -153,4 +154,6 @@ def test_a_stopped_worker_has_released_its_group(tmp_path):
         if proc.is_alive():
             proc.kill()
             proc.join(5)
-    assert proc.exitcode == 0 and out.read_text() == ""
+    assert proc.exitcode == exitcode and out.read_text() == ""
+    reported = tp_executor.TPGroup(None, 2, [], [], str(tmp_path)).reported()  # the failed rank's error reached rank 0
+    assert (reported is None) == (op == "stop")

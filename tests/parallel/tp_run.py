@@ -71,5 +71,7 @@ def worker_then_threads(rank: int, rs, inbox, ready, out: str) -> None:
     (one name a line) to `out`: what would still run when the interpreter tears the process down."""
     from revolta.engine import tp_executor
 
-    tp_executor._worker(rank, rs, inbox, ready)
-    Path(out).write_text("".join(f"{name}\n" for name in gloo_threads()))
+    try:
+        tp_executor._worker(rank, rs, inbox, ready)
+    finally:  # a failed rank too (its exception then ends the process)
+        Path(out).write_text("".join(f"{name}\n" for name in gloo_threads()))

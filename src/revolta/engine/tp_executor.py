@@ -39,6 +39,7 @@ import queue as queue_mod
 import shutil
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -137,29 +138,34 @@ def _report(rs: RankSpec, rank: int, e: Exception) -> None:
 
 def _worker(rank: int, rs: RankSpec, inbox, ready) -> None:
     """Rank `rank` > 0: load the shard, build the executor from rank 0's plan, then run each call rank 0 sends
-    until "stop" or rank 0's process is gone. An error ends the rank, reported to rank 0 first.
+    until "stop" or rank 0's process is gone. An error ends the rank, reported to rank 0 first. `ready` hears the
+    rank twice: about to join the group, then with its shard loaded (TPGroup.start waits for both).
 
     The group is gone, its gloo threads included, before this returns: they live as long as any reference to the
     group does (the shard's layers hold one), and threads left to the interpreter's teardown aborted a cleanly
-    stopped worker once ("terminate called without an active exception"). So `_serve` holds every reference and
-    the collection after it ends them while the interpreter is whole."""
+    stopped worker once ("terminate called without an active exception"). So `_serve` holds every reference (an
+    error's traceback drops its frames' locals) and the collection after it ends them while the interpreter is whole."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // rs.tp))  # the ranks share the host's cores
     ready.put(rank)  # about to join the group: rank 0 waits for this before its (blocking) rendezvous
     clean = False
     try:
-        clean = _serve(rank, rs, inbox, *_init_group(rank, rs))  # the NCCL environment came with rank 0's
+        clean = _serve(rank, rs, inbox, ready, *_init_group(rank, rs))  # the NCCL environment came with rank 0's
+    except BaseException as e:  # still raised (exit code 1, its traceback printed), without _serve's locals
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         _leave_group(failed=not clean)
         gc.collect()  # the shard's layers and the context are cyclic garbage now: the group object goes with them
 
 
-def _serve(rank: int, rs: RankSpec, inbox, ctx: ParallelContext, device: torch.device) -> bool:
+def _serve(rank: int, rs: RankSpec, inbox, ready, ctx: ParallelContext, device: torch.device) -> bool:
     """The worker's loop (`_worker`): True after "stop", False when rank 0's process is gone."""
     parent = mp.parent_process()
     executor = None
     try:
         model = load_rank_model(rs.cfg, rs.checkpoint, ctx, with_mtp=rs.with_mtp, dtype=rs.dtype, dcp=rs.dcp,
                                 ple_placement=rs.ple_placement, device=device)
+        ready.put(rank)  # loaded: rank 0's first collective no longer waits on this rank's load
         with torch.no_grad():
             while True:
                 try:
@@ -229,31 +235,36 @@ class TPGroup:
                 p.start()
             logger.info("tensor parallel: %d ranks (%s); worker pids %s", tp, rank_placement(device, 0).backend,
                         [p.pid for p in procs])
-            group._wait_ready(ready, max(timeout_s, start_timeout_s))
+            start_wait = max(timeout_s, start_timeout_s)
+            group._wait_ready(ready, start_wait, "start", hint=" while starting; a script that starts tensor-"
+                              "parallel ranks must guard its entry point with `if __name__ == \"__main__\":` "
+                              "(spawned processes import it)")
             group.ctx, rank0 = _init_group(0, rs)  # waits for every worker at most timeout_s
             # rank 0 alone holds the vision tower (replicated weights): it encodes media, the rows go to the rest
             group.model = load_rank_model(cfg, checkpoint, group.ctx, with_mtp=with_mtp, dtype=dtype, dcp=dcp,
                                           ple_placement=ple_placement, with_vision=True, device=rank0)
+            # every shard loaded before the engine's first step: a collective's bound (timeout_s, seconds in a
+            # test) is for a step, and a worker importing and loading on a busy host can lag rank 0 by more
+            group._wait_ready(ready, start_wait, "load their shards", hint=" while loading its shard")
             group.check_health()
             return group
         except BaseException:
             group.close(timeout_s=5, failed=True)  # no worker outlives a failed start
             raise
 
-    def _wait_ready(self, ready, timeout_s: float) -> None:
-        """Until every worker is about to join the group; a worker that dies first (e.g. a script without the
-        `if __name__ == "__main__":` guard that spawned processes need) fails the start at once, not after
-        the rendezvous timeout."""
+    def _wait_ready(self, ready, timeout_s: float, what: str, hint: str) -> None:
+        """Until every worker has sent its next `ready` message (`_worker`: about to join the group, then loaded);
+        a worker that dies first (e.g. a script without the `if __name__ == "__main__":` guard that spawned
+        processes need) fails the start at once with `hint`, not after the rendezvous timeout."""
         deadline, waiting = time.monotonic() + timeout_s, len(self.procs)
         while waiting:
             try:
                 ready.get(timeout=0.2)
                 waiting -= 1
             except queue_mod.Empty:
-                self.check_health(hint=" while starting; a script that starts tensor-parallel ranks must guard its "
-                                       "entry point with `if __name__ == \"__main__\":` (spawned processes import it)")
+                self.check_health(hint=hint)
                 if time.monotonic() > deadline:
-                    raise FatalEngineError(f"{waiting} tensor-parallel worker(s) did not start within {timeout_s:.0f} s")
+                    raise FatalEngineError(f"{waiting} tensor-parallel worker(s) did not {what} within {timeout_s:.0f} s")
 
     def executor(self, plan: CachePlan, spec: SpeculativeConfig, config, encoder_cache=None) -> "MultiProcExecutor":
         """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp); rank 0's
@@ -333,8 +344,12 @@ class MultiProcExecutor(Executor):
             self._fail(e)
             raise
         except Exception as e:  # a collective that timed out or failed, or a bug on rank 0: out of step for good
-            dead = self.group.dead_workers(wait_s=1.0)  # a killed peer is what usually breaks a collective
-            reported = self.group.reported() if dead else None  # e.g. the rank's PLE worker died
+            # a rank that failed (e.g. its PLE worker died) wrote its error before it left the group (_report): it
+            # is there when the collective breaks, while that rank may still be tearing down
+            reported, dead = self.group.reported(), []
+            if reported is None:
+                dead = self.group.dead_workers(wait_s=1.0)  # a killed peer is what usually breaks a collective
+                reported = self.group.reported() if dead else None
             if reported is not None:
                 self._fail(reported)
                 raise reported from e
