@@ -63,7 +63,8 @@ def gloo_threads() -> list[str]:
     """Names of this process's gloo threads (torch names them pt_gloo_* and gloo_*): they live as long as a
     gloo process group object does, whatever destroy_process_group has done."""
     tasks = Path("/proc/self/task")
-    return sorted(name for t in tasks.iterdir() if (name := (t / "comm").read_text().strip()).startswith(("pt_gloo", "gloo")))
+    names = ((t / "comm").read_text().strip() for t in tasks.iterdir())
+    return sorted(name for name in names if name.startswith(("pt_gloo", "gloo")))
 
 
 def worker_then_threads(rank: int, rs, inbox, ready, out: str) -> None:

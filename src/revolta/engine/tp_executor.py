@@ -264,7 +264,8 @@ class TPGroup:
             except queue_mod.Empty:
                 self.check_health(hint=hint)
                 if time.monotonic() > deadline:
-                    raise FatalEngineError(f"{waiting} tensor-parallel worker(s) did not {what} within {timeout_s:.0f} s")
+                    raise FatalEngineError(f"{waiting} tensor-parallel worker(s) did not {what} within "
+                                           f"{timeout_s:.0f} s")
 
     def executor(self, plan: CachePlan, spec: SpeculativeConfig, config, encoder_cache=None) -> "MultiProcExecutor":
         """Every rank builds its executor over its shard with the engine's plan (its cache sized at tp); rank 0's
