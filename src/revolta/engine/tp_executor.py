@@ -3,7 +3,8 @@
 Rank 0 lives in the engine's process; ranks 1.. are spawned worker processes. Start-up is two phases, because
 the engine sizes its cache from rank 0's shard: `TPGroup.start` spawns the workers, joins the group as
 rank 0 and loads rank 0's shard (parallel/load.py `load_rank_model`: only its slices are read) while every
-worker loads its own; the engine then plans its cache (per rank: `plan_cache(..., tp=tp)`, the budget counts
+worker loads its own, and returns once every shard is loaded (so a step's collective bound never covers a load);
+the engine then plans its cache (per rank: `plan_cache(..., tp=tp)`, the budget counts
 the rank's own weights) and `TPGroup.executor(plan, ...)` hands the plan to every rank, each of which builds an
 ordinary `UniProcExecutor` over its shard. Every call that changes rank state (execute, finish, drop) is put on
 each worker's queue first and then run locally, so all ranks run the same step; the forward's collectives keep
