@@ -157,3 +157,27 @@ def test_a_worker_has_released_its_group_when_it_ends(tmp_path, op, exitcode):
     assert proc.exitcode == exitcode and out.read_text() == ""
     reported = tp_executor.TPGroup(None, 2, [], [], str(tmp_path)).reported()  # the failed rank's error reached rank 0
     assert (reported is None) == (op == "stop")
+
+
+def test_the_start_waits_for_every_worker_with_a_bound(tmp_path):
+    """TPGroup.start waits twice on the workers' ready queue (joining, then loaded): a worker that never reports
+    fails the start after the bound, naming the phase; one that dies meanwhile fails it at once, naming the phase."""
+    import queue
+    import time as time_mod
+    from types import SimpleNamespace
+
+    from revolta.errors import FatalEngineError
+
+    alive = SimpleNamespace(name="revolta-tp-rank1", exitcode=None, is_alive=lambda: True)
+    group = tp_executor.TPGroup(None, 2, [], [alive], str(tmp_path))
+    t0 = time_mod.monotonic()
+    with pytest.raises(FatalEngineError, match=r"1 tensor-parallel worker\(s\) did not load their shards within 1 s"):
+        group._wait_ready(queue.Queue(), 1.0, "load their shards", hint=" while loading its shard")
+    assert time_mod.monotonic() - t0 < 5
+    ready = queue.Queue()
+    ready.put(1)
+    group._wait_ready(ready, 0.5, "load their shards", hint="")  # the message arrived: no wait
+    dead = SimpleNamespace(name="revolta-tp-rank1", exitcode=-9, is_alive=lambda: False)
+    with pytest.raises(FatalEngineError, match=r"exited \(exit codes \[-9\]\) while loading its shard"):
+        tp_executor.TPGroup(None, 2, [], [dead], str(tmp_path))._wait_ready(queue.Queue(), 30, "load their shards",
+                                                                             hint=" while loading its shard")

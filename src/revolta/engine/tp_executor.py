@@ -65,6 +65,7 @@ DEFAULT_TIMEOUT_S = 60.0  # a collective (or the start-up rendezvous) waits at m
 # spawning a worker imports torch and revolta (seconds on a loaded machine), so the start-up wait has its own
 # bound: a short collective timeout (a test's stalled-rank check) must not fail the start
 DEFAULT_START_TIMEOUT_S = 120.0
+LOAD_WAIT_FACTOR = 4.0  # after rank 0's load, the workers' loads may take this many times as long (TPGroup.start)
 
 
 @dataclass(frozen=True)
@@ -242,11 +243,14 @@ class TPGroup:
                               "(spawned processes import it)")
             group.ctx, rank0 = _init_group(0, rs)  # waits for every worker at most timeout_s
             # rank 0 alone holds the vision tower (replicated weights): it encodes media, the rows go to the rest
+            t0 = time.monotonic()
             group.model = load_rank_model(cfg, checkpoint, group.ctx, with_mtp=with_mtp, dtype=dtype, dcp=dcp,
                                           ple_placement=ple_placement, with_vision=True, device=rank0)
             # every shard loaded before the engine's first step: a collective's bound (timeout_s, seconds in a
-            # test) is for a step, and a worker importing and loading on a busy host can lag rank 0 by more
-            group._wait_ready(ready, start_wait, "load their shards", hint=" while loading its shard")
+            # test) is for a step, and a worker importing and loading on a busy host can lag rank 0 by more. The
+            # shards are alike, so a worker gets 4x rank 0's own load time (ranks sharing one disk) if that is longer
+            load_wait = max(start_wait, LOAD_WAIT_FACTOR * (time.monotonic() - t0))
+            group._wait_ready(ready, load_wait, "load their shards", hint=" while loading its shard")
             group.check_health()
             return group
         except BaseException:
