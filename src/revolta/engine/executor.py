@@ -23,8 +23,8 @@ worker-side, so nothing of them reaches the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
