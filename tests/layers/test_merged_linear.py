@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from revolta.config import ModelConfig
 from revolta.engine.sleep import SleepingMemory
 from revolta.layers.gdn import GatedDeltaNet
-from revolta.layers.merged_linear import merge_linears, project
+from revolta.layers.merged_linear import ROW_ALIGN, merge_linears, project
+from revolta.layers.moe import MoE
 from revolta.layers.qsa import QSAttention
 from test_paged_model import TINY
 
@@ -115,3 +116,33 @@ def test_sleep_level_2_drops_the_merged_storage():
     partly = weights[:3] + [(weights[3][0], False)]  # a tensor that cannot be reloaded on the storage: kept
     assert SleepingMemory(2, partly, [], torch.device("cpu")).host_bytes() == gdn.merged_in_proj.weight.nbytes
     assert SleepingMemory(2, weights[:3], [], torch.device("cpu")).host_bytes() == gdn.merged_in_proj.weight.nbytes
+
+
+def test_an_odd_merged_width_is_padded_to_16_byte_rows():
+    """MoE's router and shared-expert gate are E + 1 wide: the merged weight gets zero rows up to a multiple of
+    ROW_ALIGN so the product's rows are 16-byte aligned in 16-bit (cuBLAS's aligned kernels); the parts' outputs,
+    names and state_dict are those of the unpadded parts."""
+    torch.manual_seed(0)
+    moe = MoE(hidden_size=32, num_experts=12, top_k=2, intermediate_size=16, shared_intermediate_size=16).eval()
+    parts, x = moe.router_projections(), torch.randn(5, 32)
+    want, n_split = _gemms(parts, None, x)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    moe.merge_projections()
+    merged = moe.merged_router
+    assert merged.sizes == (12, 1) and merged.weight.shape == (16, 32) and ROW_ALIGN == 8
+    assert torch.count_nonzero(merged.weight[13:]) == 0
+    after = moe.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    got, n_merged = _gemms(parts, merged, x)
+    assert (n_split, n_merged) == (2, 1)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.stride() == (16, 1)
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    half = MoE(32, 12, 2, 16, 16).half()
+    half.merge_projections()
+    with torch.no_grad():  # autograd on: every part runs alone (test_autograd_reaches_the_parameters)
+        y = project(half.router_projections(), half.merged_router, x.half())[0]
+    assert y.stride(0) * y.element_size() % 16 == 0
+    gdn, _ = _layers()  # a width that is already a multiple of 8 gets no padding
+    gdn.merge_projections()
+    assert gdn.merged_in_proj.weight.shape[0] == sum(gdn.merged_in_proj.sizes)
