@@ -9,9 +9,14 @@ PLE layer does it (NGramEmbedding.start_lookup with the Triton kernels):
 - host (mapped): the table in pinned host memory, read by the GPU through the mapped view; decode
   replays a CUDA graph of the lookup, like the engine's decode graphs;
 - host (staged): gathered on the host into pinned memory, one copy (the prefill alternative);
-- disk (warm / cold page cache): the PLE worker process gathers from memory-mapped shard files
-  (DiskRowFeeder.stage: ids to the host, the worker's gather, the rows' copy to the device);
-  cold drops the files' pages first (posix_fadvise DONTNEED).
+- disk: the PLE worker process gathers from memory-mapped shard files (DiskRowFeeder.stage: ids to the host,
+  the worker's gather, the rows' copy to the device), three ways:
+  hot   the same step's rows again: their pages in the page cache and in the worker's page tables;
+  warm  rows the worker has not read yet, every page in the page cache (what a new prompt's rows cost while
+        the table fits in RAM): each new page is a minor fault in the worker;
+  cold  rows the worker has not read, their pages dropped from the page cache before each step (outside the
+        timing; posix_fadvise DONTNEED), by a second worker with page release on (release_pages), since the
+        kernel does not drop a page some process still maps: each new page is read from the disk.
 Plus the overlap the layer gets: the 30K-token mapped lookup on its side stream next to a GEMM of the
 size of the layer before it ([T, 2560] x [2560, 10240]), against the two alone. Every placement's
 rows are checked bitwise against the device lookup.
@@ -92,6 +97,14 @@ def write_shards(table: torch.Tensor, name: str, parts: int, directory: Path) ->
     return TableLayout(name, "F8_E4M3", rows, width, tuple(shards))
 
 
+def read_into_page_cache(layout: TableLayout, chunk: int = 1 << 26) -> None:
+    """Read every shard file once, so its pages are in the page cache (the warm rows' premise)."""
+    for s in layout.shards:
+        with open(s.file, "rb", buffering=0) as f:
+            while f.read(chunk):
+                pass
+
+
 def drop_page_cache(layout: TableLayout) -> None:
     for s in layout.shards:
         fd = os.open(s.file, os.O_RDONLY)
@@ -110,10 +123,12 @@ def step_contexts(emb, batch: int, tokens: int, vocab: int, eos: int, seed: int,
     return SimpleNamespace(ids=ids, history=history, cu=cu, contexts=ngram_contexts(ids, history, seq, local, eos))
 
 
-def timed(fn, device, reps: int) -> float:
-    """Median seconds of fn() over reps (device-synchronised)."""
+def timed(fn, device, reps: int, before=None) -> float:
+    """Median seconds of fn(i) over reps (device-synchronised); before(i), if given, runs untimed first."""
     out = []
     for i in range(reps):
+        if before is not None:
+            before(i)
         sync(device)
         t = time.perf_counter()
         fn(i)
@@ -182,8 +197,7 @@ def main() -> None:
         emb.attach_table(StagedRows(layout, scale, heads, device))
         storage = SimpleNamespace(ple={1: SimpleNamespace(context_ids=torch.zeros(16, emb.order - 1,
                                                                                   dtype=torch.long, device=device))})
-        capacity = max(args.tokens, 8)
-        feeder = DiskRowFeeder(holder, storage, capacity, PLEOptions.from_env())
+        feeder = DiskRowFeeder(holder, storage, max(args.tokens, 8), PLEOptions.from_env())
         print(f"disk: {len(layout.shards)} shard files written, worker pid {feeder.pid} "
               f"({time.perf_counter() - t0:.1f} s)")
 
@@ -196,7 +210,7 @@ def main() -> None:
             return emb.start_lookup(contexts, FP16, backend)()
         return lookup
 
-    def disk_lookup(step):
+    def disk_lookup(feeder, step):
         emb.table = emb_disk
         slots = torch.arange(1, step.history.shape[0] + 1, device=device, dtype=torch.int32)
         storage.ple[1].context_ids[slots.long()] = step.history
@@ -204,7 +218,8 @@ def main() -> None:
         return emb.start_lookup(step.contexts, FP16, backend)()
 
     emb_disk = emb.table if feeder is not None else None
-    for batch, tokens, what in ((1, 1, "decode C1"), (8, 1, "decode C8"), (1, args.tokens, f"prefill {args.tokens:,}")):
+    kinds = ((1, 1, "decode C1"), (8, 1, "decode C8"), (1, args.tokens, f"prefill {args.tokens:,}"))
+    for batch, tokens, what in kinds:
         steps = [step_contexts(emb, batch, tokens, vocab, eos, seed, device) for seed in range(8)]
         ref = lookup_with(tables["device"])(steps[0].contexts)
         for name, table in tables.items():
@@ -220,18 +235,34 @@ def main() -> None:
             results.append({"step": what, "placement": name, "ms": t * 1e3})
             if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
                 mismatches.append(f"{what} {name}")
-        if feeder is not None:
-            disk_lookup(steps[0])
-            t = timed(lambda i: disk_lookup(steps[i % len(steps)]), device, args.reps if tokens == 1 else 3)
-            results.append({"step": what, "placement": "disk (warm)", "ms": t * 1e3})
 
-            def cold(i):
-                drop_page_cache(layout)
-                disk_lookup(steps[(i + 1) % len(steps)])
-            results.append({"step": what, "placement": "disk (cold)",
-                            "ms": timed(cold, device, 5 if tokens == 1 else 2) * 1e3})
-            if not torch.equal(disk_lookup(steps[0]).view(torch.int16), ref.view(torch.int16)):
+    if feeder is not None:  # after the loop above, so the cold runs' dropped pages cost no other row
+        read_into_page_cache(layout)  # written moments ago, but the page cache may have let some go since
+        fresh = iter(range(1000, 10**9))  # seeds of steps no worker has read before
+
+        def new_steps(batch, tokens, n):
+            return [step_contexts(emb, batch, tokens, vocab, eos, next(fresh), device) for _ in range(n)]
+
+        for batch, tokens, what in kinds:
+            n = args.reps if tokens == 1 else 3
+            step = new_steps(batch, tokens, 1)[0]
+            ref = lookup_with(tables["device"])(step.contexts)
+            if not torch.equal(disk_lookup(feeder, step).view(torch.int16), ref.view(torch.int16)):
                 mismatches.append(f"{what} disk")
+            hot = timed(lambda i: disk_lookup(feeder, step), device, n)
+            warm = new_steps(batch, tokens, n)
+            results += [{"step": what, "placement": "disk (hot: the same rows again)", "ms": hot * 1e3},
+                        {"step": what, "placement": "disk (warm: new rows, page cache)",
+                         "ms": timed(lambda i: disk_lookup(feeder, warm[i]), device, n) * 1e3}]
+        feeder.close()
+        feeder = DiskRowFeeder(holder, storage, max(args.tokens, 8),
+                               dataclasses.replace(PLEOptions.from_env(), release_pages=True))
+        for batch, tokens, what in kinds:
+            n = 5 if tokens == 1 else 2
+            cold = new_steps(batch, tokens, n)
+            results.append({"step": what, "placement": "disk (cold: new rows, from the disk)",
+                            "ms": timed(lambda i: disk_lookup(feeder, cold[i]), device, n,
+                                        before=lambda i: drop_page_cache(layout)) * 1e3})
 
     if device.type == "cuda":  # the side stream: the mapped prefill lookup next to the layer before it
         step = step_contexts(emb, 1, args.tokens, vocab, eos, 99, device)
