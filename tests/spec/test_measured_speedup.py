@@ -38,6 +38,10 @@ def test_warning_disappears_when_every_row_is_at_least_1x():
     assert slower_warning("mtp", [fast, replace(row, speedup=1.0)]) is None
     assert slower_warning("dflash2", [row]) is None  # no row for the method: nothing measured, no claim
     assert slower_warning(None, [row]) is None
+    elsewhere = replace(row, concurrency=8, speedup=0.9, device="NVIDIA H100 80GB HBM3")
+    assert "0.53x at C1 on NVIDIA H200, 0.90x at C8 on NVIDIA H100 80GB HBM3 of plain decoding's tokens/s (" \
+        in slower_warning("mtp", [row, elsewhere])  # rows of two GPUs: each figure names its own
+    assert "tokens/s on NVIDIA H200 (" in slower_warning("mtp", [row, replace(row, concurrency=8)])
 
 
 def test_malformed_row_is_named(tmp_path):

@@ -49,8 +49,11 @@ def slower_warning(method: str | None, rows: list[MeasuredSpeedup] | None = None
     if not any(r.speedup < 1 for r in rows):
         return None
     rows.sort(key=lambda r: r.concurrency)
-    figures = ", ".join(f"{r.speedup:.2f}x at C{r.concurrency}" for r in rows)
+    one_device = len({r.device for r in rows}) == 1  # else each figure names its own GPU
+    figures = ", ".join(f"{r.speedup:.2f}x at C{r.concurrency}" + ("" if one_device else f" on {r.device}")
+                        for r in rows)
+    where = f" on {rows[0].device}" if one_device else ""
     sources = "; ".join(dict.fromkeys(f"{r.source}: {r.basis}" for r in rows))
     return (f"speculative decoding ({_METHOD_NAMES.get(method, method)}, {rows[0].num_speculative_tokens} drafts) "
-            f"reached {figures} the tokens/s of plain decoding on {rows[0].device} ({sources}); below 1x it is "
+            f"reached {figures} of plain decoding's tokens/s{where} ({sources}); below 1x it is "
             "slower than decoding without it: pass speculative_config={'method': None} for plain decoding")
