@@ -62,8 +62,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
-from engine_timing import Req, copy_bandwidth_gbs, drive, gpu_ms, host_split, random_prompts  # noqa: E402
-from engine_timing import step_once, sync, time_graphs  # noqa: E402
+from engine_timing import (Req, copy_bandwidth_gbs, drive, gpu_ms, host_split, random_prompts,  # noqa: E402
+                           round_split, step_once, sync, time_graphs)
 from forced_drafts import force_drafts  # noqa: E402
 from kernel_families import FAMILIES, breakdown, count_routing  # noqa: E402
 from standin import (DrafterShape, build_model, mtp_draft_bytes, standin_config, step_bytes, weight_tensors,  # noqa: E402
@@ -321,6 +321,9 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
         graph_ms = [row[f"{p}_gpu_ms"] for p in ("draft", "verify", "commit") if f"{p}_gpu_ms" in row]
         if len(graph_ms) == 3:
             row["outside_graphs_ms"] = wall - sum(graph_ms)  # host work and gaps the GPU waits on
+        if parts:  # where the round's host time sits between the replays' calls (issue 19: a round's host part)
+            row["round_split"] = round_split([r for r in rounds if r.graphed],
+                                             {name: ev[n0.get(name, 0):] for name, ev in parts.items()})
         if "verify_gpu_ms" in row:
             row["verify_roofline_frac_gpu"] = row["verify_roofline_ms"] / row["verify_gpu_ms"]
         log(f"{method} C{C}: round {wall:.2f} ms ({row['round_over_step']:.2f}x a plain step; "
@@ -328,6 +331,9 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
                         (("draft", "verify", "commit") if sg else ("draft", "verify")) if (p + ('_gpu_ms' if sg else '_ms')) in row)
             + f"), acceptance {row['acceptance']:.2f}, {row['tokens_per_round']:.2f} tokens/round, measured "
             f"{row['measured_speedup']:.2f}x, at a=0.7 {row['model_speedup']['0.7']:.2f}x")
+        if row.get("round_split"):
+            log("  round on the host = " + " + ".join(f"{k[5:-3].replace('_to_', ' -> ')} {v:.2f} ms"
+                                                     for k, v in row["round_split"].items()) + " (medians)")
         out["spec"].append(row)
         if method == "mtp" and C in args.profile_concurrency and steps is not None:
             B = graphs_size(sg, C) if sg is not None else None

@@ -113,6 +113,30 @@ def host_split(steps: list[StepRecord], events: list) -> dict[str, float]:
             "after_replay_ms": statistics.median(after)}
 
 
+def round_split(rounds: list[StepRecord], parts: dict[str, list]) -> dict[str, float]:
+    """Where a graph-served speculative round's wall time goes on the host (median ms over `rounds`): from the
+    round's start to the first replay's call, between the calls of successive replays (draft, verify, commit; the
+    ones the method has), and from the last call to the round's end. A replay runs on the GPU while the host goes
+    on, so an interval longer than the GPU work queued before it is time the GPU waited for the host: e.g. verify
+    -> commit holds the verify's GPU time, then the logits' sync, sampling and acceptance on the host.
+    `parts`: `time_graphs`' lists, whose (start, end, host call time) entries place each call inside its round."""
+    names = [n for n in ("draft", "verify", "commit") if parts.get(n)]
+    _sync_events(*(parts[n] for n in names))
+    cols: dict[str, list[float]] = {}
+    for s in rounds:
+        end = s.start_s + s.wall_s
+        calls = [[e for e in parts[n] if s.start_s <= e[2] <= end] for n in names]
+        if any(len(c) != 1 for c in calls):
+            continue
+        # in call order: a step runs its round's draft, verify, commit (the first round's drafts came with the prefill
+        # step, so that round has no draft call and is skipped above)
+        marks = [("start", s.start_s)] + sorted(((n, c[0][2]) for n, c in zip(names, calls)), key=lambda m: m[1]) \
+            + [("end", end)]
+        for (a, ta), (b, tb) in zip(marks, marks[1:]):
+            cols.setdefault(f"host_{a}_to_{b}_ms", []).append((tb - ta) * 1e3)
+    return {k: statistics.median(v) for k, v in cols.items()}
+
+
 def graph_replays(engine) -> int:
     """Steps the engine's graphs served so far (decode steps, or speculative rounds)."""
     graphs = engine.spec_graphs if engine.spec_graphs is not None else engine.graphs

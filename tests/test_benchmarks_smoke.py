@@ -20,7 +20,7 @@ def fulldepth(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("fulldepth") / "bench_fulldepth.json"
     out = bench_fulldepth.main(["--device", "cpu", "--layers", "4", "--experts", "8", "--prompt-len", "8",
-                                "--steps", "3", "--warmup", "0", "--concurrency", "2", "--spec-concurrency", "2",
+                                "--steps", "5", "--warmup", "0", "--concurrency", "2", "--spec-concurrency", "2",
                                 "--profile-concurrency", "2", "--strict", "--json", str(path)])
     return out, path
 
@@ -33,6 +33,9 @@ def test_fulldepth_smoke_rows(fulldepth):
     mtp, dflash2 = saved["spec"]
     # on CPU the MTP rounds run the round graphs' code eagerly on their buffers: the GPU run's path
     assert mtp["graph_rounds"] == mtp["rounds"] > 0 and mtp["verify_gpu_ms"] > 0 and mtp["draft_gpu_ms"] > 0
+    assert set(mtp["round_split"]) == {"host_start_to_draft_ms", "host_draft_to_verify_ms",
+                                       "host_verify_to_commit_ms", "host_commit_to_end_ms"}
+    assert sum(mtp["round_split"].values()) <= mtp["round_ms"] * 1.5  # medians of intervals inside the rounds
     assert dflash2["verify_ms"] > 0 and dflash2["draft_ms"] > 0  # eager rounds, as on the GPU
     for r in saved["spec"]:
         assert r["round_ms"] > 0 and set(r["model_speedup"]) == {"0.6", "0.7", "0.8"}
@@ -144,6 +147,25 @@ def test_host_split_places_each_replay_inside_its_step():
     split = host_split(steps, events)
     assert split == pytest.approx({"host_before_ms": 3.0, "replay_gpu_ms": 6.0, "after_replay_ms": 2.0})
     assert host_split(steps, []) == {}
+
+
+def test_round_split_places_each_call_inside_its_round():
+    """bench_fulldepth's split of a speculative round: host time from the round's start to each replay's call,
+    between the calls, and after the last; a round missing a call, and calls outside every round, are skipped."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from engine_timing import StepRecord, round_split
+
+    rounds = [StepRecord(0.020, 3, 1, True, True, start_s=100.0), StepRecord(0.020, 3, 1, True, True, start_s=200.0),
+              StepRecord(0.020, 3, 1, True, True, start_s=300.0)]
+    parts = {"draft": [(0, 0, 100.001), (0, 0, 200.001), (0, 0, 300.001)],
+             "verify": [(0, 0, 100.004), (0, 0, 200.004), (0, 0, 300.004)],
+             "commit": [(0, 0, 100.016), (0, 0, 200.016), (0, 0, 400.0)]}  # round 3's commit is elsewhere
+    split = round_split(rounds, parts)
+    assert split == pytest.approx({"host_start_to_draft_ms": 1.0, "host_draft_to_verify_ms": 3.0,
+                                   "host_verify_to_commit_ms": 12.0, "host_commit_to_end_ms": 4.0})
+    no_draft = round_split(rounds[:1], {k: v for k, v in parts.items() if k != "draft"})  # DFlash2: no draft graph
+    assert no_draft == pytest.approx({"host_start_to_verify_ms": 4.0, "host_verify_to_commit_ms": 12.0,
+                                      "host_commit_to_end_ms": 4.0})
 
 
 def test_host_phases_smoke():
