@@ -71,8 +71,12 @@ class StepSampler:
         """Speculative rows: request i owns 1 + len(drafts[i]) consecutive rows of logits [N, V] (its definite
         token's row, then one per draft). Appends the emitted tokens; returns the drafts each request kept."""
         self._mask_padding(logits)
+        # the plain greedy requests' argmax over all rows at once: one launch and one host sync a round, not one per
+        # request (a row's argmax does not depend on the rows beside it)
+        plain = [r.params.greedy and not r.params.adjusts_logits and r.constraint is None for r in requests]
+        argmax = logits.argmax(-1).tolist() if any(plain) else None
         accepted, offset = [], 0
-        for r, d in zip(requests, drafts):
+        for r, d, is_plain in zip(requests, drafts, plain):
             n = len(d) + 1
             rows, offset = logits[offset:offset + n], offset + n  # [n, V]
             p = r.params
@@ -83,7 +87,9 @@ class StepSampler:
             if r.constraint is not None:  # row j as the grammar stands after drafts d[:j]
                 sample_rows = sample_rows.clone() if sample_rows is rows else sample_rows
                 r.constraint.mask_rows(sample_rows, d)
-            if p.greedy:
+            if is_plain:
+                emitted = greedy_accept(argmax[offset - n:offset], d)
+            elif p.greedy:
                 emitted = greedy_accept(sample_rows.argmax(-1).tolist(), d)
             else:
                 q = getattr(d, "probs", None)  # [n - 1, V] when the drafter sampled (DFlash2 probabilistic)
