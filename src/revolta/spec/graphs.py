@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..engine.cuda_graphs import capture_graph, pool_bytes
 from ..forward import PagedMeta
-from ..engine.runner import ModelRunner, StepInputs, StepSequence, section_sizes, offsets
+from ..engine.runner import ModelRunner, StepInputs, StepSequence, offsets, pack_buffer, section_sizes
 from .commit import check_replay_slots, commit_verified
 
 
@@ -278,9 +278,10 @@ class SpecGraphs:
         self.seed_last[:B].copy_(index[:B])
         self.seed_hidden.index_copy_(0, index[B:], torch.cat(hidden))
         if self.k > 1:
-            flat = torch.cat([self.runner.pack_step(
+            # host buffers (pack_buffer, not the pinned pack_step): the one upload below pins their concatenation
+            flat = torch.cat([pack_buffer(
                 [cover(replace(s, token_ids=[0], num_computed=s.num_computed + j - 1), 1, bs) for s in steps],
-                num_rows=B, width=self.width) for j in range(1, self.k)])
+                bs, self.runner.ratio, num_rows=B, width=self.width) for j in range(1, self.k)])
             _upload(self.draft_in[: flat.numel()], flat)
         self.graphs[B].draft()
         return self.drafts[:b].clone()
