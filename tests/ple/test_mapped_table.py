@@ -5,6 +5,7 @@ with the thread pool and page release on; the range maps only its shards' pages.
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -52,3 +53,39 @@ def test_whole_table_and_a_rank_range_gather_the_right_rows(table, threads, rele
     np.testing.assert_array_equal(out, truth[lo + local])
     with pytest.raises(ValueError, match=r"rows \[0, 99999\) are not inside"):
         layout.restrict(0, 99_999)
+
+
+def _present_pages(table: MappedTable) -> tuple[int, int]:
+    """(pages of the table's mappings present in this process's page tables, pages in them): /proc/self/pagemap,
+    bit 63 of each page's entry."""
+    present = total = 0
+    with open("/proc/self/pagemap", "rb") as pm:
+        for m in table._maps:
+            if m is None:
+                continue
+            base, pages = np.frombuffer(m[0], dtype=np.uint8).ctypes.data, -(-len(m[0]) // mmap.PAGESIZE)
+            pm.seek(base // mmap.PAGESIZE * 8)
+            entries = np.frombuffer(pm.read(8 * pages), dtype=np.uint64)
+            present, total = present + int((entries >> np.uint64(63)).sum()), total + pages
+    return present, total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux's /proc/self/pagemap")
+def test_prefault_maps_every_page_before_the_first_gather(table):
+    """With prefault (and no page release) a background thread maps the shards, so a gather of rows never read takes
+    no page fault; without it a fresh mapping has none of its pages mapped."""
+    layout, truth = table
+    cold = MappedTable(layout, 1)
+    assert cold.populated.is_set() and _present_pages(cold)[0] == 0
+    warm = MappedTable(layout, 1, prefault=True)
+    assert warm.populated.wait(30), "the populate thread did not finish in 30 s"
+    if warm.populate_error is not None:
+        pytest.skip(f"this kernel cannot populate mappings: {warm.populate_error}")
+    present, total = _present_pages(warm)
+    assert present == total > 0
+    ids = np.arange(0, layout.rows, 97)
+    out = np.empty((ids.size, ROW_BYTES), dtype=np.uint8)
+    warm.gather(ids, out)
+    np.testing.assert_array_equal(out, truth[ids])
+    released = MappedTable(layout, 1, release_pages=True, prefault=True)  # pages dropped after each gather anyway
+    assert released.populated.is_set() and _present_pages(released)[0] == 0

@@ -111,7 +111,8 @@ class PLEOptions:
     pinned staging buffer and copy once, instead of reading mapped memory from the GPU (0: never).
     disk_threads: the worker's gather threads. release_pages: madvise(DONTNEED) the shard pages a
     gather touched (the worker's RSS stays small; the page cache keeps them). prefault: ask the kernel
-    to read the whole table into the page cache at start (madvise WILLNEED), for cold network storage.
+    to read the whole table into the page cache at start (madvise WILLNEED), for cold network storage, and map
+    every page in the worker (MADV_POPULATE_READ from a background thread) so new rows cost no page fault each.
     worker_timeout_s: how long the GPU process waits for the worker's next sign of life (a reply or a
     heartbeat) before it fails the step: a stalled or dead worker ends the engine within this bound.
     """
