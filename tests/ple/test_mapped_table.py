@@ -59,7 +59,11 @@ def _present_pages(table: MappedTable) -> tuple[int, int]:
     """(pages of the table's mappings present in this process's page tables, pages in them): /proc/self/pagemap,
     bit 63 of each page's entry."""
     present = total = 0
-    with open("/proc/self/pagemap", "rb") as pm:
+    try:
+        pm = open("/proc/self/pagemap", "rb")
+    except OSError as e:  # a hardened container may refuse it
+        pytest.skip(f"/proc/self/pagemap cannot be read here: {e}")
+    with pm:
         for m in table._maps:
             if m is None:
                 continue
