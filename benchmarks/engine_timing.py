@@ -92,6 +92,11 @@ def gpu_ms(parts: dict[str, list], skip: int = 2) -> dict[str, float]:
             for name, ev in parts.items() if ev}
 
 
+def _called_inside(step: StepRecord, events: list) -> list:
+    """The Timed entries (start, end, host call time) whose call fell inside `step`'s wall time."""
+    return [e for e in events if step.start_s <= e[2] <= step.start_s + step.wall_s]
+
+
 def host_split(steps: list[StepRecord], events: list) -> dict[str, float]:
     """Where a graph-served step's wall time goes besides its replay (median ms over `steps`): host work before the
     replay was called (scheduling, cache bookkeeping, packing and copying the inputs: the GPU idles, the step having
@@ -101,7 +106,7 @@ def host_split(steps: list[StepRecord], events: list) -> dict[str, float]:
     _sync_events(events)
     before, gpu, after = [], [], []
     for s in steps:
-        inside = [e for e in events if s.start_s <= e[2] <= s.start_s + s.wall_s]
+        inside = _called_inside(s, events)
         if len(inside) != 1:
             continue
         before.append((inside[0][2] - s.start_s) * 1e3)
@@ -121,11 +126,10 @@ def round_split(rounds: list[StepRecord], parts: dict[str, list]) -> dict[str, f
     -> commit holds the verify's GPU time, then the logits' sync, sampling and acceptance on the host.
     `parts`: `time_graphs`' lists, whose (start, end, host call time) entries place each call inside its round."""
     names = [n for n in ("draft", "verify", "commit") if parts.get(n)]
-    _sync_events(*(parts[n] for n in names))
-    cols: dict[str, list[float]] = {}
+    cols: dict[str, list[float]] = {}  # host call times only: no event is read, so no sync
     for s in rounds:
         end = s.start_s + s.wall_s
-        calls = [[e for e in parts[n] if s.start_s <= e[2] <= end] for n in names]
+        calls = [_called_inside(s, parts[n]) for n in names]
         if any(len(c) != 1 for c in calls):
             continue
         # in call order: a step runs its round's draft, verify, commit (the first round's drafts came with the prefill
