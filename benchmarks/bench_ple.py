@@ -212,7 +212,12 @@ def main() -> None:
         emb.attach_table(StagedRows(layout, scale, heads, device))
         storage = SimpleNamespace(ple={1: SimpleNamespace(context_ids=torch.zeros(16, emb.order - 1,
                                                                                   dtype=torch.long, device=device))})
-        feeder = DiskRowFeeder(holder, storage, max(args.tokens, 8), PLEOptions.from_env())
+
+        def start_worker(**options) -> DiskRowFeeder:
+            """A PLE worker over the shards, the environment's options with `options` changed."""
+            return DiskRowFeeder(holder, storage, max(args.tokens, 8),
+                                 dataclasses.replace(PLEOptions.from_env(), **options))
+        feeder = start_worker()
         print(f"disk: {len(layout.shards)} shard files written, worker pid {feeder.pid} "
               f"({time.perf_counter() - t0:.1f} s)")
 
@@ -270,8 +275,7 @@ def main() -> None:
                         {"step": what, "placement": "disk (warm: new rows, page cache)",
                          "ms": timed(lambda i: disk_lookup(feeder, warm[i]), device, n) * 1e3}]
         feeder.close()
-        feeder = DiskRowFeeder(holder, storage, max(args.tokens, 8),
-                               dataclasses.replace(PLEOptions.from_env(), prefault=True, release_pages=False))
+        feeder = start_worker(prefault=True, release_pages=False)
         mapped_s = wait_mapped(feeder.pid, layout.nbytes)
         print("disk, prefault: the worker mapped the table in "
               + (f"{mapped_s:.2f} s" if mapped_s is not None else "more than the wait's 120 s (timed anyway)"))
@@ -281,8 +285,7 @@ def main() -> None:
             results.append({"step": what, "placement": "disk (warm, prefault: pages mapped at start)",
                             "ms": timed(lambda i: disk_lookup(feeder, warm[i]), device, n) * 1e3})
         feeder.close()
-        feeder = DiskRowFeeder(holder, storage, max(args.tokens, 8),
-                               dataclasses.replace(PLEOptions.from_env(), release_pages=True))
+        feeder = start_worker(release_pages=True)
         for batch, tokens, what in kinds:
             n = 5 if tokens == 1 else 2
             cold = new_steps(batch, tokens, n)
