@@ -83,8 +83,10 @@ def test_prefault_maps_every_page_before_the_first_gather(table):
     assert cold.populated.is_set() and _present_pages(cold)[0] == 0
     warm = MappedTable(layout, 1, prefault=True)
     assert warm.populated.wait(30), "the populate thread did not finish in 30 s"
-    if warm.populate_error is not None:
-        pytest.skip(f"this kernel cannot populate mappings: {warm.populate_error}")
+    kernel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if kernel < (5, 14):  # MADV_POPULATE_READ came in Linux 5.14: older kernels get the readahead alone
+        pytest.skip(f"Linux {os.uname().release} has no MADV_POPULATE_READ (5.14+): {warm.populate_error}")
+    assert warm.populate_error is None
     present, total = _present_pages(warm)
     assert present == total > 0
     ids = np.arange(0, layout.rows, 97)
