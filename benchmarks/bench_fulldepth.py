@@ -62,8 +62,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
-from engine_timing import (Req, copy_bandwidth_gbs, drive, gpu_ms, host_split, random_prompts,  # noqa: E402
-                           round_split, step_once, sync, time_graphs)
+from engine_timing import (HostProfile, Req, copy_bandwidth_gbs, drive, gpu_ms, host_split,  # noqa: E402
+                           random_prompts, round_split, step_once, sync, time_graphs)
 from forced_drafts import force_drafts  # noqa: E402
 from kernel_families import FAMILIES, breakdown, count_routing  # noqa: E402
 from standin import (DrafterShape, build_model, mtp_draft_bytes, standin_config, step_bytes, weight_tensors,  # noqa: E402
@@ -279,13 +279,19 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
         records, per_step = [], []
         for r in reqs:
             engine.add_request(r)
+        profile = HostProfile() if args.host_profile and C in args.profile_concurrency else None
+
+        def steady(r, C=C):  # a steady-state round of the whole batch (graph-served where there are graphs)
+            return r.decoding and r.active == C and (r.graphed or sg is None)
+
         while engine.has_unfinished():  # drive(), reading the timers between steps
-            records.append(step_once(engine, reqs))
+            if profile is not None and len(records) > args.warmup:  # after the warm-up steps
+                records.append(profile.run(lambda: step_once(engine, reqs), keep=steady))
+            else:
+                records.append(step_once(engine, reqs))
             per_step.append({name: t.total - before[name] for name, t in timers.items()})
             before = {name: t.total for name, t in timers.items()}
-        # steady-state rounds of the whole batch (graph-served where there are graphs)
-        keep = [i for i, r in enumerate(records)
-                if r.decoding and r.active == C and (r.graphed or sg is None)][args.warmup:]
+        keep = [i for i, r in enumerate(records) if steady(r)][args.warmup:]
         rounds = [records[i] for i in keep]
         wall = median([r.wall_s * 1e3 for r in rounds])
         drafted = engine.spec_stats.num_draft_tokens - stats0[0]
@@ -334,6 +340,13 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
         if row.get("round_split"):
             log("  round on the host = " + " + ".join(f"{k[5:-3].replace('_to_', ' -> ')} {v:.2f} ms"
                                                      for k, v in row["round_split"].items()) + " (medians)")
+        if profile is not None:  # the host breakdown (these rounds ran under the profiler)
+            row["host_profile"] = {"cumulative": profile.top(), "own": profile.top(15, own=True)}
+            for what, entries in row["host_profile"].items():
+                log(f"  host profile over {profile.calls} rounds, by {what} time (cProfile; ms a round, cumulative / "
+                    "own; calls a round):")
+                for e in entries:
+                    log(f"    {e['cum_ms']:8.3f} {e['own_ms']:8.3f} {e['calls']:7.1f}  {e['function']}")
         out["spec"].append(row)
         if method == "mtp" and C in args.profile_concurrency and steps is not None:
             B = graphs_size(sg, C) if sg is not None else None
@@ -466,6 +479,9 @@ def parse_args(argv):
                     help="the real model: --experts 512 --weights awq --ple host --real-ngram-table, 48 layers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="C1 and C8 only, 12 timed steps")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile the timed rounds at the --profile-concurrency levels (their times then include "
+                         "the profiler's overhead: a run for the host's breakdown, not for the round times)")
     ap.add_argument("--json", default=None, help="default: $OUT/bench_fulldepth.json")
     ap.add_argument("--strict", action="store_true", help="raise when a speculative stage fails (default: log it)")
     ap.add_argument("--dflash2-graph-rounds", action="store_true",

@@ -6,6 +6,8 @@ ceiling a roofline divides by.
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -175,6 +177,40 @@ def step_once(engine, reqs: list[Request]) -> StepRecord:
     sync(device)
     return StepRecord(time.perf_counter() - t0, sum(len(r.token_ids) for r in reqs) - before, active, decoding,
                       graph_replays(engine) > replays, t0)
+
+
+class HostProfile:
+    """cProfile over chosen engine steps: where a step's host time goes, by Python function, blocking calls included
+    (a `tolist` or `synchronize` that waits for the GPU shows its wait). `run(fn, keep)` profiles one call and counts
+    it only if keep(its result) holds, so the profile covers the same steps as the timed medians (not the ragged
+    last rounds, nor a round that compiled a kernel for a new shape). The profiler roughly doubles pure-Python time:
+    read the entries against each other, not as absolute times."""
+
+    def __init__(self) -> None:
+        self.stats: pstats.Stats | None = None
+        self.calls = 0
+
+    def run(self, fn, keep=lambda result: True):
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            result = fn()
+        finally:
+            profile.disable()
+        if keep(result):
+            self.calls += 1
+            self.stats = pstats.Stats(profile) if self.stats is None else self.stats.add(profile)
+        return result
+
+    def top(self, n: int = 25, own: bool = False) -> list[dict]:
+        """The n functions of the largest cumulative (own: own) time: per kept call, ms and call counts."""
+        if self.stats is None:
+            return []
+        stats = self.stats.stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2 if own else 3])[:n]
+        return [{"function": f"{name} ({file.rsplit('/', 1)[-1]}:{line})", "calls": calls / self.calls,
+                 "cum_ms": cum * 1e3 / self.calls, "own_ms": own_s * 1e3 / self.calls}
+                for (file, line, name), (_, calls, own_s, cum, _) in rows]
 
 
 def drive(engine, reqs: list[Request]) -> list[StepRecord]:

@@ -21,7 +21,7 @@ def fulldepth(tmp_path_factory):
     path = tmp_path_factory.mktemp("fulldepth") / "bench_fulldepth.json"
     out = bench_fulldepth.main(["--device", "cpu", "--layers", "4", "--experts", "8", "--prompt-len", "8",
                                 "--steps", "5", "--warmup", "0", "--concurrency", "2", "--spec-concurrency", "2",
-                                "--profile-concurrency", "2", "--strict", "--json", str(path)])
+                                "--profile-concurrency", "2", "--host-profile", "--strict", "--json", str(path)])
     return out, path
 
 
@@ -37,6 +37,8 @@ def test_fulldepth_smoke_rows(fulldepth):
                                        "host_verify_to_commit_ms", "host_commit_to_end_ms"}
     assert sum(mtp["round_split"].values()) <= mtp["round_ms"] * 1.5  # medians of intervals inside the rounds
     assert dflash2["verify_ms"] > 0 and dflash2["draft_ms"] > 0  # eager rounds, as on the GPU
+    functions = [e["function"] for e in mtp["host_profile"]["cumulative"]]
+    assert any(f.startswith("step (engine.py") for f in functions), functions  # the profiled rounds' engine steps
     for r in saved["spec"]:
         assert r["round_ms"] > 0 and set(r["model_speedup"]) == {"0.6", "0.7", "0.8"}
         assert r["verify_bytes"]["total"] > 0 and r["draft_bytes"] > 0
@@ -166,6 +168,27 @@ def test_round_split_places_each_call_inside_its_round():
     no_draft = round_split(rounds[:1], {k: v for k, v in parts.items() if k != "draft"})  # DFlash2: no draft graph
     assert no_draft == pytest.approx({"host_start_to_verify_ms": 4.0, "host_verify_to_commit_ms": 12.0,
                                       "host_commit_to_end_ms": 4.0})
+
+
+def test_host_profile_counts_only_the_kept_calls():
+    """bench_fulldepth --host-profile: a call whose result fails `keep` (a ragged or compiling round) is left out of
+    the profile, and the times and call counts are per kept call."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from engine_timing import HostProfile
+
+    def leaf(n):
+        return sum(range(n))
+
+    def work(n):
+        return [leaf(1000) for _ in range(n)]
+
+    profile = HostProfile()
+    for n in (2, 7, 2):  # the 7-call run is not kept
+        profile.run(lambda n=n: work(n), keep=lambda result: len(result) == 2)
+    assert profile.calls == 2
+    leaf_row = next(e for e in profile.top(50) if e["function"].startswith("leaf (test_benchmarks_smoke.py"))
+    assert leaf_row["calls"] == 2.0 and leaf_row["cum_ms"] > 0
+    assert HostProfile().top() == []
 
 
 def test_host_phases_smoke():
