@@ -14,6 +14,9 @@
 #             stream-ordered allocation, which memcheck tracks, so a few bytes out of bounds are reported.
 #   cold3     the whole GPU directory (`pytest -m gpu tests/gpu`) three times, each from a cold Triton cache,
 #             without the sanitizer (the failure's own setting).
+# WARM=1: each memcheck / exact pass first runs its tests without the sanitizer into its fresh cache, so the
+# sanitized run loads the kernels instead of compiling them under memcheck (a cold C8 test did not finish in 320 s
+# that way, 2026-12-06); the replays the sanitizer checks are the same.
 # Prints one line per pass and exits non-zero when any failed; logs in ${OUT:-.}/sanitize_dflash2/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +38,12 @@ run_pass() {  # name, then the command; a fresh Triton cache for each pass
   shift
   local cache
   cache=$(mktemp -d)
+  case "$name:${WARM:-0}" in
+    memcheck:1 | exact:1)  # compile the selected tests' kernels without the sanitizer first
+      TRITON_CACHE_DIR=$cache python -m pytest -q -p no:cacheprovider -m gpu "$TESTS" -k "$K" \
+        >"$LOGS/$name.warm.log" 2>&1
+      ;;
+  esac
   local start=$SECONDS
   TRITON_CACHE_DIR=$cache "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
