@@ -107,14 +107,27 @@ def read_into_page_cache(layout: TableLayout, chunk: int = 1 << 26) -> None:
                 pass
 
 
-def wait_mapped(pid: int, nbytes: int, timeout_s: float = 120.0) -> float | None:
-    """Seconds until process `pid` has at least `nbytes` of file pages mapped (RssFile of /proc/PID/status: the
-    prefault worker's populate thread done), or None after `timeout_s`."""
+def mapped_bytes(pid: int, files: set[str]) -> int:
+    """Bytes of `files` (real paths) present in process `pid`'s page tables: the Rss of its mappings of them
+    (/proc/PID/smaps; the status file's RssFile would count its shared libraries too)."""
+    total, counting = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and not fields[0].endswith(":"):  # a mapping's header: address perms offset dev inode [path]
+                counting = " ".join(fields[5:]) in files
+            elif counting and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def wait_mapped(pid: int, layout: TableLayout, timeout_s: float = 120.0) -> float | None:
+    """Seconds until process `pid` has the table's bytes of its shard files mapped (the prefault worker's populate
+    thread done), or None after `timeout_s`."""
+    files = {os.path.realpath(s.file) for s in layout.shards}
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
-        with open(f"/proc/{pid}/status") as f:
-            rss_file = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
-        if rss_file >= nbytes:
+        if mapped_bytes(pid, files) >= layout.nbytes:
             return time.perf_counter() - t0
         time.sleep(0.01)
     return None
@@ -276,7 +289,7 @@ def main() -> None:
                          "ms": timed(lambda i: disk_lookup(feeder, warm[i]), device, n) * 1e3}]
         feeder.close()
         feeder = start_worker(prefault=True, release_pages=False)
-        mapped_s = wait_mapped(feeder.pid, layout.nbytes)
+        mapped_s = wait_mapped(feeder.pid, layout)
         # counted from the worker's start-up handshake: its populate thread may be done by then (0.00 s)
         print("disk, prefault: every table page mapped "
               + (f"{mapped_s:.2f} s after the worker started" if mapped_s is not None
