@@ -62,7 +62,8 @@ def test_which_rounds_replay_a_graph(model):  # noqa: F811
     assert not g.can_run([], [])
     assert not g.can_run([one] * 5, [K] * 5)  # above the largest size
     assert g.can_run([one, one], [K, 1])  # fewer drafts near max_model_len / max_tokens: the rows are kept
-    assert not g.can_run([one, one], [K, 0])  # no draft at all (no seed row): eager
+    assert g.can_run([one, one], [K, 0])  # a request at its last token: its one row, the rest as rejected drafts
+    assert g.can_run([one], [0])
     assert not g.can_run([StepSequence([7, 8], 40, [3, 5, 9], slot=4)], [K])  # not one definite token
     assert not g.can_run([StepSequence([7], 40, [1, 2, 3, 4, 5], slot=4)], [K])  # wider than the table
     media = StepSequence([7], 40, [3, 5, 9], slot=4, mm_embeds=torch.zeros(1, 8), mm_index=[0])
@@ -142,6 +143,28 @@ def test_rounds_through_the_graph_buffers_equal_no_spec(model, replay, drafter):
     assert engine.spec_graphs.num_replays > 0, "no round ran through the graph buffers"
     if drafter == "forced":
         assert engine.spec_stats.num_accepted_tokens > 0
+    assert_clean(engine)
+    assert_same_tokens(reqs, plain)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["per-draft-slots", "replay"])
+@torch.no_grad()
+def test_a_request_at_its_last_token_keeps_its_round_in_the_graphs(model, replay):  # noqa: F811
+    """Requests decoding side by side that end on max_tokens in different rounds: the round where one has no room
+    left for a draft still runs through the graph buffers (before, the whole batch's round ran eagerly), and the
+    tokens equal the run without speculation."""
+    prompts = [ids(8, seed=50 + i) for i in range(3)]
+    plain = [Req(f"r{i}", p, max_tokens=6 + 3 * i) for i, p in enumerate(prompts)]
+    run(make_engine(model, {"method": None}, max_num_seqs=1), plain)
+    engine = graph_engine(model, replay)
+    eager = []  # the steps that verified outside the graph buffers (runner.verify: the eager verify forward)
+    verify = engine.runner.verify
+    engine.runner.verify = lambda steps, *a, **k: eager.append([len(s.token_ids) for s in steps]) or verify(
+        steps, *a, **k)
+    reqs = [Req(r.request_id, r.prompt_token_ids, r.max_tokens) for r in plain]
+    run(engine, reqs)
+    assert engine.spec_graphs.num_replays >= 3
+    assert not eager, f"rounds verified eagerly (rows per request): {eager}"
     assert_clean(engine)
     assert_same_tokens(reqs, plain)
 

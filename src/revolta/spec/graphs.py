@@ -240,11 +240,13 @@ class SpecGraphs:
 
     # ---- one round -----------------------------------------------------------------------------
     def can_run(self, steps: list[StepSequence], num_drafts: list[int]) -> bool:
-        """A text-only round where every request verifies 1..k drafts after one definite token, at a
-        captured size (a request with fewer than k, near max_model_len or max_tokens, runs all R rows
-        and keeps only its own)."""
+        """A text-only round where every request verifies 0..k drafts after one definite token, at a
+        captured size. A request with fewer than k (near max_model_len or max_tokens; none at its last
+        token) runs all R rows and keeps only its own, as rejected drafts: were a request's last token
+        eager, every request's last round would make its whole batch's round eager (a full forward's
+        launches, and kernels compiled for its new row count on a fresh server)."""
         return (0 < len(steps) <= self.batch_sizes[-1]
-                and all(1 <= n <= self.k for n in num_drafts)
+                and all(0 <= n <= self.k for n in num_drafts)
                 and all(len(s.token_ids) == 1 and s.mm_embeds is None and len(s.block_ids) <= self.width
                         for s in steps))
 
