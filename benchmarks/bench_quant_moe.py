@@ -42,6 +42,11 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wc-r8-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8)),
     "wc-pf-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, PREFETCH=True)),
     "wc-pf-sk128-32": ("nib", dict(WC, SPLIT_UP=128, SPLIT_DOWN=32, ROWS=8, PREFETCH=True)),
+    # M = 1, fp16 only: the same walk on fp16 pairs (gemv_wordcol.wordcol_slice_half2)
+    "wc-h2-r8-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, HALF2=True)),
+    "wc-h2-r16-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)),
+    "wc-h2-r16-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=16, HALF2=True)),
+    "wc-h2-r32-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=32, HALF2=True)),
 }
 
 
@@ -70,12 +75,12 @@ def moe_hc():
     return mod
 
 
-def run(small: bool = False, json_path: str | None = None) -> int:
+def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] = (1, 8, 40)) -> int:
     from revolta.kernels import moe as MOE
     from revolta.kernels.quant import moe as QMOE
 
     device = "cpu" if small else "cuda"
-    h, i, num_experts, Ms = (64, 32, 16, (1, 8)) if small else (H, I, E, (1, 8, 40))
+    h, i, num_experts, Ms = (64, 32, 16, (1, 8)) if small else (H, I, E, ms)
     hc = moe_hc()
     _moe_bank, eager_time_us, graph_time_us, rel_err, routing = (hc._moe_bank, hc.eager_time_us, hc.graph_time_us,
                                                                  hc.rel_err, hc.routing)
@@ -112,7 +117,7 @@ def run(small: bool = False, json_path: str | None = None) -> int:
             base = {p: QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, nibble=p == "nib")
                     for p in ("tile", "nib")}
             variants = {"quant": None} | {n: base[p] | v for n, (p, v) in VARIANTS.items()
-                                          if (n == "tile" or dt == torch.bfloat16 or small)
+                                          if (n == "tile" or small or (dt == torch.float16) == ("-h2-" in n))
                                           and (M == 1 or not n.startswith("wc"))}
             for vname, cfg in variants.items():
                 out = QMOE.quant_fused_moe(xs[0], gate_up, down, *routes[0], shared_expert=shared, config=cfg)

@@ -6,7 +6,7 @@ times (CUDA graph replays of back-to-back calls over rotating weight copies, L2 
 M): the default's time, the best config found, and both as % of the copy bandwidth measured in the same run
 (bandwidth on the packed bytes over a 1 GiB device copy's, read + write counted: bench_quant.py's "% copy").
 
-    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F] [--quick | --wordcol]
+    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F] [--quick | --wordcol | --half2]
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py --small    # CPU interpreter: two configs, correctness
 """
 
@@ -33,11 +33,13 @@ QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_sta
 # at M = 1 (--wordcol, --small) the word-column GEMV (gemv_wordcol.py) too (SPLIT_K None: wordcol_config's split)
 # 512 features: two words a thread, twice a program's loads in flight per step; 128 slices lost everywhere (K6c)
 WORDCOL = dict(BLOCK_N=(256, 512), num_warps=(1,), SPLIT_K=(None, 32, 64), rows=(32, 16, 8), prefetch=(False, True))
+# --half2: the fp16-pair walk (gemv_wordcol.wordcol_slice_half2; fp16 only) beside the default and the fp32 walk's
+HALF2 = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32, 64), rows=(32, 16, 8))
 
 
-def configs(M, N, K, group, device, small, grid):
+def configs(M, N, K, group, device, small, grid, half2=False):
     """The sweep's configs for one shape (the default's first), each a full nibble_gemv config; grid None: the
-    default and the word-column configs only."""
+    default and the word-column configs only; half2: the default, the fp32 walk's default config and HALF2's."""
     from revolta.kernels.quant.common import device_facts
     from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
     from revolta.kernels.quant.nibble import split_len
@@ -56,10 +58,16 @@ def configs(M, N, K, group, device, small, grid):
                         k_per_split=split_len(K, sk, base["BLOCK_K"]))
         if c != base:
             out.append(c)
-    if M == 1 and (small or wordcol_only):  # the word-column GEMV (gemv_wordcol.py): one row only
-        from revolta.kernels.quant.gemv_wordcol import wordcol_config
+    from revolta.kernels.quant.gemv_wordcol import wordcol_config
 
-        sms = device_facts(device)[0]
+    sms = device_facts(device)[0]
+    if M == 1 and half2:
+        out.append(wordcol_config(N, K, group, sms))
+        for bn, w, sk, rows in itertools.product(*HALF2.values()):
+            if K // rows >= 2 * (sk or 1):
+                out.append(wordcol_config(N, K, group, sms, bn, w, sk, rows, half2=True))
+        return out
+    if M == 1 and (small or wordcol_only):  # the word-column GEMV (gemv_wordcol.py): one row only
         for bn, w, sk, rows, pf in itertools.product(*WORDCOL.values()):
             if bn <= max(256, N) and K // rows >= 2 * (sk or 1) and (rows == 8 or not pf):
                 out.append(wordcol_config(N, K, group, sms, bn, w, sk, rows, pf))
@@ -68,7 +76,8 @@ def configs(M, N, K, group, device, small, grid):
 
 def name(c):
     if c.get("WORDCOL"):
-        return f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}" + ("/pf" if c["PREFETCH"] else "")
+        return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}" + ("/pf" if c["PREFETCH"] else "")
+                + ("/h2" if c.get("HALF2") else ""))
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
     return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
 
@@ -81,6 +90,8 @@ def main() -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--quick", action="store_true", help="9 configs a shape (QUICK) instead of 72 (GRID)")
     ap.add_argument("--wordcol", action="store_true", help="the default and the word-column configs only (M = 1)")
+    ap.add_argument("--half2", action="store_true", help="the default, the fp32 walk and the fp16-pair walk (M = 1, "
+                    "fp16)")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -93,10 +104,11 @@ def main() -> int:
     device = torch.device("cpu" if args.small else "cuda")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     gen = torch.Generator(device=device).manual_seed(0)
-    shapes = (("small", 128, 256),) if args.small else SHAPES if args.wordcol else SHAPES[:FIRST_SHAPES]
+    assert not args.half2 or args.dtype == "fp16", "--half2 times the fp16-pair walk: fp16 activations only"
+    shapes = (("small", 128, 256),) if args.small else SHAPES if args.wordcol or args.half2 else SHAPES[:FIRST_SHAPES]
     if args.shapes:
         shapes = tuple(sh for sh in SHAPES if sh[0] in args.shapes.split(","))
-    grid = None if args.wordcol else QUICK if args.quick else GRID  # None: no nibble variants
+    grid = None if args.wordcol or args.half2 else QUICK if args.quick else GRID  # None: no nibble variants
     rows, t0 = [], time.time()
     gbs = copy_gbs(args.small)
     print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "
@@ -112,7 +124,7 @@ def main() -> int:
             x = torch.randn(M, K, generator=gen, device=device).to(dtype)
             want = x.float() @ w_ref.t()
             timed, worst = [], 0.0
-            for c in configs(M, N, K, args.group, device, args.small, grid):
+            for c in configs(M, N, K, args.group, device, args.small, grid, args.half2):
                 def call(c=c, w=t):
                     return awq_gemv(x, w["qweight"], w["qzeros"], w["scales"], args.group, config=c)
                 err = rel_err(call(), want)

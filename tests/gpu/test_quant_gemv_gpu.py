@@ -2,7 +2,7 @@
 (largest and smallest N, the widest K) against the fp32 dequantized reference, beside the tile path, for AWQ g32,
 compressed-tensors int4 with zero points and NVFP4, bf16 and fp16, M = 1, 5, 40; and captured in a CUDA graph that
 replays on new activations (the split-K workspace is allocated inside the capture); the default one-row AWQ path
-(the word-column GEMV) likewise."""
+(the word-column GEMV) likewise, and its walk on fp16 pairs (HALF2, inline PTX)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,28 @@ def test_default_one_row_awq_gemv(N, K):
     x.copy_(torch.randn(1, K, device="cuda", generator=gen))
     g.replay()
     assert torch.equal(y, fmt.gemv(x, t, None))
+
+
+@pytest.mark.parametrize("N,K", [(12288, 2560), (2560, 6144), (1280, 2560)])
+def test_half2_wordcol_gemv(N, K):
+    """The word-column walk on fp16 pairs (gemv_wordcol.wordcol_slice_half2: fma.rn.f16x2 as inline PTX) in 8-, 16-
+    and 32-row steps against the fp32 reference (fp16 products and step sums: 2e-3), and replayed from a CUDA graph
+    on a new row (bitwise the eager call)."""
+    from revolta.kernels.quant.common import device_facts
+    from revolta.kernels.quant.gemv_wordcol import awq_wordcol_gemv, wordcol_config
+
+    gen = torch.Generator(device="cuda").manual_seed(N + K)
+    fmt, t = _packed("awq", N, K, gen)
+    w = fmt.dequantize(t, torch.float32)
+    sms = device_facts(torch.device("cuda"))[0]
+    x = torch.randn(1, K, device="cuda", generator=gen).half()
+    args = (t["qweight"], t["qzeros"], t["scales"], 32, None)
+    for rows in (8, 16, 32):
+        cfg = wordcol_config(N, K, 32, sms, rows=rows, half2=True)
+        assert _rel(awq_wordcol_gemv(x, *args, cfg), x.float() @ w.t()) < 2e-3, rows
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = awq_wordcol_gemv(x, *args, cfg)
+    x.copy_(torch.randn(1, K, device="cuda", generator=gen))
+    g.replay()
+    assert torch.equal(y, awq_wordcol_gemv(x, *args, cfg))

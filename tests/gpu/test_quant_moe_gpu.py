@@ -1,6 +1,6 @@
 """On a GPU: the packed-expert MoE (kernels/quant/moe.py) at the real shapes (AWQ group 32, 512 experts of
 2560 x 640 + the shared expert, top-10 + 1) against its torch reference in bf16 and fp16 (the default: the
-group-factored path of moe_decode.py on sm80+), with the sm_70 launch config and the tile path in fp16, and captured in a CUDA graph that replays on new tokens and routing (no host sync inside)."""
+group-factored path of moe_decode.py on sm80+), with the sm_70 launch config, the tile path and (one token) the fp16-pair walk in fp16, and captured in a CUDA graph that replays on new tokens and routing (no host sync inside)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def test_awq_moe_real_shapes(M):
         x = torch.randn(M, bq.H, device="cuda", dtype=dt, generator=gen)
         ref = QMOE.quant_fused_moe_ref(x, gate_up, down, ids, w, shared_expert=shared)
         assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared), ref) < 1e-2
+    if M == 1:  # one token on the word-column walk's fp16 pairs (HALF2; x is fp16 here): fp16 partial sums
+        h2 = QMOE.MOE_WORDCOL | dict(HALF2=True)
+        assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=h2), ref) < 2e-3
     cfg70 = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=70)
     assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg70), ref) < 2e-3
     tile = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90, nibble=False)  # the sm80+ default before

@@ -2,7 +2,7 @@
 activations) and sm_90 (H200, bf16), at the real model's projection shapes in the launch configurations
 the wrappers pick: the GEMV at M = 1, 8 (CUDA-core tile product) and 40 (tl.dot tiles), the nibble-path GEMV
 (gemv_nibble.py: AWQ at M = 1, 8, 40, compressed-tensors int4 with zero points and NVFP4 at M = 1, in
-`nibble_gemv_config`'s tiles for each arch), the one-row word-column GEMV (gemv_wordcol.py), the split-K reduce,
+`nibble_gemv_config`'s tiles for each arch), the one-row word-column GEMV (gemv_wordcol.py; its fp32 and fp16-pair walks), the split-K reduce,
 and the dequantize kernels of the large-M path. sm_70 budgets: no spills, <= 96 KiB shared memory, no
 Ampere/Hopper instructions (E4M3 scales and E2M1 codes are loaded as bytes and decoded with integer ops).
 
@@ -61,11 +61,20 @@ def _builds(arch):
 
     wc = gemv_wordcol.wordcol_config(N, K, 32, 132 if arch == 90 else 80)
     b["awq_wordcol_gemv_M1"] = (gemv_wordcol._awq_wordcol_kernel,
-                                GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL + " EVEN ROWS PREFETCH",
-                                "aiihfaannnnnn" + "c" * 10,
+                                GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL + " EVEN ROWS PREFETCH HALF2 ASM",
+                                "aiihfaannnnnn" + "c" * 12,
                                 dict(G=32, BLOCK_M=1, BLOCK_N=wc["BLOCK_N"], BLOCK_K=wc["BLOCK_K"],
                                      SPLIT_K=wc["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
-                                     ROWS=wc["BLOCK_K"], PREFETCH=wc["PREFETCH"]), wc["num_warps"], wc["num_stages"])
+                                     ROWS=wc["BLOCK_K"], PREFETCH=wc["PREFETCH"], HALF2=False, ASM=True),
+                                wc["num_warps"], wc["num_stages"])
+    # the fp16-pair walk (HALF2: fp16 activations on every arch; its fma.rn.f16x2 as inline PTX)
+    b["awq_wordcol_half2_gemv_M1"] = (gemv_wordcol._awq_wordcol_kernel,
+                                      GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL + " EVEN ROWS PREFETCH HALF2 ASM",
+                                      "hiihfhhnnnnnn" + "c" * 12,
+                                      dict(G=32, BLOCK_M=1, BLOCK_N=wc["BLOCK_N"], BLOCK_K=wc["BLOCK_K"],
+                                           SPLIT_K=wc["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
+                                           ROWS=wc["BLOCK_K"], PREFETCH=False, HALF2=True, ASM=True),
+                                      wc["num_warps"], wc["num_stages"])
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
                           dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK), 2, 2)
     b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",
@@ -125,7 +134,7 @@ def test_aot_real_shapes(arch, reports):
     spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column GEMV builds spill (budget 0 on every arch): {spills}"
-    assert "awq_wordcol_gemv_M1" in reports[arch]
+    assert "awq_wordcol_gemv_M1" in reports[arch] and "awq_wordcol_half2_gemv_M1" in reports[arch]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The one-row AWQ GEMV on CUDA cores (kernels/quant/gemv_wordcol.py) against the fp32 dequantized reference under the
 interpreter: fp16, bf16 and fp32 activations, groups of 32 / 64 / 128, N a multiple of the program's features and not
 (masked), steps of 8 / 16 / 32 rows, one to five split-K slices (groups spanning slices), bias; its launch config
-at the real shapes and the default path switch.
+at the real shapes and the default path switch; the fp16-pair walk (HALF2, half2.py's interpreter twin of its inline
+PTX) likewise, and at fp16's largest activations.
 Packed test weights and the bf16 interpreter fixture: test_quant.py, conftest.py."""
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 import triton
 from test_quant import CASES
 
-from revolta.kernels.quant.gemv_wordcol import (WORDCOL_MAX_SPLIT, WORDCOL_MIN_N, WORDCOL_PROGRAMS_PER_SM,
-                                                use_wordcol, wordcol_config)
+from revolta.kernels.quant.awq import awq_gemv_ref
+from revolta.kernels.quant.gemv_wordcol import (HALF2_MAX_ROWS, WORDCOL_MAX_SPLIT, WORDCOL_MIN_N,
+                                                WORDCOL_PROGRAMS_PER_SM, awq_wordcol_gemv, use_wordcol, wordcol_config)
 
 pytestmark = pytest.mark.usefixtures("poison", "bf16_dots")  # conftest.py: NaN-poisoned outputs; bf16 as on the GPU
 
@@ -68,3 +70,50 @@ def test_the_default_picks_the_word_column_path_for_one_awq_row_of_a_wide_projec
                                                                                            12288)
     assert not use_wordcol(70, torch.float16, "awq", 1, 12288) and not use_wordcol(None, torch.float16, "awq", 1, 12288)
     assert not use_wordcol(90, torch.float32, "awq", 1, 12288)
+
+
+def _close_half2(got, want):
+    """The fp16-pair walk rounds each product and its ROWS-row partial sums to fp16 (about 2^-11 relative, summed
+    over a step's rows), then adds the steps in fp32: within 2e-3 of the largest output, plus fp16's own rounding."""
+    assert got.dtype == torch.float16 and not got.isnan().any() and not got.isinf().any()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -10, atol=2e-3 * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("N,K,G,split,rows", [
+    (512, 256, 32, 2, 8),  # EVEN, two slices of 8-row steps
+    (576, 128, 32, 1, 16),  # masked last program, no split (out and bias written directly)
+    (256, 384, 128, 4, 32),  # 32-row steps (HALF2_MAX_ROWS), groups spanning slices
+], ids=str)
+def test_half2_wordcol_gemv_matches_reference(N, K, G, split, rows):
+    g = torch.Generator().manual_seed(N + K + rows)
+    make, ref, tri, _, _ = CASES["awq"]
+    args = make(N, K, G, g)
+    x = torch.randn(1, K, generator=g).half()
+    bias = torch.randn(N, generator=g).half() if split == 1 else None
+    cfg = wordcol_config(N, K, G, 4, split=split, rows=rows, half2=True)
+    assert cfg["HALF2"] and rows <= HALF2_MAX_ROWS
+    _close_half2(tri(x, *args, bias=bias, config=cfg), ref(x, *args, bias=bias))
+
+
+def test_half2_partials_hold_fp16s_largest_activations():
+    """x at 60,000 everywhere and every code 15 with zero 0 (or 0 with zero 15): each 32-row step's fp16 partial is
+    32 · 60,000 · 15 / 512 = 56,250, under 65,504 only because the walk scales the codes by 1/512 (unscaled, or by
+    1/256, the partials overflow to inf); the output stays finite and equal to the reference."""
+    N, K, G = 256, 128, 32
+    for q, z in ((0xFFFFFFFF, 0), (0, 0xFFFFFFFF)):
+        qw = torch.full((K, N // 8), q, dtype=torch.int64).to(torch.int32)
+        qz = torch.full((K // G, N // 8), z, dtype=torch.int64).to(torch.int32)
+        sc = torch.full((K // G, N), 1e-4).half()
+        x = torch.full((1, K), 60000.0).half()
+        cfg = wordcol_config(N, K, G, 4, split=2, rows=32, half2=True)
+        want = awq_gemv_ref(x, qw, qz, sc, G)  # ±128 · 60,000 · 15 · 1e-4 = ±11,520
+        assert want.abs().min().item() > 11000
+        _close_half2(awq_wordcol_gemv(x, qw, qz, sc, G, None, cfg), want)
+
+
+def test_half2_takes_fp16_only():
+    make, _, _, _, _ = CASES["awq"]
+    qw, qz, sc, G = make(256, 64, 32, torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError, match="fp16"):
+        awq_wordcol_gemv(torch.randn(1, 64).bfloat16(), qw, qz, sc, G, None,
+                         wordcol_config(256, 64, G, 4, rows=8, half2=True))

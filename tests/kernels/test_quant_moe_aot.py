@@ -79,27 +79,31 @@ def _builds(arch):
 
 
 WORDCOL_GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act ws topk_ids num_routed H I T stride_e0 stride_e1 stride_e2 "
-                   "stride_am k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH")
+                   "stride_am k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH HALF2 ASM")
 WORDCOL_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids num_routed H I stride_am stride_e0 stride_e1 "
-                "stride_e2 stride_ym k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH")
+                "stride_e2 stride_ym k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH HALF2 ASM")
 
 
 def wordcol_builds():
     """The one-token word-column MoE (moe_wordcol.py, AWQ) in the config one token takes on sm80+ (MOE_WORDCOL: 64 / 16
-    K splits of 8-row steps), gate_up masked (I = 640 is 2.5 programs of 256 features)."""
+    K splits of 8-row steps), gate_up masked (I = 640 is 2.5 programs of 256 features); and the same on fp16 pairs
+    (HALF2, fp16 activations on every arch: its fma.rn.f16x2 as inline PTX)."""
     from revolta.kernels.quant import moe_wordcol
     from revolta.kernels.quant.moe import MOE_WORDCOL as C
 
-    flags = dict(G=32, HAS_SHARED=True, ROWS=C["ROWS"], PREFETCH=C["PREFETCH"])
     warps = C["num_warps"]
-    return {"awq_wordcol_M1_gate_up": (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
-                                       "a" + "iih" * 3 + "afi" + "n" * 9 + "c" * 7,
-                                       dict(flags, BLOCK_N=C["BLOCK_N_UP"], SPLIT=C["SPLIT_UP"], EVEN=False), warps, 1,
-                                       "awq"),
-            "awq_wordcol_M1_down": (moe_wordcol._wordcol_down_kernel, WORDCOL_DOWN,
-                                    "a" + "iih" * 2 + "ffi" + "n" * 9 + "c" * 7,
-                                    dict(flags, BLOCK_N=C["BLOCK_N_DOWN"], SPLIT=C["SPLIT_DOWN"], EVEN=True), warps, 1,
-                                    "awq")}
+    out = {}
+    for tag, act, half2 in (("", "a", False), ("_half2", "h", True)):
+        flags = dict(G=32, HAS_SHARED=True, ROWS=C["ROWS"], PREFETCH=C["PREFETCH"], HALF2=half2, ASM=True)
+        out[f"awq_wordcol{tag}_M1_gate_up"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
+                                               act + "iih" * 3 + act + "fi" + "n" * 9 + "c" * 9,
+                                               dict(flags, BLOCK_N=C["BLOCK_N_UP"], SPLIT=C["SPLIT_UP"], EVEN=False),
+                                               warps, 1, "awq")
+        out[f"awq_wordcol{tag}_M1_down"] = (moe_wordcol._wordcol_down_kernel, WORDCOL_DOWN,
+                                            act + "iih" * 2 + "ffi" + "n" * 9 + "c" * 9,
+                                            dict(flags, BLOCK_N=C["BLOCK_N_DOWN"], SPLIT=C["SPLIT_DOWN"], EVEN=True),
+                                            warps, 1, "awq")
+    return out
 
 
 def nibble_builds(fmt, M, arch, overrides=None):
@@ -153,7 +157,7 @@ def test_aot_real_shapes(arch, reports):
     spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column builds spill (budget 0 on every arch): {spills}"
-    assert sum("wordcol" in n for n in reports[arch]) == 2
+    assert sum("wordcol" in n for n in reports[arch]) == 4
     assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 

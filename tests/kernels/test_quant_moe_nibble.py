@@ -62,6 +62,17 @@ def test_wordcol_path_matches_reference(dtype, split):
     torch.testing.assert_close(out, ref, **TOLS[dtype])
 
 
+@pytest.mark.parametrize("split", [(1, 1, 32), (2, 3, 8), (3, 1, 16)], ids=str)
+def test_half2_wordcol_path_matches_reference(split):
+    """The same walk on fp16 pairs (HALF2: gemv_wordcol.wordcol_slice_half2, half2.py's interpreter twin): products
+    and each step's partial sums rounded to fp16, so within 2e-3 of the largest output."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", 1, torch.float16)
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2], HALF2=True)
+    out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+    assert out.dtype == torch.float16 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2.0 ** -10, atol=2e-3 * ref.float().abs().max().item())
+
+
 def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70():
     for M in (1, 8, 40):
         assert quant_grouped_config(M, 11, 513, 90)["NIBBLE_DOT"] and quant_grouped_config(M, 11, 513)["NIBBLE_DOT"]

@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import launch_gemv, store_partial
+from .half2 import awq_code_pair, h2_fma, h2_hi, h2_lo, h2_splat
 from .nibble import split_len
 
 WORDCOL_PROGRAMS_PER_SM = 12  # split-K target: single-warp programs per SM (~1,500-2,500 won on an H100: K6c)
@@ -42,17 +43,20 @@ WORDCOL_MAX_SPLIT = 64  # 128 slices lost at every shape timed (K6c)
 WORDCOL_ROWS = 8  # rows a step: small steps let 64 slices of K = 2560 stay whole steps (K6c: 8 rows won at 64)
 WORDCOL_MIN_N = 6144  # the default from this many outputs (K6c: won at 6144-12288, lost at 2560 and below)
 WORDCOL_LAYOUTS = ("awq",)  # packed along N: the word-column walk
+HALF2_MAX_ROWS = 32  # the fp16-pair walk's step: its partials stay under fp16's 65504 (wordcol_slice_half2)
 
 
 def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256, num_warps: int = 1,
-                   split: int | None = None, rows: int | None = None, prefetch: bool = False) -> dict:
+                   split: int | None = None, rows: int | None = None, prefetch: bool = False,
+                   half2: bool = False) -> dict:
     """Launch config of the word-column GEMV of one row over W [N, K] (AWQ, `group` rows a group): BLOCK_N features
     a program (one word column a thread: block_n = 256 per warp), BLOCK_K = rows a step (default WORDCOL_ROWS, at
     most the group, which it divides), split-K over whole steps aiming at WORDCOL_PROGRAMS_PER_SM programs per SM (at
     most WORDCOL_MAX_SPLIT slices, at least 2 steps each) unless `split` is given. prefetch: wordcol_slice's
-    PREFETCH (8-row steps; not timed yet)."""
+    PREFETCH (8-row steps). half2: the fp16-pair walk (HALF2, fp16 activations; steps of at most HALF2_MAX_ROWS)."""
     rows = rows or min(group, WORDCOL_ROWS)
     assert group % rows == 0 and (rows == 8 or not prefetch), (group, rows, prefetch)
+    assert not (half2 and (prefetch or rows > HALF2_MAX_ROWS)), (rows, prefetch, half2)
     tiles = triton.cdiv(N, block_n)
     steps = triton.cdiv(K, rows)
     if split is None:
@@ -61,7 +65,8 @@ def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256,
                and steps // (2 * split) >= 2):
             split *= 2
     return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=rows, SPLIT_K=split, USE_DOT=False, WORDCOL=True,
-                PREFETCH=prefetch, k_per_split=split_len(K, split, rows), num_warps=num_warps, num_stages=1)
+                PREFETCH=prefetch, HALF2=half2, k_per_split=split_len(K, split, rows), num_warps=num_warps,
+                num_stages=1)
 
 
 def use_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int, N: int) -> bool:
@@ -121,7 +126,7 @@ def _load8(rows, NW, m_w):
 
 @triton.jit
 def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
-                  PREFETCH: tl.constexpr = False):
+                  PREFETCH: tl.constexpr = False, HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
     """x_row[k_lo:k_hi] @ W[features of words o_w, k_lo:k_hi]ᵀ for an AutoAWQ linear of N outputs (qweight [K, N/8],
     qzeros [K/G, N/8], scales [K/G, N]; k_lo, k_hi multiples of ROWS, which divides G): eight fp32 [W] sums, the j-th
     for features 8·o_w + _feature(j). m_w: the words' mask (None: all in range). A step walks ROWS rows of one
@@ -130,7 +135,23 @@ def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W
 
     PREFETCH (ROWS 8): the next step's words are loaded before this step's are used (carried in registers), so a
     program has a step of loads in flight while it computes; without it each step waits a full memory latency,
-    which is why the walk needs many programs (RESULTS.md K6c). Not timed yet."""
+    which is why the walk needs many programs (RESULTS.md K6c); it gained nothing there (K6d).
+
+    HALF2 (fp16 x): wordcol_slice_half2's walk on fp16 pairs instead; ASM: its fma.rn.f16x2 as inline PTX (False:
+    the interpreter's twin, half2.py)."""
+    if HALF2:
+        a0, a1, a2, a3, a4, a5, a6, a7 = wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G, W, ROWS,
+                                                             ASM)
+    else:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _wordcol_slice_f32(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G, W, ROWS,
+                                                            PREFETCH)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _wordcol_slice_f32(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr,
+                       ROWS: tl.constexpr, PREFETCH: tl.constexpr):
+    """wordcol_slice's walk in fp32 (the module docstring's)."""
     tl.static_assert(ROWS == 8 or not PREFETCH, "PREFETCH walks 8-row steps")
     NW = N // 8
     a0 = tl.zeros([W], dtype=tl.float32)  # one accumulator per nibble position
@@ -168,21 +189,80 @@ def wordcol_slice(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W
 
 
 @triton.jit
+def _flush_pair(a_lo, a_hi, p, sc_row, o_w, m_w, j: tl.constexpr):
+    """a_lo / a_hi [W] (features 2j / 2j + 1 of words o_w) += s · 512 · lane of the step's fp16 pair sums p."""
+    s_lo = tl.load(sc_row + o_w * 8 + 2 * j, mask=m_w).to(tl.float32)
+    s_hi = tl.load(sc_row + o_w * 8 + 2 * j + 1, mask=m_w).to(tl.float32)
+    return a_lo + h2_lo(p) * (512.0 * s_lo), a_hi + h2_hi(p) * (512.0 * s_hi)
+
+
+@triton.jit
+def _step_pair(wd, j: tl.constexpr, mult, nz, xx, p, ASM: tl.constexpr):
+    """p += x_k · (q - z) / 512 for the pair of features (2j, 2j + 1) of row words wd (half2.awq_code_pair)."""
+    return h2_fma(h2_fma(awq_code_pair(wd, j), mult, nz, ASM), xx, p, ASM)
+
+
+@triton.jit
+def wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr,
+                        ROWS: tl.constexpr, ASM: tl.constexpr):
+    """wordcol_slice (same arguments and sums) on fp16 pairs, for fp16 x. A word's 8 codes become 4 pairs with one
+    shift and four ANDs (half2.awq_code_pair: subnormal codes), and each pair of weights costs two fma.rn.f16x2
+    (the fp32 walk: a shift, an AND-OR and an FFMA a weight):
+
+        d = code · 2^15 (or 2^11) - z / 512 = (q - z) / 512   (exact: a multiple of 2^-9 under 2^-5)
+        p += x_k · d                                           (fp16, over the step's ROWS rows)
+
+    and once a (feature, step) the pair goes to fp32 times 512 s. Accuracy: each product and partial sum is rounded
+    to fp16 (2^-11 relative, as a GEMM accumulating in fp16 over ROWS terms; the fp32 walk rounds nothing); the
+    1 / 512 keeps every partial under 65504 for any fp16 x (|Σ x d| <= 32 · 15 · 65504 / 512), and costs absolute
+    precision only where |x_k (q - z)| < 2^-14 · 512 = 1/32 (subnormal products, 2^-25 · 512 = 1.5e-5 each)."""
+    tl.static_assert(ROWS <= 32, "fp16 partials of at most 32 rows (HALF2_MAX_ROWS)")
+    NW = N // 8
+    m_even = tl.full([W], 0x78007800, tl.int32)  # 2^15 in both lanes: awq_code_pair's j = 0, 2
+    m_odd = tl.full([W], 0x68006800, tl.int32)  # 2^11: j = 1, 3
+    zero = tl.zeros([W], dtype=tl.int32)
+    a0 = tl.zeros([W], dtype=tl.float32)  # fp32 sums in nibble order (a_j: nibble j of the words)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    for k0 in range(k_lo, k_hi, ROWS):
+        g = k0 // G
+        b_z = tl.load(qz + g * NW + o_w, mask=m_w)  # [W]
+        nz0 = h2_fma(awq_code_pair(b_z, 0), m_even ^ -0x7FFF8000, zero, ASM)  # -z / 512 (sign bits set: -2^15)
+        nz1 = h2_fma(awq_code_pair(b_z, 1), m_odd ^ -0x7FFF8000, zero, ASM)
+        nz2 = h2_fma(awq_code_pair(b_z, 2), m_even ^ -0x7FFF8000, zero, ASM)
+        nz3 = h2_fma(awq_code_pair(b_z, 3), m_odd ^ -0x7FFF8000, zero, ASM)
+        p0, p1, p2, p3 = zero, zero, zero, zero
+        rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
+        for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead
+            wd = tl.load(rows + r * NW, mask=m_w)
+            xx = h2_splat(tl.load(x_row + k0 + r))  # (x_k, x_k)
+            p0 = _step_pair(wd, 0, m_even, nz0, xx, p0, ASM)
+            p1 = _step_pair(wd, 1, m_odd, nz1, xx, p1, ASM)
+            p2 = _step_pair(wd, 2, m_even, nz2, xx, p2, ASM)
+            p3 = _step_pair(wd, 3, m_odd, nz3, xx, p3, ASM)
+        sc_row = sc + g * N
+        a0, a4 = _flush_pair(a0, a4, p0, sc_row, o_w, m_w, 0)
+        a1, a5 = _flush_pair(a1, a5, p1, sc_row, o_w, m_w, 1)
+        a2, a6 = _flush_pair(a2, a6, p2, sc_row, o_w, m_w, 2)
+        a3, a7 = _flush_pair(a3, a7, p3, sc_row, o_w, m_w, 3)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, G: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
-                        PREFETCH: tl.constexpr):
+                        PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
     """out [1, N] (SPLIT_K == 1) or ws [SPLIT_K, 1, N] fp32 (K slice program_id(1)) of x [1, K] @ Wᵀ, W as AutoAWQ's
     qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT: launch_gemv's argument list
     (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop).
-    ROWS, PREFETCH: wordcol_slice's."""
+    ROWS, PREFETCH, HALF2, ASM: wordcol_slice's."""
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     W: tl.constexpr = BLOCK_N // 8
     o_w = i_n * W + tl.arange(0, W)
     m_w = None if EVEN else o_w < N // 8
     k_lo = i_s * k_per_split
     a0, a1, a2, a3, a4, a5, a6, a7 = wordcol_slice(x, qw, qz, sc, o_w, m_w, N, k_lo, tl.minimum(k_lo + k_per_split, K),
-                                                   G, W, ROWS, PREFETCH)
+                                                   G, W, ROWS, PREFETCH, HALF2, ASM)
     _store(ws, out, bias, a0, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 0)
     _store(ws, out, bias, a1, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 1)
     _store(ws, out, bias, a2, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 2)
@@ -198,6 +278,9 @@ def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor,
     """x [1, K] @ Wᵀ (+ bias) -> [1, N] in x.dtype on the word-column path (`wordcol_config`)."""
     assert x.shape[0] == 1 and cfg.get("WORDCOL"), f"the word-column GEMV takes one row and its config: {cfg}"
     assert qweight.numel() < 2 ** 31, "the word-column GEMV indexes qweight in int32"
+    half2 = cfg.get("HALF2", False)
+    assert x.dtype == torch.float16 or not half2, f"the fp16-pair walk (HALF2) takes fp16 activations, not {x.dtype}"
     N = scales.shape[1]
     return launch_gemv(_awq_wordcol_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group,
-                       EVEN=N % cfg["BLOCK_N"] == 0, ROWS=cfg["BLOCK_K"], PREFETCH=cfg.get("PREFETCH", False))
+                       EVEN=N % cfg["BLOCK_N"] == 0, ROWS=cfg["BLOCK_K"], PREFETCH=cfg.get("PREFETCH", False),
+                       HALF2=half2, ASM=x.is_cuda)  # the interpreter runs half2.py's twin of the inline PTX

@@ -435,6 +435,9 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     # rows a step of the walk (gemv_wordcol.wordcol_slice), dividing each linear's group
     rows_up, rows_dn = (min(p.group, cfg.get("ROWS", 32)) for p in (gate_up, down))
     prefetch = cfg.get("PREFETCH", False)  # the next step's words loaded ahead (8-row steps: wordcol_slice checks)
+    # the fp16-pair walk (fp16 activations; half2.py's twin of its inline PTX under the interpreter)
+    half2 = dict(HALF2=cfg.get("HALF2", False), ASM=x.is_cuda)
+    assert x.dtype == torch.float16 or not half2["HALF2"], f"the fp16-pair walk (HALF2) takes fp16, not {x.dtype}"
     split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
     bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
@@ -443,12 +446,13 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     _wordcol_gate_up_kernel[(num_slots, triton.cdiv(I, bn_up), split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, *(t.stride(0) for t in w_up),
         act.stride(0), split_len(H, split_up, rows_up), G=gate_up.group, BLOCK_N=bn_up, HAS_SHARED=has_shared,
-        SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch, **launch)
+        SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch, **half2, **launch)
     if split_up > 1:
         _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                              BLOCK=REDUCE_BLOCK, num_warps=2)
     _wordcol_down_kernel[(num_slots, triton.cdiv(H, bn_dn), split_dn)](
         act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
         *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
-        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, **launch)
+        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, **half2,
+        **launch)
     return y

@@ -33,9 +33,11 @@ def _act_store(act, ws, g, u, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT: tl.co
 def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws, topk_ids, num_routed, H, I, T,
                             stride_e0, stride_e1, stride_e2, stride_am, k_split, G: tl.constexpr,
                             BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
-                            EVEN: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr):
+                            EVEN: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
+                            HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
     """act [T, I] = SiLU(gate)·up in x.dtype (SPLIT == 1) or K slice program_id(2) of gate and up to ws [SPLIT, T, 2I];
-    x [1, H]; pair = slot = program_id(0), its expert topk_ids[pair] (the shared expert: num_routed)."""
+    x [1, H]; pair = slot = program_id(0), its expert topk_ids[pair] (the shared expert: num_routed). ROWS, PREFETCH,
+    HALF2, ASM: gemv_wordcol.wordcol_slice's."""
     pair = tl.program_id(0)
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -49,9 +51,9 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, H)
     g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_slice(x, g0, g1, g2, n_g // 8 + tl.arange(0, W), m_w, N, k_lo,
-                                                           k_hi, G, W, ROWS, PREFETCH)
+                                                           k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
     u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice(x, u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w, N, k_lo,
-                                                           k_hi, G, W, ROWS, PREFETCH)
+                                                           k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
     _act_store(act, ws, g_0, u_0, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 0)
     _act_store(act, ws, g_1, u_1, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 1)
     _act_store(act, ws, g_2, u_2, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 2)
@@ -71,7 +73,7 @@ def _y_store(y, a, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT: tl.constexpr, j: t
 def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids, num_routed, H, I, stride_am,
                          stride_e0, stride_e1, stride_e2, stride_ym, k_split, G: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
-                         PREFETCH: tl.constexpr):
+                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
     """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ)."""
     pair = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -85,7 +87,7 @@ def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_i
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, I)
     a_0, a_1, a_2, a_3, a_4, a_5, a_6, a_7 = wordcol_slice(act + pair * stride_am, d0, d1, d2, o_w, m_w, H, k_lo,
-                                                           k_hi, G, W, ROWS, PREFETCH)
+                                                           k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
     rw = tl.load(topk_weights + pair).to(tl.float32)
     _y_store(y, a_0, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 0)
     _y_store(y, a_1, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 1)
