@@ -186,13 +186,15 @@ def main() -> int:
     ap.add_argument("--moe", action="store_true", help="AWQ MoE at the real shapes beside the 16-bit grouped MoE "
                                                        "(bench_quant_moe.py) instead of the linears")
     ap.add_argument("--moe-ms", default="1,8,40", help="--moe: the token counts")
+    ap.add_argument("--moe-dtypes", default="bf16,fp16", help="--moe: the activation dtypes")
     args = ap.parse_args()
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.moe:
         from bench_quant_moe import run
 
-        return run(args.small, args.json, tuple(int(m) for m in args.moe_ms.split(",")))
+        return run(args.small, args.json, tuple(int(m) for m in args.moe_ms.split(",")),
+                   tuple({"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.moe_dtypes.split(",")))
     from revolta.config import ModelConfig
     from revolta.layers.linear import quant_linear
 

@@ -75,7 +75,8 @@ def moe_hc():
     return mod
 
 
-def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] = (1, 8, 40)) -> int:
+def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] = (1, 8, 40),
+        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> int:
     from revolta.kernels import moe as MOE
     from revolta.kernels.quant import moe as QMOE
 
@@ -100,7 +101,7 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
     print(f"{name}: copy {copy_gbs:,.0f} GB/s; AWQ g{GROUP} experts {expert_bytes / 1e6:.2f} MB each "
           f"(16-bit: {3 * h * i * 2 / 1e6:.2f} MB); {num_experts} experts + shared, top-{TOPK}")
     rows, checks, num_sets = [], [], 1 if small else 8
-    for dt in (torch.float16,) if small else (torch.bfloat16, torch.float16):  # the interpreter's bf16 dots are wrong
+    for dt in (torch.float16,) if small else dtypes:  # the interpreter's bf16 dots are wrong
         w1, w2, shared16 = _moe_bank(num_experts, dt, gen, device, h, i)
         w1r, w2r = w1[:num_experts], w2[:num_experts]
         for M in Ms:
