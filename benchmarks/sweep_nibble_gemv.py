@@ -6,7 +6,8 @@ times (CUDA graph replays of back-to-back calls over rotating weight copies, L2 
 M): the default's time, the best config found, and both as % of the copy bandwidth measured in the same run
 (bandwidth on the packed bytes over a 1 GiB device copy's, read + write counted: bench_quant.py's "% copy").
 
-    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F] [--quick | --wordcol | --half2]
+    PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F]
+        [--quick | --wordcol | --half2]
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py --small    # CPU interpreter: two configs, correctness
 """
 
@@ -76,8 +77,8 @@ def configs(M, N, K, group, device, small, grid, half2=False):
 
 def name(c):
     if c.get("WORDCOL"):
-        return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}" + ("/pf" if c["PREFETCH"] else "")
-                + ("/h2" if c.get("HALF2") else ""))
+        return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
+                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else ""))
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
     return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
 

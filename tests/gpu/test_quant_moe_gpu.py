@@ -1,6 +1,7 @@
 """On a GPU: the packed-expert MoE (kernels/quant/moe.py) at the real shapes (AWQ group 32, 512 experts of
 2560 x 640 + the shared expert, top-10 + 1) against its torch reference in bf16 and fp16 (the default: the
-group-factored path of moe_decode.py on sm80+), with the sm_70 launch config, the tile path and (one token) the fp16-pair walk in fp16, and captured in a CUDA graph that replays on new tokens and routing (no host sync inside)."""
+group-factored path of moe_decode.py on sm80+), with the sm_70 launch config, the tile path and (one token) the
+fp16-pair walk in fp16, and captured in a CUDA graph that replays on new tokens and routing (no host sync inside)."""
 
 from __future__ import annotations
 

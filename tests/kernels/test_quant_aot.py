@@ -2,9 +2,10 @@
 activations) and sm_90 (H200, bf16), at the real model's projection shapes in the launch configurations
 the wrappers pick: the GEMV at M = 1, 8 (CUDA-core tile product) and 40 (tl.dot tiles), the nibble-path GEMV
 (gemv_nibble.py: AWQ at M = 1, 8, 40, compressed-tensors int4 with zero points and NVFP4 at M = 1, in
-`nibble_gemv_config`'s tiles for each arch), the one-row word-column GEMV (gemv_wordcol.py; its fp32 and fp16-pair walks), the split-K reduce,
-and the dequantize kernels of the large-M path. sm_70 budgets: no spills, <= 96 KiB shared memory, no
-Ampere/Hopper instructions (E4M3 scales and E2M1 codes are loaded as bytes and decoded with integer ops).
+`nibble_gemv_config`'s tiles for each arch), the one-row word-column GEMV (gemv_wordcol.py; its fp32 and fp16-pair
+walks), the split-K reduce, and the dequantize kernels of the large-M path. sm_70 budgets: no spills, <= 96 KiB
+shared memory, no Ampere/Hopper instructions (E4M3 scales and E2M1 codes are loaded as bytes and decoded with
+integer ops).
 
 Builds run in spawned processes with TRITON_INTERPRET=0 (the interpreter cannot compile), with
 test_moe_aot.py's `_compile` (its sm_90 ptxas handling). Print the table: `python tests/kernels/test_quant_aot.py`.
@@ -61,19 +62,19 @@ def _builds(arch):
 
     wc = gemv_wordcol.wordcol_config(N, K, 32, 132 if arch == 90 else 80)
     b["awq_wordcol_gemv_M1"] = (gemv_wordcol._awq_wordcol_kernel,
-                                GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL + " EVEN ROWS PREFETCH HALF2 ASM",
-                                "aiihfaannnnnn" + "c" * 12,
+                                GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL + " EVEN ROWS PREFETCH HALF2 ASM N_FIXED",
+                                "aiihfaannnnnn" + "c" * 13,
                                 dict(G=32, BLOCK_M=1, BLOCK_N=wc["BLOCK_N"], BLOCK_K=wc["BLOCK_K"],
                                      SPLIT_K=wc["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
-                                     ROWS=wc["BLOCK_K"], PREFETCH=wc["PREFETCH"], HALF2=False, ASM=True),
+                                     ROWS=wc["BLOCK_K"], PREFETCH=wc["PREFETCH"], HALF2=False, ASM=True, N_FIXED=0),
                                 wc["num_warps"], wc["num_stages"])
     # the fp16-pair walk (HALF2: fp16 activations on every arch; its fma.rn.f16x2 as inline PTX)
     b["awq_wordcol_half2_gemv_M1"] = (gemv_wordcol._awq_wordcol_kernel,
-                                      GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL + " EVEN ROWS PREFETCH HALF2 ASM",
-                                      "hiihfhhnnnnnn" + "c" * 12,
+                                      GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL
+                                      + " EVEN ROWS PREFETCH HALF2 ASM N_FIXED", "hiihfhhnnnnnn" + "c" * 13,
                                       dict(G=32, BLOCK_M=1, BLOCK_N=wc["BLOCK_N"], BLOCK_K=wc["BLOCK_K"],
                                            SPLIT_K=wc["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
-                                           ROWS=wc["BLOCK_K"], PREFETCH=False, HALF2=True, ASM=True),
+                                           ROWS=wc["BLOCK_K"], PREFETCH=False, HALF2=True, ASM=True, N_FIXED=N),
                                       wc["num_warps"], wc["num_stages"])
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
                           dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK), 2, 2)

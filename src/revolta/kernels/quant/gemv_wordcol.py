@@ -190,10 +190,11 @@ def _wordcol_slice_f32(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constex
 
 @triton.jit
 def _flush_pair(a_lo, a_hi, p, sc_row, o_w, m_w, j: tl.constexpr):
-    """a_lo / a_hi [W] (features 2j / 2j + 1 of words o_w) += s · 512 · lane of the step's fp16 pair sums p."""
+    """a_lo / a_hi [W] (features 2j / 2j + 1 of words o_w) += s · lane of the step's fp16 pair sums p (the walk
+    multiplies its sums by 512 once at the end)."""
     s_lo = tl.load(sc_row + o_w * 8 + 2 * j, mask=m_w).to(tl.float32)
     s_hi = tl.load(sc_row + o_w * 8 + 2 * j + 1, mask=m_w).to(tl.float32)
-    return a_lo + h2_lo(p) * (512.0 * s_lo), a_hi + h2_hi(p) * (512.0 * s_hi)
+    return a_lo + h2_lo(p) * s_lo, a_hi + h2_hi(p) * s_hi
 
 
 @triton.jit
@@ -212,10 +213,11 @@ def wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.conste
         d = code · 2^15 (or 2^11) - z / 512 = (q - z) / 512   (exact: a multiple of 2^-9 under 2^-5)
         p += x_k · d                                           (fp16, over the step's ROWS rows)
 
-    and once a (feature, step) the pair goes to fp32 times 512 s. Accuracy: each product and partial sum is rounded
-    to fp16 (2^-11 relative, as a GEMM accumulating in fp16 over ROWS terms; the fp32 walk rounds nothing); the
-    1 / 512 keeps every partial under 65504 for any fp16 x (|Σ x d| <= 32 · 15 · 65504 / 512), and costs absolute
-    precision only where |x_k (q - z)| < 2^-14 · 512 = 1/32 (subnormal products, 2^-25 · 512 = 1.5e-5 each)."""
+    and once a (feature, step) the pair goes to fp32 times s (the slice's sums times 512 at the end). Accuracy: each
+    product and partial sum is rounded to fp16 (2^-11 relative, as a GEMM accumulating in fp16 over ROWS terms; the
+    fp32 walk rounds nothing); the 1 / 512 keeps every partial under 65504 for any fp16 x (|Σ x d| <= 32 · 15 ·
+    65504 / 512), and costs absolute precision only where |x_k (q - z)| < 2^-14 · 512 = 1/32 (subnormal products,
+    2^-25 · 512 = 1.5e-5 each)."""
     tl.static_assert(ROWS <= 32, "fp16 partials of at most 32 rows (HALF2_MAX_ROWS)")
     NW = N // 8
     m_even = tl.full([W], 0x78007800, tl.int32)  # 2^15 in both lanes: awq_code_pair's j = 0, 2
@@ -244,18 +246,23 @@ def wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.conste
         a1, a5 = _flush_pair(a1, a5, p1, sc_row, o_w, m_w, 1)
         a2, a6 = _flush_pair(a2, a6, p2, sc_row, o_w, m_w, 2)
         a3, a7 = _flush_pair(a3, a7, p3, sc_row, o_w, m_w, 3)
-    return a0, a1, a2, a3, a4, a5, a6, a7
+    # the codes' 1/512 undone once (exact: a power of two)
+    return a0 * 512.0, a1 * 512.0, a2 * 512.0, a3 * 512.0, a4 * 512.0, a5 * 512.0, a6 * 512.0, a7 * 512.0
 
 
 @triton.jit
 def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, G: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
-                        PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
+                        PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True,
+                        N_FIXED: tl.constexpr = 0):
     """out [1, N] (SPLIT_K == 1) or ws [SPLIT_K, 1, N] fp32 (K slice program_id(1)) of x [1, K] @ Wᵀ, W as AutoAWQ's
     qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT: launch_gemv's argument list
     (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop).
-    ROWS, PREFETCH, HALF2, ASM: wordcol_slice's."""
+    ROWS, PREFETCH, HALF2, ASM: wordcol_slice's. N_FIXED: N as a compile-time constant (0: not), so the walk's
+    row offsets are immediates of its loads (a runtime row stride costs ~3 instructions a row: RESULTS.md K6f)."""
+    if N_FIXED > 0:
+        N = N_FIXED
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     W: tl.constexpr = BLOCK_N // 8
     o_w = i_n * W + tl.arange(0, W)
@@ -283,4 +290,5 @@ def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor,
     N = scales.shape[1]
     return launch_gemv(_awq_wordcol_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group,
                        EVEN=N % cfg["BLOCK_N"] == 0, ROWS=cfg["BLOCK_K"], PREFETCH=cfg.get("PREFETCH", False),
-                       HALF2=half2, ASM=x.is_cuda)  # the interpreter runs half2.py's twin of the inline PTX
+                       HALF2=half2, ASM=x.is_cuda,  # the interpreter runs half2.py's twin of the inline PTX
+                       N_FIXED=N if half2 else 0)  # a kernel per N (a layer's N is fixed): immediate row offsets
