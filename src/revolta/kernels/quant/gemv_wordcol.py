@@ -25,6 +25,10 @@ leave the GPU idle. Its last bits differ from the same row's in a 2-16-row call 
 plain decode step and its speculative verify rows no longer share one sum order on those projections (batch
 invariance is not promised across row counts: docs/speculative.md). sm70 keeps the tile path (built there without
 spills, not timed).
+
+HALF2 (opt-in, fp16 activations; `wordcol_slice_half2`, kernels/quant/half2.py): the same walk two weights an
+instruction on fp16 pairs (fma.rn.f16x2), with fp16 products and step sums: 2.3-3.0 SASS instructions a weight in
+the sm_90 loop against 4.8-5.6 here (RESULTS.md K6f); not yet timed on a GPU, so not a default.
 """
 
 from __future__ import annotations
