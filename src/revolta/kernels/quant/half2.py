@@ -2,8 +2,10 @@
 
 On the GPU `h2_fma` is one PTX `fma.rn.f16x2` a pair of lanes (sm_53+: V100 and H100 alike), which Triton does not
 emit from its own ops; the Triton interpreter cannot run inline asm, so ASM False gives a twin made of plain Triton
-ops (each lane in fp32, rounded to fp16 once more: within an fp16 ulp of the fused instruction, not bitwise). The
-lane extractors and the packers are plain ops on both. The torch reference of the walk that uses these is the
+ops: each lane's a · b + c in fp64, rounded once to fp16, which is the fused instruction's result bit for bit
+(tests/kernels/test_quant_half2.py) wherever a · b and c lie within fp64's 53 bits of each other (always, unless one
+is near fp16's largest and the other near its smallest values). The lane extractors and the packers are plain ops on
+both. The torch reference of the walk that uses these is the
 GEMV's own (the fp32 product over the dequantized weights: test_quant.py's CASES).
 
 AWQ's nibble order (0, 2, 4, 6, 1, 3, 5, 7) is made for pairs: features 2j and 2j + 1 are nibbles j and j + 4, 16
@@ -32,7 +34,7 @@ def h2_hi(p):
 
 @triton.jit
 def h2_pack(lo, hi):
-    """int32 pairs of fp32 lo / hi, each rounded to fp16."""
+    """int32 pairs of fp32 / fp64 lo / hi, each rounded to fp16 (round to nearest even)."""
     b_lo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     b_hi = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     return b_lo | (b_hi << 16)
@@ -52,8 +54,10 @@ def h2_fma(a, b, c, ASM: tl.constexpr):
         return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
                                          is_pure=True, pack=1)
     else:
-        # an fp16 x fp16 product is exact in fp32; the sum is rounded to fp32, then to fp16
-        return h2_pack(h2_lo(a) * h2_lo(b) + h2_lo(c), h2_hi(a) * h2_hi(b) + h2_hi(c))
+        # an fp16 x fp16 product is exact in fp64 and so (almost always) is the sum: one rounding, to fp16
+        lo = h2_lo(a).to(tl.float64) * h2_lo(b).to(tl.float64) + h2_lo(c).to(tl.float64)
+        hi = h2_hi(a).to(tl.float64) * h2_hi(b).to(tl.float64) + h2_hi(c).to(tl.float64)
+        return h2_pack(lo, hi)
 
 
 @triton.jit
