@@ -63,10 +63,11 @@ def configs(M, N, K, group, device, small, grid, half2=False):
 
     sms = device_facts(device)[0]
     if M == 1 and half2:
-        out.append(wordcol_config(N, K, group, sms))
+        fp32_walk = wordcol_config(N, K, group, sms)
+        out += [fp32_walk] if fp32_walk != base else []  # base is the fp32 walk already where it is the default
         for bn, w, sk, rows in itertools.product(*HALF2.values()):
-            if K // rows >= 2 * (sk or 1):
-                out.append(wordcol_config(N, K, group, sms, bn, w, sk, rows, half2=True))
+            c = wordcol_config(N, K, group, sms, bn, w, sk, rows, half2=True) if K // rows >= 2 * (sk or 1) else None
+            out += [c] if c is not None and c not in out else []  # the default split may be 32 (timed once)
         return out
     if M == 1 and (small or wordcol_only):  # the word-column GEMV (gemv_wordcol.py): one row only
         for bn, w, sk, rows, pf in itertools.product(*WORDCOL.values()):

@@ -226,16 +226,18 @@ def wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.conste
     NW = N // 8
     m_even = tl.full([W], 0x78007800, tl.int32)  # 2^15 in both lanes: awq_code_pair's j = 0, 2
     m_odd = tl.full([W], 0x68006800, tl.int32)  # 2^11: j = 1, 3
+    neg_even = m_even ^ -0x7FFF8000  # -2^15 (the sign bits 0x80008000 set)
+    neg_odd = m_odd ^ -0x7FFF8000  # -2^11
     zero = tl.zeros([W], dtype=tl.int32)
     a0 = tl.zeros([W], dtype=tl.float32)  # fp32 sums in nibble order (a_j: nibble j of the words)
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     for k0 in range(k_lo, k_hi, ROWS):
         g = k0 // G
         b_z = tl.load(qz + g * NW + o_w, mask=m_w)  # [W]
-        nz0 = h2_fma(awq_code_pair(b_z, 0), m_even ^ -0x7FFF8000, zero, ASM)  # -z / 512 (sign bits set: -2^15)
-        nz1 = h2_fma(awq_code_pair(b_z, 1), m_odd ^ -0x7FFF8000, zero, ASM)
-        nz2 = h2_fma(awq_code_pair(b_z, 2), m_even ^ -0x7FFF8000, zero, ASM)
-        nz3 = h2_fma(awq_code_pair(b_z, 3), m_odd ^ -0x7FFF8000, zero, ASM)
+        nz0 = h2_fma(awq_code_pair(b_z, 0), neg_even, zero, ASM)  # -z / 512, exact
+        nz1 = h2_fma(awq_code_pair(b_z, 1), neg_odd, zero, ASM)
+        nz2 = h2_fma(awq_code_pair(b_z, 2), neg_even, zero, ASM)
+        nz3 = h2_fma(awq_code_pair(b_z, 3), neg_odd, zero, ASM)
         p0, p1, p2, p3 = zero, zero, zero, zero
         rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
         for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead

@@ -5,8 +5,8 @@ emit from its own ops; the Triton interpreter cannot run inline asm, so ASM Fals
 ops: each lane's a · b + c in fp64, rounded once to fp16, which is the fused instruction's result bit for bit
 (tests/kernels/test_quant_half2.py) wherever a · b and c lie within fp64's 53 bits of each other (always, unless one
 is near fp16's largest and the other near its smallest values). The lane extractors and the packers are plain ops on
-both. The torch reference of the walk that uses these is the
-GEMV's own (the fp32 product over the dequantized weights: test_quant.py's CASES).
+both. The torch reference of the walk that uses these is the GEMV's own (the fp32 product over the dequantized
+weights: test_quant.py's CASES).
 
 AWQ's nibble order (0, 2, 4, 6, 1, 3, 5, 7) is made for pairs: features 2j and 2j + 1 are nibbles j and j + 4, 16
 bits apart, so one AND with 0x000F000F (after a shift of 8 for j = 2, 3) or 0x00F000F0 (j = 1, 3) leaves both codes
