@@ -4,7 +4,9 @@ Times a grid of nibble GEMV configs (BLOCK_N, SPLIT_K, num_warps, num_stages; BL
 `nibble_gemv_config` picks, on AWQ g32 weights, each checked against the fp32 reference; timed as bench_quant.py
 times (CUDA graph replays of back-to-back calls over rotating weight copies, L2 flushed). Prints, per (projection,
 M): the default's time, the best config found, and both as % of the copy bandwidth measured in the same run
-(bandwidth on the packed bytes over a 1 GiB device copy's, read + write counted: bench_quant.py's "% copy").
+(bandwidth on the packed bytes over a 1 GiB device copy's, read + write counted: bench_quant.py's "% copy"), and
+"read us": one kernel that only reads the same bytes, timed the same way (read_ceiling.py), with the default's time
+over it ("%read"): how far the GEMV is from reading its bytes at that size.
 
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F]
         [--quick | --wordcol | --half2]
@@ -101,6 +103,8 @@ def main() -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from bench_quant import bench, copy_gbs, packed_awq, packed_nbytes, rel_err, rotating
 
+    from read_ceiling import read_us
+
     from revolta.kernels.quant.awq import awq_gemv
 
     device = torch.device("cpu" if args.small else "cuda")
@@ -116,12 +120,13 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "
           f"copy bandwidth {gbs:,.0f} GB/s")
     print(f"{'projection':16s} {'M':>3s} {'floor us':>8s} {'default':>22s} {'us':>8s} {'%copy':>6s} "
-          f"{'best':>22s} {'us':>8s} {'%copy':>6s} {'configs':>7s} {'worst err':>9s}")
+          f"{'best':>22s} {'us':>8s} {'%copy':>6s} {'read us':>8s} {'%read':>6s} {'configs':>7s} {'worst err':>9s}")
     for label, N, K in shapes:
         fmt, t = packed_awq(N, K, args.group, device, gen)
         floor_us = packed_nbytes(t) / gbs / 1e3  # the packed bytes at the copy bandwidth
         w_ref = fmt.dequantize(t, torch.float32)
         copies = rotating(t, args.small)
+        r_us = read_us(copies, bench, args.small)  # one kernel reading the same bytes over the same copies
         for M in (int(m) for m in args.ms.split(",")):
             x = torch.randn(M, K, generator=gen, device=device).to(dtype)
             want = x.float() @ w_ref.t()
@@ -138,10 +143,11 @@ def main() -> int:
             d_us, d_cfg = timed[0]
             b_us, b_cfg = min(timed, key=lambda r: r[0])
             rows.append(dict(proj=label, N=N, K=K, M=M, floor_us=floor_us, copy_GBps=gbs, default=name(d_cfg),
-                             default_us=d_us, best=name(b_cfg), best_us=b_us, worst_err=worst,
+                             default_us=d_us, best=name(b_cfg), best_us=b_us, read_us=r_us, worst_err=worst,
                              all={name(c): us for us, c in timed}))
             print(f"{label:16s} {M:>3d} {floor_us:8.2f} {name(d_cfg):>22s} {d_us:8.2f} {floor_us / d_us:6.1%} "
-                  f"{name(b_cfg):>22s} {b_us:8.2f} {floor_us / b_us:6.1%} {len(timed):>7d} {worst:9.2e}", flush=True)
+                  f"{name(b_cfg):>22s} {b_us:8.2f} {floor_us / b_us:6.1%} {r_us:8.2f} {r_us / d_us:6.1%} "
+                  f"{len(timed):>7d} {worst:9.2e}", flush=True)
     print(f"{time.time() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -200,3 +200,18 @@ def test_host_phases_smoke():
     assert {"model.forward", "pack_step", "scheduler.schedule", "scheduler.update", "sampling", "step",
             "outside the forward"} <= set(out)
     assert all(mean > 0 and median > 0 for mean, median in out.values())
+
+
+def test_read_ceiling_reads_every_word():
+    """benchmarks/read_ceiling.py's read kernel (the GEMV sweep's same-size peer) ORs every packed word: its per-program
+    ORs are checked against numpy inside read_us, over a size that leaves a partial last block."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import torch
+    from bench_quant import bench, packed_awq
+    from read_ceiling import READ_BLOCK, read_us, read_words
+
+    fmt, t = packed_awq(256, 64, 32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert read_words(t).numel() % READ_BLOCK != 0  # the masked tail runs
+    read_us([t], bench, small=True)
+    t["qweight"][-1, -1] = -1  # bits in the last block's last words: a kernel that skipped them fails the check
+    read_us([t], bench, small=True)
