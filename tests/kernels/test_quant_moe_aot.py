@@ -78,8 +78,8 @@ def _builds(arch):
     return b
 
 
-WORDCOL_GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act ws topk_ids num_routed H I T stride_e0 stride_e1 stride_e2 "
-                   "stride_am k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH HALF2 ASM")
+WORDCOL_GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act ws topk_ids num_routed H I T stride_xm stride_e0 stride_e1 "
+                   "stride_e2 stride_am k_split TOP_K G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH HALF2 ASM")
 WORDCOL_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids num_routed H I stride_am stride_e0 stride_e1 "
                 "stride_e2 stride_ym k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH HALF2 ASM")
 
@@ -96,8 +96,9 @@ def wordcol_builds():
     for tag, act, half2 in (("", "a", False), ("_half2", "h", True)):
         flags = dict(G=32, HAS_SHARED=True, ROWS=C["ROWS"], PREFETCH=C["PREFETCH"], HALF2=half2, ASM=True)
         out[f"awq_wordcol{tag}_M1_gate_up"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
-                                               act + "iih" * 3 + act + "fi" + "n" * 9 + "c" * 9,
-                                               dict(flags, BLOCK_N=C["BLOCK_N_UP"], SPLIT=C["SPLIT_UP"], EVEN=False),
+                                               act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * 10,
+                                               dict(flags, BLOCK_N=C["BLOCK_N_UP"], SPLIT=C["SPLIT_UP"], EVEN=False,
+                                                    TOP_K=TOP_K),
                                                warps, 1, "awq")
         out[f"awq_wordcol{tag}_M1_down"] = (moe_wordcol._wordcol_down_kernel, WORDCOL_DOWN,
                                             act + "iih" * 2 + "ffi" + "n" * 9 + "c" * 9,

@@ -73,6 +73,25 @@ def test_half2_wordcol_path_matches_reference(split):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2.0 ** -10, atol=2e-3 * ref.float().abs().max().item())
 
 
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("M,dtype,split", [(5, torch.float16, (2, 3, 8)), (3, torch.bfloat16, (1, 1, 32)),
+                                           (8, torch.float16, (2, 2, 16, "h2"))],
+                         ids=str)
+def test_wordcol_path_several_tokens(M, dtype, split):
+    """Several tokens on the word-column path: a program row per (token, slot) pair, each reading its token's x row;
+    experts chosen by several tokens (8 experts, top-2 + the shared expert in every token) are walked once per pair,
+    and the y rows of each token's pairs add up in moe_sum. The last case on fp16 pairs (HALF2)."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
+    assert ids.unique().numel() < ids.numel()  # pairs share experts across tokens
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2], HALF2=len(split) > 3)
+    out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+    assert out.dtype == dtype and not out.isnan().any()
+    if cfg["HALF2"]:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2.0 ** -10, atol=2e-3 * ref.float().abs().max().item())
+    else:
+        torch.testing.assert_close(out, ref, **TOLS[dtype])
+
+
 def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70():
     for M in (1, 8, 40):
         assert quant_grouped_config(M, 11, 513, 90)["NIBBLE_DOT"] and quant_grouped_config(M, 11, 513)["NIBBLE_DOT"]

@@ -362,7 +362,8 @@ def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert,
     assert not cfg["USE_DOT"] or cfg["BLOCK_M"] >= 16, f"tl.dot needs BLOCK_M >= 16, got {cfg}"
     ids = topk_ids.contiguous()
     num_slots = min(T, E + (shared_expert is not None))
-    sort = M > 1  # one row: every pair is a distinct expert already
+    wordcol = cfg.get("WORDCOL", False)  # a program row per pair: no grouping
+    sort = M > 1 and not wordcol  # one row: every pair is a distinct expert already
     if sort:
         order, slot_expert, slot_start, slot_end = moe_group(ids, num_slots)
     else:
@@ -376,9 +377,9 @@ def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert,
         s_down = w_dn
     act = torch.empty(T, I, dtype=x.dtype, device=x.device)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg.get("WORDCOL", False):
+    if wordcol:
         return _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
-                                   num_slots, shared_expert is not None, cfg)
+                                   shared_expert is not None, cfg)
     if cfg.get("NIBBLE_DOT", False):
         slots = (ids, order, slot_expert, slot_start, slot_end)
         return _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_up, s_down, act, slots,
@@ -424,13 +425,14 @@ def _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_u
     return y
 
 
-def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights, num_slots,
-                        has_shared, cfg) -> Tensor:
-    """`_grouped_expert_mlp` for one token on the word-column path (moe_wordcol.py; AWQ): y [k·SPLIT_DOWN, H] fp32."""
+def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights, has_shared,
+                        cfg) -> Tensor:
+    """`_grouped_expert_mlp` on the word-column path (moe_wordcol.py; AWQ), a program row per (token, slot) pair:
+    y [M·k·SPLIT_DOWN, H] fp32."""
     M, H = x.shape
     T, I = act.shape
-    assert M == 1 and gate_up.layout == "awq", f"the word-column MoE takes one token of AWQ experts, got M={M}, " \
-        f"{gate_up.layout}"
+    k = ids.shape[1]
+    assert gate_up.layout == "awq", f"the word-column MoE takes AWQ experts, got {gate_up.layout}"
     assert all(t.numel() < 2 ** 31 for t in (w_up[0][0], w_dn[0][0])), "the word-column walk indexes in int32"
     # rows a step of the walk (gemv_wordcol.wordcol_slice), dividing each linear's group
     rows_up, rows_dn = (min(p.group, cfg.get("ROWS", 32)) for p in (gate_up, down))
@@ -443,14 +445,14 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
     y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
     launch = dict(num_warps=cfg["num_warps"], num_stages=1)
-    _wordcol_gate_up_kernel[(num_slots, triton.cdiv(I, bn_up), split_up)](
-        x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, *(t.stride(0) for t in w_up),
-        act.stride(0), split_len(H, split_up, rows_up), G=gate_up.group, BLOCK_N=bn_up, HAS_SHARED=has_shared,
+    _wordcol_gate_up_kernel[(T, triton.cdiv(I, bn_up), split_up)](
+        x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
+        *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group, BLOCK_N=bn_up, HAS_SHARED=has_shared,
         SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch, **half2, **launch)
     if split_up > 1:
         _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                              BLOCK=REDUCE_BLOCK, num_warps=2)
-    _wordcol_down_kernel[(num_slots, triton.cdiv(H, bn_dn), split_dn)](
+    _wordcol_down_kernel[(T, triton.cdiv(H, bn_dn), split_dn)](
         act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
         *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
         HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, **half2,

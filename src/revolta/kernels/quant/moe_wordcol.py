@@ -1,12 +1,16 @@
-"""The packed-expert MoE for one token on CUDA cores (kernels/quant/moe.py, config key WORDCOL): AWQ experts through
-gemv_wordcol.py's word-column walk, one thread per packed word column, instead of tl.dot over 16 padded rows.
+"""The packed-expert MoE on CUDA cores (kernels/quant/moe.py, config key WORDCOL): AWQ experts through gemv_wordcol.py's
+word-column walk, one thread per packed word column, instead of tl.dot over 16 padded rows.
 
-At M = 1 every (token, expert) pair is its own slot (grid axis 0: the k routed slots and the shared expert as slot
-k), so a program is (slot, N tile, K slice). gate_up programs compute the gate and up sums of their features over
-their slice of the hidden size; one slice writes act = SiLU(gate)·up (rounded to x.dtype once), several write fp32
-partials to ws [SPLIT_UP, T, 2I] for moe_decode._split_act_kernel, as the nibble path does. down programs write
-y rows pair·SPLIT_DOWN + s = w_pair · (act[pair, K slice s] @ down_eᵀ), which moe._moe_sum_kernel adds in order.
-Fixed order everywhere: no atomics, bitwise reproducible, no host sync (CUDA-graph safe).
+Every (token, slot) pair is its own program row (grid axis 0: pair = token·k + slot over the M·k pairs, the shared
+expert riding as slot k - 1 with id num_routed), so a program is (pair, N tile, K slice). At M = 1 the pairs are
+distinct experts; at M > 1 an expert chosen by several tokens is read once per token (M = 8, top-10 of 512 + the
+shared expert: 88 pairs over ~76 distinct experts, 1.16x their bytes), which the walk's fewer instructions per weight
+may repay against the grouped tl.dot path (timed in bench_quant_moe, not a default above one token). gate_up
+programs compute the gate and up sums of their features over their slice of the hidden size; one slice writes act =
+SiLU(gate)·up (rounded to x.dtype once), several write fp32 partials to ws [SPLIT_UP, T, 2I] for
+moe_decode._split_act_kernel, as the nibble path does. down programs write y rows pair·SPLIT_DOWN + s = w_pair ·
+(act[pair, K slice s] @ down_eᵀ), which moe._moe_sum_kernel adds in order per token. Fixed order everywhere: no
+atomics, bitwise reproducible, no host sync (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ def _act_store(act, ws, g, u, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT: tl.co
 
 @triton.jit
 def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws, topk_ids, num_routed, H, I, T,
-                            stride_e0, stride_e1, stride_e2, stride_am, k_split, G: tl.constexpr,
+                            stride_xm, stride_e0, stride_e1, stride_e2, stride_am, k_split, TOP_K: tl.constexpr,
+                            G: tl.constexpr,
                             BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
                             EVEN: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
                             HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
     """act [T, I] = SiLU(gate)·up in x.dtype (SPLIT == 1) or K slice program_id(2) of gate and up to ws [SPLIT, T, 2I];
-    x [1, H]; pair = slot = program_id(0), its expert topk_ids[pair] (the shared expert: num_routed). ROWS, PREFETCH,
-    HALF2, ASM: gemv_wordcol.wordcol_slice's."""
+    x [M, H]; pair = program_id(0) = token·TOP_K + slot, its expert topk_ids[pair] (the shared expert: num_routed).
+    ROWS, PREFETCH, HALF2, ASM: gemv_wordcol.wordcol_slice's."""
     pair = tl.program_id(0)
+    x_row = x + (pair // TOP_K).to(tl.int64) * stride_xm
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
     i_e = tl.load(topk_ids + pair).to(tl.int64)
@@ -50,9 +56,9 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
     m_w = None if EVEN else o_f < I // 8
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, H)
-    g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_slice(x, g0, g1, g2, n_g // 8 + tl.arange(0, W), m_w, N, k_lo,
+    g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_slice(x_row, g0, g1, g2, n_g // 8 + tl.arange(0, W), m_w, N, k_lo,
                                                            k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
-    u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice(x, u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w, N, k_lo,
+    u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice(x_row, u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w, N, k_lo,
                                                            k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
     _act_store(act, ws, g_0, u_0, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 0)
     _act_store(act, ws, g_1, u_1, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 1)
