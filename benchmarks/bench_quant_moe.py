@@ -47,6 +47,12 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wc-h2-r16-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)),
     "wc-h2-r16-sk64-16": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=16, HALF2=True)),
     "wc-h2-r32-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=32, HALF2=True)),
+    # M > 1 only: the same walk a program row per (token, slot) pair (an expert several tokens chose is read once per
+    # pair: M = 8 ~1.16x the distinct experts' bytes, M = 40 ~1.6x), fewer K slices (many more pairs)
+    "wcp-r8-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=8)),
+    "wcp-r16-sk8-2": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=2, ROWS=16)),
+    "wcp-h2-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True)),
+    "wcp-h2-r32-sk8-2": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=2, ROWS=32, HALF2=True)),
 }
 
 
@@ -119,7 +125,7 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
                     for p in ("tile", "nib")}
             variants = {"quant": None} | {n: base[p] | v for n, (p, v) in VARIANTS.items()
                                           if (n == "tile" or small or (dt == torch.float16) == ("-h2-" in n))
-                                          and (M == 1 or not n.startswith("wc"))}
+                                          and (M == 1 or not n.startswith("wc-")) and (M > 1 or not n.startswith("wcp-"))}
             for vname, cfg in variants.items():
                 out = QMOE.quant_fused_moe(xs[0], gate_up, down, *routes[0], shared_expert=shared, config=cfg)
                 checks.append(dict(what=f"quant {vname} {tag}", rel_err=rel_err(out, ref)))

@@ -40,6 +40,11 @@ def test_awq_moe_real_shapes(M):
     if M == 1:  # one token on the word-column walk's fp16 pairs (HALF2; x is fp16 here): fp16 partial sums
         h2 = QMOE.MOE_WORDCOL | dict(HALF2=True)
         assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=h2), ref) < 2e-3
+    else:  # several tokens on the word-column walk, a program row per (token, slot) pair: fp32 and fp16 pairs
+        for name in ("wcp-r8-sk16-4", "wcp-h2-r32-sk8-2"):
+            cfg = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90) | bq.VARIANTS[name][1]
+            got = QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+            assert rel_err(got, ref) < 2e-3, name
     cfg70 = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=70)
     assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg70), ref) < 2e-3
     tile = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90, nibble=False)  # the sm80+ default before
