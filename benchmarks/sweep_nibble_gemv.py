@@ -67,7 +67,6 @@ def configs(M, N, K, group, device, small, grid, half2=False):
     if M == 1 and half2:
         fp32_walk = wordcol_config(N, K, group, sms)
         out += [fp32_walk] if fp32_walk != base else []  # base is the fp32 walk already where it is the default
-        out.append(fp32_walk | dict(N_FIXED=True))  # it with N a compile-time constant (K6f: 347 / 360 instructions)
         for bn, w, sk, rows in itertools.product(*HALF2.values()):
             c = wordcol_config(N, K, group, sms, bn, w, sk, rows, half2=True) if K // rows >= 2 * (sk or 1) else None
             out += [c] if c is not None and c not in out else []  # the default split may be 32 (timed once)
@@ -82,7 +81,7 @@ def configs(M, N, K, group, device, small, grid, half2=False):
 def name(c):
     if c.get("WORDCOL"):
         return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
-                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else "") + ("/nf" if c.get("N_FIXED") else ""))
+                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else ""))
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
     return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
 

@@ -30,8 +30,6 @@ EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5
     (576, 128, 64, 256, 1, 1, "prefetch", torch.float32),  # 88 / 88 / 80 rows; one slice, masked features
     (1024, 128, 32, 512, 2, 1, None, torch.float16),  # two warps a program, no split (out written directly)
     (512, 128, 32, 512, 1, 1, None, torch.float32),  # two words a thread
-    (576, 128, 32, 256, 1, 2, "n_fixed", torch.bfloat16),  # N a compile-time constant (N_FIXED): masked features
-    (512, 256, 64, 256, 1, 3, "n_fixed", torch.float32),  # and split in 3
 ], ids=str)
 def test_wordcol_gemv_matches_reference(N, K, G, bn, warps, split, rows, dtype):
     g = torch.Generator().manual_seed(N + K)
@@ -41,8 +39,7 @@ def test_wordcol_gemv_matches_reference(N, K, G, bn, warps, split, rows, dtype):
     bias = torch.randn(N, generator=g).to(dtype) if split == 1 or N == 576 else None
     want = ref(x, *args, bias=bias)  # x @ (W dequantized to fp32).T in fp32, rounded once to x.dtype
     prefetch = rows == "prefetch"
-    cfg = wordcol_config(N, K, G, 4, bn, warps, split, 8 if prefetch else None if rows == "n_fixed" else rows, prefetch)
-    cfg["N_FIXED"] = rows == "n_fixed"
+    cfg = wordcol_config(N, K, G, 4, bn, warps, split, 8 if prefetch else rows, prefetch)
     got = tri(x, *args, bias=bias, config=cfg)
     assert got.dtype == dtype and not got.isnan().any()
     # no weight rounded, products and sums in fp32: the sum order and the final rounding differ

@@ -297,5 +297,4 @@ def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor,
     return launch_gemv(_awq_wordcol_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group,
                        EVEN=N % cfg["BLOCK_N"] == 0, ROWS=cfg["BLOCK_K"], PREFETCH=cfg.get("PREFETCH", False),
                        HALF2=half2, ASM=x.is_cuda,  # the interpreter runs half2.py's twin of the inline PTX
-                       # a kernel per N (a layer's N is fixed): immediate row offsets; the fp32 walk when asked
-                       N_FIXED=N if half2 or cfg.get("N_FIXED", False) else 0)
+                       N_FIXED=N if half2 else 0)  # a kernel per N (a layer's N is fixed): immediate row offsets
