@@ -53,6 +53,10 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wcp-r16-sk8-2": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=2, ROWS=16)),
     "wcp-h2-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True)),
     "wcp-h2-r32-sk8-2": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=2, ROWS=32, HALF2=True)),
+    "wcp-h2-r8-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=8, HALF2=True)),
+    "wcp-h2-r16-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)),
+    "wcp-h2-r16-sk8-2": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=2, ROWS=16, HALF2=True)),
+    "wcp-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16)),
 }
 
 

@@ -40,20 +40,23 @@ WORDCOL = dict(BLOCK_N=(256, 512), num_warps=(1,), SPLIT_K=(None, 32, 64), rows=
 HALF2 = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32), rows=(32, 16, 8))
 
 
-def configs(M, N, K, group, device, small, grid, half2=False):
-    """The sweep's configs for one shape (the default's first), each a full nibble_gemv config; grid None: the
-    default and the word-column configs only; half2: the default, the fp32 walk's default config and HALF2's."""
+def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float16):
+    """The sweep's configs for one shape (the model's default first: gemv_nibble.gemv_config_for), each a full GEMV
+    config; grid None: the default, the nibble path's and the word-column configs only; half2: the default, the
+    nibble path's, the fp32 walk's default config and HALF2's."""
     from revolta.kernels.quant.common import device_facts
-    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
+    from revolta.kernels.quant.gemv_nibble import gemv_config_for, nibble_gemv_config
     from revolta.kernels.quant.nibble import split_len
 
+    default = gemv_config_for(torch.empty(M, K, dtype=dtype, device=device), N, K, group, "awq")
     base = nibble_gemv_config(M, N, K, group, "awq", *device_facts(device))
-    out = [base, base | dict(SCALE_AHEAD=False)]  # the default, and it with the scales loaded in their own K step
+    out = [default] + ([base] if base != default else [])
+    out.append(base | dict(SCALE_AHEAD=False))  # the nibble path with the scales loaded in their own K step
     wordcol_only = grid is None
     if small:
         grid = dict(BLOCK_N=(32,), SPLIT_K=(1, 2), num_warps=(4,), num_stages=(2,))
     if wordcol_only:
-        out, grid = out[:1], {}
+        out, grid = out[:-1], {}
     for bn, sk, w, s in itertools.product(*grid.values()) if grid else ():
         if bn > N or K // base["BLOCK_K"] < 2 * sk:
             continue
@@ -66,7 +69,7 @@ def configs(M, N, K, group, device, small, grid, half2=False):
     sms = device_facts(device)[0]
     if M == 1 and half2:
         fp32_walk = wordcol_config(N, K, group, sms)
-        out += [fp32_walk] if fp32_walk != base else []  # base is the fp32 walk already where it is the default
+        out += [fp32_walk] if fp32_walk not in out else []
         for bn, w, sk, rows in itertools.product(*HALF2.values()):
             c = wordcol_config(N, K, group, sms, bn, w, sk, rows, half2=True) if K // rows >= 2 * (sk or 1) else None
             out += [c] if c is not None and c not in out else []  # the default split may be 32 (timed once)
@@ -74,7 +77,8 @@ def configs(M, N, K, group, device, small, grid, half2=False):
     if M == 1 and (small or wordcol_only):  # the word-column GEMV (gemv_wordcol.py): one row only
         for bn, w, sk, rows, pf in itertools.product(*WORDCOL.values()):
             if bn <= max(256, N) and K // rows >= 2 * (sk or 1) and (rows == 8 or not pf):
-                out.append(wordcol_config(N, K, group, sms, bn, w, sk, rows, pf))
+                c = wordcol_config(N, K, group, sms, bn, w, sk, rows, pf)
+                out += [c] if c not in out else []
     return out
 
 
@@ -131,7 +135,7 @@ def main() -> int:
             x = torch.randn(M, K, generator=gen, device=device).to(dtype)
             want = x.float() @ w_ref.t()
             timed, worst = [], 0.0
-            for c in configs(M, N, K, args.group, device, args.small, grid, args.half2):
+            for c in configs(M, N, K, args.group, device, args.small, grid, args.half2, dtype):
                 def call(c=c, w=t):
                     return awq_gemv(x, w["qweight"], w["qzeros"], w["scales"], args.group, config=c)
                 err = rel_err(call(), want)

@@ -62,8 +62,9 @@ def test_nibble_gemv_replays_in_a_cuda_graph():
 
 @pytest.mark.parametrize("N,K", [(12288, 2560), (6144, 2560), (2560, 6144)])
 def test_default_one_row_awq_gemv(N, K):
-    """The default one-row AWQ GEMV (the word-column path from 6144 outputs on sm80+, gemv_wordcol.py) against the
-    fp32 reference, and replayed from a CUDA graph on a new row (bitwise the eager call)."""
+    """The default one-row AWQ GEMV (the word-column path from 6144 outputs on sm80+, and for fp16 rows the fp16-pair
+    walk from 2560 x 6144 weights, gemv_wordcol.py) against the fp32 reference, and replayed from a CUDA graph on a
+    new row (bitwise the eager call)."""
     from revolta.kernels.quant.common import device_facts
     from revolta.kernels.quant.gemv_wordcol import use_wordcol
 
@@ -72,9 +73,11 @@ def test_default_one_row_awq_gemv(N, K):
     w = fmt.dequantize(t, torch.float32)
     arch = device_facts(torch.device("cuda"))[1]
     for dt in (torch.bfloat16, torch.float16):
-        assert use_wordcol(arch, dt, "awq", 1, N) == (N >= 6144 and arch >= 80)
+        assert use_wordcol(arch, dt, "awq", 1, N, K) == (arch >= 80 and (N >= 6144 or dt == torch.float16))
         x = torch.randn(1, K, device="cuda", generator=gen).to(dt)
-        tol = 8e-3 if dt == torch.bfloat16 else 1e-3  # no weight rounded, fp32 sums, one rounding of the output
+        # bf16: the fp32 walk (no weight rounded, fp32 sums, one rounding of the output); fp16: the fp16-pair walk
+        # (fp16 products and step sums, as test_half2_wordcol_gemv)
+        tol = 8e-3 if dt == torch.bfloat16 else 2e-3
         assert _rel(fmt.gemv(x, t, None), x.float() @ w.t()) < tol, dt
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -47,6 +47,8 @@ def test_awq_moe_real_shapes(M):
             assert rel_err(got, ref) < 2e-3, name
     cfg70 = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=70)
     assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg70), ref) < 2e-3
+    nib = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90, nibble=True)  # the default above 40 tokens
+    assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=nib), ref) < 2e-3
     tile = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90, nibble=False)  # the sm80+ default before
     assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=tile), ref) < 2e-3
     assert bq.graph_check(gate_up, down, shared, M, torch.bfloat16, bq.H, bq.E, gen) < 1e-2

@@ -16,6 +16,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 ACT = {70: "*fp16", 90: "*bf16"}
 SHAPE = (2560, 10240)  # (N, K): the GDN in_proj_qkv; the configs depend on N and K only through SPLIT_K
@@ -68,14 +69,16 @@ def _builds(arch):
                                      SPLIT_K=wc["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
                                      ROWS=wc["BLOCK_K"], PREFETCH=wc["PREFETCH"], HALF2=False, ASM=True, N_FIXED=0),
                                 wc["num_warps"], wc["num_stages"])
-    # the fp16-pair walk (HALF2: fp16 activations on every arch; its fma.rn.f16x2 as inline PTX)
+    # the fp16-pair walk in the config one fp16 row takes (HALF2 on every arch; its fma.rn.f16x2 as inline PTX)
+    h2 = gemv_wordcol.default_wordcol_config(N, K, 32, 132 if arch == 90 else 80, torch.float16)
+    assert h2["HALF2"] and h2["BLOCK_K"] == gemv_wordcol.HALF2_ROWS
     b["awq_wordcol_half2_gemv_M1"] = (gemv_wordcol._awq_wordcol_kernel,
                                       GEMV_ARGS.format(w="qw qz sc") + " G" + TAIL
                                       + " EVEN ROWS PREFETCH HALF2 ASM N_FIXED", "hiihfhhnnnnnn" + "c" * 13,
-                                      dict(G=32, BLOCK_M=1, BLOCK_N=wc["BLOCK_N"], BLOCK_K=wc["BLOCK_K"],
-                                           SPLIT_K=wc["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
-                                           ROWS=wc["BLOCK_K"], PREFETCH=False, HALF2=True, ASM=True, N_FIXED=N),
-                                      wc["num_warps"], wc["num_stages"])
+                                      dict(G=32, BLOCK_M=1, BLOCK_N=h2["BLOCK_N"], BLOCK_K=h2["BLOCK_K"],
+                                           SPLIT_K=h2["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
+                                           ROWS=h2["BLOCK_K"], PREFETCH=False, HALF2=True, ASM=True, N_FIXED=N),
+                                      h2["num_warps"], h2["num_stages"])
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
                           dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK), 2, 2)
     b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",

@@ -11,8 +11,9 @@ import triton
 from test_quant import CASES
 
 from revolta.kernels.quant.awq import awq_gemv_ref
-from revolta.kernels.quant.gemv_wordcol import (HALF2_MAX_ROWS, WORDCOL_MAX_SPLIT, WORDCOL_MIN_N,
-                                                WORDCOL_PROGRAMS_PER_SM, awq_wordcol_gemv, use_wordcol, wordcol_config)
+from revolta.kernels.quant.gemv_wordcol import (HALF2_MAX_ROWS, HALF2_ROWS, WORDCOL_MAX_SPLIT, WORDCOL_MIN_N,
+                                                WORDCOL_PROGRAMS_PER_SM, awq_wordcol_gemv, default_wordcol_config,
+                                                use_wordcol, wordcol_config)
 
 pytestmark = pytest.mark.usefixtures("poison", "bf16_dots")  # conftest.py: NaN-poisoned outputs; bf16 as on the GPU
 
@@ -70,6 +71,21 @@ def test_the_default_picks_the_word_column_path_for_one_awq_row_of_a_wide_projec
                                                                                            12288)
     assert not use_wordcol(70, torch.float16, "awq", 1, 12288) and not use_wordcol(None, torch.float16, "awq", 1, 12288)
     assert not use_wordcol(90, torch.float32, "awq", 1, 12288)
+    # fp16 rows (the fp16-pair walk) also from 2560 x 6144 weights (out_proj: K6g), not below
+    assert use_wordcol(90, torch.float16, "awq", 1, 2560, 6144) and not use_wordcol(90, torch.bfloat16, "awq", 1, 2560,
+                                                                                     6144)
+    assert not use_wordcol(90, torch.float16, "awq", 1, 1280, 2560) and not use_wordcol(90, torch.float16, "awq", 1,
+                                                                                         512, 2560)
+
+
+def test_the_default_word_column_config_per_dtype():
+    """fp16 takes the fp16-pair walk in 32-row steps (HALF2_ROWS, within the group), bf16 the fp32 walk in 8-row steps;
+    the K splits as wordcol_config picks (64 for out_proj's 6144 inputs, 32 for q_proj's 2560 at 32-row steps)."""
+    h2 = default_wordcol_config(12288, 2560, 32, 132, torch.float16)
+    assert h2["HALF2"] and h2["BLOCK_K"] == HALF2_ROWS and h2["SPLIT_K"] == 32
+    assert default_wordcol_config(2560, 6144, 32, 132, torch.float16)["SPLIT_K"] == 64
+    assert default_wordcol_config(12288, 2560, 128, 132, torch.float16)["BLOCK_K"] == 32
+    assert default_wordcol_config(12288, 2560, 32, 132, torch.bfloat16) == wordcol_config(12288, 2560, 32, 132)
 
 
 def _close_half2(got, want):

@@ -85,25 +85,27 @@ WORDCOL_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids num_routed H I
 
 
 def wordcol_builds():
-    """The one-token word-column MoE (moe_wordcol.py, AWQ) in the config one token takes on sm80+ (MOE_WORDCOL: 64 / 16
-    K splits of 8-row steps), gate_up masked (I = 640 is 2.5 programs of 256 features); and the same on fp16 pairs
-    (HALF2, fp16 activations on every arch: its fma.rn.f16x2 as inline PTX)."""
+    """The word-column MoE (moe_wordcol.py, AWQ) in the configs AWQ tokens take on sm80+ (moe_wordcol_config): one bf16
+    token (MOE_WORDCOL: 64 / 16 K splits of 8-row steps), one fp16 token on fp16 pairs (MOE_WORDCOL_HALF2: its
+    fma.rn.f16x2 as inline PTX, built for every arch), several tokens a program row per pair (MOE_WORDCOL_PAIRS and
+    its fp16-pair twin); gate_up masked (I = 640 is 2.5 programs of 256 features)."""
     from revolta.kernels.quant import moe_wordcol
-    from revolta.kernels.quant.moe import MOE_WORDCOL as C
+    from revolta.kernels.quant.moe import MOE_WORDCOL, MOE_WORDCOL_HALF2, MOE_WORDCOL_PAIRS, MOE_WORDCOL_PAIRS_HALF2
 
-    warps = C["num_warps"]
     out = {}
-    for tag, act, half2 in (("", "a", False), ("_half2", "h", True)):
-        flags = dict(G=32, HAS_SHARED=True, ROWS=C["ROWS"], PREFETCH=C["PREFETCH"], HALF2=half2, ASM=True)
-        out[f"awq_wordcol{tag}_M1_gate_up"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
-                                               act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * 10,
-                                               dict(flags, BLOCK_N=C["BLOCK_N_UP"], SPLIT=C["SPLIT_UP"], EVEN=False,
-                                                    TOP_K=TOP_K),
-                                               warps, 1, "awq")
-        out[f"awq_wordcol{tag}_M1_down"] = (moe_wordcol._wordcol_down_kernel, WORDCOL_DOWN,
-                                            act + "iih" * 2 + "ffi" + "n" * 9 + "c" * 9,
-                                            dict(flags, BLOCK_N=C["BLOCK_N_DOWN"], SPLIT=C["SPLIT_DOWN"], EVEN=True),
-                                            warps, 1, "awq")
+    for tag, c in (("_M1", MOE_WORDCOL), ("_half2_M1", MOE_WORDCOL_HALF2), ("_pairs", MOE_WORDCOL_PAIRS),
+                   ("_half2_pairs", MOE_WORDCOL_PAIRS_HALF2)):
+        act = "h" if c["HALF2"] else "a"
+        flags = dict(G=32, HAS_SHARED=True, ROWS=c["ROWS"], PREFETCH=c["PREFETCH"], HALF2=c["HALF2"], ASM=True)
+        out[f"awq_wordcol{tag}_gate_up"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
+                                            act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * 10,
+                                            dict(flags, BLOCK_N=c["BLOCK_N_UP"], SPLIT=c["SPLIT_UP"], EVEN=False,
+                                                 TOP_K=TOP_K),
+                                            c["num_warps"], 1, "awq")
+        out[f"awq_wordcol{tag}_down"] = (moe_wordcol._wordcol_down_kernel, WORDCOL_DOWN,
+                                         act + "iih" * 2 + "ffi" + "n" * 9 + "c" * 9,
+                                         dict(flags, BLOCK_N=c["BLOCK_N_DOWN"], SPLIT=c["SPLIT_DOWN"], EVEN=True),
+                                         c["num_warps"], 1, "awq")
     return out
 
 
@@ -158,7 +160,7 @@ def test_aot_real_shapes(arch, reports):
     spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column builds spill (budget 0 on every arch): {spills}"
-    assert sum("wordcol" in n for n in reports[arch]) == 4
+    assert sum("wordcol" in n for n in reports[arch]) == 8
     assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 

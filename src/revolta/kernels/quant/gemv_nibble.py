@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import device_facts, gemv_config, launch_gemv, store_partial
-from .gemv_wordcol import use_wordcol, wordcol_config
+from .gemv_wordcol import default_wordcol_config, use_wordcol
 from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_rows, split_len
 
 # THE default: the formats whose dense packed GEMV takes the nibble path on sm80+ (fp16 / bf16 activations).
@@ -110,8 +110,8 @@ def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align:
     one-row word-column path's (gemv_wordcol.py, WORDCOL); else the nibble path's (NIBBLE_DOT) or the tile path's
     (common.gemv_config), as `use_nibble` picks (`nibble` given: that path)."""
     sms, arch = device_facts(x.device)
-    if nibble is None and use_wordcol(arch, x.dtype, layout, x.shape[0], N):
-        return wordcol_config(N, K, group, sms)
+    if nibble is None and use_wordcol(arch, x.dtype, layout, x.shape[0], N, K):
+        return default_wordcol_config(N, K, group, sms, x.dtype)
     if use_nibble(arch, x.dtype, layout, nibble, x.shape[0], N):
         return nibble_gemv_config(x.shape[0], N, K, group, layout, sms, arch)
     return gemv_config(x.shape[0], N, K, group, sms, n_align, arch)

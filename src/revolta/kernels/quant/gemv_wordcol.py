@@ -26,9 +26,11 @@ plain decode step and its speculative verify rows no longer share one sum order 
 invariance is not promised across row counts: docs/speculative.md). sm70 keeps the tile path (built there without
 spills, not timed).
 
-HALF2 (opt-in, fp16 activations; `wordcol_slice_half2`, kernels/quant/half2.py): the same walk two weights an
-instruction on fp16 pairs (fma.rn.f16x2), with fp16 products and step sums: 2.3-3.0 SASS instructions a weight in
-the sm_90 loop against 4.8-5.6 here (RESULTS.md K6f); not yet timed on a GPU, so not a default.
+HALF2 (the default for fp16 rows, `default_wordcol_config`; `wordcol_slice_half2`, kernels/quant/half2.py): the
+same walk two weights an instruction on fp16 pairs (fma.rn.f16x2), with fp16 products and step sums: 2.3-3.0 SASS
+instructions a weight in the sm_90 loop against 4.8-5.6 here (RESULTS.md K6f); on an H100 (K6g) 1.15-1.18x faster
+than this walk on the wide projections in 32-row steps, and faster than the nibble path from 2560 x 6144 weights
+(out_proj: 12.40 against 13.95 us), so fp16 rows take it from HALF2_MIN_WEIGHTS weights; bf16 rows keep this walk.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ WORDCOL_PROGRAMS_PER_SM = 12  # split-K target: single-warp programs per SM (~1,
 WORDCOL_MAX_SPLIT = 64  # 128 slices lost at every shape timed (K6c)
 WORDCOL_ROWS = 8  # rows a step: small steps let 64 slices of K = 2560 stay whole steps (K6c: 8 rows won at 64)
 WORDCOL_MIN_N = 6144  # the default from this many outputs (K6c: won at 6144-12288, lost at 2560 and below)
+# fp16 rows take the fp16-pair walk from this many weights (N x K): on an H100 (RESULTS.md K6g) it also beat the nibble
+# path on out_proj (2560 x 6144: 12.40 against 13.95 us) and lost on the expert-sized 1280 x 2560 and below
+HALF2_MIN_WEIGHTS = 2560 * 6144
+HALF2_ROWS = 32  # the fp16-pair walk's default step (K6g: 32-row steps fastest on q_proj, in_proj_qkv, out_proj)
 WORDCOL_LAYOUTS = ("awq",)  # packed along N: the word-column walk
 HALF2_MAX_ROWS = 32  # the fp16-pair walk's step: its partials stay under fp16's 65504 (wordcol_slice_half2)
 
@@ -73,12 +79,22 @@ def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256,
                 num_stages=1)
 
 
-def use_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int, N: int) -> bool:
-    """Whether the default GEMV of M rows over a `layout` weight with N outputs and `dtype` activations on compute
+def use_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int, N: int, K: int = 0) -> bool:
+    """Whether the default GEMV of M rows over a `layout` weight W [N, K] and `dtype` activations on compute
     capability `arch` (None: the interpreter) is the word-column path: one row, AWQ, 16-bit activations, sm80+, at
-    least WORDCOL_MIN_N outputs (module docstring)."""
-    return (M == 1 and layout in WORDCOL_LAYOUTS and arch is not None and arch >= 80 and N >= WORDCOL_MIN_N
-            and dtype in (torch.float16, torch.bfloat16))
+    least WORDCOL_MIN_N outputs, or for fp16 (the fp16-pair walk) at least HALF2_MIN_WEIGHTS weights."""
+    if not (M == 1 and layout in WORDCOL_LAYOUTS and arch is not None and arch >= 80
+            and dtype in (torch.float16, torch.bfloat16)):
+        return False
+    return N >= WORDCOL_MIN_N or (dtype == torch.float16 and N * K >= HALF2_MIN_WEIGHTS)
+
+
+def default_wordcol_config(N: int, K: int, group: int, num_sms: int, dtype: torch.dtype) -> dict:
+    """The word-column config one row of `dtype` takes by default: fp16 the fp16-pair walk in HALF2_ROWS-row steps
+    (at most the group), bf16 the fp32 walk in WORDCOL_ROWS-row steps; split-K as wordcol_config picks."""
+    if dtype == torch.float16:
+        return wordcol_config(N, K, group, num_sms, rows=min(group, HALF2_ROWS), half2=True)
+    return wordcol_config(N, K, group, num_sms)
 
 
 @triton.jit

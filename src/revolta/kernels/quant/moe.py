@@ -8,8 +8,10 @@ arithmetic of `moe.fused_moe_ref`).
 Small M (M·k <= GROUPED_MAX_PAIRS (token, slot) pairs: decode, speculative verification) runs the pipeline of
 moe_grouped.py with its grouping (`moe_group`) and its program layout: one program per (touched expert, N tile)
 loops over every row that chose the expert, so each touched expert's packed bytes are read once per call. Three
-decode paths (`quant_grouped_config` picks; config keys WORDCOL, NIBBLE_DOT): one token of AWQ experts in 16-bit
-activations on sm80+ takes the word-column walk of moe_wordcol.py (`use_moe_wordcol`); otherwise the group-factored
+decode paths (`quant_grouped_config` picks; config keys WORDCOL, NIBBLE_DOT): up to 40 tokens of AWQ experts in
+16-bit activations on sm80+ take the word-column walk of moe_wordcol.py (`use_moe_wordcol`: a program row per
+(token, slot) pair, so an expert several tokens chose is read once per token, and still 1.4-2.1x faster than the
+grouped kernels up to 40 tokens on an H100, RESULTS.md K5h); otherwise the group-factored
 path of moe_decode.py (the sm80+ default: raw codes dotted per quantization group, scales applied after the dot,
 split-K), and the tile path below (sm70, and the sm80+ default before it). Tile path: the packed tile is loaded and
 decoded to fp32 in registers right after the load
@@ -237,18 +239,36 @@ def _quant_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids
 # launch
 
 
-# one token of AWQ experts on sm80+ (use_moe_wordcol): single-warp programs of 256 features, 8-row steps, gate_up in
-# 64 K slices and down in 16. H200, bf16 (RESULTS.md K5g): 42.4 us at the real shapes against the nibble path's 47.9
-# and the same walk in 32-row steps' 47.6 (H100, K5f: 44.2 against 47.3 in 32-row steps)
+# one bf16 token of AWQ experts on sm80+ (use_moe_wordcol): single-warp programs of 256 features, 8-row steps,
+# gate_up in 64 K slices and down in 16. H200, bf16 (RESULTS.md K5g): 42.4 us at the real shapes against the nibble
+# path's 47.9 and the same walk in 32-row steps' 47.6 (H100, K5f: 44.2 against 47.3 in 32-row steps)
 MOE_WORDCOL = dict(WORDCOL=True, NIBBLE_DOT=False, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=256, BLOCK_N_DOWN=256,
-                   SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, PREFETCH=False, num_warps=1, num_stages=1)
+                   SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, PREFETCH=False, HALF2=False, num_warps=1, num_stages=1)
+# the word-column walk's defaults (RESULTS.md K5h, H100; K5g for one bf16 token), by (one token or several, dtype):
+# one fp16 token on fp16 pairs in 16-row steps (36.2 against 42.8 µs), several tokens a program row per pair in
+# 16-row steps and 16 / 4 K slices (fp16 pairs: 76 / 109 / 405 µs at M = 5 / 8 / 40 against the nibble path's
+# 153 / 226 / 840; bf16, the fp32 walk: 102 / 143 / 590 against 153 / 226 / 836)
+MOE_WORDCOL_HALF2 = MOE_WORDCOL | dict(SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)
+MOE_WORDCOL_PAIRS = MOE_WORDCOL | dict(SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16)
+MOE_WORDCOL_PAIRS_HALF2 = MOE_WORDCOL_PAIRS | dict(HALF2=True)
+MOE_WORDCOL_MAX_TOKENS = 40  # the per-pair walk reads an expert once per token that chose it: timed up to 40 tokens
+# (1.6x the distinct experts' bytes there, still 2.1x faster than the grouped nibble path)
 
 
 def use_moe_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int) -> bool:
-    """Whether one token's packed MoE takes the word-column walk by default: M = 1, AWQ experts (packed along N),
-    16-bit activations, sm80+ (None: the interpreter keeps the nibble path, as the dense GEMV's use_wordcol does)."""
-    return (M == 1 and layout == "awq" and arch is not None and arch >= 80
+    """Whether M tokens' packed MoE takes the word-column walk by default: 1 <= M <= MOE_WORDCOL_MAX_TOKENS, AWQ
+    experts (packed along N), 16-bit activations, sm80+ (None: the interpreter keeps the nibble path, as the dense
+    GEMV's use_wordcol does)."""
+    return (1 <= M <= MOE_WORDCOL_MAX_TOKENS and layout == "awq" and arch is not None and arch >= 80
             and dtype in (torch.float16, torch.bfloat16))
+
+
+def moe_wordcol_config(M: int, dtype: torch.dtype) -> dict:
+    """The word-column config M tokens of `dtype` take by default (a copy: callers may edit it)."""
+    half2 = dtype == torch.float16
+    if M == 1:
+        return dict(MOE_WORDCOL_HALF2 if half2 else MOE_WORDCOL)
+    return dict(MOE_WORDCOL_PAIRS_HALF2 if half2 else MOE_WORDCOL_PAIRS)
 
 
 def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None,
@@ -271,12 +291,12 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     NVFP4 (`layout`) keeps the tile path on a GPU: compiled, the nibble path's 16-row NVFP4 tiles summed wrong
     (relative error ~3 at M = 1 / 8 / 40 on an H100) while the tile path matched; a nibble config asked for NVFP4
     gets `nibble_min_rows` (64) rows, which matched too (rows past M are masked).
-    WORDCOL (one token of AWQ experts, `use_moe_wordcol`, when `dtype` is given and nibble is None): the word-column
-    walk on CUDA cores (moe_wordcol.py), MOE_WORDCOL's keys BLOCK_N_UP / BLOCK_N_DOWN (256 a warp), SPLIT_UP /
-    SPLIT_DOWN, ROWS, PREFETCH.
+    WORDCOL (up to MOE_WORDCOL_MAX_TOKENS tokens of AWQ experts, `use_moe_wordcol`, when `dtype` is given and nibble
+    is None): the word-column walk on CUDA cores (moe_wordcol.py), `moe_wordcol_config`: MOE_WORDCOL's keys
+    BLOCK_N_UP / BLOCK_N_DOWN (256 a warp), SPLIT_UP / SPLIT_DOWN, ROWS, PREFETCH, HALF2 (fp16 pairs).
     """
     if nibble is None and dtype is not None and use_moe_wordcol(arch, dtype, layout, M):
-        return dict(MOE_WORDCOL)
+        return moe_wordcol_config(M, dtype)
     if nibble is None:
         nibble = (arch is None or arch >= 80) and nibble_min_rows(layout, arch) == 16  # NVFP4 on a GPU: tiles
     if nibble:
@@ -447,8 +467,9 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     launch = dict(num_warps=cfg["num_warps"], num_stages=1)
     _wordcol_gate_up_kernel[(T, triton.cdiv(I, bn_up), split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
-        *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group, BLOCK_N=bn_up, HAS_SHARED=has_shared,
-        SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch, **half2, **launch)
+        *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group,
+        BLOCK_N=bn_up, HAS_SHARED=has_shared, SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch,
+        **half2, **launch)
     if split_up > 1:
         _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                              BLOCK=REDUCE_BLOCK, num_warps=2)

@@ -88,7 +88,8 @@ def _nibble_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws,
 
 @triton.jit
 def _split_act_kernel(ws, act, T, I, stride_am, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """act[t] = SiLU(Σ_s gate_s)·Σ_s up_s in act's dtype from ws [SPLIT, T, 2I] (fixed split order); grid (T, I tiles)."""
+    """act[t] = SiLU(Σ_s gate_s)·Σ_s up_s in act's dtype from ws [SPLIT, T, 2I] (fixed split order); grid (T, I
+    tiles)."""
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = o < I
