@@ -129,7 +129,8 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
                     for p in ("tile", "nib")}
             variants = {"quant": None} | {n: base[p] | v for n, (p, v) in VARIANTS.items()
                                           if (n == "tile" or small or (dt == torch.float16) == ("-h2-" in n))
-                                          and (M == 1 or not n.startswith("wc-")) and (M > 1 or not n.startswith("wcp-"))}
+                                          and (M == 1 or not n.startswith("wc-"))
+                                          and (M > 1 or not n.startswith("wcp-"))}
             for vname, cfg in variants.items():
                 out = QMOE.quant_fused_moe(xs[0], gate_up, down, *routes[0], shared_expert=shared, config=cfg)
                 checks.append(dict(what=f"quant {vname} {tag}", rel_err=rel_err(out, ref)))

@@ -79,8 +79,8 @@ def test_half2_wordcol_path_matches_reference(split):
 def test_wordcol_path_several_tokens(M, dtype, split):
     """Several tokens on the word-column path: a program row per (token, slot) pair, each reading its token's x row;
     experts chosen by several tokens (8 experts, top-2 + the shared expert in every token) are walked once per pair,
-    and the y rows of each token's pairs add up in moe_sum (on fp16 pairs: test_default_wordcol_config_matches_reference,
-    whose interpreter twin of the PTX is slow)."""
+    and the y rows of each token's pairs add up in moe_sum (on fp16 pairs:
+    test_default_wordcol_config_matches_reference, whose interpreter twin of the PTX is slow)."""
     x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
     assert ids.unique().numel() < ids.numel()  # pairs share experts across tokens
     cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2])
@@ -109,7 +109,8 @@ def test_default_wordcol_config_matches_reference(M, dtype):
     assert cfg["WORDCOL"] and cfg["HALF2"] == (dtype == torch.float16)
     out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
     if cfg["HALF2"]:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2.0 ** -10, atol=2e-3 * ref.float().abs().max().item())
+        atol = 2e-3 * ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2.0 ** -10, atol=atol)
     else:
         torch.testing.assert_close(out, ref, **TOLS[dtype])
 

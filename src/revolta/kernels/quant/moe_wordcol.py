@@ -4,8 +4,9 @@ word-column walk, one thread per packed word column, instead of tl.dot over 16 p
 Every (token, slot) pair is its own program row (grid axis 0: pair = token·k + slot over the M·k pairs, the shared
 expert riding as slot k - 1 with id num_routed), so a program is (pair, N tile, K slice). At M = 1 the pairs are
 distinct experts; at M > 1 an expert chosen by several tokens is read once per token (M = 8, top-10 of 512 + the
-shared expert: 88 pairs over ~76 distinct experts, 1.16x their bytes), which the walk's fewer instructions per weight
-may repay against the grouped tl.dot path (timed in bench_quant_moe, not a default above one token). gate_up
+shared expert: 88 pairs over ~76 distinct experts, 1.16x their bytes; M = 40: 1.6x), which the walk's fewer
+instructions a weight repay: on an H100 2.0-2.1x faster than the grouped tl.dot path at 5-40 tokens on fp16 pairs,
+1.4-1.6x with the fp32 walk in bf16 (RESULTS.md K5h), so it is the default up to moe.MOE_WORDCOL_MAX_TOKENS. gate_up
 programs compute the gate and up sums of their features over their slice of the hidden size; one slice writes act =
 SiLU(gate)·up (rounded to x.dtype once), several write fp32 partials to ws [SPLIT_UP, T, 2I] for
 moe_decode._split_act_kernel, as the nibble path does. down programs write y rows pair·SPLIT_DOWN + s = w_pair ·
@@ -56,10 +57,10 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
     m_w = None if EVEN else o_f < I // 8
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, H)
-    g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_slice(x_row, g0, g1, g2, n_g // 8 + tl.arange(0, W), m_w, N, k_lo,
-                                                           k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
-    u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice(x_row, u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w, N, k_lo,
-                                                           k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
+    g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_slice(x_row, g0, g1, g2, n_g // 8 + tl.arange(0, W), m_w, N,
+                                                           k_lo, k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
+    u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice(x_row, u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w, N,
+                                                           k_lo, k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
     _act_store(act, ws, g_0, u_0, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 0)
     _act_store(act, ws, g_1, u_1, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 1)
     _act_store(act, ws, g_2, u_2, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 2)
