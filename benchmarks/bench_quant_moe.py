@@ -1,13 +1,15 @@
 """AWQ MoE (`bench_quant.py --moe`): packed experts through kernels/quant/moe.py beside the 16-bit grouped MoE.
 
 Real shapes: hidden 2560, ffn 640, 512 routed experts + the shared expert (ffn 640, riding as expert 512),
-top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows, uniform routing, bf16 and fp16 activations.
+top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows (--moe-ms), uniform routing, bf16 and fp16.
   * copy ceiling measured in this run (device copy of 2 GiB, read + write);
-  * quant = quant_fused_moe (default config: the group-factored "nib" path on sm80+), timed as a CUDA graph over 8 rotating inputs and routings (each
-    call finds few of its experts in L2); % copy = distinct touched experts' packed bytes (qweight + qzeros +
-    scales of gate_up and down, the shared expert counted) / time / copy bandwidth; target >= 60%;
-  * the variants (VARIANTS: the tile path of K5c, the nib path's tiles, stages and
-    split-K) timed beside the default at bf16 ("tile" at both dtypes), so one run can pick the best;
+  * quant = quant_fused_moe in its default config (on sm80+ up to 40 tokens the word-column walk, moe_wordcol.py,
+    on fp16 pairs for fp16; the group-factored "nib" path above), timed as a CUDA graph over 8 rotating inputs and
+    routings (each call finds few of its experts in L2); % copy = distinct touched experts' packed bytes (qweight +
+    qzeros + scales of gate_up and down, the shared expert counted) / time / copy bandwidth; target >= 60%;
+  * the variants (VARIANTS: the tile path of K5c, the nib path's tiles and split-K, the word-column walks: "wc-" one
+    token, "wcp-" a program row per pair above it, "-h2-" on fp16 pairs) timed beside the default, the fp16-pair ones
+    at fp16 and the rest at bf16 ("tile" at both dtypes), so one run can pick the best;
   * 16-bit = moe.fused_moe (the grouped kernels) on a bf16/fp16 bank of the same shapes and routing, its
     % copy over its own touched bytes, and quant's speedup over it;
   * checks: every timed path against quant_fused_moe_ref (rel. L2 error), and a CUDA graph of quant_fused_moe
