@@ -86,11 +86,13 @@ def name(c):
     if c.get("WORDCOL"):
         return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
                 + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else ""))
+    if not c.get("NIBBLE_DOT"):  # the tile path (common.gemv_config: the default off sm80+ and in the interpreter)
+        return f"tile{c['BLOCK_M']}x{c['BLOCK_N']}/sk{c['SPLIT_K']}"
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
     return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", default="1,8")
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
@@ -102,7 +104,7 @@ def main() -> int:
                     "fp16)")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from bench_quant import bench, copy_gbs, packed_awq, packed_nbytes, rel_err, rotating

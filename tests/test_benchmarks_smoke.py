@@ -215,3 +215,15 @@ def test_read_ceiling_reads_every_word():
     read_us([t], bench, small=True)
     t["qweight"][-1, -1] = -1  # bits in the last block's last words: a kernel that skipped them fails the check
     read_us([t], bench, small=True)
+
+
+def test_sweep_nibble_gemv_small(tmp_path):
+    """benchmarks/sweep_nibble_gemv.py --small (interpreter): every config it lists runs, is named and matches the
+    fp32 reference; the first is the model's default (gemv_config_for: the tile path off sm80+)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import sweep_nibble_gemv
+
+    path = tmp_path / "sweep.json"
+    assert sweep_nibble_gemv.main(["--small", "--ms", "1", "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())
+    assert row["default"].startswith("tile") and row["worst_err"] < 2e-2 and len(row["all"]) >= 5
