@@ -63,14 +63,16 @@ def test_wordcol_configs_at_the_real_shapes():
 
 
 def test_the_default_picks_the_word_column_path_for_one_awq_row_of_a_wide_projection():
+    K = 2560  # the wide projections' inputs
     for N in (6144, 10240, 12288):
-        assert use_wordcol(90, torch.float16, "awq", 1, N) and use_wordcol(80, torch.bfloat16, "awq", 1, N)
-    assert not use_wordcol(90, torch.float16, "awq", 2, 12288)  # one row only
-    assert not use_wordcol(90, torch.float16, "awq", 1, 2560)  # lost at N <= 2560 (K6c)
-    assert not use_wordcol(90, torch.float16, "ct_int4", 1, 12288) and not use_wordcol(90, torch.float16, "nvfp4", 1,
-                                                                                           12288)
-    assert not use_wordcol(70, torch.float16, "awq", 1, 12288) and not use_wordcol(None, torch.float16, "awq", 1, 12288)
-    assert not use_wordcol(90, torch.float32, "awq", 1, 12288)
+        assert use_wordcol(90, torch.float16, "awq", 1, N, K) and use_wordcol(80, torch.bfloat16, "awq", 1, N, K)
+    assert not use_wordcol(90, torch.float16, "awq", 2, 12288, K)  # one row only
+    assert not use_wordcol(90, torch.float16, "awq", 1, 2560, K)  # lost at N <= 2560 (K6c)
+    assert not use_wordcol(90, torch.float16, "ct_int4", 1, 12288, K) and not use_wordcol(90, torch.float16, "nvfp4",
+                                                                                           1, 12288, K)
+    assert not use_wordcol(70, torch.float16, "awq", 1, 12288, K)
+    assert not use_wordcol(None, torch.float16, "awq", 1, 12288, K)
+    assert not use_wordcol(90, torch.float32, "awq", 1, 12288, K)
     # fp16 rows (the fp16-pair walk) also from 2560 x 6144 weights (out_proj: K6g), not below
     assert use_wordcol(90, torch.float16, "awq", 1, 2560, 6144) and not use_wordcol(90, torch.bfloat16, "awq", 1, 2560,
                                                                                      6144)

@@ -79,7 +79,7 @@ def wordcol_config(N: int, K: int, group: int, num_sms: int, block_n: int = 256,
                 num_stages=1)
 
 
-def use_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int, N: int, K: int = 0) -> bool:
+def use_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int, N: int, K: int) -> bool:
     """Whether the default GEMV of M rows over a `layout` weight W [N, K] and `dtype` activations on compute
     capability `arch` (None: the interpreter) is the word-column path: one row, AWQ, 16-bit activations, sm80+, at
     least WORDCOL_MIN_N outputs, or for fp16 (the fp16-pair walk) at least HALF2_MIN_WEIGHTS weights."""
