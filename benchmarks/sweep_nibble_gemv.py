@@ -67,7 +67,7 @@ def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float1
     from revolta.kernels.quant.gemv_wordcol import wordcol_config
 
     sms = device_facts(device)[0]
-    if M == 1 and half2:
+    if half2 and M <= 8:  # several rows: a program row each (gemv_wordcol: asked for only)
         fp32_walk = wordcol_config(N, K, group, sms)
         out += [fp32_walk] if fp32_walk not in out else []
         for bn, w, sk, rows in itertools.product(*HALF2.values()):

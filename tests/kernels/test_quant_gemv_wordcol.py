@@ -47,6 +47,29 @@ def test_wordcol_gemv_matches_reference(N, K, G, bn, warps, split, rows, dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=EPS[dtype], atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("M,split,half2,dtype", [(3, 2, False, torch.bfloat16), (2, 1, False, torch.float32),
+                                                  (2, 2, True, torch.float16)], ids=str)
+def test_wordcol_gemv_several_rows(M, split, half2, dtype):
+    """Several rows (asked for: a program row each) against the reference, and each row bitwise the same row's
+    one-row call (the same walk and sum order); bias with one K slice, split-K partials of M rows with two."""
+    g = torch.Generator().manual_seed(M + split)
+    make, ref, tri, _, _ = CASES["awq"]
+    N, K, G = (256, 64, 32) if half2 else (576, 128, 32)  # masked features (the fp16-pair twin is slow: smaller)
+    args = make(N, K, G, g)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype) if split == 1 else None
+    cfg = wordcol_config(N, K, G, 4, split=split, rows=16 if half2 else None, half2=half2)
+    got = tri(x, *args, bias=bias, config=cfg)
+    assert got.shape == (M, N) and got.dtype == dtype and not got.isnan().any()
+    want = ref(x, *args, bias=bias)
+    if half2:
+        _close_half2(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=EPS[dtype], atol=1e-5 * want.abs().max().item())
+    for i in range(M):
+        assert torch.equal(got[i:i + 1], tri(x[i:i + 1], *args, bias=bias, config=cfg))
+
+
 def test_wordcol_configs_at_the_real_shapes():
     """The default config: 8-row steps, 64 K slices on the projections it is the default for (the configs that won on
     an H100, RESULTS.md K6c), at least 2 whole steps a slice everywhere."""

@@ -17,8 +17,9 @@ Accuracy: products and sums in fp32 (no weight is rounded); p_f - v_zf Σx cance
 of the signal (q/16 < 1), so a bit or two of fp32.
 
 The K slices' fp32 partials are added in slice order by common.py's `_splitk_reduce_kernel` (as the other paths).
-M = 1 only. The default (`use_wordcol`) for one row of 16-bit activations over AWQ weights with at least
-WORDCOL_MIN_N outputs on sm80+: on an H100 (benchmarks/RESULTS.md K6c, AWQ g32, fp16, graph-replayed back-to-back
+Several rows (asked for only, not timed) walk the weight one program row each, so their programs read it from L2
+when they run together. The default (`use_wordcol`) for one row of 16-bit activations over AWQ weights with at
+least WORDCOL_MIN_N outputs on sm80+: on an H100 (benchmarks/RESULTS.md K6c, AWQ g32, fp16, graph-replayed back-to-back
 calls) q_proj 16.25 against the nibble path's 21.66 us, in_proj_qkv 14.94 against 19.03, in_proj_z 11.98 against 13.08;
 it lost on N <= 2560 (out_proj 14.34 against 13.94, k_proj, the expert-sized linears), whose few 256-feature programs
 leave the GPU idle. Its last bits differ from the same row's in a 2-16-row call (the nibble path), so a request's
@@ -122,10 +123,10 @@ def _flush(acc, p, b_z, sx, sc_row, o_w, m_w, j: tl.constexpr):
 
 
 @triton.jit
-def _store(ws, out, bias, acc, o_w, N, stride_om, i_s, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _store(ws, out, bias, acc, i_m, o_w, M, N, stride_om, i_s, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
            j: tl.constexpr):
-    store_partial(ws, out, bias, acc[None, :], tl.arange(0, 1), o_w * 8 + _feature(j), 1, N, stride_om, i_s, SPLIT_K,
-                  HAS_BIAS)
+    store_partial(ws, out, bias, acc[None, :], i_m + tl.arange(0, 1), o_w * 8 + _feature(j), M, N, stride_om, i_s,
+                  SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -278,34 +279,36 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
                         USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True,
                         N_FIXED: tl.constexpr = 0):
-    """out [1, N] (SPLIT_K == 1) or ws [SPLIT_K, 1, N] fp32 (K slice program_id(1)) of x [1, K] @ Wᵀ, W as AutoAWQ's
-    qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT: launch_gemv's argument list
-    (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop).
+    """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ, row
+    program_id(2) (each row walks the weight on its own: M rows read it M times, from L2 when their programs run
+    together), W as AutoAWQ's qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT:
+    launch_gemv's argument list (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop).
     ROWS, PREFETCH, HALF2, ASM: wordcol_slice's. N_FIXED: N as a compile-time constant (0: not), so the walk's
     row offsets are immediates of its loads (a runtime row stride costs ~3 instructions a row: RESULTS.md K6f)."""
     if N_FIXED > 0:
         N = N_FIXED
-    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     W: tl.constexpr = BLOCK_N // 8
     o_w = i_n * W + tl.arange(0, W)
     m_w = None if EVEN else o_w < N // 8
     k_lo = i_s * k_per_split
-    a0, a1, a2, a3, a4, a5, a6, a7 = wordcol_slice(x, qw, qz, sc, o_w, m_w, N, k_lo, tl.minimum(k_lo + k_per_split, K),
-                                                   G, W, ROWS, PREFETCH, HALF2, ASM)
-    _store(ws, out, bias, a0, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 0)
-    _store(ws, out, bias, a1, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 1)
-    _store(ws, out, bias, a2, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 2)
-    _store(ws, out, bias, a3, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 3)
-    _store(ws, out, bias, a4, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 4)
-    _store(ws, out, bias, a5, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 5)
-    _store(ws, out, bias, a6, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 6)
-    _store(ws, out, bias, a7, o_w, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 7)
+    a0, a1, a2, a3, a4, a5, a6, a7 = wordcol_slice(x + i_m.to(tl.int64) * stride_xm, qw, qz, sc, o_w, m_w, N, k_lo,
+                                                   tl.minimum(k_lo + k_per_split, K), G, W, ROWS, PREFETCH, HALF2, ASM)
+    _store(ws, out, bias, a0, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 0)
+    _store(ws, out, bias, a1, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 1)
+    _store(ws, out, bias, a2, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 2)
+    _store(ws, out, bias, a3, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 3)
+    _store(ws, out, bias, a4, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 4)
+    _store(ws, out, bias, a5, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 5)
+    _store(ws, out, bias, a6, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 6)
+    _store(ws, out, bias, a7, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 7)
 
 
 def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, bias: Tensor | None,
                      cfg: dict) -> Tensor:
-    """x [1, K] @ Wᵀ (+ bias) -> [1, N] in x.dtype on the word-column path (`wordcol_config`)."""
-    assert x.shape[0] == 1 and cfg.get("WORDCOL"), f"the word-column GEMV takes one row and its config: {cfg}"
+    """x [M, K] @ Wᵀ (+ bias) -> [M, N] in x.dtype on the word-column path (`wordcol_config`; the default for one
+    row, `use_wordcol`; several rows only when asked: each walks the weight on its own)."""
+    assert cfg.get("WORDCOL") and cfg["BLOCK_M"] == 1, f"the word-column GEMV takes its own config: {cfg}"
     assert qweight.numel() < 2 ** 31, "the word-column GEMV indexes qweight in int32"
     half2 = cfg.get("HALF2", False)
     assert x.dtype == torch.float16 or not half2, f"the fp16-pair walk (HALF2) takes fp16 activations, not {x.dtype}"
