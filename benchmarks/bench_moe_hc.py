@@ -77,6 +77,35 @@ def graph_time_us(fns, reps=20):
     return statistics.median(times)
 
 
+def graph_kernel_times_us(fns, reps=20) -> tuple[dict[str, float], float]:
+    """Where graph_time_us's time goes: ({kernel name: GPU µs per call}, wall µs per call) of the same graph (every fn
+    once, rotating inputs) replayed reps times under the torch profiler. The wall time over the kernels' sum is the
+    launch gaps between the graph's nodes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph_time_us(fns, reps=2)  # compiled, warmed
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            g.replay()
+        e.record()
+        e.synchronize()
+    per_call = reps * len(fns)
+    times: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name] = times.get(ev.name, 0.0) + ev.time_range.elapsed_us() / per_call
+    del g
+    return times, s.elapsed_time(e) * 1e3 / per_call
+
+
 def eager_time_us(fns, reps=10):
     for f in fns:
         f()

@@ -187,6 +187,9 @@ def main() -> int:
                                                        "(bench_quant_moe.py) instead of the linears")
     ap.add_argument("--moe-ms", default="1,8,40", help="--moe: the token counts")
     ap.add_argument("--moe-dtypes", default="bf16,fp16", help="--moe: the activation dtypes")
+    ap.add_argument("--moe-variants", help="--moe: the variants timed beside the default (comma list, 'none'; "
+                                           "default: all that apply)")
+    ap.add_argument("--moe-kernels", action="store_true", help="--moe: the default's time per kernel (profiler)")
     args = ap.parse_args()
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -194,7 +197,10 @@ def main() -> int:
         from bench_quant_moe import run
 
         return run(args.small, args.json, tuple(int(m) for m in args.moe_ms.split(",")),
-                   tuple({"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.moe_dtypes.split(",")))
+                   tuple({"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.moe_dtypes.split(",")),
+                   None if args.moe_variants is None else tuple(v for v in args.moe_variants.split(",")
+                                                                if v not in ("", "none")),
+                   args.moe_kernels)
     from revolta.config import ModelConfig
     from revolta.layers.linear import quant_linear
 

@@ -59,6 +59,14 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wcp-h2-r16-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)),
     "wcp-h2-r16-sk8-2": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=2, ROWS=16, HALF2=True)),
     "wcp-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16)),
+    # the split-K fixup (FIXUP: the last K slice of a tile reduces, no _split_act_kernel / moe_sum launches) on the
+    # defaults, and on more slices at one token (each slice costs less without the reduce launches)
+    "wc-r8-sk64-16-fx": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, FIXUP=True)),
+    "wc-h2-r16-sk32-8-fx": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True, FIXUP=True)),
+    "wc-h2-r16-sk64-16-fx": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=16, HALF2=True, FIXUP=True)),
+    "wc-h2-r8-sk64-16-fx": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, HALF2=True, FIXUP=True)),
+    "wcp-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, FIXUP=True)),
+    "wcp-h2-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, FIXUP=True)),
 }
 
 
@@ -88,7 +96,10 @@ def moe_hc():
 
 
 def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] = (1, 8, 40),
-        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> int:
+        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16), only: tuple[str, ...] | None = None,
+        kernels: bool = False) -> int:
+    """only: the VARIANTS timed beside the default (None: all that apply); kernels: also the default's time per
+    kernel and the graph's launch gaps (bench_moe_hc.graph_kernel_times_us)."""
     from revolta.kernels import moe as MOE
     from revolta.kernels.quant import moe as QMOE
 
@@ -97,6 +108,8 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
     hc = moe_hc()
     _moe_bank, eager_time_us, graph_time_us, rel_err, routing = (hc._moe_bank, hc.eager_time_us, hc.graph_time_us,
                                                                  hc.rel_err, hc.routing)
+    unknown = set(only or ()) - set(VARIANTS)
+    assert not unknown, f"unknown MoE variants {sorted(unknown)}; known: {', '.join(VARIANTS)}"
     gen = torch.Generator(device=device).manual_seed(0)
     arch = MOE._arch(torch.device(device))
     if small:
@@ -130,7 +143,8 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
             base = {p: QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, nibble=p == "nib")
                     for p in ("tile", "nib")}
             variants = {"quant": None} | {n: base[p] | v for n, (p, v) in VARIANTS.items()
-                                          if (n == "tile" or small or (dt == torch.float16) == ("-h2-" in n))
+                                          if (only is None or n in only)
+                                          and (n == "tile" or small or (dt == torch.float16) == ("-h2-" in n))
                                           and (M == 1 or not n.startswith("wc-"))
                                           and (M > 1 or not n.startswith("wcp-"))}
             for vname, cfg in variants.items():
@@ -140,6 +154,13 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
                                                                       shared_expert=shared, config=cfg))
                            for j in range(num_sets)])
                 res[f"{vname}_us"], res[f"{vname}_frac_copy"] = t, touched / (t * 1e-6) / 1e9 / copy_gbs
+            if kernels and not small:
+                fns = [(lambda j=j: QMOE.quant_fused_moe(xs[j], gate_up, down, *routes[j], shared_expert=shared))
+                       for j in range(num_sets)]
+                per_kernel, wall = hc.graph_kernel_times_us(fns)
+                res["kernels_us"], res["kernels_wall_us"] = per_kernel, wall
+                print(f"{tag} default, µs per call: " + ", ".join(f"{n} {t:.2f}" for n, t in per_kernel.items())
+                      + f"; kernels {sum(per_kernel.values()):.2f} of the replay's {wall:.2f}", flush=True)
             timed = {n: res[f"{n}_us"] for n in variants if f"{n}_us" in res}
             res["best"] = min(timed, key=timed.get)
             out16 = MOE.fused_moe(xs[0], w1r, w2r, *routes[0], shared_expert=shared16)
@@ -178,14 +199,16 @@ def print_table(rows, checks, copy_gbs):
           f"touched experts' bytes / time / {copy_gbs:,.0f} GB/s; target quant >= 60%")
     print(f"{'M':>3} {'dtype':>8} {'experts':>7} {'MB':>6} {'floor':>6} {'quant us':>9} {'%copy':>6} {'tile us':>8} "
           f"{'%copy':>6} {'best':>11} {'best us':>8} {'%copy':>6} {'16-bit us':>9} {'%copy':>6} {'speedup':>7}")
+    nan = float("nan")
     for r in rows:
         b = r["best"]
         print(f"{r['M']:>3} {r['dtype']:>8} {r['distinct_experts'] + 1:>7.1f} {r['packed_MB']:>6.1f} "
-              f"{r['floor_us']:>6.1f} {r['quant_us']:>9.1f} {100 * r['quant_frac_copy']:>5.0f}% {r['tile_us']:>8.1f} "
-              f"{100 * r['tile_frac_copy']:>5.0f}% {b:>11} {r[b + '_us']:>8.1f} {100 * r[b + '_frac_copy']:>5.0f}% "
+              f"{r['floor_us']:>6.1f} {r['quant_us']:>9.1f} {100 * r['quant_frac_copy']:>5.0f}% {r.get('tile_us', nan):>8.1f} "
+              f"{100 * r.get('tile_frac_copy', nan):>5.0f}% {b:>11} {r[b + '_us']:>8.1f} {100 * r[b + '_frac_copy']:>5.0f}% "
               f"{r['b16_us']:>9.1f} {100 * r['b16_frac_copy']:>5.0f}% {r['speedup']:>6.2f}x")
     for r in rows:
-        others = {k[:-3]: round(v, 1) for k, v in r.items() if k.endswith("_us") and k not in ("quant_us", "b16_us", "floor_us")}
+        others = {k[:-3]: round(v, 1) for k, v in r.items() if k.endswith("_us") and not k.startswith("kernels")
+                  and k not in ("quant_us", "b16_us", "floor_us")}
         if others:
             print(f"  M={r['M']} {r['dtype']} variants µs: {others}")
     print(f"worst check rel. error {max(c['rel_err'] for c in checks):.2e}:")

@@ -158,3 +158,35 @@ def test_half2_takes_fp16_only():
     with pytest.raises(AssertionError, match="fp16"):
         awq_wordcol_gemv(torch.randn(1, 64).bfloat16(), qw, qz, sc, G, None,
                          wordcol_config(256, 64, G, 4, rows=8, half2=True))
+
+
+@pytest.mark.parametrize("path,M,split", [("wordcol", 1, 4), ("wordcol", 3, 3), ("nibble", 1, 4), ("nibble", 2, 2)],
+                         ids=str)
+def test_splitk_fixup_is_bitwise_the_reduce_launch(path, M, split, monkeypatch):
+    """FIXUP (common.py): the last K slice of each tile to finish adds the partials and the bias, no reduce launch:
+    bitwise _splitk_reduce_kernel's result (its sum order), the counters zero again afterwards; on the word-column
+    (a counter per row and tile) and the nibble path (16-row tiles), masked features (N = 576)."""
+    from revolta.kernels.quant import common
+    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
+    from revolta.kernels.quant.nibble import split_len
+
+    g = torch.Generator().manual_seed(M + split)
+    make, ref, tri, _, _ = CASES["awq"]
+    N, K, G = 576, 256, 32
+    args = make(N, K, G, g)
+    x = torch.randn(M, K, generator=g).to(torch.float16)
+    bias = torch.randn(N, generator=g).to(torch.float16)
+    if path == "wordcol":
+        cfg = wordcol_config(N, K, G, 4, 256, 1, split, 16)
+    else:
+        cfg = nibble_gemv_config(M, N, K, G, "awq", 4, None)
+        cfg |= dict(SPLIT_K=split, k_per_split=split_len(K, split, cfg["BLOCK_K"]))
+    want = tri(x, *args, bias=bias, config=cfg)
+    made, zeros = [], torch.zeros
+    monkeypatch.setattr(common.torch, "zeros", lambda *a, **k: made.append(zeros(*a, **k)) or made[-1])
+    monkeypatch.setattr(common, "_splitk_reduce_kernel", None)  # a launch would raise
+    got = tri(x, *args, bias=bias, config=cfg | dict(FIXUP=True))
+    assert torch.equal(got, want)
+    assert len(made) == 1 and made[0].dtype == torch.int32 and not made[0].any()
+    torch.testing.assert_close(got.float(), ref(x, *args, bias=bias).float(), rtol=2.0 ** -10,
+                               atol=1e-5 * want.abs().max().item())
