@@ -48,8 +48,8 @@ D, NH, R = 2560, 4, 320
 L2_BYTES = 60 * 2**20
 
 
-def graph_time_us(fns, reps=20):
-    """Median µs per call of a CUDA graph that runs every fn once (rotating inputs)."""
+def _graph_of(fns) -> torch.cuda.CUDAGraph:
+    """A CUDA graph that runs every fn once, warmed (compiled eagerly, then on a side stream) and replayed once."""
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -65,6 +65,12 @@ def graph_time_us(fns, reps=20):
             f()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def graph_time_us(fns, reps=20):
+    """Median µs per call of a CUDA graph that runs every fn once (rotating inputs)."""
+    g = _graph_of(fns)
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -83,13 +89,7 @@ def graph_kernel_times_us(fns, reps=20) -> tuple[dict[str, float], float]:
     launch gaps between the graph's nodes."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph_time_us(fns, reps=2)  # compiled, warmed
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
+    g = _graph_of(fns)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
