@@ -203,8 +203,9 @@ def print_table(rows, checks, copy_gbs):
     for r in rows:
         b = r["best"]
         print(f"{r['M']:>3} {r['dtype']:>8} {r['distinct_experts'] + 1:>7.1f} {r['packed_MB']:>6.1f} "
-              f"{r['floor_us']:>6.1f} {r['quant_us']:>9.1f} {100 * r['quant_frac_copy']:>5.0f}% {r.get('tile_us', nan):>8.1f} "
-              f"{100 * r.get('tile_frac_copy', nan):>5.0f}% {b:>11} {r[b + '_us']:>8.1f} {100 * r[b + '_frac_copy']:>5.0f}% "
+              f"{r['floor_us']:>6.1f} {r['quant_us']:>9.1f} {100 * r['quant_frac_copy']:>5.0f}% "
+              f"{r.get('tile_us', nan):>8.1f} {100 * r.get('tile_frac_copy', nan):>5.0f}% {b:>11} {r[b + '_us']:>8.1f} "
+              f"{100 * r[b + '_frac_copy']:>5.0f}% "
               f"{r['b16_us']:>9.1f} {100 * r['b16_frac_copy']:>5.0f}% {r['speedup']:>6.2f}x")
     for r in rows:
         others = {k[:-3]: round(v, 1) for k, v in r.items() if k.endswith("_us") and not k.startswith("kernels")

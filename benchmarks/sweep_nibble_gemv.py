@@ -95,7 +95,8 @@ def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float1
 def name(c):
     if c.get("WORDCOL"):
         return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
-                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else "") + ("/fx" if c.get("FIXUP") else ""))
+                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else "")
+                + ("/fx" if c.get("FIXUP") else ""))
     if not c.get("NIBBLE_DOT"):  # the tile path (common.gemv_config: the default off sm80+ and in the interpreter)
         return f"tile{c['BLOCK_M']}x{c['BLOCK_N']}/sk{c['SPLIT_K']}"
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         else SHAPES[:FIRST_SHAPES])
     if args.shapes:
         shapes = tuple(sh for sh in SHAPES if sh[0] in args.shapes.split(","))
-    grid = None if args.wordcol or args.half2 or args.fixup else QUICK if args.quick else GRID  # None: no nibble variants
+    # None: no nibble variants
+    grid = None if args.wordcol or args.half2 or args.fixup else QUICK if args.quick else GRID
     rows, t0 = [], time.time()
     gbs = copy_gbs(args.small)
     print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "

@@ -83,9 +83,10 @@ def _builds(arch):
     names, types, consts, warps, stages = b["awq_wordcol_half2_gemv_M1"][1:]
     b["awq_wordcol_half2_gemv_M1_fixup"] = (gemv_wordcol._awq_wordcol_kernel, names + " counters FIXUP", types + "ic",
                                             dict(consts, FIXUP=True), warps, stages)
-    names, types, consts, warps, stages = b["awq_nibble_gemv_M1"][1:]
-    b["awq_nibble_gemv_M1_fixup"] = (b["awq_nibble_gemv_M1"][0], names + " counters FIXUP ASM", types + "icc",
-                                     dict(consts, FIXUP=True, ASM=True), warps, stages)
+    for tile in ("awq_gemv_M1", "awq_nibble_gemv_M1"):  # the tile path (sm70's) and the nibble path
+        kernel, names, types, consts, warps, stages = b[tile]
+        b[tile + "_fixup"] = (kernel, names + " counters FIXUP ASM", types + "icc", dict(consts, FIXUP=True, ASM=True),
+                              warps, stages)
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
                           dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK), 2, 2)
     b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",
@@ -146,7 +147,7 @@ def test_aot_real_shapes(arch, reports):
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column GEMV builds spill (budget 0 on every arch): {spills}"
     assert {"awq_wordcol_gemv_M1", "awq_wordcol_half2_gemv_M1", "awq_wordcol_half2_gemv_M1_fixup",
-            "awq_nibble_gemv_M1_fixup"} <= set(reports[arch])
+            "awq_nibble_gemv_M1_fixup", "awq_gemv_M1_fixup"} <= set(reports[arch])
 
 
 if __name__ == "__main__":

@@ -160,24 +160,29 @@ def test_half2_takes_fp16_only():
                          wordcol_config(256, 64, G, 4, rows=8, half2=True))
 
 
-@pytest.mark.parametrize("path,M,split", [("wordcol", 1, 4), ("wordcol", 3, 3), ("nibble", 1, 4), ("nibble", 2, 2)],
-                         ids=str)
+@pytest.mark.parametrize("path,M,split", [("wordcol", 1, 4), ("wordcol", 3, 3), ("nibble", 1, 4), ("nibble", 2, 2),
+                                          ("awq tile", 1, 2), ("ct_asym tile", 3, 4), ("nvfp4 tile", 2, 2)], ids=str)
 def test_splitk_fixup_is_bitwise_the_reduce_launch(path, M, split, monkeypatch):
     """FIXUP (common.py): the last K slice of each tile to finish adds the partials and the bias, no reduce launch:
     bitwise _splitk_reduce_kernel's result (its sum order), the counters zero again afterwards; on the word-column
-    (a counter per row and tile) and the nibble path (16-row tiles), masked features (N = 576)."""
+    (a counter per row and tile), the nibble path (16-row tiles) and the tile path of each format (sm70's), masked
+    features (N = 576)."""
     from revolta.kernels.quant import common
     from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
     from revolta.kernels.quant.nibble import split_len
 
     g = torch.Generator().manual_seed(M + split)
-    make, ref, tri, _, _ = CASES["awq"]
+    fmt = path.split()[0] if path.endswith("tile") else "awq"
+    make, ref, tri, _, _ = CASES[fmt]
     N, K, G = 576, 256, 32
     args = make(N, K, G, g)
     x = torch.randn(M, K, generator=g).to(torch.float16)
     bias = torch.randn(N, generator=g).to(torch.float16)
     if path == "wordcol":
         cfg = wordcol_config(N, K, G, 4, 256, 1, split, 16)
+    elif path.endswith("tile"):
+        cfg = common.gemv_config(M, N, K, 16 if fmt == "nvfp4" else G, 4, 8 if fmt == "awq" else 1, 70)
+        cfg |= dict(SPLIT_K=split, k_per_split=split_len(K, split, cfg["BLOCK_K"]))
     else:
         cfg = nibble_gemv_config(M, N, K, G, "awq", 4, None)
         cfg |= dict(SPLIT_K=split, k_per_split=split_len(K, split, cfg["BLOCK_K"]))
