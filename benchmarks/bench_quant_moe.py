@@ -59,14 +59,6 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wcp-h2-r16-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)),
     "wcp-h2-r16-sk8-2": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=2, ROWS=16, HALF2=True)),
     "wcp-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16)),
-    # the split-K fixup (FIXUP: the last K slice of a tile reduces, no _split_act_kernel / moe_sum launches) on the
-    # defaults, and on more slices at one token (each slice costs less without the reduce launches)
-    "wc-r8-sk64-16-fx": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, FIXUP=True)),
-    "wc-h2-r16-sk32-8-fx": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True, FIXUP=True)),
-    "wc-h2-r16-sk64-16-fx": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=16, HALF2=True, FIXUP=True)),
-    "wc-h2-r8-sk64-16-fx": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, HALF2=True, FIXUP=True)),
-    "wcp-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, FIXUP=True)),
-    "wcp-h2-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, FIXUP=True)),
 }
 
 

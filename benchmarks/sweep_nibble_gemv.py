@@ -40,11 +40,10 @@ WORDCOL = dict(BLOCK_N=(256, 512), num_warps=(1,), SPLIT_K=(None, 32, 64), rows=
 HALF2 = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32), rows=(32, 16, 8))
 
 
-def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float16, fixup=False):
+def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float16):
     """The sweep's configs for one shape (the model's default first: gemv_nibble.gemv_config_for), each a full GEMV
     config; grid None: the default, the nibble path's and the word-column configs only; half2: the default, the
-    nibble path's, the fp32 walk's default config and HALF2's; fixup: the default, the nibble path's and the walks'
-    configs with and without the split-K fixup (FIXUP)."""
+    nibble path's, the fp32 walk's default config and HALF2's."""
     from revolta.kernels.quant.common import device_facts
     from revolta.kernels.quant.gemv_nibble import gemv_config_for, nibble_gemv_config
     from revolta.kernels.quant.nibble import split_len
@@ -68,15 +67,6 @@ def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float1
     from revolta.kernels.quant.gemv_wordcol import wordcol_config
 
     sms = device_facts(device)[0]
-    if fixup:  # the split-K fixup (common.splitk_fixup) beside the reduce launch, on the default, the nibble path, the
-        # walks' defaults and the fp16-pair walk at 64 slices (slices cost less without the reduce kernel)
-        out = [default] + ([base] if base != default else []) + ([] if M > 1 else [wordcol_config(N, K, group, sms)])
-        if M == 1 and dtype == torch.float16:
-            out += [c for c in (wordcol_config(N, K, group, sms, half2=True, rows=32),
-                                wordcol_config(N, K, group, sms, split=64, rows=16, half2=True),
-                                wordcol_config(N, K, group, sms, split=64, rows=8, half2=True)) if c not in out]
-        fixable = lambda c: c["SPLIT_K"] > 1 and (c.get("WORDCOL") or c.get("NIBBLE_DOT"))  # the tile path: none
-        return [v for c in out for v in ([c, c | dict(FIXUP=True)] if fixable(c) else [c])]
     if half2 and M <= 8:  # several rows: a program row each (gemv_wordcol: asked for only)
         fp32_walk = wordcol_config(N, K, group, sms)
         out += [fp32_walk] if fp32_walk not in out else []
@@ -95,13 +85,11 @@ def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float1
 def name(c):
     if c.get("WORDCOL"):
         return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
-                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else "")
-                + ("/fx" if c.get("FIXUP") else ""))
+                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else ""))
     if not c.get("NIBBLE_DOT"):  # the tile path (common.gemv_config: the default off sm80+ and in the interpreter)
         return f"tile{c['BLOCK_M']}x{c['BLOCK_N']}/sk{c['SPLIT_K']}"
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
-    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}" + (
-        "/fx" if c.get("FIXUP") else "")
+    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wordcol", action="store_true", help="the default and the word-column configs only (M = 1)")
     ap.add_argument("--half2", action="store_true", help="the default, the fp32 walk and the fp16-pair walk (M = 1, "
                     "fp16)")
-    ap.add_argument("--fixup", action="store_true", help="the default, the nibble path's and the walks' configs with "
-                    "and without the split-K fixup (FIXUP), every one's time printed")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -131,12 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     gen = torch.Generator(device=device).manual_seed(0)
     assert not args.half2 or args.dtype == "fp16", "--half2 times the fp16-pair walk: fp16 activations only"
-    shapes = (("small", 128, 256),) if args.small else (SHAPES if args.wordcol or args.half2 or args.fixup
-                                                        else SHAPES[:FIRST_SHAPES])
+    shapes = (("small", 128, 256),) if args.small else SHAPES if args.wordcol or args.half2 else SHAPES[:FIRST_SHAPES]
     if args.shapes:
         shapes = tuple(sh for sh in SHAPES if sh[0] in args.shapes.split(","))
-    # None: no nibble variants
-    grid = None if args.wordcol or args.half2 or args.fixup else QUICK if args.quick else GRID
+    grid = None if args.wordcol or args.half2 else QUICK if args.quick else GRID  # None: no nibble variants
     rows, t0 = [], time.time()
     gbs = copy_gbs(args.small)
     print(f"device {torch.cuda.get_device_name() if not args.small else 'cpu'}, {args.dtype}, AWQ g{args.group}, "
@@ -153,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(M, K, generator=gen, device=device).to(dtype)
             want = x.float() @ w_ref.t()
             timed, worst = [], 0.0
-            for c in configs(M, N, K, args.group, device, args.small, grid, args.half2, dtype, args.fixup):
+            for c in configs(M, N, K, args.group, device, args.small, grid, args.half2, dtype):
                 def call(c=c, w=t):
                     return awq_gemv(x, w["qweight"], w["qzeros"], w["scales"], args.group, config=c)
                 err = rel_err(call(), want)
@@ -170,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:16s} {M:>3d} {floor_us:8.2f} {name(d_cfg):>22s} {d_us:8.2f} {floor_us / d_us:6.1%} "
                   f"{name(b_cfg):>22s} {b_us:8.2f} {floor_us / b_us:6.1%} {r_us:8.2f} {r_us / d_us:6.1%} "
                   f"{len(timed):>7d} {worst:9.2e}", flush=True)
-            if args.fixup:
-                print("    " + ", ".join(f"{name(c)} {us:.2f}" for us, c in timed), flush=True)
     print(f"{time.time() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

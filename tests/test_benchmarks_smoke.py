@@ -227,3 +227,13 @@ def test_sweep_nibble_gemv_small(tmp_path):
     assert sweep_nibble_gemv.main(["--small", "--ms", "1", "--json", str(path)]) == 0
     (row,) = json.loads(path.read_text())
     assert row["default"].startswith("tile") and row["worst_err"] < 2e-2 and len(row["all"]) >= 5
+
+
+def test_quant_moe_bench_names_an_unknown_variant():
+    """bench_quant.py --moe-variants: a name that is not in bench_quant_moe.VARIANTS is refused before any work, with
+    the known names in the message (a typo would otherwise time nothing beside the default, silently)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_quant_moe
+
+    with pytest.raises(AssertionError, match="unknown MoE variants \\['wc-nope'\\]; known: tile, "):
+        bench_quant_moe.run(small=True, only=("wc-nope", "tile"))

@@ -160,26 +160,3 @@ def test_nibble_k_step_is_a_power_of_two_inside_one_group():
         with pytest.raises(AssertionError, match=f"group {group}"):
             nibble_block_k(32, group, "awq")
     assert split_len(2560, 4, 32) == 640 and split_len(160, 2, 32) == 96  # whole K steps per split
-
-
-@pytest.mark.parametrize("M,dtype,split", [(1, torch.float16, (3, 2, 8)), (1, torch.float32, (1, 3, 32)),
-                                           (5, torch.float16, (2, 3, 8))], ids=str)
-def test_wordcol_fixup_is_bitwise_the_reduce_launches(M, dtype, split, monkeypatch):
-    """FIXUP (common.py's split-K fixup): the last gate_up program of a (pair, tile) forms its act and the last down
-    program of a (token, tile) writes the token's output, no reduce launch: bitwise the result of _split_act_kernel
-    and moe_sum (their sums in their order), with one slice of gate_up too (no gate_up counters), and the counters
-    left zero for the next launch."""
-    from revolta.kernels.quant import moe as QMOE
-
-    x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
-    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2])
-    want = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
-    made, zeros = [], torch.zeros
-    monkeypatch.setattr(QMOE.torch, "zeros", lambda *a, **k: made.append(zeros(*a, **k)) or made[-1])
-    reduces = []
-    monkeypatch.setattr(QMOE, "moe_sum", lambda *a: reduces.append(a))
-    monkeypatch.setattr(QMOE, "_split_act_kernel", None)  # a launch would raise
-    got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(FIXUP=True))
-    assert torch.equal(got, want) and not reduces
-    assert len(made) == 1 and made[0].dtype == torch.int32 and not made[0].any()
-    torch.testing.assert_close(got, ref, **TOLS[dtype])

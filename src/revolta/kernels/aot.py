@@ -70,16 +70,9 @@ def build(kernel, signature: dict[str, str], constexprs: dict[str, object] | Non
 
     if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 kernels are InterpretedFunctions
         kernel = JITFunction(kernel.fn)
-    # parameters the signature leaves out take their defaults as constants (options a build does not use, e.g. the
-    # split-K fixup's counters=None / FIXUP=False), so adding an optional parameter to a kernel keeps its builds
-    constexprs = dict(constexprs or {})
-    missing = [p for p in kernel.params if p.name not in signature]
-    assert all(p.has_default for p in missing), f"{kernel.__name__}: no type for {[p.name for p in missing]}"
-    constexprs |= {p.name: p.default for p in missing if p.name not in constexprs}
-    signature = {p.name: signature.get(p.name, "constexpr") for p in kernel.params}
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs or {}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import launch_gemv, load_x_tile, nibbles_f32, splitk_fixup, store_partial, tile_product
+from .common import launch_gemv, load_x_tile, nibbles_f32, store_partial, tile_product
 from .gemv_nibble import gemv_config_for, nibble_gemv
 from .gemv_wordcol import awq_wordcol_gemv
 
@@ -76,8 +76,7 @@ def _awq_tile(qw, qz, sc, k, n, N, K, G: tl.constexpr, BLOCK_K: tl.constexpr, BL
 @triton.jit
 def _awq_gemv_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split,
                      G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     counters=None, FIXUP: tl.constexpr = False, ASM: tl.constexpr = True):
+                     SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr):
     i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,9 +87,6 @@ def _awq_gemv_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om
         b_x = load_x_tile(x, stride_xm, o_m, k + tl.arange(0, BLOCK_K), M, K)
         acc = tile_product(acc, b_x, b_w, False, USE_DOT)
     store_partial(ws, out, bias, acc, o_m, o_n, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS)
-    if FIXUP:  # the last K slice of the tile to finish adds the partials (common.splitk_fixup)
-        splitk_fixup(ws, out, bias, counters, i_m * tl.num_programs(0) + i_n, o_m, o_n, M, N, stride_om, SPLIT_K,
-                     HAS_BIAS, ASM)
 
 
 @triton.jit

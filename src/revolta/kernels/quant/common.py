@@ -7,15 +7,6 @@ every packed byte is read once for the whole batch. Partial sums of the K slices
 `_splitk_reduce_kernel` adds in slice order (deterministic, no atomics), adding the bias and rounding once to the
 activation dtype.
 
-Split-K fixup (config key FIXUP; the word-column and nibble GEMVs, the word-column MoE): no reduce launch. Each
-program, once its partial is stored, counts itself in on its output tile (one int32 counter a tile, zeroed before
-the launch); the one that arrives last (`splitk_last`) adds the tile's partials in slice order (the reduce kernel's
-order: bitwise its result) and zeroes the counter again. Arrival order decides only who adds, never the sum, so the
-result stays reproducible; no program waits on another (no deadlock whatever the schedule); CUDA-graph safe. The
-partials travel through L2 (`.cg` loads; L1 is not coherent across SMs), published by a GPU-scope fence in every
-thread, a CTA barrier and the counter's acquire-release increment (the threadfence-reduction pattern of the CUDA
-samples).
-
 sm70 has no fp8 arithmetic and Triton rejects OCP E4M3 there, so fp8 scales are loaded as bytes
 and decoded with integer ops (`e4m3_to_f32`); E2M1 codes likewise (`e2m1_to_f32`).
 """
@@ -119,49 +110,6 @@ def store_partial(ws, out, bias, acc, o_m, o_n, M, N, stride_om, i_split,
 
 
 @triton.jit
-def _fence_gpu(v):
-    """A GPU-scope acquire-release fence in every thread (`fence.acq_rel.gpu`, sm_70+); returns v."""
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def splitk_last(counters, tile, ARRIVALS: tl.constexpr, ASM: tl.constexpr):
-    """Whether this program is the last of the ARRIVALS programs of output tile `tile` to get here (every one calls
-    this once, after storing its partial): the program's stores fenced GPU-wide (ASM: inline PTX; the interpreter
-    runs programs one after another and needs none), then one acquire-release increment of counters[tile]. The last
-    one must zero the counter after adding the partials (`splitk_done`)."""
-    if ASM:
-        _fence_gpu(tile.to(tl.int32))
-    tl.debug_barrier()  # every thread's partial stored and fenced before the count
-    prev = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
-    return prev == ARRIVALS - 1
-
-
-@triton.jit
-def splitk_done(counters, tile):
-    """Zero the tile's counter for the next launch (the last arrival, after its reads)."""
-    tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def splitk_fixup(ws, out, bias, counters, tile, o_m, o_n, M, N, stride_om, SPLIT_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
-    """After store_partial of the [BM, BN] tile (o_m, o_n) into ws [SPLIT_K, M, N]: the last of its SPLIT_K programs
-    writes out = Σ_s ws[s] (+ bias) in slice order, as _splitk_reduce_kernel does (bitwise)."""
-    if splitk_last(counters, tile, SPLIT_K, ASM):
-        mask = (o_m[:, None] < M) & (o_n[None, :] < N)
-        rows = o_m[:, None].to(tl.int64) * N + o_n[None, :]
-        acc = tl.zeros([o_m.shape[0], o_n.shape[0]], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc += tl.load(ws + s * M * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            acc += tl.load(bias + o_n, mask=o_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :], acc.to(out.dtype.element_ty), mask=mask)
-        splitk_done(counters, tile)
-
-
-@triton.jit
 def _splitk_reduce_kernel(ws, bias, out, M, N, stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr):
     i_m = tl.program_id(0).to(tl.int64)
@@ -218,9 +166,7 @@ def gemv_config(M: int, N: int, K: int, k_align: int, num_sms: int, n_align: int
 
 def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args, **constexprs) -> Tensor:
     """Run a packed GEMV `kernel(x, *args, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, ...)` over
-    x [M, K] and return out [M, N] in x.dtype (split-K partials reduced in order when SPLIT_K > 1: by the kernel's
-    last program of each tile when cfg["FIXUP"] (the kernel then takes `counters`, FIXUP and ASM), else by
-    _splitk_reduce_kernel)."""
+    x [M, K] and return out [M, N] in x.dtype (split-K partials reduced in order when SPLIT_K > 1)."""
     M, K = x.shape
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
@@ -228,15 +174,11 @@ def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args
     split = cfg["SPLIT_K"]
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
-    fixup = split > 1 and cfg.get("FIXUP", False)
-    if fixup:  # a counter per output tile, zeroed here (one memset) and left zeroed by the kernel
-        constexprs |= dict(counters=torch.zeros(grid[0] * grid[2], dtype=torch.int32, device=x.device), FIXUP=True,
-                           ASM=x.is_cuda)
     kernel[grid](x, *args, ws, out, bias if bias is not None else out, M, N, K, x.stride(0), out.stride(0),
                  cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                  SPLIT_K=split, USE_DOT=cfg["USE_DOT"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
                  num_stages=cfg["num_stages"], **constexprs)
-    if split > 1 and not fixup:
+    if split > 1:
         _splitk_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](ws, bias if bias is not None else ws, out, M, N,
                                                                 out.stride(0), SPLIT_K=split,
                                                                 HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import launch_gemv, splitk_fixup, store_partial
+from .common import launch_gemv, store_partial
 from .half2 import awq_code_pair, h2_fma, h2_hi, h2_lo, h2_splat
 from .nibble import split_len
 
@@ -278,14 +278,13 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True,
-                        N_FIXED: tl.constexpr = 0, counters=None, FIXUP: tl.constexpr = False):
+                        N_FIXED: tl.constexpr = 0):
     """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ, row
     program_id(2) (each row walks the weight on its own: M rows read it M times, from L2 when their programs run
     together), W as AutoAWQ's qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT:
     launch_gemv's argument list (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop).
     ROWS, PREFETCH, HALF2, ASM: wordcol_slice's. N_FIXED: N as a compile-time constant (0: not), so the walk's
-    row offsets are immediates of its loads (a runtime row stride costs ~3 instructions a row: RESULTS.md K6f).
-    FIXUP: the last K slice of each (row, N tile) to finish writes out (common.splitk_fixup; counters [M·tiles])."""
+    row offsets are immediates of its loads (a runtime row stride costs ~3 instructions a row: RESULTS.md K6f)."""
     if N_FIXED > 0:
         N = N_FIXED
     i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -303,9 +302,6 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
     _store(ws, out, bias, a5, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 5)
     _store(ws, out, bias, a6, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 6)
     _store(ws, out, bias, a7, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 7)
-    if FIXUP:
-        splitk_fixup(ws, out, bias, counters, i_m * tl.num_programs(0) + i_n, i_m + tl.arange(0, 1),
-                     i_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N, stride_om, SPLIT_K, HAS_BIAS, ASM)
 
 
 def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, bias: Tensor | None,

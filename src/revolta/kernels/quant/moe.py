@@ -369,15 +369,12 @@ def quant_fused_moe(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk
         return _expert_loop(x, gate_up, down, topk_ids, topk_weights, shared_expert, dequantize)
     cfg = config or quant_grouped_config(M, k, E + (shared_expert is not None), _arch(x.device),
                                          layout=gate_up.layout, dtype=x.dtype)
-    y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg, out)  # [M·k·SPLIT_DOWN, H]
-    if y is None:  # the kernels summed the slots into out (FIXUP)
-        return out
+    y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg)  # [M·k·SPLIT_DOWN, H]
     return moe_sum(y, out, y.shape[0] // M)
 
 
-def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg, out) -> Tensor | None:
-    """Per pair w_pair · down_e(SiLU(gate_e x) ⊙ up_e x) in fp32: y [M·k, H] (row token·k + slot); None when the
-    word-column kernels wrote the slot sums to out [M, H] themselves (cfg FIXUP)."""
+def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg) -> Tensor:
+    """Per pair w_pair · down_e(SiLU(gate_e x) ⊙ up_e x) in fp32: y [M·k, H] (row token·k + slot)."""
     M, H = x.shape
     E, I = gate_up.tensors[0].shape[0], down.nk[1]
     k = topk_ids.shape[1]
@@ -402,7 +399,7 @@ def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert,
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if wordcol:
         return _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
-                                   shared_expert is not None, cfg, out)
+                                   shared_expert is not None, cfg)
     if cfg.get("NIBBLE_DOT", False):
         slots = (ids, order, slot_expert, slot_start, slot_end)
         return _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_up, s_down, act, slots,
@@ -449,9 +446,9 @@ def _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_u
 
 
 def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights, has_shared,
-                        cfg, out) -> Tensor | None:
+                        cfg) -> Tensor:
     """`_grouped_expert_mlp` on the word-column path (moe_wordcol.py; AWQ), a program row per (token, slot) pair:
-    y [M·k·SPLIT_DOWN, H] fp32, or None with out [M, H] written (FIXUP: the kernels' last programs reduce)."""
+    y [M·k·SPLIT_DOWN, H] fp32."""
     M, H = x.shape
     T, I = act.shape
     k = ids.shape[1]
@@ -468,25 +465,17 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
     y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
     launch = dict(num_warps=cfg["num_warps"], num_stages=1)
-    tiles_up, tiles_dn = triton.cdiv(I, bn_up), triton.cdiv(H, bn_dn)
-    fixup = cfg.get("FIXUP", False)
-    # FIXUP: a counter per gate_up tile (with K slices) and per (token, down tile), zeroed by one memset
-    counters = torch.zeros(T * tiles_up * (split_up > 1) + M * tiles_dn, dtype=torch.int32,
-                           device=x.device) if fixup else None
-    fix_up = dict(counters=counters, FIXUP=True) if fixup and split_up > 1 else {}
-    fix_dn = dict(out=out, stride_om=out.stride(0), TOP_K=k, counters=counters[T * tiles_up * (split_up > 1):],
-                  FIXUP=True) if fixup else {}
-    _wordcol_gate_up_kernel[(T, tiles_up, split_up)](
+    _wordcol_gate_up_kernel[(T, triton.cdiv(I, bn_up), split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
         *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group,
         BLOCK_N=bn_up, HAS_SHARED=has_shared, SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch,
-        **half2, **fix_up, **launch)
-    if split_up > 1 and not fix_up:
+        **half2, **launch)
+    if split_up > 1:
         _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                              BLOCK=REDUCE_BLOCK, num_warps=2)
-    _wordcol_down_kernel[(T, tiles_dn, split_dn)](
+    _wordcol_down_kernel[(T, triton.cdiv(H, bn_dn), split_dn)](
         act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
         *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
         HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, **half2,
-        **fix_dn, **launch)
-    return None if fixup else y
+        **launch)
+    return y

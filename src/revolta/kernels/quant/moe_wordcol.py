@@ -11,11 +11,7 @@ programs compute the gate and up sums of their features over their slice of the 
 SiLU(gate)·up (rounded to x.dtype once), several write fp32 partials to ws [SPLIT_UP, T, 2I] for
 moe_decode._split_act_kernel, as the nibble path does. down programs write y rows pair·SPLIT_DOWN + s = w_pair ·
 (act[pair, K slice s] @ down_eᵀ), which moe._moe_sum_kernel adds in order per token. Fixed order everywhere: no
-atomics in the sums, bitwise reproducible, no host sync (CUDA-graph safe).
-
-FIXUP (common.py's split-K fixup): no reduce launches. The last of a (pair, N tile)'s SPLIT_UP gate_up programs
-to finish forms its act from the partials (_split_act_kernel's sums and order), and the last of a (token, N tile)'s
-k·SPLIT_DOWN down programs writes the token's output rows (_moe_sum_kernel's): bitwise the two-launch result.
+atomics, bitwise reproducible, no host sync (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import splitk_done, splitk_last
 from .gemv_wordcol import _feature, wordcol_slice
 from .moe_decode import _down_operands, _gate_up_operands
 
@@ -45,12 +40,10 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
                             G: tl.constexpr,
                             BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
                             EVEN: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-                            HALF2: tl.constexpr = False, ASM: tl.constexpr = True, counters=None,
-                            FIXUP: tl.constexpr = False):
+                            HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
     """act [T, I] = SiLU(gate)·up in x.dtype (SPLIT == 1) or K slice program_id(2) of gate and up to ws [SPLIT, T, 2I];
     x [M, H]; pair = program_id(0) = token·TOP_K + slot, its expert topk_ids[pair] (the shared expert: num_routed).
-    ROWS, PREFETCH, HALF2, ASM: gemv_wordcol.wordcol_slice's. FIXUP (SPLIT > 1): the last K slice of a (pair, N tile)
-    to finish writes its act from ws (counters [T · N tiles], zero)."""
+    ROWS, PREFETCH, HALF2, ASM: gemv_wordcol.wordcol_slice's."""
     pair = tl.program_id(0)
     x_row = x + (pair // TOP_K).to(tl.int64) * stride_xm
     i_n = tl.program_id(1)
@@ -76,19 +69,6 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
     _act_store(act, ws, g_5, u_5, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 5)
     _act_store(act, ws, g_6, u_6, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 6)
     _act_store(act, ws, g_7, u_7, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 7)
-    if FIXUP:
-        tile = pair * tl.num_programs(1) + i_n
-        if splitk_last(counters, tile, SPLIT, ASM):
-            o = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            m = o < I
-            b_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-            b_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):  # _split_act_kernel's order
-                p = ws + (s * T + pair) * (2 * I) + o
-                b_g += tl.load(p, mask=m, other=0.0, cache_modifier=".cg")
-                b_u += tl.load(p + I, mask=m, other=0.0, cache_modifier=".cg")
-            tl.store(act + pair * stride_am + o, (b_g * tl.sigmoid(b_g) * b_u).to(act.dtype.element_ty), mask=m)
-            splitk_done(counters, tile)
 
 
 @triton.jit
@@ -100,11 +80,8 @@ def _y_store(y, a, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT: tl.constexpr, j: t
 def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids, num_routed, H, I, stride_am,
                          stride_e0, stride_e1, stride_e2, stride_ym, k_split, G: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
-                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True, out=None,
-                         stride_om=0, TOP_K: tl.constexpr = 1, counters=None, FIXUP: tl.constexpr = False):
-    """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ). FIXUP:
-    the last of a (token, N tile)'s TOP_K·SPLIT programs to finish writes out [M, H] = Σ of the token's y rows in
-    order, in out's dtype (counters [M · N tiles], zero)."""
+                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
+    """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ)."""
     pair = tl.program_id(0)
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -127,15 +104,3 @@ def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_i
     _y_store(y, a_5, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 5)
     _y_store(y, a_6, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 6)
     _y_store(y, a_7, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 7)
-    if FIXUP:
-        token = pair // TOP_K
-        tile = token * tl.num_programs(1) + i_n
-        if splitk_last(counters, tile, TOP_K * SPLIT, ASM):
-            o = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            m = o < H
-            b_o = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(TOP_K * SPLIT):  # _moe_sum_kernel's order
-                b_o += tl.load(y + (token * (TOP_K * SPLIT) + j) * stride_ym + o, mask=m, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(out + token.to(tl.int64) * stride_om + o, b_o.to(out.dtype.element_ty), mask=m)
-            splitk_done(counters, tile)
