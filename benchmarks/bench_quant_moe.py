@@ -13,7 +13,10 @@ top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows (--moe-ms), u
   * 16-bit = moe.fused_moe (the grouped kernels) on a bf16/fp16 bank of the same shapes and routing, its
     % copy over its own touched bytes, and quant's speedup over it;
   * checks: every timed path against quant_fused_moe_ref (rel. L2 error), and a CUDA graph of quant_fused_moe
-    captured once and replayed on new tokens and routing written into its buffers (no host sync inside).
+    captured once and replayed on new tokens and routing written into its buffers (no host sync inside);
+  * `--moe-variants a,b` (bench_quant.py) times only those variants beside the default ('none': none), and
+    `--moe-kernels` adds the default's GPU time per kernel over the same graph's replays and the replay's wall time
+    (the rest: the gaps between the graph's nodes; RESULTS.md K5i).
 """
 
 from __future__ import annotations
