@@ -17,11 +17,13 @@ Accuracy: products and sums in fp32 (no weight is rounded); p_f - v_zf Σx cance
 of the signal (q/16 < 1), so a bit or two of fp32.
 
 The K slices' fp32 partials are added in slice order by common.py's `_splitk_reduce_kernel` (as the other paths).
-Several rows (asked for only, not timed) walk the weight one program row each, so their programs read it from L2
-when they run together. The default (`use_wordcol`) for one row of 16-bit activations over AWQ weights with at
-least WORDCOL_MIN_N outputs on sm80+: on an H100 (benchmarks/RESULTS.md K6c, AWQ g32, fp16, graph-replayed back-to-back
-calls) q_proj 16.25 against the nibble path's 21.66 us, in_proj_qkv 14.94 against 19.03, in_proj_z 11.98 against 13.08;
-it lost on N <= 2560 (out_proj 14.34 against 13.94, k_proj, the expert-sized linears), whose few 256-feature programs
+Several rows (asked for only) walk the weight one program row each, sharing part of it through L2; on an H100 that
+was 1.2-1.6x slower than the nibble path (one read for all rows) at 5 and 8 rows on every projection (RESULTS.md
+K6h), hence not a default.
+The default (`use_wordcol`) for one row of 16-bit activations over AWQ weights with at least WORDCOL_MIN_N outputs
+on sm80+: on an H100 (benchmarks/RESULTS.md K6c, AWQ g32, fp16, graph-replayed back-to-back calls) q_proj 16.25
+against the nibble path's 21.66 us, in_proj_qkv 14.94 against 19.03, in_proj_z 11.98 against 13.08; it lost on
+N <= 2560 (out_proj 14.34 against 13.94, k_proj, the expert-sized linears), whose few 256-feature programs
 leave the GPU idle. Its last bits differ from the same row's in a 2-16-row call (the nibble path), so a request's
 plain decode step and its speculative verify rows no longer share one sum order on those projections (batch
 invariance is not promised across row counts: docs/speculative.md). sm70 keeps the tile path (built there without
@@ -282,9 +284,10 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
     """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ, row
     program_id(2) (each row walks the weight on its own: M rows read it M times, from L2 when their programs run
     together), W as AutoAWQ's qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT:
-    launch_gemv's argument list (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a weight in the sm_90 loop).
-    ROWS, PREFETCH, HALF2, ASM: wordcol_slice's. N_FIXED: N as a compile-time constant (0: not), so the walk's
-    row offsets are immediates of its loads (a runtime row stride costs ~3 instructions a row: RESULTS.md K6f)."""
+    launch_gemv's argument list (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a
+    weight in the sm_90 loop). ROWS, PREFETCH, HALF2, ASM: wordcol_slice's. N_FIXED: N as a compile-time constant
+    (0: not), so the walk's row offsets are immediates of its loads (a runtime row stride costs ~3 instructions a
+    row: RESULTS.md K6f)."""
     if N_FIXED > 0:
         N = N_FIXED
     i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
