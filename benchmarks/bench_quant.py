@@ -222,8 +222,9 @@ def main() -> int:
     default = ", ".join(f"{f} {'nibble' if use_nibble(arch, dtype, f) else 'tile'}" for f in ("awq", "ct_int4", "nvfp4"))
     print(f"device {name}, torch {torch.__version__}, activations {args.dtype}, AWQ group {args.group}, timing "
           f"{'eager calls' if args.eager else 'CUDA graph replay'}, copy bandwidth {args.copy_gbs:,.0f} GB/s (% copy "
-          f"is over it)\nmodel default here: {default} "
-          f"(kernels/quant/gemv_nibble.py NIBBLE_GEMV_SM80)")
+          f"is over it)\nmodel default here above one row: {default} "
+          f"(kernels/quant/gemv_nibble.py NIBBLE_GEMV_SM80); one 16-bit row of a wide AWQ weight takes the "
+          f"word-column walk instead (gemv_wordcol.use_wordcol), not timed here: sweep_nibble_gemv.py --half2 --ms 1")
     print(GEMV_HEADER)
     for label, N, K in shapes:
         fmt, t = packed_awq(N, K, args.group, device, gen)

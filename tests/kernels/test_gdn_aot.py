@@ -56,7 +56,7 @@ def _recurrent(draft_mode, store_output, store_final, limit, raw_gates=False):
 
 
 WALK_NAMES = ("k w u gcum k_rstd h v_new ssm_state slots has_initial_state h_start cu_seqlens cu_chunks cu_segs "
-              "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES")
+              "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES TRANSPOSED")
 PRESCAN_NAMES = ("k w u gcum k_rstd hm cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_CHUNKS stride_k "
                  "H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES")
 
@@ -74,9 +74,9 @@ def _chunk_builds(cfg, arch, prefix):
     halves = cfg.walk_k_halves
     for name, bv, warps, stages in (("walk", cfg.walk_bv, cfg.walk_warps, cfg.walk_stages),
                                     ("walk_split", cfg.cp_walk_bv, cfg.cp_walk_warps, cfg.cp_stages)):
-        yield prefix + name, (chunk_state._gdn_chunk_walk_kernel, WALK_NAMES, "aaaffaafibfiii" + "nnn" + "c" * 8,
-                              dict(H=H, HV=HV, K=K, V=V, BV=bv, DOT_PREC="ieee", LOG_NUM_SEQ=3, K_HALVES=halves),
-                              warps, stages)
+        yield prefix + name, (chunk_state._gdn_chunk_walk_kernel, WALK_NAMES, "aaaffaafibfiii" + "nnn" + "c" * 9,
+                              dict(H=H, HV=HV, K=K, V=V, BV=bv, DOT_PREC="ieee", LOG_NUM_SEQ=3, K_HALVES=halves,
+                                   TRANSPOSED=cfg.walk_transposed), warps, stages)
     yield prefix + "prescan", (chunk_state._gdn_chunk_prescan_kernel, PRESCAN_NAMES, "aaafffiii" + "nnn" + "c" * 8,
                                dict(H=H, HV=HV, K=K, V=V, BV=cfg.prescan_bv, DOT_PREC="ieee", LOG_NUM_SEQ=3,
                                     K_HALVES=halves), cfg.prescan_warps, cfg.cp_stages)
@@ -86,18 +86,20 @@ def _chunk_builds(cfg, arch, prefix):
                              cfg.merge_warps)
     yield prefix + "o", (chunk_out._gdn_chunk_o_kernel,
                          "q k h v_new gcum k_rstd o cu_seqlens cu_chunks NUM_SEQ scale stride_q stride_k "
-                         "H HV K V BK BV VP USE_L2NORM DOT_PREC LOG_NUM_SEQ", "aaaaffaiinsnn" + "c" * 10,
+                         "H HV K V BK BV VP USE_L2NORM DOT_PREC LOG_NUM_SEQ H_T", "aaaaffaiinsnn" + "c" * 11,
                          dict(H=H, HV=HV, K=K, V=V, BK=cfg.out_bk, BV=cfg.out_bv, VP=cfg.out_vp, USE_L2NORM=True,
-                              DOT_PREC="ieee", LOG_NUM_SEQ=3), cfg.out_warps, cfg.out_stages)
+                              DOT_PREC="ieee", LOG_NUM_SEQ=3, H_T=cfg.walk_transposed), cfg.out_warps,
+                         cfg.out_stages)
 
 
 def _variant_builds(arch):
     """sm_90: the kernels of every candidate in chunk_variants.py that the default builds do not
-    already cover; sm_70: the K-halves walk at the sm_70 tiles (the sm_70 default stays as it is;
+    already cover; sm_70: the K-halves and the transposed walks at the sm_70 tiles (the sm_70 default stays as it is;
     this checks the kernel code builds there). Each distinct compile once."""
     default = chunk.chunk_config(K, V, arch)
     if arch < 80:
-        candidates = {"sm70_khalves": dataclasses.replace(default, walk_k_halves=True)}
+        candidates = {"sm70_khalves": dataclasses.replace(default, walk_k_halves=True),
+                      "sm70_transposed": dataclasses.replace(default, walk_transposed=True)}
     else:
         candidates = chunk_variants(K, V)
     seen = {_compile_key(b) for _, b in _chunk_builds(default, arch, "")}

@@ -83,13 +83,17 @@ def test_chunk_prefill(lens, shape, dtype, seg):
 
 # the sm_90 candidates (chunk_variants.py) that change what the kernels compute under the
 # interpreter: the K-halves state tiles, 64-wide walk tiles and 32-wide output tiles, serial and
-# split, several sequences (a 1-token one, one ending mid-chunk, an empty one), initial states in
+# split, the transposed walk (its hᵀ from slots and h_start, h_c read transposed by the output),
+# several sequences (a 1-token one, one ending mid-chunk, an empty one), initial states in
 # (and one from zeros), final states out
 VARIANT_CASES = [
     ("khalves", [1, 63, 70], dict(H=2, HV=4, K=32, V=32), torch.float16, 0),
     ("khalves", [65, 0, 130], dict(H=1, HV=2, K=64, V=16), torch.float32, 1),
     ("khalves_bv64_w8", [130, 64, 3], dict(H=1, HV=2, K=32, V=64), torch.float16, 2),
     ("bv64_w8", [70, 1, 129], dict(H=2, HV=4, K=16, V=64), torch.float16, 1),
+    ("t_bv64", [1, 63, 70], dict(H=2, HV=4, K=32, V=64), torch.float16, 0),  # the transposed walk, serial
+    ("t_bv32", [65, 0, 130], dict(H=1, HV=2, K=64, V=64), torch.float32, 1),  # split: hᵀ from h_start
+    ("t_bv16_w2", [130, 64, 3], dict(H=1, HV=2, K=16, V=32), torch.float16, 2),
     ("out_bv32", [1, 63, 70], dict(H=1, HV=2, K=16, V=64), torch.float16, 0),  # two 32-wide tiles per program
     ("intra_bk32_bv32", [65, 0, 130], dict(H=1, HV=2, K=64, V=64), torch.float16, 1),  # two K and two V slices
     ("out_bk128_bv128_w8", [70, 1, 0], dict(H=1, HV=1, K=128, V=128), torch.float16, 0),  # whole K, V per product

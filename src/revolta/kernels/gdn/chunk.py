@@ -67,6 +67,7 @@ class ChunkConfig:
     cp_min_tokens: int  # split the walk when the batch has at least this many tokens (0: never)
     seg_chunks: int  # chunks per segment when split (0: chosen from the token count and SM count)
     walk_k_halves: bool = False  # walk and prescan hold the state as two [K/2, BV] tiles (chunk_state.py)
+    walk_transposed: bool = False  # the walk holds hᵀ [BV, K] and stores h_c as [V, K] (chunk_state.py)
 
     def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int, walk_programs: int = 0) -> int:
         """Chunks per walk segment for a batch of num_tokens tokens, or 0 for no split. walk_programs: the serial
@@ -179,6 +180,8 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     cfg = config or chunk_config(K, V, arch)
     assert not cfg.walk_k_halves or K >= 32, \
         f"walk_k_halves needs K >= 32 (two tiles of at least 16 rows for tl.dot), got K={K}: use walk_k_halves=False"
+    assert not (cfg.walk_k_halves and cfg.walk_transposed), \
+        "walk_k_halves and walk_transposed are two tilings of the walk: set at most one"
     scale = float(K**-0.5 if scale is None else scale)
     prec = "ieee"  # fp32 inputs: exact fp32 products (no TF32); fp16/bf16 inputs ignore it
     tensor_f32 = arch >= 80 and dt != torch.float32  # fp32 products may use TF32 tensor cores
@@ -204,7 +207,7 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         USE_L2NORM=use_qk_l2norm, DOT_PREC=prec, SOLVE_PREC=solve_prec, LOG_NUM_SEQ=log_b,
         num_warps=cfg.intra_warps, num_stages=2)
 
-    h = torch.empty(num_chunks_max, HV, K, V, dtype=dt, device=dev)
+    h = torch.empty(num_chunks_max, HV, *((V, K) if cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
     v_new = torch.empty(T, HV, V, dtype=dt, device=dev)
     h_start = gcum  # read only by segments after a sequence's first: none without a split
     walk_bv, walk_warps, walk_stages = _fit(cfg.walk_bv, V), cfg.walk_warps, cfg.walk_stages
@@ -224,12 +227,13 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     _gdn_chunk_walk_kernel[(V // walk_bv, num_segs_max, HV)](
         k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start, cu_seqlens, cu_chunks,
         cu_segs, B, seg or NO_SPLIT, k.stride(0), H=H, HV=HV, K=K, V=V, BV=walk_bv, DOT_PREC=prec,
-        LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves, num_warps=walk_warps, num_stages=walk_stages)
+        LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves, TRANSPOSED=cfg.walk_transposed, num_warps=walk_warps,
+        num_stages=walk_stages)
 
     ovp = _fit(cfg.out_vp, V)
     _gdn_chunk_o_kernel[(V // ovp, num_chunks_max, HV)](
         q, k, h, v_new, gcum, k_rstd, o, cu_seqlens, cu_chunks, B, scale, q.stride(0), k.stride(0),
         H=H, HV=HV, K=K, V=V, BK=_fit(cfg.out_bk, K), BV=_fit(cfg.out_bv, ovp), VP=ovp, USE_L2NORM=use_qk_l2norm,
-        DOT_PREC=prec,
-        LOG_NUM_SEQ=log_b, num_warps=cfg.out_warps, num_stages=cfg.out_stages)
+        DOT_PREC=prec, LOG_NUM_SEQ=log_b, H_T=cfg.walk_transposed, num_warps=cfg.out_warps,
+        num_stages=cfg.out_stages)
     return o

@@ -19,8 +19,9 @@ def _gdn_chunk_o_kernel(q, k, h, v_new, gcum, k_rstd, o, cu_seqlens, cu_chunks, 
                         stride_q, stride_k,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, VP: tl.constexpr, USE_L2NORM: tl.constexpr,
-                        DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr):
-    """Program (i_p, chunk, v-head) writes columns i_p * VP .. + VP in BV tiles; Q Kᵀ once per program."""
+                        DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr, H_T: tl.constexpr = False):
+    """Program (i_p, chunk, v-head) writes columns i_p * VP .. + VP in BV tiles; Q Kᵀ once per program.
+    h: [chunks, HV, K, V], or [chunks, HV, V, K] with H_T (the transposed walk's)."""
     i_p, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_c >= tl.load(cu_chunks + NUM_SEQ):
         return
@@ -54,7 +55,8 @@ def _gdn_chunk_o_kernel(q, k, h, v_new, gcum, k_rstd, o, cu_seqlens, cu_chunks, 
         for i_k in tl.static_range(0, K, BK):
             o_k = i_k + tl.arange(0, BK)
             b_q = tl.load(q + o_t[:, None] * stride_q + i_h * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-            b_qh = tl.dot(b_q, tl.load(p_h + o_k[:, None] * V + o_v[None, :]), b_qh, input_precision=DOT_PREC)
+            o_h = o_v[None, :] * K + o_k[:, None] if H_T else o_k[:, None] * V + o_v[None, :]  # [BK, BV]
+            b_qh = tl.dot(b_q, tl.load(p_h + o_h), b_qh, input_precision=DOT_PREC)
         b_vn = tl.load(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_t[:, None], other=0.0)
         b_o = tl.dot(b_a, b_vn, b_qh * b_qscale[:, None], input_precision=DOT_PREC)
         tl.store(o + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])

@@ -18,6 +18,16 @@ sequence, so one long sequence runs only HV * V / BV programs for T / 64 steps. 
 The walk's products use the input dtype (fla's precision, as in one serial walk); the merge
 runs in fp32 (3xTF32 on tensor cores), so splitting adds no error beyond fp32 rounding.
 
+TRANSPOSED (a launch-configuration variant, off by default): the walk holds hᵀ [BV, K] and computes
+  V'ᵀ = Uᵀ − hᵀ Wᵀ,   hᵀ ← e^{γ_C} hᵀ + (F V')ᵀ K̂
+so the operand that changes every chunk (the state, then F V') is the left one of both products. On
+sm_90 a wgmma takes its left operand from registers and its right one from shared memory only, and in
+the [K, BV] form the state and F V' are right operands: each chunk stores both to shared memory
+(and waits for the stores) inside the serial chain; here only W and K̂, loaded ahead, go through
+shared memory. h_c is stored transposed ([V, K] per chunk and head, which the output stage reads
+with H_T); slot states and the merge's start states keep their [K, V] layout (read and written
+transposed once per segment).
+
 K_HALVES (a launch-configuration variant, off by default): the walk and the prescan hold the
 state as two [K/2, BV] register tiles, rows 0 .. K/2 − 1 and K/2 .. K − 1, as fla's walk holds
 its state in 64-row tiles: W h becomes two accumulating K/2-deep products and K̂ᵀ V' two
@@ -42,6 +52,15 @@ def _load_u(u, t0, end, i_hv, o_col, HV: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
+def _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr):
+    """The chunk's log decay at its last token γ_C and the row factors F = e^{γ_C − γ} / ‖k‖ [64] (0 past eos)."""
+    b_glast = tl.load(gcum + (tl.minimum(t0 + 64, eos) - 1).to(tl.int64) * HV + i_hv)
+    b_gc = tl.load(gcum + o_t * HV + i_hv, mask=m_t, other=0.0)
+    b_rk = tl.load(k_rstd + o_t * H + i_h, mask=m_t, other=0.0)
+    return b_glast, tl.where(m_t, tl.exp(b_glast - b_gc) * b_rk, 0.0)
+
+
+@triton.jit
 def _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr):
     """One chunk of the walk from state b_h [K, BV] fp32: returns (V' = U − W h [64, BV] fp32, next state)."""
@@ -51,10 +70,7 @@ def _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
     m_t = t0 + o_r < eos
     b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
-    b_glast = tl.load(gcum + (tl.minimum(t0 + 64, eos) - 1).to(tl.int64) * HV + i_hv)
-    b_gc = tl.load(gcum + o_t * HV + i_hv, mask=m_t, other=0.0)
-    b_rk = tl.load(k_rstd + o_t * H + i_h, mask=m_t, other=0.0)
-    b_f = tl.where(m_t, tl.exp(b_glast - b_gc) * b_rk, 0.0)  # decay to the chunk end, 1/‖k‖
+    b_glast, b_f = _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H, HV)
     b_kt = tl.load(k + o_t[None, :] * stride_k + i_h * K + o_k[:, None], mask=m_t[None, :], other=0.0)  # [K, 64]
     b_h = tl.dot(b_kt, (b_vn * b_f[:, None]).to(b_kt.dtype), b_h * tl.exp(b_glast), input_precision=DOT_PREC)
     return b_vn, b_h
@@ -75,10 +91,7 @@ def _walk_chunk_halves(b_h1, b_h2, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, 
     b_wh = tl.dot(b_w2, b_h2.to(b_w2.dtype), tl.dot(b_w1, b_h1.to(b_w1.dtype), input_precision=DOT_PREC),
                   input_precision=DOT_PREC)
     b_vn = b_u.to(tl.float32) - b_wh
-    b_glast = tl.load(gcum + (tl.minimum(t0 + 64, eos) - 1).to(tl.int64) * HV + i_hv)
-    b_gc = tl.load(gcum + o_t * HV + i_hv, mask=m_t, other=0.0)
-    b_rk = tl.load(k_rstd + o_t * H + i_h, mask=m_t, other=0.0)
-    b_f = tl.where(m_t, tl.exp(b_glast - b_gc) * b_rk, 0.0)
+    b_glast, b_f = _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H, HV)
     p_kt = k + o_t[None, :] * stride_k + i_h * K + o_k[:, None]  # [K/2, 64]
     b_kt1 = tl.load(p_kt, mask=m_t[None, :], other=0.0)
     b_kt2 = tl.load(p_kt + K // 2, mask=m_t[None, :], other=0.0)
@@ -90,9 +103,36 @@ def _walk_chunk_halves(b_h1, b_h2, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, 
 
 
 @triton.jit
+def _load_ut(u, t0, end, i_hv, o_col, HV: tl.constexpr, V: tl.constexpr):
+    """`_load_u` transposed: Uᵀ [BV, 64], columns o_col of U as rows (zero from token `end` on and past V)."""
+    o_r = tl.arange(0, 64)
+    o_t = (t0 + o_r).to(tl.int64)
+    m = (o_col < V)[:, None] & (t0 + o_r < end)[None, :]
+    return tl.load(u + (o_t[None, :] * HV + i_hv) * V + o_col[:, None], mask=m, other=0.0)
+
+
+@triton.jit
+def _walk_chunk_t(b_ht, b_ut, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """`_walk_chunk` on the transposed state b_ht = hᵀ [BV, K] fp32 (TRANSPOSED): returns (V'ᵀ [BV, 64] fp32, next
+    hᵀ). Same arithmetic; both products take the state side as their left operand."""
+    o_r = tl.arange(0, 64)
+    o_k = tl.arange(0, K)
+    o_t = (t0 + o_r).to(tl.int64)
+    m_t = t0 + o_r < eos
+    b_wt = tl.load(w + (o_t[None, :] * HV + i_hv) * K + o_k[:, None], mask=m_t[None, :], other=0.0)  # Wᵀ [K, 64]
+    b_vnt = b_ut.to(tl.float32) - tl.dot(b_ht.to(b_wt.dtype), b_wt, input_precision=DOT_PREC)  # [BV, 64]
+    b_glast, b_f = _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H, HV)
+    b_k = tl.load(k + o_t[:, None] * stride_k + i_h * K + o_k[None, :], mask=m_t[:, None], other=0.0)  # [64, K]
+    b_ht = tl.dot((b_vnt * b_f[None, :]).to(b_k.dtype), b_k, b_ht * tl.exp(b_glast), input_precision=DOT_PREC)
+    return b_vnt, b_ht
+
+
+@triton.jit
 def _start_state(p_slot, p_start, o_kv, from_slot, use_slot_state, ROWS: tl.constexpr, BV: tl.constexpr):
     """A segment's [ROWS, BV] start-state slice at offsets o_kv: from its sequence's slot (or zeros)
-    for a sequence's first segment, else from the merge's h_start."""
+    for a sequence's first segment, else from the merge's h_start (the transposed walk passes
+    ROWS = its BV, BV = K and transposed offsets)."""
     b_h = tl.zeros([ROWS, BV], dtype=tl.float32)
     if from_slot:
         if use_slot_state:
@@ -105,23 +145,38 @@ def _start_state(p_slot, p_start, o_kv, from_slot, use_slot_state, ROWS: tl.cons
 @triton.jit
 def _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
                   n_chunks, c_base, i_h, i_hv, i_v, stride_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Walk chunks [c_lo, c_hi) of one sequence with the [K, BV] state in one register tile."""
+                  V: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Walk chunks [c_lo, c_hi) of one sequence with the state in one register tile: h [K, BV], or hᵀ [BV, K] with
+    TRANSPOSED (h_c then stored as [V, K] per chunk and head)."""
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV] inside one head's state
-    b_h = _start_state(p_slot, p_start, o_kv, c_lo == 0, use_slot_state, K, BV)
     o_r = tl.arange(0, 64)
-    b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
+    if TRANSPOSED:
+        o_kv = o_v[:, None] + o_k[None, :] * V  # [BV, K]: hᵀ's elements in a [K, V] state (slot, h_start)
+        o_h = o_v[:, None] * K + o_k[None, :]  # [BV, K] in the transposed h_c
+        b_h = _start_state(p_slot, p_start, o_kv, c_lo == 0, use_slot_state, BV, K)
+        b_u = _load_ut(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
+    else:
+        o_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV] inside one head's state
+        o_h = o_kv
+        b_h = _start_state(p_slot, p_start, o_kv, c_lo == 0, use_slot_state, K, BV)
+        b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
     for i_c in range(c_lo, c_hi):
         t0 = bos + i_c * 64
-        tl.store(h + ((c_base + i_c).to(tl.int64) * HV + i_hv) * (K * V) + o_kv, b_h.to(h.dtype.element_ty))
+        tl.store(h + ((c_base + i_c).to(tl.int64) * HV + i_hv) * (K * V) + o_h, b_h.to(h.dtype.element_ty))
         # the next chunk's U is loaded now, so its latency hides behind this chunk's products
-        b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
-        b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
-        o_t = (t0 + o_r).to(tl.int64)
-        tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
-                 mask=(t0 + o_r < eos)[:, None])
+        if TRANSPOSED:
+            b_u_next = _load_ut(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
+            b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
+            o_t = (t0 + o_r).to(tl.int64)
+            tl.store(v_new + (o_t[None, :] * HV + i_hv) * V + o_v[:, None], b_vn.to(v_new.dtype.element_ty),
+                     mask=(t0 + o_r < eos)[None, :])
+        else:
+            b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
+            b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
+            o_t = (t0 + o_r).to(tl.int64)
+            tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
+                     mask=(t0 + o_r < eos)[:, None])
         b_u = b_u_next
     if c_hi == n_chunks:  # a sequence's last segment writes its final state back to the slot
         tl.store(p_slot + o_kv, b_h)
@@ -161,7 +216,8 @@ def _walk_segment_halves(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_s
 def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start,
                            cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS, stride_k,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                           DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr, K_HALVES: tl.constexpr):
+                           DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr, K_HALVES: tl.constexpr,
+                           TRANSPOSED: tl.constexpr = False):
     i_v, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_s >= tl.load(cu_segs + NUM_SEQ):
         return
@@ -176,7 +232,7 @@ def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, ha
                              n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC)
     else:
         _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
-                      n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC)
+                      n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC, TRANSPOSED)
 
 
 @triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch

@@ -15,6 +15,11 @@ What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one pr
 - the walk's V tile: fla autotunes 32 or 64 columns; 64 halves the programs (96 for one sequence
   at the real shape) and the redundant W and K̂ reads, at 8 warps to keep registers per thread;
 - the state as two K/2-row tiles (`walk_k_halves`), as fla holds it in 64-row tiles;
+- the transposed walk (`walk_transposed`): the state as hᵀ [BV, K], so that the per-chunk
+  products take the state and F V' as their left operand, which a wgmma reads from registers,
+  instead of storing them to shared memory inside the serial chain (chunk_state.py); at 64
+  columns (wgmma's 64-row minimum for one warpgroup) it also halves the programs, at 32 and 16
+  the products are mma.sync;
 - when the walk is split into segments (context parallelism, which fla does not do by default)
   and how (existing knobs of `ChunkConfig`);
 - the fully parallel stages' tiles and warps (intra, output), in case the per-stage profile puts
@@ -46,6 +51,15 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("khalves_no_split", dict(walk_k_halves=True, cp_min_tokens=0)),
     ("bv16_w2_no_split", dict(walk_bv=16, walk_warps=2, cp_min_tokens=0)),
     ("walk_2stages", dict(walk_stages=2)),
+    ("t_bv64", dict(walk_transposed=True, walk_bv=64, cp_walk_bv=64)),
+    ("t_bv64_no_split", dict(walk_transposed=True, walk_bv=64, cp_min_tokens=0)),
+    ("t_bv32", dict(walk_transposed=True)),
+    ("t_bv64_2stages", dict(walk_transposed=True, walk_bv=64, walk_stages=2, cp_walk_bv=64)),
+    ("t_bv16_w2", dict(walk_transposed=True, walk_bv=16, walk_warps=2, cp_walk_bv=16, cp_walk_warps=2)),
+    # two warpgroups: hᵀ split between them (t_bv64 at 4 warps needs 255 registers and spills)
+    ("t_bv64_w8", dict(walk_transposed=True, walk_bv=64, walk_warps=8, cp_walk_bv=64, cp_walk_warps=8)),
+    ("t_bv128_w8", dict(walk_transposed=True, walk_bv=128, walk_warps=8, walk_stages=2, cp_walk_bv=128,
+                        cp_walk_warps=8)),
     ("split_seg16", dict(cp_min_tokens=8192, seg_chunks=16)),
     ("out_vp64", dict(out_vp=64)),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
     ("out_bv32", dict(out_bv=32)),  # 122 registers instead of 146: four output programs to an SM, not three
