@@ -337,6 +337,9 @@ def spec_stage(model, method: str, args, refs: dict, bw_gbs: float, log: Log, ou
                         (("draft", "verify", "commit") if sg else ("draft", "verify")) if (p + ('_gpu_ms' if sg else '_ms')) in row)
             + f"), acceptance {row['acceptance']:.2f}, {row['tokens_per_round']:.2f} tokens/round, measured "
             f"{row['measured_speedup']:.2f}x, at a=0.7 {row['model_speedup']['0.7']:.2f}x")
+        if not rounds:  # every request finished inside the warm-up: the nan figures above are not a failure
+            log(f"  C{C}: no full-batch round after the {args.warmup} warm-up rounds ({len(records)} rounds in all, "
+                f"{tokens} tokens a request): raise --steps to time {method} at C{C}")
         if row.get("round_split"):
             log("  round on the host = " + " + ".join(f"{k[5:-3].replace('_to_', ' -> ')} {v:.2f} ms"
                                                      for k, v in row["round_split"].items()) + " (medians)")
@@ -484,10 +487,12 @@ def parse_args(argv):
                          "the profiler's overhead: a run for the host's breakdown, not for the round times)")
     ap.add_argument("--json", default=None, help="default: $OUT/bench_fulldepth.json")
     ap.add_argument("--strict", action="store_true", help="raise when a speculative stage fails (default: log it)")
-    ap.add_argument("--dflash2-graph-rounds", action="store_true",
-                    help="DFlash2 rounds through the verify / commit graphs (EngineConfig.dflash2_graph_rounds)")
-    ap.add_argument("--dflash2-draft-graph", action="store_true",
-                    help="the DFlash2 drafter's forward from CUDA graphs too (EngineConfig.dflash2_draft_graph)")
+    ap.add_argument("--dflash2-graph-rounds", action=argparse.BooleanOptionalAction, default=None,
+                    help="DFlash2 rounds through the verify / commit graphs (EngineConfig.dflash2_graph_rounds; "
+                         "default: the engine's, on)")
+    ap.add_argument("--dflash2-draft-graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="the DFlash2 drafter's forward from CUDA graphs (EngineConfig.dflash2_draft_graph; default: "
+                         "the engine's, on)")
     args = ap.parse_args(argv)
     if args.layers < 4:
         ap.error(f"--layers {args.layers}: the stand-in repeats GDN GDN GDN QSA, so it needs at least 4 layers "

@@ -66,7 +66,7 @@ def model_config(name: str) -> dict:
 
 
 def run(model, concurrency, tokens, spec, temperature, refs=None, rate=0.0, seed=0, prompt=128, eager=False,
-        dflash2_graphs=False, dflash2_draft_graph=False):
+        dflash2_graphs=None, dflash2_draft_graph=None):
     engine = Engine(model, EngineConfig(max_model_len=4096, max_num_seqs=max(8, concurrency),
                                         max_num_batched_tokens=4096, kv_cache_gib=4.0 if DEVICE == "cuda" else 0.5,
                                         kernels="triton" if DEVICE == "cuda" else "torch",
@@ -104,12 +104,12 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="speculative rounds without CUDA graphs (the old rows)")
     ap.add_argument("--methods", default="mtp", help="comma-separated: mtp, dflash2 (a released-shape drafter, "
                     "benchmarks/standin.py; --model slice only)")
-    ap.add_argument("--dflash2-graph-rounds", action="store_true",
-                    help="DFlash2 rounds through the verify and commit graphs (EngineConfig.dflash2_graph_rounds, "
-                         "off by default: RESULTS S2b); without it DFlash2 rounds run eager")
-    ap.add_argument("--dflash2-draft-graph", action="store_true",
-                    help="DFlash2's drafter forward (block and greedy walk) from CUDA graphs too "
-                         "(EngineConfig.dflash2_draft_graph, off by default)")
+    ap.add_argument("--dflash2-graph-rounds", action=argparse.BooleanOptionalAction, default=None,
+                    help="DFlash2 rounds through the verify and commit graphs (EngineConfig.dflash2_graph_rounds; "
+                         "default: the engine's, on where graphs run); --no-dflash2-graph-rounds: eager rounds")
+    ap.add_argument("--dflash2-draft-graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="DFlash2's drafter forward (block and greedy walk) from CUDA graphs "
+                         "(EngineConfig.dflash2_draft_graph; default: the engine's, on where graphs run)")
     ap.add_argument("--rates", default="0.0,0.5,0.8", help="synthetic acceptance rates of the greedy rows")
     ap.add_argument("--draft-policy", default="always", choices=("always", "adaptive"),
                     help="the engine's draft policy (always: every decode step drafts, as the rates assume)")

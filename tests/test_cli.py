@@ -123,6 +123,9 @@ def test_serve_passes_kv_cache_gib_to_the_llm(tmp_path, monkeypatch):
     assert "dflash2_graph_rounds" not in seen  # unset flags leave the LLM's defaults
     assert main(["serve", str(tmp_path), "--dflash2-graph-rounds", "--dflash2-draft-graph"]) == 0
     assert seen["dflash2_graph_rounds"] is True and seen["dflash2_draft_graph"] is True
+    seen.clear()
+    assert main(["serve", str(tmp_path), "--no-dflash2-graph-rounds"]) == 0  # the default is on: a way off
+    assert seen["dflash2_graph_rounds"] is False and "dflash2_draft_graph" not in seen
 
 
 def _fake_serve(tmp_path, monkeypatch, check_address=False):

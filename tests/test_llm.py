@@ -326,7 +326,8 @@ def test_startup_summary_names_each_setting_and_its_source(tiny_dir, monkeypatch
     monkeypatch.delenv("REVOLTA_CUDAGRAPH_MEM_MIB")
     with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
         LLM(model=str(tiny_dir), cudagraph_capture_sizes=[0, 2])
-    assert rows["dflash2_graph_rounds"] == (False, "default") and rows["dflash2_draft_graph"] == (False, "default")
+    assert rows["dflash2_graph_rounds"] == (False, "default (no CUDA graphs here)")  # on where graphs run
+    assert rows["dflash2_draft_graph"] == (False, "default (no CUDA graphs here)")
     # the DFlash2 graph options reach the EngineConfig, which refuses them where no CUDA graphs run (the CPU)
     with pytest.raises(ValueError, match="dflash2_graph_rounds=True needs CUDA graphs"):
         LLM(model=str(tiny_dir), dflash2_graph_rounds=True)

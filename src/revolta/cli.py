@@ -209,10 +209,12 @@ def _add_serve_parser(sub) -> None:
                             "also REVOLTA_PLE_PLACEMENT or VLLM_PLE_CPU_OFFLOAD / VLLM_PLE_DISK_OFFLOAD. If the disk "
                             "worker dies or stalls, requests fail and revolta serve exits with status 3")
     _add_parallel_flags(serve)
-    serve.add_argument("--dflash2-graph-rounds", action="store_true", default=None,
-                       help="DFlash2 verify and commit through CUDA graphs (off by default; benchmarks/RESULTS.md S2b)")
-    serve.add_argument("--dflash2-draft-graph", action="store_true", default=None,
-                       help="DFlash2's drafter forward in CUDA graphs (off by default)")
+    serve.add_argument("--dflash2-graph-rounds", action=argparse.BooleanOptionalAction, default=None,
+                       help="DFlash2 verify and commit through CUDA graphs (default: on where CUDA graphs run; "
+                            "--no-dflash2-graph-rounds: eager rounds)")
+    serve.add_argument("--dflash2-draft-graph", action=argparse.BooleanOptionalAction, default=None,
+                       help="DFlash2's drafter forward in CUDA graphs (default: on where CUDA graphs run and the "
+                            "drafts are greedy)")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)

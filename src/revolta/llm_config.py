@@ -49,7 +49,7 @@ ENGINE_ARG_NAMES = frozenset({
     "kv_cache_gib", "kv_offload_gib", "cudagraph_mem_mib", "cudagraph_capture_sizes",
     "max_num_encoder_input_tokens", "encoder_cache_size",
     "ple_placement",  # where the PLE n-gram table lives: "device", "host" or "disk" (ple/placement.py)
-    "dflash2_graph_rounds", "dflash2_draft_graph",  # DFlash2 rounds / its drafter in CUDA graphs (off: EngineConfig)
+    "dflash2_graph_rounds", "dflash2_draft_graph",  # DFlash2 rounds / its drafter in CUDA graphs (EngineConfig)
 })
 LOAD_ARGS = ("ple_placement",)  # arguments that shape how the weights load
 # vLLM arguments the media path consumes (multimodal/processor.py)
@@ -174,6 +174,11 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
             on_cpu = llm.device.type != "cuda"
             rows.append((name, CPU_KV_CACHE_GIB if on_cpu else None, "default (the CPU allowance)" if on_cpu
                          else "default (what gpu_memory_utilization leaves)"))
+            continue
+        if name.startswith("dflash2") and getattr(ec, name) is None:  # the value in force
+            graphs_run = llm.device.type == "cuda" and ec.use_cuda_graphs
+            rows.append((name, graphs_run and ec.dflash2_graphs(name),
+                         "default (on where CUDA graphs run)" if graphs_run else "default (no CUDA graphs here)"))
             continue
         rows.append((name, getattr(ec, name), arg(name)))
     rows.append(("block_size (effective)", engine.plan.layout.block_size,

@@ -40,9 +40,16 @@ def test_engine_config_graph_settings(monkeypatch):
         EngineConfig(max_model_len=64)
 
 
-def test_dflash2_graph_options_are_off_by_default_and_refused_where_graphs_cannot_run():
-    ec = EngineConfig(max_model_len=64)
-    assert not ec.dflash2_graph_rounds and not ec.dflash2_draft_graph
+def test_dflash2_graph_options_default_on_where_graphs_run_and_are_refused_where_they_cannot():
+    ec = EngineConfig(max_model_len=64)  # None: on wherever the engine captures graphs (tp 1), on every path
+    assert ec.dflash2_graph_rounds is None and ec.dflash2_draft_graph is None
+    assert ec.dflash2_graphs("dflash2_graph_rounds") and ec.dflash2_graphs("dflash2_draft_graph")
+    tp2 = EngineConfig(max_model_len=64, kernels="triton", tensor_parallel_size=2)
+    assert not tp2.dflash2_graphs("dflash2_graph_rounds") and not tp2.dflash2_graphs("dflash2_draft_graph")
+    off = EngineConfig(max_model_len=64, kernels="triton", dflash2_graph_rounds=False)
+    assert not off.dflash2_graphs("dflash2_graph_rounds") and off.dflash2_graphs("dflash2_draft_graph")
+    with pytest.raises(ValueError, match=r"dflash2_draft_graph='no' must be True or False \(or None"):
+        EngineConfig(max_model_len=64, dflash2_draft_graph="no")
     spec = {"method": "dflash2", "model": "unused"}
     for name in ("dflash2_graph_rounds", "dflash2_draft_graph"):
         # tp 1 on the Triton path: accepted (with enforce_eager too: an eager reference run of the same config)

@@ -7,7 +7,7 @@ verify and the commit all match the eager path), the tokens are identical, and m
 replayed a graph, padded from 3 requests to the captured 4. The graphs' memory is counted against
 the reserve.
 
-DFlash2 (EngineConfig.dflash2_graph_rounds; off by default, benchmarks/RESULTS.md S2b) drafts eagerly into the
+DFlash2 (EngineConfig.dflash2_graph_rounds; on by default since F1 run I, benchmarks/RESULTS.md S2b) drafts into the
 verify and commit graphs, 1 + 7 = 8 rows per request, at C1 and C8: the earlier attempt hit a CUDA illegal memory
 access in the replay-mode round on cold whole-directory runs; benchmarks/sanitize_dflash2.sh runs these tests under
 compute-sanitizer memcheck.
@@ -138,3 +138,15 @@ def test_graph_memory_counts_against_the_reserve(model, caplog):  # noqa: F811
     over = g.used_bytes > 2**20 + 64 * 2**20  # graph_warning's slack: max(64 MiB, 5% of the reserve)
     warned = any("CUDA graphs use" in r.message and "cudagraph_mem_mib=" in r.message for r in caplog.records)
     assert warned == over, (g.used_bytes, warned)
+
+
+def test_dflash2_takes_its_graphs_by_default(model, drafter_dir):  # noqa: F811
+    """With neither option given a GPU engine runs DFlash2 rounds through the verify / commit graphs and the drafter's
+    own graphs (greedy drafts); False keeps them eager."""
+    spec = {"method": "dflash2", "model": drafter_dir, "draft_policy": "always"}
+    kw = dict(max_model_len=512, max_num_seqs=2, kv_cache_gib=0.5, kernels="triton", cudagraph_capture_sizes=(2,),
+              speculative_config=spec)
+    on = Engine(model, EngineConfig(**kw))
+    assert on.spec_graphs is not None and on.spec_graphs.rows == 8 and on.drafter.graphs is not None
+    off = Engine(model, EngineConfig(**kw, dflash2_graph_rounds=False, dflash2_draft_graph=False))
+    assert off.spec_graphs is None and off.drafter.graphs is None

@@ -95,13 +95,15 @@ class EngineConfig:
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     enforce_eager: bool = False
-    # DFlash2 rounds through the speculative verify and commit CUDA graphs (the drafter still drafts eagerly); off
-    # by default: the earlier attempt hit a CUDA illegal memory access on cold whole-directory GPU runs whose cause
-    # was not found (benchmarks/RESULTS.md S2b; tests/gpu/test_spec_graphs_gpu.py, benchmarks/sanitize_dflash2.sh)
-    dflash2_graph_rounds: bool = False
-    # DFlash2's drafter forward (the block through its layers and the greedy walk) replays one CUDA graph per captured
-    # batch size, its context store read as whole rings (spec/dflash2/draft_graph.py); off by default until measured
-    dflash2_draft_graph: bool = False
+    # DFlash2 rounds through the speculative verify and commit CUDA graphs, and DFlash2's drafter forward (the block
+    # through its layers and the greedy walk) through one CUDA graph per captured batch size, its context store read
+    # as whole rings (spec/dflash2/draft_graph.py). None (the default): on wherever the engine captures CUDA graphs
+    # (tensor_parallel_size 1, the Triton kernels on a GPU, enforce_eager off); True: asked for, refused where no
+    # graphs can run; False: eager rounds. On by default since the H200 measured a full-depth DFlash2 round at 21 ms
+    # with both against 3,356 ms eager (benchmarks/RESULTS.md F1 run I); their GPU tests (rounds == eager rounds)
+    # pass from a cold cache and ran clean under compute-sanitizer (S2b, F1 run G)
+    dflash2_graph_rounds: bool | None = None
+    dflash2_draft_graph: bool | None = None
     cudagraph_mem_mib: float | None = None
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     # ranks the text model is split across (vLLM's name; parallel/, engine/tp_executor.py): the engine then runs
@@ -118,8 +120,10 @@ class EngineConfig:
         if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         for name in ("enable_prefix_caching", "enforce_eager", "dflash2_graph_rounds", "dflash2_draft_graph"):
-            if not isinstance(getattr(self, name), bool):  # "no" would be truthy: on, silently
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+            value = getattr(self, name)  # "no" would be truthy: on, silently
+            if not isinstance(value, bool) and not (value is None and name.startswith("dflash2")):
+                raise ValueError(f"{name}={value!r} must be True or False"
+                                 + (" (or None: on where CUDA graphs run)" if name.startswith("dflash2") else ""))
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
@@ -135,6 +139,13 @@ class EngineConfig:
             if getattr(self, name) and self.kernels != "triton":
                 raise ValueError(f"{name}=True needs CUDA graphs, which run the Triton kernels on a GPU; "
                                  f"kernels={self.kernels!r} (the CPU path) runs eager: leave {name} off")
+
+    def dflash2_graphs(self, name: str) -> bool:
+        """Whether DFlash2's `name` graphs ("dflash2_graph_rounds" or "dflash2_draft_graph") are on where this
+        engine captures CUDA graphs: the setting, or by default at tensor_parallel_size 1 (the ranks of a larger
+        group run eager)."""
+        value = getattr(self, name)
+        return value if value is not None else self.tensor_parallel_size == 1
 
     @property
     def speculative_method(self) -> str | None:

@@ -174,9 +174,9 @@ class UniProcExecutor(Executor):
         model, spec, config = self.model, self.spec, self.config
         if model.device.type == "cuda" and config.use_cuda_graphs:
             if spec.enabled:  # every decoding step is a verify round, unless the adaptive policy paused drafting
-                # the round graphs run the MTP drafter (spec/graphs.py); DFlash2 drafts eagerly, into the verify and
-                # commit graphs only when dflash2_graph_rounds is on
-                if round_graphs(spec.method, config.dflash2_graph_rounds):
+                # the round graphs run the MTP drafter (spec/graphs.py); DFlash2's verify and commit graphs unless
+                # dflash2_graph_rounds is off, its drafter in graphs of its own (below)
+                if round_graphs(spec.method, config.dflash2_graphs("dflash2_graph_rounds")):
                     self.spec_graphs = self._capture_graphs(spec=True)
                 if self._draft_graphs_on():  # DFlash2's block forward and walk (spec/dflash2/draft_graph.py)
                     g = self.drafter.capture_graphs(self._capture_sizes())
@@ -212,8 +212,9 @@ class UniProcExecutor(Executor):
                               static_view=self._draft_graphs_on())
 
     def _draft_graphs_on(self) -> bool:
-        """DFlash2's drafter forward replays CUDA graphs: opted in (dflash2_draft_graph), graphs on, greedy walk."""
-        return (self.spec.is_dflash2 and self.config.dflash2_draft_graph and self.model.device.type == "cuda"
+        """DFlash2's drafter forward replays CUDA graphs: dflash2_draft_graph not off, graphs on, greedy walk."""
+        return (self.spec.is_dflash2 and self.config.dflash2_graphs("dflash2_draft_graph")
+                and self.model.device.type == "cuda"
                 and self.config.use_cuda_graphs and self.spec.draft_sample_method == "greedy")
 
     def _capture_sizes(self) -> list[int]:
@@ -485,7 +486,7 @@ class UniProcExecutor(Executor):
 
 def round_graphs(method: str | None, dflash2_graph_rounds: bool) -> bool:
     """Whether speculative rounds replay CUDA graphs (on CUDA with graphs on): MTP's always (draft, verify and
-    commit graphs); DFlash2's verify and commit graphs only behind EngineConfig.dflash2_graph_rounds."""
+    commit graphs); DFlash2's verify and commit graphs when `dflash2_graph_rounds` (EngineConfig.dflash2_graphs)."""
     return method == "mtp" or (method == "dflash2" and dflash2_graph_rounds)
 
 

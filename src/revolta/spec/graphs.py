@@ -19,7 +19,7 @@ step plus k - 1 small MTP steps instead of k + 1 eager forwards.
 
 A drafter other than MTP (DFlash2) drafts eagerly and hands host drafts to the verify graph:
 `SpecGraphs(..., draft_graph=False)` captures the verify and commit graphs only (the engine does so
-behind `EngineConfig.dflash2_graph_rounds`, off by default: benchmarks/RESULTS.md S2b).
+unless `EngineConfig.dflash2_graph_rounds` is False: benchmarks/RESULTS.md S2b, F1 run I).
 
 Padding (as cuda_graphs.DecodeGraphs): rows past b are R-token sequences on the dummy state slot 0
 and the null block 0, which no request owns; their draft-slot rows, kept slots and draft steps point
