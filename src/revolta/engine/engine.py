@@ -100,8 +100,9 @@ class EngineConfig:
     # as whole rings (spec/dflash2/draft_graph.py). None (the default): on wherever the engine captures CUDA graphs
     # (tensor_parallel_size 1, the Triton kernels on a GPU, enforce_eager off); True: asked for, refused where no
     # graphs can run; False: eager rounds. On by default since the H200 measured a full-depth DFlash2 round at 21 ms
-    # with both against 3,356 ms eager (benchmarks/RESULTS.md F1 run I); their GPU tests (rounds == eager rounds)
-    # pass from a cold cache and ran clean under compute-sanitizer memcheck (S2c)
+    # with both (benchmarks/RESULTS.md F1 run I; eager rounds pay every launch and compile new row counts inside the
+    # round: H2); their GPU tests (rounds == eager rounds) pass from a cold cache and ran clean under
+    # compute-sanitizer memcheck (S2c)
     dflash2_graph_rounds: bool | None = None
     dflash2_draft_graph: bool | None = None
     cudagraph_mem_mib: float | None = None
