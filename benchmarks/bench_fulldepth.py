@@ -69,6 +69,7 @@ from kernel_families import FAMILIES, breakdown, count_routing  # noqa: E402
 from standin import (DrafterShape, build_model, mtp_draft_bytes, standin_config, step_bytes, weight_tensors,  # noqa: E402
                      write_drafter)
 
+from revolta.cli import add_dflash2_graph_flags  # noqa: E402
 from revolta.engine import Engine, EngineConfig  # noqa: E402
 from revolta.spec.graphs import SpecGraphs  # noqa: E402
 
@@ -487,12 +488,7 @@ def parse_args(argv):
                          "the profiler's overhead: a run for the host's breakdown, not for the round times)")
     ap.add_argument("--json", default=None, help="default: $OUT/bench_fulldepth.json")
     ap.add_argument("--strict", action="store_true", help="raise when a speculative stage fails (default: log it)")
-    ap.add_argument("--dflash2-graph-rounds", action=argparse.BooleanOptionalAction, default=None,
-                    help="DFlash2 rounds through the verify / commit graphs (EngineConfig.dflash2_graph_rounds; "
-                         "default: the engine's, on)")
-    ap.add_argument("--dflash2-draft-graph", action=argparse.BooleanOptionalAction, default=None,
-                    help="the DFlash2 drafter's forward from CUDA graphs (EngineConfig.dflash2_draft_graph; default: "
-                         "the engine's, on)")
+    add_dflash2_graph_flags(ap)  # EngineConfig.dflash2_graph_rounds / dflash2_draft_graph
     args = ap.parse_args(argv)
     if args.layers < 4:
         ap.error(f"--layers {args.layers}: the stand-in repeats GDN GDN GDN QSA, so it needs at least 4 layers "

@@ -345,7 +345,7 @@ def k1_variants():
                 o_v = gdn_chunk_prefill(*sets[0], cu, pool0.clone(), slots, init, config=cfg)
                 peer = PEER_US.get((name, dt))
                 row(kernel="K1 variant", variant=vname, shape=name, dtype=dt, us=t, timing=how,
-                    split_segments=cfg.segment_chunks(sum(lens), HV, num_sms, B * HV * (V // min(cfg.walk_bv, V))),
+                    split_segments=cfg.segment_chunks(sum(lens), HV, num_sms, cfg.serial_walk_programs(B, HV, V)),
                     stages_us=stages,
                     rel_diff_to_default=rel_err(o_v, o_default),
                     ratio_peer_over_ours=(peer / t) if peer else None, overrides=variant_overrides(vname))

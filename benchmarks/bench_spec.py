@@ -44,6 +44,7 @@ from forced_drafts import force_drafts  # noqa: E402
 from standin import DrafterShape, build_model, standin_config, write_drafter  # noqa: E402
 
 from revolta.config import ModelConfig  # noqa: E402
+from revolta.cli import add_dflash2_graph_flags  # noqa: E402
 from revolta.engine import Engine, EngineConfig  # noqa: E402
 from revolta.model import FlashNextModel, init_random_weights  # noqa: E402
 
@@ -104,12 +105,7 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="speculative rounds without CUDA graphs (the old rows)")
     ap.add_argument("--methods", default="mtp", help="comma-separated: mtp, dflash2 (a released-shape drafter, "
                     "benchmarks/standin.py; --model slice only)")
-    ap.add_argument("--dflash2-graph-rounds", action=argparse.BooleanOptionalAction, default=None,
-                    help="DFlash2 rounds through the verify and commit graphs (EngineConfig.dflash2_graph_rounds; "
-                         "default: the engine's, on where graphs run); --no-dflash2-graph-rounds: eager rounds")
-    ap.add_argument("--dflash2-draft-graph", action=argparse.BooleanOptionalAction, default=None,
-                    help="DFlash2's drafter forward (block and greedy walk) from CUDA graphs "
-                         "(EngineConfig.dflash2_draft_graph; default: the engine's, on where graphs run)")
+    add_dflash2_graph_flags(ap)  # EngineConfig.dflash2_graph_rounds / dflash2_draft_graph
     ap.add_argument("--rates", default="0.0,0.5,0.8", help="synthetic acceptance rates of the greedy rows")
     ap.add_argument("--draft-policy", default="always", choices=("always", "adaptive"),
                     help="the engine's draft policy (always: every decode step drafts, as the rates assume)")

@@ -112,12 +112,11 @@ def gdn_groups(T: int, B: int) -> dict:
     """Candidates of chunk_variants.py grouped by the launch parameters that change addresses at this batch, under
     the walk-split rule of today and the one of the K1 crash run (tree 9a3e24b, before 64a7bcd: split at
     cp_min_tokens whatever the serial walk's program count): key -> [(name, config, segment chunks, rule)]."""
-    from revolta.kernels.gdn.chunk import _fit
     from revolta.kernels.gdn.chunk_variants import chunk_variants
 
     groups: dict = {}
     for name, cfg in chunk_variants(DK, DV).items():
-        for rule, programs in (("now", B * HV * (DV // _fit(cfg.walk_bv, DV))), ("9a3e24b", 0)):
+        for rule, programs in (("now", cfg.serial_walk_programs(B, HV, DV)), ("9a3e24b", 0)):
             seg = cfg.segment_chunks(T, HV, 132, programs)
             key = (cfg.intra_bk, cfg.intra_bv, cfg.out_bk, cfg.out_bv, cfg.out_vp, cfg.walk_k_halves, seg,
                    (cfg.cp_walk_bv, cfg.prescan_bv, cfg.merge_bv) if seg else cfg.walk_bv)

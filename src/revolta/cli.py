@@ -119,6 +119,17 @@ def _add_kv_cache_dtype_flag(parser, default: str | None = None) -> None:
     parser.add_argument("--kv-cache-dtype", default=default, metavar="D", help="auto, fp16, bf16, fp8_e4m3, int8")
 
 
+def add_dflash2_graph_flags(parser: argparse.ArgumentParser) -> None:
+    """--[no-]dflash2-graph-rounds and --[no-]dflash2-draft-graph (EngineConfig's fields of those names; None when not
+    given: the engine's default, on where CUDA graphs run). Also the benchmarks' flags."""
+    parser.add_argument("--dflash2-graph-rounds", action=argparse.BooleanOptionalAction, default=None,
+                        help="DFlash2 verify and commit through CUDA graphs (default: on where CUDA graphs run; "
+                             "--no-dflash2-graph-rounds: eager rounds)")
+    parser.add_argument("--dflash2-draft-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="DFlash2's drafter forward (block and greedy walk) in CUDA graphs (default: on where "
+                             "CUDA graphs run and the drafts are greedy)")
+
+
 def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
                         help="split the text model across N ranks (one per GPU over NCCL, or CPU processes over "
@@ -209,12 +220,7 @@ def _add_serve_parser(sub) -> None:
                             "also REVOLTA_PLE_PLACEMENT or VLLM_PLE_CPU_OFFLOAD / VLLM_PLE_DISK_OFFLOAD. If the disk "
                             "worker dies or stalls, requests fail and revolta serve exits with status 3")
     _add_parallel_flags(serve)
-    serve.add_argument("--dflash2-graph-rounds", action=argparse.BooleanOptionalAction, default=None,
-                       help="DFlash2 verify and commit through CUDA graphs (default: on where CUDA graphs run; "
-                            "--no-dflash2-graph-rounds: eager rounds)")
-    serve.add_argument("--dflash2-draft-graph", action=argparse.BooleanOptionalAction, default=None,
-                       help="DFlash2's drafter forward in CUDA graphs (default: on where CUDA graphs run and the "
-                            "drafts are greedy)")
+    add_dflash2_graph_flags(serve)
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device")
     serve.add_argument("--seed", type=int, default=0)

@@ -69,6 +69,10 @@ class ChunkConfig:
     walk_k_halves: bool = False  # walk and prescan hold the state as two [K/2, BV] tiles (chunk_state.py)
     walk_transposed: bool = False  # the walk holds hᵀ [BV, K] and stores h_c as [V, K] (chunk_state.py)
 
+    def serial_walk_programs(self, num_seqs: int, num_v_heads: int, V: int) -> int:
+        """Programs of the walk when it is not split: one per (sequence, v-head, V tile)."""
+        return num_seqs * num_v_heads * (V // _fit(self.walk_bv, V))
+
     def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int, walk_programs: int = 0) -> int:
         """Chunks per walk segment for a batch of num_tokens tokens, or 0 for no split. walk_programs: the serial
         walk's programs (sequences x v-heads x V tiles); when they fill every SM the walk is not split (H200, 1 x 32K,
@@ -188,7 +192,7 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     solve_prec = "tf32" if tensor_f32 else "ieee"  # T is rounded to the input dtype after, as in fla
     merge_prec = "tf32x3" if tensor_f32 else "ieee"  # ~fp32 accuracy: the merge chains the state itself
     log_b = max(1, (B - 1).bit_length())
-    seg = cfg.segment_chunks(T, HV, _num_sms(dev), B * HV * triton.cdiv(V, _fit(cfg.walk_bv, V)))
+    seg = cfg.segment_chunks(T, HV, _num_sms(dev), cfg.serial_walk_programs(B, HV, V))
     num_chunks_max = T // BT + B  # >= Σ ceil(len_b / 64), known without reading the lengths
     num_segs_max = (num_chunks_max + seg - 1) // seg + B if seg else B
 
