@@ -8,8 +8,9 @@ top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows (--moe-ms), u
     routings (each call finds few of its experts in L2); % copy = distinct touched experts' packed bytes (qweight +
     qzeros + scales of gate_up and down, the shared expert counted) / time / copy bandwidth; target >= 60%;
   * the variants (VARIANTS: the tile path of K5c, the nib path's tiles and split-K, the word-column walks: "wc-" one
-    token, "wcp-" a program row per pair above it, "-h2-" on fp16 pairs) timed beside the default, the fp16-pair ones
-    at fp16 and the rest at bf16 ("tile" at both dtypes), so one run can pick the best;
+    token, "wcp-" a program row per pair above it, "-h2-" on fp16 pairs, "-bh2-" bf16 x on fp16 pairs, "fx" the
+    reduces inside the kernels) timed beside the default, the fp16-pair ones at fp16 and the rest at bf16 ("tile"
+    and the "fx" ones at both dtypes), so one run can pick the best;
   * 16-bit = moe.fused_moe (the grouped kernels) on a bf16/fp16 bank of the same shapes and routing, its
     % copy over its own touched bytes, and quant's speedup over it;
   * checks: every timed path against quant_fused_moe_ref (rel. L2 error), and a CUDA graph of quant_fused_moe
@@ -21,6 +22,7 @@ top-10 (+1), AWQ int4 group 32 with zero points; M = 1, 8, 40 rows (--moe-ms), u
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -62,7 +64,23 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wcp-h2-r16-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)),
     "wcp-h2-r16-sk8-2": ("nib", dict(WC, SPLIT_UP=8, SPLIT_DOWN=2, ROWS=16, HALF2=True)),
     "wcp-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16)),
+    # the default's config (any M, dtype) with the split-K reduces inside the kernels (FIXUP: no split-act or
+    # slot-sum launch), over the weights' own counters ("fx") or counters zeroed by a memset each call ("fxm")
+    # bf16 on the fp16-pair walk (each step's x scaled into fp16 by a power of two), bf16 only ("-bh2-")
+    "wc-bh2-r16-sk32-8": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)),
+    "wc-bh2-r16-sk32-8-fx": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True, FIXUP=True)),
+    "wcp-bh2-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True)),
+    "wcp-bh2-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, FIXUP=True)),
+    "fx": ("default", dict(FIXUP=True)),
+    "fxm": ("default", dict(FIXUP=True, COUNTERS="memset")),
+    "fx-sk2x": ("default", dict(FIXUP=True, SPLIT_SCALE=2)),  # and twice the default's K slices
 }
+
+
+def scaled_splits(cfg):
+    """cfg with its SPLIT_UP / SPLIT_DOWN times SPLIT_SCALE (a VARIANTS key; taken out)."""
+    f = cfg.pop("SPLIT_SCALE", 1)
+    return cfg | dict(SPLIT_UP=cfg.get("SPLIT_UP", 1) * f, SPLIT_DOWN=cfg.get("SPLIT_DOWN", 1) * f) if f > 1 else cfg
 
 
 def awq_bank(num_experts, h, i, device, gen):
@@ -116,6 +134,7 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
         del a, b
         timer = graph_time_us
     (gate_up, down), shared = awq_bank(num_experts, h, i, device, gen)
+    gate_up_own = dataclasses.replace(gate_up, counters=torch.zeros(1 << 14, dtype=torch.int32, device=device))
     expert_bytes = (gate_up.nbytes + down.nbytes) // num_experts
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter)"
     print(f"{name}: copy {copy_gbs:,.0f} GB/s; AWQ g{GROUP} experts {expert_bytes / 1e6:.2f} MB each "
@@ -137,16 +156,20 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
             ref = QMOE.quant_fused_moe_ref(xs[0], gate_up, down, *routes[0], shared_expert=shared)
             base = {p: QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, nibble=p == "nib")
                     for p in ("tile", "nib")}
-            variants = {"quant": None} | {n: base[p] | v for n, (p, v) in VARIANTS.items()
+            base["default"] = QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, layout="awq", dtype=dt)
+            variants = {"quant": None} | {n: scaled_splits(base[p] | v) for n, (p, v) in VARIANTS.items()
                                           if (only is None or n in only)
-                                          and (n == "tile" or small or (dt == torch.float16) == ("-h2-" in n))
+                                          and (n in ("tile", "fx", "fxm", "fx-sk2x") or small
+                                               or (dt == torch.float16) == ("-h2-" in n))  # -bh2-: bf16
                                           and (M == 1 or not n.startswith("wc-"))
                                           and (M > 1 or not n.startswith("wcp-"))}
             for vname, cfg in variants.items():
-                out = QMOE.quant_fused_moe(xs[0], gate_up, down, *routes[0], shared_expert=shared, config=cfg)
+                # the weights' own counters, as layers/quant_moe.py gives them, unless the variant times a memset
+                gu = gate_up if cfg is not None and cfg.get("COUNTERS") == "memset" else gate_up_own
+                out = QMOE.quant_fused_moe(xs[0], gu, down, *routes[0], shared_expert=shared, config=cfg)
                 checks.append(dict(what=f"quant {vname} {tag}", rel_err=rel_err(out, ref)))
-                t = timer([(lambda j=j, cfg=cfg: QMOE.quant_fused_moe(xs[j], gate_up, down, *routes[j],
-                                                                      shared_expert=shared, config=cfg))
+                t = timer([(lambda j=j, cfg=cfg, gu=gu: QMOE.quant_fused_moe(xs[j], gu, down, *routes[j],
+                                                                             shared_expert=shared, config=cfg))
                            for j in range(num_sets)])
                 res[f"{vname}_us"], res[f"{vname}_frac_copy"] = t, touched / (t * 1e-6) / 1e9 / copy_gbs
             if kernels and not small:

@@ -9,7 +9,11 @@ M): the default's time, the best config found, and both as % of the copy bandwid
 over it ("%read"): how far the GEMV is from reading its bytes at that size.
 
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F]
-        [--quick | --wordcol | --half2]
+        [--quick | --wordcol | --half2] [--fixup]
+
+--fixup adds, beside every split word-column or nibble config, the same config with the split-K reduce inside the GEMV (FIXUP:
+the last K slice of each tile adds the partials; counters owned by the caller, as a layer owns them, "/fx"), and the
+default's with counters zeroed by a memset each call ("/fxm").
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py --small    # CPU interpreter: two configs, correctness
 """
 
@@ -38,6 +42,13 @@ QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_sta
 WORDCOL = dict(BLOCK_N=(256, 512), num_warps=(1,), SPLIT_K=(None, 32, 64), rows=(32, 16, 8), prefetch=(False, True))
 # --half2: the fp16-pair walk (gemv_wordcol.wordcol_slice_half2; fp16 only) beside the default and the fp32 walk's
 HALF2 = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32), rows=(32, 16, 8))
+
+
+def with_fixup(cfgs):
+    """cfgs and, after them, each split word-column config with FIXUP ("/fx"), and the first such with counters
+    zeroed by a memset each call ("/fxm": COUNTERS "memset", read by main)."""
+    fx = [c | dict(FIXUP=True) for c in cfgs if (c.get("WORDCOL") or c.get("NIBBLE_DOT")) and c["SPLIT_K"] > 1]
+    return cfgs + fx + [fx[0] | dict(COUNTERS="memset")] if fx else cfgs
 
 
 def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float16):
@@ -85,11 +96,13 @@ def configs(M, N, K, group, device, small, grid, half2=False, dtype=torch.float1
 def name(c):
     if c.get("WORDCOL"):
         return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
-                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else ""))
+                + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else "")
+                + ("/fxm" if c.get("COUNTERS") == "memset" else "/fx" if c.get("FIXUP") else ""))
     if not c.get("NIBBLE_DOT"):  # the tile path (common.gemv_config: the default off sm80+ and in the interpreter)
         return f"tile{c['BLOCK_M']}x{c['BLOCK_N']}/sk{c['SPLIT_K']}"
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
-    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}"
+    fx = "/fxm" if c.get("COUNTERS") == "memset" else "/fx" if c.get("FIXUP") else ""
+    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}{fx}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--quick", action="store_true", help="9 configs a shape (QUICK) instead of 72 (GRID)")
     ap.add_argument("--wordcol", action="store_true", help="the default and the word-column configs only (M = 1)")
-    ap.add_argument("--half2", action="store_true", help="the default, the fp32 walk and the fp16-pair walk (M = 1, "
-                    "fp16)")
+    ap.add_argument("--half2", action="store_true", help="the default, the fp32 walk and the fp16-pair walk (M = 1; "
+                    "bf16 x scaled into fp16 a step at a time)")
+    ap.add_argument("--fixup", action="store_true", help="also each split word-column config with the split-K "
+                    "reduce inside the GEMV (FIXUP), and the default's with per-call zeroed counters")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -116,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.small else "cuda")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     gen = torch.Generator(device=device).manual_seed(0)
-    assert not args.half2 or args.dtype == "fp16", "--half2 times the fp16-pair walk: fp16 activations only"
     shapes = (("small", 128, 256),) if args.small else SHAPES if args.wordcol or args.half2 else SHAPES[:FIRST_SHAPES]
     if args.shapes:
         shapes = tuple(sh for sh in SHAPES if sh[0] in args.shapes.split(","))
@@ -137,9 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(M, K, generator=gen, device=device).to(dtype)
             want = x.float() @ w_ref.t()
             timed, worst = [], 0.0
-            for c in configs(M, N, K, args.group, device, args.small, grid, args.half2, dtype):
+            cfgs = configs(M, N, K, args.group, device, args.small, grid, args.half2, dtype)
+            counters = torch.zeros(N, dtype=torch.int32, device=device)  # a layer's own (the "/fx" rows)
+            for c in with_fixup(cfgs) if args.fixup else cfgs:
                 def call(c=c, w=t):
-                    return awq_gemv(x, w["qweight"], w["qzeros"], w["scales"], args.group, config=c)
+                    return awq_gemv(x, w["qweight"], w["qzeros"], w["scales"], args.group, config=c,
+                                    counters=None if c.get("COUNTERS") == "memset" else counters)
                 err = rel_err(call(), want)
                 worst = max(worst, err)
                 if err > 2e-2:

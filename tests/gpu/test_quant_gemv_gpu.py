@@ -115,3 +115,39 @@ def test_half2_wordcol_gemv(N, K):
     x.copy_(torch.randn(1, K, device="cuda", generator=gen))
     g.replay()
     assert torch.equal(y, awq_wordcol_gemv(x, *args, cfg))
+
+
+@pytest.mark.parametrize("N,K", [(12288, 2560), (2560, 6144)])
+def test_wordcol_fixup_is_bitwise_the_reduce_launch(N, K):
+    """The split-K reduce inside the one-row GEMV (FIXUP: the last of each tile's K slices adds the partials; its
+    counters a release / acquire atomic on the GPU, where slices finish in any order) against the reduce launch:
+    bitwise equal over 50 calls on new rows, eager and replayed from a CUDA graph, with the caller's counters and
+    with per-call zeros, and the counters back at 0 after every launch."""
+    from revolta.kernels.quant.common import device_facts
+    from revolta.kernels.quant.gemv_wordcol import awq_wordcol_gemv, default_wordcol_config
+
+    gen = torch.Generator(device="cuda").manual_seed(N + 1)
+    fmt, t = _packed("awq", N, K, gen)
+    sms = device_facts(torch.device("cuda"))[0]
+    args = (t["qweight"], t["qzeros"], t["scales"], 32)
+    counters = torch.zeros(N // 8, dtype=torch.int32, device="cuda")
+    for dt in (torch.float16, torch.bfloat16):
+        cfg = default_wordcol_config(N, K, 32, sms, dt)
+        assert cfg["SPLIT_K"] > 1
+        fx = cfg | dict(FIXUP=True)
+        bias = torch.randn(N, device="cuda", generator=gen).to(dt)
+        x = torch.randn(1, K, device="cuda", generator=gen).to(dt)
+        for i in range(50):
+            x.normal_(generator=gen)
+            want = awq_wordcol_gemv(x, *args, bias, cfg)
+            assert torch.equal(awq_wordcol_gemv(x, *args, bias, fx, counters), want), (dt, i)
+            assert torch.equal(awq_wordcol_gemv(x, *args, bias, fx), want), (dt, i)
+        assert not counters.any()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = awq_wordcol_gemv(x, *args, bias, fx, counters)
+        for i in range(50):
+            x.normal_(generator=gen)
+            g.replay()
+            assert torch.equal(y, awq_wordcol_gemv(x, *args, bias, cfg)), (dt, "graph", i)
+        assert not counters.any()

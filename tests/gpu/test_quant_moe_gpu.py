@@ -84,3 +84,47 @@ def test_nvfp4_moe_default_path_matches_the_reference(M):
         ref = QMOE.quant_fused_moe_ref(x, gate_up, down, ids, w)
         assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w), ref) < 1e-2, dt
         assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, config=nib), ref) < 1e-2, dt
+
+
+@pytest.mark.parametrize("M", [1, 8, 40])
+def test_awq_moe_fixup_is_bitwise_the_reduce_launches(M):
+    """The word-column MoE's reduces inside its kernels (FIXUP: act formed by each gate_up tile's last K slice, the
+    slots summed by each (token, down tile)'s last program; release / acquire counters, programs finishing in any
+    order) against the split-act and slot-sum launches: bitwise equal over 20 new token sets and routings, eager and
+    replayed from a CUDA graph, in fp16 and bf16, and the weights' counters back at 0."""
+    import dataclasses
+
+    from revolta.kernels import moe as MOE
+    from revolta.kernels.quant import moe as QMOE
+
+    bq = _bench()
+    gen = torch.Generator(device="cuda").manual_seed(M + 7)
+    (gate_up, down), shared = bq.awq_bank(bq.E, bq.H, bq.I, "cuda", gen)
+    gate_up = dataclasses.replace(gate_up, counters=torch.zeros(4096, dtype=torch.int32, device="cuda"))
+    for dt in (torch.float16, torch.bfloat16):
+        cfg = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90, layout="awq", dtype=dt)
+        assert cfg["WORDCOL"]
+        fx = cfg | dict(FIXUP=True)
+        x = torch.randn(M, bq.H, device="cuda", dtype=dt, generator=gen)
+        logits = torch.randn(M, bq.E, device="cuda", generator=gen)
+        shared_logits = torch.randn(M, device="cuda", generator=gen)
+
+        def call(c):
+            ids, w = MOE.moe_route(logits, bq.TOPK, shared_logits=shared_logits)
+            return QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=c)
+
+        for i in range(20):
+            x.normal_(generator=gen)
+            logits.normal_(generator=gen)
+            assert torch.equal(call(fx), call(cfg)), (dt, i)
+        assert not gate_up.counters.any()
+        call(fx)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = call(fx)
+        for i in range(20):
+            x.normal_(generator=gen)
+            logits.normal_(generator=gen)
+            g.replay()
+            assert torch.equal(y, call(cfg)), (dt, "graph", i)
+        assert not gate_up.counters.any()

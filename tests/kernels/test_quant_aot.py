@@ -79,6 +79,20 @@ def _builds(arch):
                                            SPLIT_K=h2["SPLIT_K"], USE_DOT=False, HAS_BIAS=False, EVEN=True,
                                            ROWS=h2["BLOCK_K"], PREFETCH=False, HALF2=True, ASM=True, N_FIXED=N),
                                       h2["num_warps"], h2["num_stages"])
+    # the split-K reduce inside the GEMV (FIXUP: each tile's last K slice adds the partials, counted in int32)
+    b["awq_wordcol_half2_gemv_M1_fx"] = (gemv_wordcol._awq_wordcol_kernel,
+                                         b["awq_wordcol_half2_gemv_M1"][1] + " counters FIXUP",
+                                         b["awq_wordcol_half2_gemv_M1"][2] + "ic",
+                                         b["awq_wordcol_half2_gemv_M1"][3] | dict(FIXUP=True), h2["num_warps"],
+                                         h2["num_stages"])
+    # bf16 rows on the fp16-pair walk (each step scaled into fp16; "a" is bf16 on sm_90)
+    b["awq_wordcol_bf16_half2_gemv_M1"] = (gemv_wordcol._awq_wordcol_kernel, b["awq_wordcol_half2_gemv_M1"][1],
+                                           "a" + b["awq_wordcol_half2_gemv_M1"][2][1:5] + "aa"
+                                           + b["awq_wordcol_half2_gemv_M1"][2][7:],
+                                           b["awq_wordcol_half2_gemv_M1"][3], h2["num_warps"], h2["num_stages"])
+    b["awq_wordcol_gemv_M1_fx"] = (gemv_wordcol._awq_wordcol_kernel, b["awq_wordcol_gemv_M1"][1] + " counters FIXUP",
+                                   b["awq_wordcol_gemv_M1"][2] + "ic", b["awq_wordcol_gemv_M1"][3] | dict(FIXUP=True),
+                                   wc["num_warps"], wc["num_stages"])
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
                           dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK), 2, 2)
     b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",

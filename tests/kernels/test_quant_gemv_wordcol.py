@@ -47,6 +47,31 @@ def test_wordcol_gemv_matches_reference(N, K, G, bn, warps, split, rows, dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=EPS[dtype], atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("N,K,split,rows,half2,dtype,bias", [
+    (576, 256, 4, None, False, torch.bfloat16, True),  # masked last tile, bias added once by the last slice
+    (512, 128, 2, None, False, torch.float32, False),
+    (256, 256, 3, 16, True, torch.float16, True),  # the fp16-pair walk
+], ids=str)
+def test_wordcol_fixup_is_bitwise_the_reduce_launch(N, K, split, rows, half2, dtype, bias):
+    """FIXUP: the last K slice of each tile adds the slices' partials (+ bias) and writes out (no reduce launch):
+    bitwise the reduce launch's output, every output written (NaN-poisoned), the caller's counters back at 0; with
+    none, or too few, the wrapper counts on zeros of its own."""
+    g = torch.Generator().manual_seed(N + split)
+    make, ref, tri, _, _ = CASES["awq"]
+    args = make(N, K, 32, g)
+    x = torch.randn(1, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    cfg = wordcol_config(N, K, 32, 4, 256, 1, split, rows, half2=half2)
+    want = tri(x, *args, bias=b, config=cfg)
+    torch.testing.assert_close(want.float(), ref(x, *args, bias=b).float(), rtol=EPS[dtype] * (8 if half2 else 1),
+                               atol=2e-3 * want.float().abs().max().item())
+    counters = torch.zeros(triton.cdiv(N, 256), dtype=torch.int32)
+    for c in (counters, None, torch.zeros(1, dtype=torch.int32)):
+        got = awq_wordcol_gemv(x, *args[:3], 32, b, cfg | dict(FIXUP=True), counters=c)
+        assert torch.equal(got, want)
+    assert not counters.any()
+
+
 @pytest.mark.parametrize("M,split,half2,dtype", [(3, 2, False, torch.bfloat16), (2, 1, False, torch.float32),
                                                   (2, 2, True, torch.float16)], ids=str)
 def test_wordcol_gemv_several_rows(M, split, half2, dtype):
@@ -152,9 +177,27 @@ def test_half2_partials_hold_fp16s_largest_activations():
         _close_half2(awq_wordcol_gemv(x, qw, qz, sc, G, None, cfg), want)
 
 
-def test_half2_takes_fp16_only():
+@pytest.mark.parametrize("magnitude", [1.0, 3e6, 1e-7], ids=str)
+def test_half2_walk_of_bf16_rows_scales_each_step_into_fp16(magnitude):
+    """bf16 x on the fp16-pair walk: each step's x scaled by a power of two so its largest lies in [2^14, 2^15)
+    (exact: bf16 has 8 significant bits) and the step's sums scaled back, so rows far outside fp16's range (3e6 with
+    one entry 100x that: 3e8) or deep in its subnormals (1e-7) give the reference's output, no inf or zero; the
+    result is bf16, within bf16's rounding of the fp32 walk's."""
+    g = torch.Generator().manual_seed(7)
+    make, ref, tri, _, _ = CASES["awq"]
+    N, K, G = 256, 128, 32
+    args = make(N, K, G, g)
+    x = torch.randn(1, K, generator=g) * magnitude
+    x[0, 5] *= 100
+    x = x.bfloat16()
+    want = ref(x, *args)
+    got = awq_wordcol_gemv(x, *args[:3], G, None, wordcol_config(N, K, G, 4, split=2, rows=16, half2=True))
+    assert got.dtype == torch.bfloat16 and got.isfinite().all() and (got != 0).float().mean() > 0.9
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -7, atol=4e-3 * want.float().abs().max().item())
+
+
+def test_half2_takes_16_bit_rows_only():
     make, _, _, _, _ = CASES["awq"]
     qw, qz, sc, G = make(256, 64, 32, torch.Generator().manual_seed(0))
-    with pytest.raises(AssertionError, match="fp16"):
-        awq_wordcol_gemv(torch.randn(1, 64).bfloat16(), qw, qz, sc, G, None,
-                         wordcol_config(256, 64, G, 4, rows=8, half2=True))
+    with pytest.raises(AssertionError, match="fp16 or bf16"):
+        awq_wordcol_gemv(torch.randn(1, 64), qw, qz, sc, G, None, wordcol_config(256, 64, G, 4, rows=8, half2=True))

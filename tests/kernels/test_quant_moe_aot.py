@@ -94,8 +94,8 @@ def wordcol_builds():
 
     out = {}
     for tag, c in (("_M1", MOE_WORDCOL), ("_half2_M1", MOE_WORDCOL_HALF2), ("_pairs", MOE_WORDCOL_PAIRS),
-                   ("_half2_pairs", MOE_WORDCOL_PAIRS_HALF2)):
-        act = "h" if c["HALF2"] else "a"
+                   ("_half2_pairs", MOE_WORDCOL_PAIRS_HALF2), ("_bf16_half2_pairs", MOE_WORDCOL_PAIRS_HALF2)):
+        act = "h" if c["HALF2"] and "bf16" not in tag else "a"  # bf16 on fp16 pairs: "a" is bf16 on sm_90
         flags = dict(G=32, HAS_SHARED=True, ROWS=c["ROWS"], PREFETCH=c["PREFETCH"], HALF2=c["HALF2"], ASM=True)
         out[f"awq_wordcol{tag}_gate_up"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
                                             act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * 10,
@@ -106,6 +106,18 @@ def wordcol_builds():
                                          act + "iih" * 2 + "ffi" + "n" * 9 + "c" * 9,
                                          dict(flags, BLOCK_N=c["BLOCK_N_DOWN"], SPLIT=c["SPLIT_DOWN"], EVEN=True),
                                          c["num_warps"], 1, "awq")
+        # the reduces inside the kernels (FIXUP: each tile's last program adds the partials, counted in int32)
+        out[f"awq_wordcol{tag}_gate_up_fx"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP + " counters FIXUP",
+                                               act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * 10 + "ic",
+                                               dict(flags, BLOCK_N=c["BLOCK_N_UP"], SPLIT=c["SPLIT_UP"], EVEN=False,
+                                                    TOP_K=TOP_K, FIXUP=True),
+                                               c["num_warps"], 1, "awq")
+        out[f"awq_wordcol{tag}_down_fx"] = (moe_wordcol._wordcol_down_kernel,
+                                            WORDCOL_DOWN + " out counters TOP_K FIXUP",
+                                            act + "iih" * 2 + "ffi" + "n" * 9 + "c" * 9 + act + "icc",
+                                            dict(flags, BLOCK_N=c["BLOCK_N_DOWN"], SPLIT=c["SPLIT_DOWN"], EVEN=True,
+                                                 TOP_K=TOP_K, FIXUP=True),
+                                            c["num_warps"], 1, "awq")
     return out
 
 
@@ -160,7 +172,7 @@ def test_aot_real_shapes(arch, reports):
     spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column builds spill (budget 0 on every arch): {spills}"
-    assert sum("wordcol" in n for n in reports[arch]) == 8
+    assert sum("wordcol" in n for n in reports[arch]) == 20
     assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 

@@ -8,6 +8,8 @@ The interpreter runs tl.dot and arithmetic on bf16 as raw uint16 bits (numpy has
 (tests/kernels/conftest.py) gives both fp32 operands (exact) and rounds arithmetic back to bf16, what the GPU
 computes."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_quant_moe import TOL, _case
@@ -63,6 +65,19 @@ def test_wordcol_path_matches_reference(dtype, split):
     torch.testing.assert_close(out, ref, **TOLS[dtype])
 
 
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("M", [1, 3], ids=str)
+def test_half2_wordcol_path_takes_bf16_tokens(M):
+    """bf16 tokens on the fp16-pair walk (each step's x, and act in the down walk, scaled into fp16 by a power of
+    two), one token and a program row per pair, with the reduces inside the kernels: the reference's MoE within
+    bf16's rounding."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", M, torch.bfloat16)
+    cfg = WORDCOL | dict(SPLIT_UP=2, SPLIT_DOWN=2, ROWS=16, HALF2=True, FIXUP=True)
+    out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOLS[torch.bfloat16])
+
+
 @pytest.mark.parametrize("split", [(1, 1, 32), (2, 3, 8), (3, 1, 16)], ids=str)
 def test_half2_wordcol_path_matches_reference(split):
     """The same walk on fp16 pairs (HALF2: gemv_wordcol.wordcol_slice_half2, half2.py's interpreter twin): products
@@ -87,6 +102,26 @@ def test_wordcol_path_several_tokens(M, dtype, split):
     out = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOLS[dtype])
+
+
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("M,dtype,split", [(1, torch.bfloat16, (3, 2, 8)), (1, torch.float32, (1, 3, 16)),
+                                           (5, torch.float16, (2, 3, 8)), (3, torch.bfloat16, (2, 1, 32))], ids=str)
+def test_wordcol_fixup_is_bitwise_the_reduce_launches(M, dtype, split):
+    """FIXUP: the last K slice of each gate_up tile forms act and the last program of each (token, down tile) sums
+    the slots (no split-act / slot-sum launch): bitwise the separate launches' output (one K slice: no split-act,
+    the slot sum still inside), every output written (NaN-poisoned), the layer's own counters back at 0; with too
+    few counters (or none) the wrapper counts on zeros of its own."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
+    assert gate_up.counters is not None and gate_up.counters.dtype == torch.int32 and not gate_up.counters.any()
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2])
+    want = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+    torch.testing.assert_close(want, ref, **TOLS[dtype])
+    got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(FIXUP=True))
+    assert torch.equal(got, want) and not gate_up.counters.any()
+    few = dataclasses.replace(gate_up, counters=torch.zeros(1, dtype=torch.int32))
+    got = quant_fused_moe(x, few, down, ids, w, shared_expert=shared, config=cfg | dict(FIXUP=True))
+    assert torch.equal(got, want) and not few.counters.any()
 
 
 def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70():

@@ -31,8 +31,10 @@ STEPS = 4
 
 
 def _packed_bytes(model) -> int:
-    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))
-               for b in m.buffers())
+    """The packed weights' bytes (not the kernels' split-K counters the layers also hold)."""
+    holders = [h for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))
+               for h in ((m,) if isinstance(m, QuantLinear) else (m.gate_up_proj, m.down_proj))]
+    return sum(t.numel() * t.element_size() for h in holders for t in h.packed().values())
 
 
 @torch.no_grad()

@@ -70,9 +70,17 @@ def build(kernel, signature: dict[str, str], constexprs: dict[str, object] | Non
 
     if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 kernels are InterpretedFunctions
         kernel = JITFunction(kernel.fn)
+    # a parameter left out of the signature takes its default, as a launch that does not pass it does (a None
+    # pointer, e.g. the split-K counters of a kernel built without FIXUP, is a constexpr there too)
+    constexprs = dict(constexprs or {})
+    for p in kernel.params:
+        if p.name not in signature and p.has_default:
+            constexprs.setdefault(p.name, p.default)
+    signature = {p.name: signature.get(p.name, "constexpr") for p in kernel.params
+                 if p.name in signature or p.has_default}  # the kernel's order
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs or {}, attrs=attrs)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -26,14 +26,15 @@ KERNELS = ("auto", "torch", "triton")
 
 
 def quant_linear(x: Tensor, fmt: WeightFormat, packed: dict[str, Tensor], out_features: int,
-                 bias: Tensor | None = None, kernel: str = "auto") -> Tensor:
-    """x [M, in] @ W.T + bias -> [M, out] with W stored `packed` in `fmt` (paths: module docstring)."""
+                 bias: Tensor | None = None, kernel: str = "auto", counters: Tensor | None = None) -> Tensor:
+    """x [M, in] @ W.T + bias -> [M, out] with W stored `packed` in `fmt` (paths: module docstring). counters:
+    int32 zeros the GEMV's fused split-K reduce may count on (QuantLinear's own; None: it allocates them)."""
     if kernel == "auto":
         kernel = "triton" if x.device.type == "cuda" else "torch"
     if kernel == "torch":
         return F.linear(x, fmt.dequantize(packed, x.dtype), bias)
     if x.shape[0] <= MAX_GEMV_ROWS:
-        return fmt.gemv(x.contiguous(), packed, bias)
+        return fmt.gemv(x.contiguous(), packed, bias, counters=counters)
     return dequant_matmul(x, out_features, lambda n0, n1: fmt.dequantize_rows(packed, x.dtype, (n0, n1)), bias)
 
 
@@ -50,6 +51,15 @@ class QuantLinear(nn.Module):
         for name, spec in specs.items():
             self.register_buffer(name, torch.empty(spec.shape, dtype=spec.dtype))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # the GEMV's fused split-K reduce counts its K slices per output tile here (kernels/quant/common.py
+        # splitk_fixup: zero between launches, each launch leaves them at 0); one per 8 outputs covers any tiling
+        self.register_buffer("splitk_counters", torch.zeros(-(-out_features // 8), dtype=torch.int32),
+                             persistent=False)
+
+    def init_buffers(self) -> None:
+        """Zero the split-K counters (after `to_empty` / materialize from the meta device)."""
+        if not self.splitk_counters.is_meta:
+            self.splitk_counters.zero_()
 
     @property
     def disk_dtype_tensors(self) -> tuple[str, ...]:
@@ -65,7 +75,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = quant_linear(x.reshape(-1, self.in_features), self.fmt, self.packed(), self.out_features, self.bias,
-                         self.kernel)
+                         self.kernel, self.splitk_counters)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

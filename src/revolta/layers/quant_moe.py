@@ -17,6 +17,8 @@ layers run inside CUDA graphs; a shared expert packed in the same format rides a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,6 +26,8 @@ from torch import Tensor, nn
 from ..kernels.quant.moe import PackedWeights
 from ..quant.format import TensorSpec, WeightFormat
 from .linear import QuantLinear
+
+SPLITK_COUNTERS = 4096  # int32 counters a packed MoE layer owns for its kernels' fused split-K reduces
 
 
 class PackedExpertWeights(nn.Module):
@@ -52,6 +56,14 @@ class QuantExperts(nn.Module):
         self.fmt, self.hidden_size, self.intermediate_size = fmt, hidden_size, intermediate_size
         self.gate_up_proj = PackedExpertWeights(num_experts, fmt.specs(2 * intermediate_size, hidden_size, shards=2))
         self.down_proj = PackedExpertWeights(num_experts, fmt.specs(hidden_size, intermediate_size))
+        # the kernels' fused split-K reduces count here (kernels/quant/common.py splitk_fixup: zero between launches;
+        # a launch needing more allocates its own): 40 tokens x 11 pairs x 3 tiles of ffn 640 at the real shapes
+        self.register_buffer("splitk_counters", torch.zeros(SPLITK_COUNTERS, dtype=torch.int32), persistent=False)
+
+    def init_buffers(self) -> None:
+        """Zero the split-K counters (after `to_empty` / materialize from the meta device)."""
+        if not self.splitk_counters.is_meta:
+            self.splitk_counters.zero_()
 
     def disk_piece(self, e: int, proj: str, tensor: str) -> tuple[str, tuple] | None:
         """Where the per-expert tensor `experts.{e}.{proj}.{tensor}` goes: (holder.tensor, index), or None."""
@@ -70,7 +82,9 @@ class QuantExperts(nn.Module):
 
     def kernel_weights(self) -> tuple[PackedWeights, PackedWeights]:
         """What kernels.quant.moe.quant_fused_moe takes: gate_up (E packed [2I, H]), down (E packed [H, I])."""
-        return self.fmt.kernel_weights(self.gate_up_proj.packed()), self.fmt.kernel_weights(self.down_proj.packed())
+        gate_up = dataclasses.replace(self.fmt.kernel_weights(self.gate_up_proj.packed()),
+                                      counters=self.splitk_counters)
+        return gate_up, self.fmt.kernel_weights(self.down_proj.packed())
 
     def kernel_shared(self, se: nn.Module) -> tuple[PackedWeights, PackedWeights, PackedWeights] | None:
         """The shared expert's packed (gate, up, down) when it rides in quant_fused_moe as expert E (its three

@@ -49,7 +49,8 @@ class RowParallelQuantLinear(QuantLinear):
         self.ctx = ctx
 
     def forward(self, x: Tensor) -> Tensor:
-        y = quant_linear(x.reshape(-1, self.in_features), self.fmt, self.packed(), self.out_features, None, self.kernel)
+        y = quant_linear(x.reshape(-1, self.in_features), self.fmt, self.packed(), self.out_features, None, self.kernel,
+                         self.splitk_counters)
         y = self.ctx.all_reduce(y).view(*x.shape[:-1], self.out_features)  # partial -> full
         return y if self.bias is None else y + self.bias  # bias once, not once per rank
 

@@ -28,8 +28,9 @@ class AWQ(WeightFormat):
     def dequantize_rows(self, t, dtype, rows):
         return kernels.awq_dequantize(t["qweight"], t["qzeros"], t["scales"], self._g(t), dtype, rows)
 
-    def gemv(self, x, t, bias, nibble=None):
-        return kernels.awq_gemv(x, t["qweight"], t["qzeros"], t["scales"], self._g(t), bias, nibble=nibble)
+    def gemv(self, x, t, bias, nibble=None, counters=None):
+        return kernels.awq_gemv(x, t["qweight"], t["qzeros"], t["scales"], self._g(t), bias, nibble=nibble,
+                                counters=counters)
 
     def kernel_weights(self, t):
         return PackedWeights("awq", (t["qweight"], t["qzeros"], t["scales"]), self._g(t))

@@ -38,7 +38,7 @@ class CTInt4(WeightFormat):
         return kernels.ct_int4_dequantize(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
                                           self._g(t), dtype, rows)
 
-    def gemv(self, x, t, bias, nibble=None):
+    def gemv(self, x, t, bias, nibble=None, counters=None):
         return kernels.ct_int4_gemv(x, t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
                                     self._g(t), bias, nibble=nibble)
 

@@ -74,9 +74,11 @@ class WeightFormat:
         """W[n0:n1] in `dtype` (Triton)."""
         raise NotImplementedError
 
-    def gemv(self, x: Tensor, t: Mapping[str, Tensor], bias: Tensor | None, nibble: bool | None = None) -> Tensor:
+    def gemv(self, x: Tensor, t: Mapping[str, Tensor], bias: Tensor | None, nibble: bool | None = None,
+             counters: Tensor | None = None) -> Tensor:
         """x [M, in] @ W.T + bias -> [M, out] in x.dtype (Triton, M <= MAX_GEMV_ROWS). nibble: the group-factored
-        path or the tile path (None: kernels/quant/gemv_nibble.py's default)."""
+        path or the tile path (None: kernels/quant/gemv_nibble.py's default). counters: int32 zeros for a fused
+        split-K reduce (kernels/quant/common.py splitk_counters), where the format's kernels have one."""
         raise NotImplementedError
 
     def kernel_weights(self, t: Mapping[str, Tensor]) -> PackedWeights:

@@ -38,7 +38,7 @@ class ModelOptNVFP4(WeightFormat):
         return kernels.nvfp4_dequantize(t[self.codes], t["weight_scale"], t[self.global_scale].reshape(-1),
                                         self.inverted, dtype, rows)
 
-    def gemv(self, x, t, bias, nibble=None):
+    def gemv(self, x, t, bias, nibble=None, counters=None):
         return kernels.nvfp4_gemv(x, t[self.codes], t["weight_scale"], t[self.global_scale].reshape(-1),
                                   self.inverted, bias, nibble=nibble)
 

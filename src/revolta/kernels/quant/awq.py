@@ -125,14 +125,16 @@ def awq_dequantize(qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: 
 
 
 def awq_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int,
-             bias: Tensor | None = None, config: dict | None = None, nibble: bool | None = None) -> Tensor:
+             bias: Tensor | None = None, config: dict | None = None, nibble: bool | None = None,
+             counters: Tensor | None = None) -> Tensor:
     """Triton version of `awq_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous). nibble: the
-    group-factored path (gemv_nibble.py) or the tile path; None: the default there; `config` decides when given."""
+    group-factored path (gemv_nibble.py) or the tile path; None: the default there; `config` decides when given.
+    counters: int32 zeros the word-column path's fused split-K reduce may count on (common.splitk_counters)."""
     N, K = _check(qweight, qzeros, scales, group_size)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
     cfg = config or gemv_config_for(x, N, K, group_size, "awq", PACK, nibble)
     if cfg.get("NIBBLE_DOT"):
-        return nibble_gemv(x, N, bias, cfg, "awq", (qweight, qzeros, scales), group_size)
+        return nibble_gemv(x, N, bias, cfg, "awq", (qweight, qzeros, scales), group_size, counters=counters)
     if cfg.get("WORDCOL"):
-        return awq_wordcol_gemv(x, qweight, qzeros, scales, group_size, bias, cfg)
+        return awq_wordcol_gemv(x, qweight, qzeros, scales, group_size, bias, cfg, counters)
     return launch_gemv(_awq_gemv_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group_size)

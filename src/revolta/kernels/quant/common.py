@@ -110,6 +110,45 @@ def store_partial(ws, out, bias, acc, o_m, o_n, M, N, stride_om, i_split,
 
 
 @triton.jit
+def splitk_last(counters, tile, SPLIT_K: tl.constexpr):
+    """Whether this program is the last of the SPLIT_K programs that write partials of `tile` (int32 counters[tile],
+    0 between launches): every program counts itself in once its partial stores are issued, and the one that finds
+    SPLIT_K - 1 before it adds the partials (`splitk_fixup`) and puts the counter back to 0 for the next launch.
+    The barrier orders all the program's threads' stores before the counting thread's release; the acquire side of
+    the same atomic orders the last program's loads after every other program's release."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+    last = seen == SPLIT_K - 1
+    if last:
+        tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def splitk_sum(p, mask, slice_stride, SPLIT_K: tl.constexpr):
+    """Σ_s p[s · slice_stride] over fp32 partials at pointers p (any block shape), in slice order from 0.0 (the sums of
+    _splitk_reduce_kernel); read from L2 (`.cg`: never a line an earlier load left in this SM's L1)."""
+    acc = tl.zeros(p.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def splitk_fixup(ws, out, bias, counters, tile, o_m, o_n, M, N, stride_om, SPLIT_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """The split-K reduce inside the GEMV: after a program stored its partial of rows o_m x features o_n to ws
+    [SPLIT_K, M, N], the last of the tile's SPLIT_K programs (`splitk_last`) writes out [o_m, o_n] = Σ_s ws[s]
+    (+ bias), rounded once: `_splitk_reduce_kernel`'s order and arithmetic (bitwise its output), one launch fewer."""
+    if splitk_last(counters, tile, SPLIT_K):
+        mask = (o_m[:, None] < M) & (o_n[None, :] < N)
+        acc = splitk_sum(ws + o_m[:, None].to(tl.int64) * N + o_n[None, :], mask, M * N, SPLIT_K)
+        if HAS_BIAS:
+            acc += tl.load(bias + o_n, mask=o_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _splitk_reduce_kernel(ws, bias, out, M, N, stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr):
     i_m = tl.program_id(0).to(tl.int64)
@@ -164,9 +203,21 @@ def gemv_config(M: int, N: int, K: int, k_align: int, num_sms: int, n_align: int
                 k_per_split=triton.cdiv(steps, split) * bk, num_warps=4, num_stages=2 if use_dot else 3)
 
 
-def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args, **constexprs) -> Tensor:
+def splitk_counters(tiles: int, device: torch.device, counters: Tensor | None = None) -> Tensor:
+    """int32 counters for `tiles` fused split-K tiles (`splitk_fixup`): `counters` (a caller's buffer, zero between
+    launches: each launch leaves its counters at 0) when it is large enough, else fresh zeros (one memset)."""
+    if counters is not None and counters.numel() >= tiles:
+        assert counters.dtype == torch.int32 and counters.device == device, (counters.dtype, counters.device)
+        return counters
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args,
+                counters: Tensor | None = None, **constexprs) -> Tensor:
     """Run a packed GEMV `kernel(x, *args, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, ...)` over
-    x [M, K] and return out [M, N] in x.dtype (split-K partials reduced in order when SPLIT_K > 1)."""
+    x [M, K] and return out [M, N] in x.dtype (split-K partials reduced in order when SPLIT_K > 1: by
+    `_splitk_reduce_kernel`, or with cfg["FIXUP"] (kernels that take `counters` and FIXUP) by the last program of each
+    tile, `splitk_fixup`, over `counters` (splitk_counters))."""
     M, K = x.shape
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
@@ -174,11 +225,14 @@ def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args
     split = cfg["SPLIT_K"]
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
+    fixup = split > 1 and cfg.get("FIXUP", False)
+    if fixup:
+        constexprs.update(counters=splitk_counters(grid[0] * grid[2], x.device, counters), FIXUP=True)
     kernel[grid](x, *args, ws, out, bias if bias is not None else out, M, N, K, x.stride(0), out.stride(0),
                  cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                  SPLIT_K=split, USE_DOT=cfg["USE_DOT"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
                  num_stages=cfg["num_stages"], **constexprs)
-    if split > 1:
+    if split > 1 and not fixup:
         _splitk_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](ws, bias if bias is not None else ws, out, M, N,
                                                                 out.stride(0), SPLIT_K=split,
                                                                 HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import device_facts, gemv_config, launch_gemv, store_partial
+from .common import device_facts, gemv_config, launch_gemv, splitk_fixup, store_partial
 from .gemv_wordcol import default_wordcol_config, use_wordcol
 from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_rows, split_len
 
@@ -121,10 +121,12 @@ def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align:
 def _nibble_gemv_kernel(x, w0, w1, w2, rows_per_shard, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split,
                         FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_AHEAD: tl.constexpr):
+                        USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_AHEAD: tl.constexpr, counters=None,
+                        FIXUP: tl.constexpr = False):
     """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ; w0..w2: the
     format's three tensors (nibble._group). USE_DOT: always True (launch_gemv's argument list); SCALE_AHEAD:
-    nibble._nibble_rows_matmul."""
+    nibble._nibble_rows_matmul. FIXUP (SPLIT_K > 1): the last K slice of each (row block, N tile) adds the partials
+    and writes out (common.splitk_fixup over int32 `counters`) instead of a reduce launch."""
     i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = i_n * BLOCK_N
@@ -134,13 +136,18 @@ def _nibble_gemv_kernel(x, w0, w1, w2, rows_per_shard, ws, out, bias, M, N, K, s
                                  k_hi, rows_per_shard, FMT, G, HAS_ZP, INVERTED, BLOCK_N, BLOCK_M, BLOCK_K,
                                  False, SCALE_AHEAD)  # [BM, BN] fp32
     store_partial(ws, out, bias, acc, o_m, n + tl.arange(0, BLOCK_N), M, N, stride_om, i_s, SPLIT_K, HAS_BIAS)
+    if FIXUP:
+        splitk_fixup(ws, out, bias, counters, i_m * tl.num_programs(0) + i_n, o_m, n + tl.arange(0, BLOCK_N), M, N,
+                     stride_om, SPLIT_K, HAS_BIAS)
 
 
 def nibble_gemv(x: Tensor, N: int, bias: Tensor | None, cfg: dict, layout: str, tensors: tuple[Tensor, Tensor, Tensor],
-                group: int, has_zp: bool = False, inverted: bool = False, rows_per_shard: int = 1) -> Tensor:
+                group: int, has_zp: bool = False, inverted: bool = False, rows_per_shard: int = 1,
+                counters: Tensor | None = None) -> Tensor:
     """x [M, K] @ Wᵀ (+ bias) -> [M, N] in x.dtype on the nibble path; `tensors` as nibble._group takes them
     (awq: qweight, qzeros, scales; ct_int4: weight_packed, weight_scale, zero points or any int32 tensor;
     nvfp4: codes, E4M3 scale bytes, global scales [S] with `rows_per_shard` rows each)."""
     assert cfg.get("NIBBLE_DOT") and cfg["BLOCK_M"] >= 16, f"the nibble path is tl.dot only (BLOCK_M >= 16): {cfg}"
     return launch_gemv(_nibble_gemv_kernel, x, N, bias, cfg, *tensors, rows_per_shard, FMT=LAYOUTS.index(layout),
-                       G=group, HAS_ZP=has_zp, INVERTED=inverted, SCALE_AHEAD=cfg.get("SCALE_AHEAD", False))
+                       G=group, HAS_ZP=has_zp, INVERTED=inverted, SCALE_AHEAD=cfg.get("SCALE_AHEAD", False),
+                       counters=counters)

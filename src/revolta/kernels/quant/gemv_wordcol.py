@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import launch_gemv, store_partial
+from .common import launch_gemv, splitk_fixup, store_partial
 from .half2 import awq_code_pair, h2_fma, h2_hi, h2_lo, h2_splat
 from .nibble import split_len
 
@@ -212,12 +212,28 @@ def _wordcol_slice_f32(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constex
 
 
 @triton.jit
-def _flush_pair(a_lo, a_hi, p, sc_row, o_w, m_w, j: tl.constexpr):
+def _flush_pair(a_lo, a_hi, p, sc_row, o_w, m_w, back, j: tl.constexpr, SCALED: tl.constexpr):
     """a_lo / a_hi [W] (features 2j / 2j + 1 of words o_w) += s · lane of the step's fp16 pair sums p (the walk
-    multiplies its sums by 512 once at the end)."""
+    multiplies its sums by 512 once at the end); SCALED: the step's x was scaled by 1 / back (bf16 x), undone here."""
     s_lo = tl.load(sc_row + o_w * 8 + 2 * j, mask=m_w).to(tl.float32)
     s_hi = tl.load(sc_row + o_w * 8 + 2 * j + 1, mask=m_w).to(tl.float32)
+    if SCALED:
+        s_lo = s_lo * back
+        s_hi = s_hi * back
     return a_lo + h2_lo(p) * s_lo, a_hi + h2_hi(p) * s_hi
+
+
+@triton.jit
+def _step_scale(x_row, k0, ROWS: tl.constexpr):
+    """(x scale, its inverse) of a step of bf16 x: the powers of two 2^(14 - e), 2^(e - 14) for the step's largest
+    |x_k| in [2^e, 2^(e + 1)), so the scaled x lie within fp16's range (< 2^15) and convert to fp16 exactly (bf16's
+    8 significant bits; only x under 2^-24 of the largest would lose bits)."""
+    m = tl.abs(tl.load(x_row + k0).to(tl.float32))
+    for r in tl.static_range(1, ROWS):
+        m = tl.maximum(m, tl.abs(tl.load(x_row + k0 + r).to(tl.float32)))
+    e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)  # biased exponent; an all-zero step: any scale
+    e = tl.minimum(e, 254)  # inf / NaN stay inf / NaN
+    return ((268 - e) << 23).to(tl.float32, bitcast=True), ((e - 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -242,6 +258,7 @@ def wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.conste
     65504 / 512), and costs absolute precision only where |x_k (q - z)| < 2^-14 · 512 = 1/32 (subnormal products,
     2^-25 · 512 = 1.5e-5 each)."""
     tl.static_assert(ROWS <= 32, "fp16 partials of at most 32 rows (HALF2_MAX_ROWS)")
+    SCALED: tl.constexpr = x_row.dtype.element_ty == tl.bfloat16  # bf16 x: each step scaled into fp16 (_step_scale)
     NW = N // 8
     m_even = tl.full([W], 0x78007800, tl.int32)  # 2^15 in both lanes: awq_code_pair's j = 0, 2
     m_odd = tl.full([W], 0x68006800, tl.int32)  # 2^11: j = 1, 3
@@ -258,19 +275,26 @@ def wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.conste
         nz2 = h2_fma(awq_code_pair(b_z, 2), neg_even, zero, ASM)
         nz3 = h2_fma(awq_code_pair(b_z, 3), neg_odd, zero, ASM)
         p0, p1, p2, p3 = zero, zero, zero, zero
+        if SCALED:
+            x_scale, back = _step_scale(x_row, k0, ROWS)
+        else:
+            x_scale, back = 1.0, 1.0
         rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
         for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead
             wd = tl.load(rows + r * NW, mask=m_w)
-            xx = h2_splat(tl.load(x_row + k0 + r))  # (x_k, x_k)
+            if SCALED:
+                xx = h2_splat((tl.load(x_row + k0 + r).to(tl.float32) * x_scale).to(tl.float16))
+            else:
+                xx = h2_splat(tl.load(x_row + k0 + r))  # (x_k, x_k)
             p0 = _step_pair(wd, 0, m_even, nz0, xx, p0, ASM)
             p1 = _step_pair(wd, 1, m_odd, nz1, xx, p1, ASM)
             p2 = _step_pair(wd, 2, m_even, nz2, xx, p2, ASM)
             p3 = _step_pair(wd, 3, m_odd, nz3, xx, p3, ASM)
         sc_row = sc + g * N
-        a0, a4 = _flush_pair(a0, a4, p0, sc_row, o_w, m_w, 0)
-        a1, a5 = _flush_pair(a1, a5, p1, sc_row, o_w, m_w, 1)
-        a2, a6 = _flush_pair(a2, a6, p2, sc_row, o_w, m_w, 2)
-        a3, a7 = _flush_pair(a3, a7, p3, sc_row, o_w, m_w, 3)
+        a0, a4 = _flush_pair(a0, a4, p0, sc_row, o_w, m_w, back, 0, SCALED)
+        a1, a5 = _flush_pair(a1, a5, p1, sc_row, o_w, m_w, back, 1, SCALED)
+        a2, a6 = _flush_pair(a2, a6, p2, sc_row, o_w, m_w, back, 2, SCALED)
+        a3, a7 = _flush_pair(a3, a7, p3, sc_row, o_w, m_w, back, 3, SCALED)
     # the codes' 1/512 undone once (exact: a power of two)
     return a0 * 512.0, a1 * 512.0, a2 * 512.0, a3 * 512.0, a4 * 512.0, a5 * 512.0, a6 * 512.0, a7 * 512.0
 
@@ -280,14 +304,15 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True,
-                        N_FIXED: tl.constexpr = 0):
+                        N_FIXED: tl.constexpr = 0, counters=None, FIXUP: tl.constexpr = False):
     """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ, row
     program_id(2) (each row walks the weight on its own: M rows read it M times, from L2 when their programs run
     together), W as AutoAWQ's qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT:
     launch_gemv's argument list (1, G, False). EVEN: BLOCK_N divides N (no feature masks: ~10% fewer instructions a
     weight in the sm_90 loop). ROWS, PREFETCH, HALF2, ASM: wordcol_slice's. N_FIXED: N as a compile-time constant
     (0: not), so the walk's row offsets are immediates of its loads (a runtime row stride costs ~3 instructions a
-    row: RESULTS.md K6f)."""
+    row: RESULTS.md K6f). FIXUP (SPLIT_K > 1): the last of a tile's K slices adds the slices' partials and writes out
+    (common.splitk_fixup over int32 `counters`, one a (row, N tile)) instead of a reduce launch."""
     if N_FIXED > 0:
         N = N_FIXED
     i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -305,18 +330,23 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
     _store(ws, out, bias, a5, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 5)
     _store(ws, out, bias, a6, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 6)
     _store(ws, out, bias, a7, i_m, o_w, M, N, stride_om, i_s, SPLIT_K, HAS_BIAS, 7)
+    if FIXUP:  # the tile's features are BLOCK_N consecutive ones: words o_w, each its 8
+        splitk_fixup(ws, out, bias, counters, i_m * tl.num_programs(0) + i_n, i_m + tl.arange(0, 1),
+                     i_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N, stride_om, SPLIT_K, HAS_BIAS)
 
 
 def awq_wordcol_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group: int, bias: Tensor | None,
-                     cfg: dict) -> Tensor:
+                     cfg: dict, counters: Tensor | None = None) -> Tensor:
     """x [M, K] @ Wᵀ (+ bias) -> [M, N] in x.dtype on the word-column path (`wordcol_config`; the default for one
     row, `use_wordcol`; several rows only when asked: each walks the weight on its own)."""
     assert cfg.get("WORDCOL") and cfg["BLOCK_M"] == 1, f"the word-column GEMV takes its own config: {cfg}"
     assert qweight.numel() < 2 ** 31, "the word-column GEMV indexes qweight in int32"
     half2 = cfg.get("HALF2", False)
-    assert x.dtype == torch.float16 or not half2, f"the fp16-pair walk (HALF2) takes fp16 activations, not {x.dtype}"
+    assert x.dtype in (torch.float16, torch.bfloat16) or not half2, \
+        f"the fp16-pair walk (HALF2) takes fp16 or bf16 activations, not {x.dtype}"
     N = scales.shape[1]
     return launch_gemv(_awq_wordcol_kernel, x, N, bias, cfg, qweight, qzeros, scales, G=group,
                        EVEN=N % cfg["BLOCK_N"] == 0, ROWS=cfg["BLOCK_K"], PREFETCH=cfg.get("PREFETCH", False),
                        HALF2=half2, ASM=x.is_cuda,  # the interpreter runs half2.py's twin of the inline PTX
-                       N_FIXED=N if half2 else 0)  # a kernel per N (a layer's N is fixed): immediate row offsets
+                       N_FIXED=N if half2 else 0,  # a kernel per N (a layer's N is fixed): immediate row offsets
+                       counters=counters)

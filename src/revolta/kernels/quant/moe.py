@@ -50,7 +50,7 @@ from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
 from .moe_decode import _split_act_kernel
 from .moe_wordcol import _wordcol_down_kernel, _wordcol_gate_up_kernel
-from .common import REDUCE_BLOCK
+from .common import REDUCE_BLOCK, splitk_counters
 from .nibble import LAYOUTS, nibble_block_k, nibble_min_rows, split_len
 
 
@@ -62,12 +62,15 @@ class PackedWeights:
              ct_int4 (weight_packed [N, K/8], weight_scale [N, K/G], weight_zero_point [N/8, K/G] or None);
              nvfp4 (codes uint8 [N, K/2], E4M3 scales as uint8 [N, K/16], global scales fp32 [S] (S row shards)).
     group: inputs per scale (16 for NVFP4); inverted: the NVFP4 global scale divides (compressed-tensors).
+    counters: int32, zero between launches: the fused split-K reduces' counters of the kernels that read these
+    weights (`common.splitk_counters`; a launch that needs more, or finds None, allocates zeros of its own).
     """
 
     layout: str
     tensors: tuple[Tensor, Tensor, Tensor | None]
     group: int
     inverted: bool = False
+    counters: Tensor | None = None
 
     @property
     def nk(self) -> tuple[int, int]:
@@ -369,12 +372,15 @@ def quant_fused_moe(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk
         return _expert_loop(x, gate_up, down, topk_ids, topk_weights, shared_expert, dequantize)
     cfg = config or quant_grouped_config(M, k, E + (shared_expert is not None), _arch(x.device),
                                          layout=gate_up.layout, dtype=x.dtype)
-    y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg)  # [M·k·SPLIT_DOWN, H]
-    return moe_sum(y, out, y.shape[0] // M)
+    y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg, out)
+    if y is out:  # the word-column down kernel summed the slots itself (FIXUP)
+        return out
+    return moe_sum(y, out, y.shape[0] // M)  # y [M·k·SPLIT_DOWN, H]
 
 
-def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg) -> Tensor:
-    """Per pair w_pair · down_e(SiLU(gate_e x) ⊙ up_e x) in fp32: y [M·k, H] (row token·k + slot)."""
+def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg, out=None) -> Tensor:
+    """Per pair w_pair · down_e(SiLU(gate_e x) ⊙ up_e x) in fp32: y [M·k, H] (row token·k + slot); or `out` [M, H]
+    itself, its slots summed, where the word-column path's FIXUP did that inside its down kernel."""
     M, H = x.shape
     E, I = gate_up.tensors[0].shape[0], down.nk[1]
     k = topk_ids.shape[1]
@@ -399,7 +405,7 @@ def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert,
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if wordcol:
         return _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
-                                   shared_expert is not None, cfg)
+                                   shared_expert is not None, cfg, out)
     if cfg.get("NIBBLE_DOT", False):
         slots = (ids, order, slot_expert, slot_start, slot_end)
         return _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_up, s_down, act, slots,
@@ -446,9 +452,12 @@ def _nibble_expert_mlp(x, gate_up, down, w_up, w_dn, fmt_up, fmt_dn, s_gate, s_u
 
 
 def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights, has_shared,
-                        cfg) -> Tensor:
+                        cfg, out=None) -> Tensor:
     """`_grouped_expert_mlp` on the word-column path (moe_wordcol.py; AWQ), a program row per (token, slot) pair:
-    y [M·k·SPLIT_DOWN, H] fp32."""
+    y [M·k·SPLIT_DOWN, H] fp32; with cfg["FIXUP"] and `out` [M, H] given, out itself: the gate_up kernel's last K
+    slice of each tile forms act and the down kernel's last program of each (token, tile) sums the slots (no
+    split-act or slot-sum launch), counting on int32 counters (common.splitk_counters: the weights' own
+    `gate_up.counters` when it has enough, else fresh zeros)."""
     M, H = x.shape
     T, I = act.shape
     k = ids.shape[1]
@@ -457,25 +466,35 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     # rows a step of the walk (gemv_wordcol.wordcol_slice), dividing each linear's group
     rows_up, rows_dn = (min(p.group, cfg.get("ROWS", 32)) for p in (gate_up, down))
     prefetch = cfg.get("PREFETCH", False)  # the next step's words loaded ahead (8-row steps: wordcol_slice checks)
-    # the fp16-pair walk (fp16 activations; half2.py's twin of its inline PTX under the interpreter)
+    # the fp16-pair walk (fp16 activations, or bf16 scaled into fp16 a step at a time; half2.py's twin of its inline
+    # PTX under the interpreter)
     half2 = dict(HALF2=cfg.get("HALF2", False), ASM=x.is_cuda)
-    assert x.dtype == torch.float16 or not half2["HALF2"], f"the fp16-pair walk (HALF2) takes fp16, not {x.dtype}"
+    assert x.dtype in (torch.float16, torch.bfloat16) or not half2["HALF2"], \
+        f"the fp16-pair walk (HALF2) takes fp16 or bf16, not {x.dtype}"
     split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
     bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
     y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
     launch = dict(num_warps=cfg["num_warps"], num_stages=1)
-    _wordcol_gate_up_kernel[(T, triton.cdiv(I, bn_up), split_up)](
+    fixup = cfg.get("FIXUP", False) and out is not None
+    tiles_up, tiles_dn = triton.cdiv(I, bn_up), triton.cdiv(H, bn_dn)
+    if fixup:  # the kernels run one after the other and each leaves its counters at 0: one buffer serves both
+        counters = splitk_counters(max(T * tiles_up, M * tiles_dn), x.device, gate_up.counters)
+        fix_up = dict(counters=counters, FIXUP=split_up > 1)
+        fix_dn = dict(out=out, counters=counters, TOP_K=k, FIXUP=True)
+    else:
+        fix_up = fix_dn = {}
+    _wordcol_gate_up_kernel[(T, tiles_up, split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
         *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group,
         BLOCK_N=bn_up, HAS_SHARED=has_shared, SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch,
-        **half2, **launch)
-    if split_up > 1:
+        **half2, **fix_up, **launch)
+    if split_up > 1 and not fixup:
         _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                              BLOCK=REDUCE_BLOCK, num_warps=2)
-    _wordcol_down_kernel[(T, triton.cdiv(H, bn_dn), split_dn)](
+    _wordcol_down_kernel[(T, tiles_dn, split_dn)](
         act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
         *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
         HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, **half2,
-        **launch)
-    return y
+        **fix_dn, **launch)
+    return out if fixup else y

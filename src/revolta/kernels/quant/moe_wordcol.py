@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import splitk_last, splitk_sum
 from .gemv_wordcol import _feature, wordcol_slice
 from .moe_decode import _down_operands, _gate_up_operands
 
@@ -40,10 +41,12 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
                             G: tl.constexpr,
                             BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
                             EVEN: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-                            HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
+                            HALF2: tl.constexpr = False, ASM: tl.constexpr = True, counters=None,
+                            FIXUP: tl.constexpr = False):
     """act [T, I] = SiLU(gate)·up in x.dtype (SPLIT == 1) or K slice program_id(2) of gate and up to ws [SPLIT, T, 2I];
     x [M, H]; pair = program_id(0) = token·TOP_K + slot, its expert topk_ids[pair] (the shared expert: num_routed).
-    ROWS, PREFETCH, HALF2, ASM: gemv_wordcol.wordcol_slice's."""
+    ROWS, PREFETCH, HALF2, ASM: gemv_wordcol.wordcol_slice's. FIXUP (SPLIT > 1): the last of a (pair, N tile)'s
+    slices writes its act from ws (`_act_fixup`; int32 counters, one a (pair, N tile)) instead of _split_act_kernel."""
     pair = tl.program_id(0)
     x_row = x + (pair // TOP_K).to(tl.int64) * stride_xm
     i_n = tl.program_id(1)
@@ -69,6 +72,21 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
     _act_store(act, ws, g_5, u_5, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 5)
     _act_store(act, ws, g_6, u_6, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 6)
     _act_store(act, ws, g_7, u_7, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 7)
+    if FIXUP:
+        _act_fixup(act, ws, counters, pair, i_n, T, I, stride_am, SPLIT, BLOCK_N)
+
+
+@triton.jit
+def _act_fixup(act, ws, counters, pair, i_n, T, I, stride_am, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The last K slice of (pair, N tile i_n) writes act[pair, tile] = SiLU(Σ_s gate_s)·Σ_s up_s from ws [SPLIT, T, 2I]
+    (moe_decode._split_act_kernel's sums and rounding: bitwise the same act)."""
+    if splitk_last(counters, pair * tl.num_programs(1) + i_n, SPLIT):
+        o = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the tile's features of gate (of up: I further)
+        m = o < I
+        p = ws + pair.to(tl.int64) * (2 * I) + o
+        g = splitk_sum(p, m, T * 2 * I, SPLIT)
+        u = splitk_sum(p + I, m, T * 2 * I, SPLIT)
+        tl.store(act + pair * stride_am + o, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -80,8 +98,11 @@ def _y_store(y, a, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT: tl.constexpr, j: t
 def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids, num_routed, H, I, stride_am,
                          stride_e0, stride_e1, stride_e2, stride_ym, k_split, G: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
-                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True):
-    """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ)."""
+                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True,
+                         out=None, counters=None, TOP_K: tl.constexpr = 1, FIXUP: tl.constexpr = False):
+    """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ). FIXUP: the
+    last of a (token, N tile)'s TOP_K·SPLIT programs also writes out [M, H] (`_sum_fixup`; int32 counters, one a
+    (token, N tile)) instead of moe._moe_sum_kernel."""
     pair = tl.program_id(0)
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -104,3 +125,16 @@ def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_i
     _y_store(y, a_5, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 5)
     _y_store(y, a_6, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 6)
     _y_store(y, a_7, rw, pair, o_w, m_w, stride_ym, i_k, SPLIT, 7)
+    if FIXUP:
+        _sum_fixup(y, out, counters, pair // TOP_K, i_n, H, stride_ym, TOP_K * SPLIT, BLOCK_N)
+
+
+@triton.jit
+def _sum_fixup(y, out, counters, token, i_n, H, stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The last of the ROWS = TOP_K·SPLIT programs of (token, N tile i_n) writes out[token, tile] = Σ_j y[token·ROWS
+    + j, tile] (moe._moe_sum_kernel's order and rounding: bitwise its output)."""
+    if splitk_last(counters, token * tl.num_programs(1) + i_n, ROWS):
+        o = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = o < H
+        acc = splitk_sum(y + token.to(tl.int64) * ROWS * stride_ym + o, m, stride_ym, ROWS)
+        tl.store(out + token.to(tl.int64) * H + o, acc.to(out.dtype.element_ty), mask=m)
