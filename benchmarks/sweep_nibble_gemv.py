@@ -9,7 +9,7 @@ M): the default's time, the best config found, and both as % of the copy bandwid
 over it ("%read"): how far the GEMV is from reading its bytes at that size.
 
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F]
-        [--quick | --wordcol | --half2] [--fixup]
+        [--quick | --wordcol | --half2] [--fixup | --fixup-only]
 
 --fixup adds, beside every split word-column or nibble config, the same config with the split-K reduce inside the GEMV (FIXUP:
 the last K slice of each tile adds the partials; counters owned by the caller, as a layer owns them, "/fx"), and the
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                     "bf16 x scaled into fp16 a step at a time)")
     ap.add_argument("--fixup", action="store_true", help="also each split word-column config with the split-K "
                     "reduce inside the GEMV (FIXUP), and the default's with per-call zeroed counters")
+    ap.add_argument("--fixup-only", action="store_true", help="the default config only, beside it with the reduce "
+                    "inside (FIXUP) over the caller's counters and over per-call zeros")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -153,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             timed, worst = [], 0.0
             cfgs = configs(M, N, K, args.group, device, args.small, grid, args.half2, dtype)
             counters = torch.zeros(N, dtype=torch.int32, device=device)  # a layer's own (the "/fx" rows)
-            for c in with_fixup(cfgs) if args.fixup else cfgs:
+            if args.fixup_only:
+                cfgs = with_fixup(cfgs[:1])
+            elif args.fixup:
+                cfgs = with_fixup(cfgs)
+            for c in cfgs:
                 def call(c=c, w=t):
                     return awq_gemv(x, w["qweight"], w["qzeros"], w["scales"], args.group, config=c,
                                     counters=None if c.get("COUNTERS") == "memset" else counters)
