@@ -4,8 +4,13 @@ The tile-path GEMV kernels (`awq.py`, `ct_int4.py`, `nvfp4.py`; the nibble path:
 shape: a program owns BLOCK_N output features and one slice of K (split-K), walks K in BLOCK_K steps, decodes one
 packed tile to fp32 in registers, and multiplies it with all BLOCK_M activation rows (`tile_product`), so
 every packed byte is read once for the whole batch. Partial sums of the K slices land in an fp32 workspace that
-`_splitk_reduce_kernel` adds in slice order (deterministic, no atomics), adding the bias and rounding once to the
-activation dtype.
+`_splitk_reduce_kernel` adds in slice order, adding the bias and rounding once to the activation dtype; or, with
+FIXUP (the word-column and nibble GEMVs), the last K slice of each tile to finish does that add itself
+(`splitk_fixup`): each program counts itself in on an int32 counter of its tile (an acquire-release atomic after its
+partial stores), the one that completes the count adds the partials in slice order and puts the counter back to 0.
+The sum order is the slice order either way, so the output is bitwise the same whichever program finishes last
+(reproducible, no floating-point atomics), and one launch per GEMV is saved. The counters are the layer's
+(QuantLinear / QuantExperts own a zeroed int32 buffer that every launch leaves at 0), or zeros allocated per call.
 
 sm70 has no fp8 arithmetic and Triton rejects OCP E4M3 there, so fp8 scales are loaded as bytes
 and decoded with integer ops (`e4m3_to_f32`); E2M1 codes likewise (`e2m1_to_f32`).

@@ -10,8 +10,10 @@ instructions a weight repay: on an H100 2.0-2.1x faster than the grouped tl.dot 
 programs compute the gate and up sums of their features over their slice of the hidden size; one slice writes act =
 SiLU(gate)·up (rounded to x.dtype once), several write fp32 partials to ws [SPLIT_UP, T, 2I] for
 moe_decode._split_act_kernel, as the nibble path does. down programs write y rows pair·SPLIT_DOWN + s = w_pair ·
-(act[pair, K slice s] @ down_eᵀ), which moe._moe_sum_kernel adds in order per token. Fixed order everywhere: no
-atomics, bitwise reproducible, no host sync (CUDA-graph safe).
+(act[pair, K slice s] @ down_eᵀ), which moe._moe_sum_kernel adds in order per token; with FIXUP
+both adds happen inside the two kernels instead (common.splitk_fixup's counting: the last program of each gate_up
+tile forms its act, the last of each (token, down tile)'s k · SPLIT_DOWN programs sums its y rows into the output),
+two launches fewer, the same sums. Fixed order everywhere: bitwise reproducible, no host sync (CUDA-graph safe).
 """
 
 from __future__ import annotations
