@@ -201,3 +201,21 @@ def test_half2_takes_16_bit_rows_only():
     qw, qz, sc, G = make(256, 64, 32, torch.Generator().manual_seed(0))
     with pytest.raises(AssertionError, match="fp16 or bf16"):
         awq_wordcol_gemv(torch.randn(1, 64), qw, qz, sc, G, None, wordcol_config(256, 64, G, 4, rows=8, half2=True))
+
+
+def test_fixup_is_a_default_only_where_the_environment_asks(monkeypatch):
+    """FIXUP (the split-K reduce inside the kernel) stays opt-in until timed on a GPU (RESULTS.md K5l): the default
+    configs of the word-column and nibble GEMVs and of the word-column MoE take it with REVOLTA_SPLITK_FIXUP=1 only."""
+    from revolta.kernels.quant.gemv_nibble import nibble_gemv_config
+    from revolta.kernels.quant.moe import moe_wordcol_config
+
+    def defaults():
+        return [default_wordcol_config(12288, 2560, 32, 132, dt)
+                for dt in (torch.float16, torch.bfloat16)] + [
+            nibble_gemv_config(8, 12288, 2560, 32, "awq", 132, 90)] + [
+            moe_wordcol_config(M, dt) for M in (1, 8) for dt in (torch.float16, torch.bfloat16)]
+
+    monkeypatch.delenv("REVOLTA_SPLITK_FIXUP", raising=False)
+    assert not any(c.get("FIXUP", False) for c in defaults())
+    monkeypatch.setenv("REVOLTA_SPLITK_FIXUP", "1")
+    assert all(c["FIXUP"] for c in defaults())

@@ -18,6 +18,8 @@ and decoded with integer ops (`e4m3_to_f32`); E2M1 codes likewise (`e2m1_to_f32`
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -206,6 +208,17 @@ def gemv_config(M: int, N: int, K: int, k_align: int, num_sms: int, n_align: int
         split *= 2
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, USE_DOT=use_dot,
                 k_per_split=triton.cdiv(steps, split) * bk, num_warps=4, num_stages=2 if use_dot else 3)
+
+
+SPLITK_FIXUP_ENV = "REVOLTA_SPLITK_FIXUP"  # "1": the default GEMV / MoE configs take FIXUP (opt-in until timed)
+
+
+def fixup_default() -> bool:
+    """Whether the default configs of the word-column and nibble GEMVs and of the word-column MoE reduce their K
+    slices inside the kernel (FIXUP): off unless the environment sets REVOLTA_SPLITK_FIXUP=1, until a GPU run times
+    it against the reduce launches (benchmarks/RESULTS.md K5l); read at each config choice, so one process can
+    time both."""
+    return os.environ.get(SPLITK_FIXUP_ENV, "0") == "1"
 
 
 def splitk_counters(tiles: int, device: torch.device, counters: Tensor | None = None) -> Tensor:

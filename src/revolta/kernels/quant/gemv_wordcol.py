@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import launch_gemv, splitk_fixup, store_partial
+from .common import fixup_default, launch_gemv, splitk_fixup, store_partial
 from .half2 import awq_code_pair, h2_fma, h2_hi, h2_lo, h2_splat
 from .nibble import split_len
 
@@ -94,10 +94,12 @@ def use_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int, N: in
 
 def default_wordcol_config(N: int, K: int, group: int, num_sms: int, dtype: torch.dtype) -> dict:
     """The word-column config one row of `dtype` takes by default: fp16 the fp16-pair walk in HALF2_ROWS-row steps
-    (at most the group), bf16 the fp32 walk in WORDCOL_ROWS-row steps; split-K as wordcol_config picks."""
+    (at most the group), bf16 the fp32 walk in WORDCOL_ROWS-row steps; split-K as wordcol_config picks, reduced
+    inside the kernel where common.fixup_default() says so."""
+    fixup = dict(FIXUP=True) if fixup_default() else {}
     if dtype == torch.float16:
-        return wordcol_config(N, K, group, num_sms, rows=min(group, HALF2_ROWS), half2=True)
-    return wordcol_config(N, K, group, num_sms)
+        return wordcol_config(N, K, group, num_sms, rows=min(group, HALF2_ROWS), half2=True) | fixup
+    return wordcol_config(N, K, group, num_sms) | fixup
 
 
 @triton.jit

@@ -50,7 +50,7 @@ from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
 from .moe_decode import _split_act_kernel
 from .moe_wordcol import _wordcol_down_kernel, _wordcol_gate_up_kernel
-from .common import REDUCE_BLOCK, splitk_counters
+from .common import REDUCE_BLOCK, fixup_default, splitk_counters
 from .nibble import LAYOUTS, nibble_block_k, nibble_min_rows, split_len
 
 
@@ -269,9 +269,10 @@ def use_moe_wordcol(arch: int | None, dtype: torch.dtype, layout: str, M: int) -
 def moe_wordcol_config(M: int, dtype: torch.dtype) -> dict:
     """The word-column config M tokens of `dtype` take by default (a copy: callers may edit it)."""
     half2 = dtype == torch.float16
+    fixup = dict(FIXUP=True) if fixup_default() else {}  # the reduces inside the kernels (opt-in: RESULTS.md K5l)
     if M == 1:
-        return dict(MOE_WORDCOL_HALF2 if half2 else MOE_WORDCOL)
-    return dict(MOE_WORDCOL_PAIRS_HALF2 if half2 else MOE_WORDCOL_PAIRS)
+        return dict(MOE_WORDCOL_HALF2 if half2 else MOE_WORDCOL) | fixup
+    return dict(MOE_WORDCOL_PAIRS_HALF2 if half2 else MOE_WORDCOL_PAIRS) | fixup
 
 
 def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None,
