@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .device import resolve_device  # noqa: F401  (LLM picks its device through here)
 from .engine import CPU_KV_CACHE_GIB, EngineConfig
 from .engine.engine import GRAPH_RESERVE_ENV
+from .kernels.quant.common import SPLITK_FIXUP_ENV, fixup_default
 from .llm_load import speculation_source
 from .ple.load import ple_memory
 from .presets.default import PRESET_MARKER
@@ -184,6 +185,10 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     rows.append(("block_size (effective)", engine.plan.layout.block_size,
                  arg("block_size") if ec.block_size else "default (chosen for the model)"))
     rows.append(("kernels", ec.kernels, f"default for {llm.device.type}"))
+    if llm.cfg.quantization is not None and llm.cfg.quantization.packed:  # packed GEMVs / MoE on the Triton path
+        fixup = fixup_default()
+        rows.append(("packed split-K reduce", "inside the kernels (FIXUP)" if fixup else "reduce launches",
+                     f"environment ({SPLITK_FIXUP_ENV}=1)" if fixup else f"default (opt-in: {SPLITK_FIXUP_ENV}=1)"))
     graphs = engine.graphs or engine.spec_graphs
     if graphs is not None:
         rows.append(("cudagraph_capture_sizes", graphs.batch_sizes, arg("cudagraph_capture_sizes")))

@@ -125,8 +125,10 @@ def test_mismatched_packed_shape_names_the_tensor_before_any_weight_moves(origin
         load_model(tmp_path, progress=False)
 
 
-def test_llm_loads_each_format(original, tmp_path):
+def test_llm_loads_each_format(original, tmp_path, monkeypatch):
     from revolta import LLM, SamplingParams
+
+    monkeypatch.delenv("REVOLTA_SPLITK_FIXUP", raising=False)
 
     for fmt in ("awq", "ct-nvfp4"):
         d = tmp_path / fmt
@@ -135,6 +137,9 @@ def test_llm_loads_each_format(original, tmp_path):
         out = llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(temperature=0, max_tokens=4),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+        # the start-up table says how the packed kernels reduce their K slices (opt-in FIXUP: RESULTS.md K5l)
+        rows = {name: (value, source) for name, value, source in llm.effective_config()}
+        assert rows["packed split-K reduce"] == ("reduce launches", "default (opt-in: REVOLTA_SPLITK_FIXUP=1)")
         shutil.rmtree(d)
 
 
