@@ -46,6 +46,32 @@ def test_nibble_gemv_matches_reference(name, M, dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=EPS[dtype], atol=1e-3 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_nibble_gemv_fixup_is_bitwise_the_reduce_launch(name, monkeypatch):
+    """FIXUP on the nibble path of every format (the last K slice of each tile adds the partials, kernels/quant/
+    common.py splitk_fixup): bitwise the reduce launch's output, with bias; each format's gemv hands the caller's
+    counters (a layer's own) to the launch, which leaves them at 0."""
+    from revolta.kernels.quant import common
+
+    handed, real = [], common.splitk_counters
+
+    def spy(tiles, device, c=None):
+        handed.append(c)
+        return real(tiles, device, c)
+
+    monkeypatch.setattr(common, "splitk_counters", spy)
+    g = torch.Generator().manual_seed(3)
+    make, ref, tri, _, _ = CASES[name]
+    args = make(N, K, G, g)
+    x = torch.randn(3, K, generator=g).to(torch.float16)
+    bias = torch.randn(N, generator=g).to(torch.float16)
+    want = tri(x, *args, bias=bias, config=_config(name, 3))
+    counters = torch.zeros(N, dtype=torch.int32)
+    got = tri(x, *args, bias=bias, config=_config(name, 3) | dict(FIXUP=True), counters=counters)
+    assert torch.equal(got, want) and not counters.any()
+    assert len(handed) == 1 and handed[0] is counters
+
+
 @pytest.mark.parametrize("name", ["awq", "ct_asym"])
 def test_nibble_gemv_groups_wider_than_the_k_step(name):
     """Group 128: four 32-input K steps share one scale and zero (split-K cuts inside the group)."""

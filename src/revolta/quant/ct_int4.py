@@ -40,7 +40,7 @@ class CTInt4(WeightFormat):
 
     def gemv(self, x, t, bias, nibble=None, counters=None):
         return kernels.ct_int4_gemv(x, t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
-                                    self._g(t), bias, nibble=nibble)
+                                    self._g(t), bias, nibble=nibble, counters=counters)
 
     def kernel_weights(self, t):
         return PackedWeights("ct_int4", (t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")), self._g(t))

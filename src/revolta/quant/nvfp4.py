@@ -40,7 +40,7 @@ class ModelOptNVFP4(WeightFormat):
 
     def gemv(self, x, t, bias, nibble=None, counters=None):
         return kernels.nvfp4_gemv(x, t[self.codes], t["weight_scale"], t[self.global_scale].reshape(-1),
-                                  self.inverted, bias, nibble=nibble)
+                                  self.inverted, bias, nibble=nibble, counters=counters)
 
     def kernel_weights(self, t):
         return PackedWeights("nvfp4", (t[self.codes], t["weight_scale"], t[self.global_scale]), kernels.GROUP,

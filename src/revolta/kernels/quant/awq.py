@@ -129,7 +129,8 @@ def awq_gemv(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_s
              counters: Tensor | None = None) -> Tensor:
     """Triton version of `awq_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous). nibble: the
     group-factored path (gemv_nibble.py) or the tile path; None: the default there; `config` decides when given.
-    counters: int32 zeros the word-column path's fused split-K reduce may count on (common.splitk_counters)."""
+    counters: int32 zeros the word-column and nibble paths' fused split-K reduce may count on
+    (common.splitk_counters)."""
     N, K = _check(qweight, qzeros, scales, group_size)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
     cfg = config or gemv_config_for(x, N, K, group_size, "awq", PACK, nibble)

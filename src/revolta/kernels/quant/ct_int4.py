@@ -133,15 +133,15 @@ def ct_int4_dequantize(weight_packed: Tensor, weight_scale: Tensor, weight_zero_
 
 def ct_int4_gemv(x: Tensor, weight_packed: Tensor, weight_scale: Tensor, weight_zero_point: Tensor | None,
                  group_size: int, bias: Tensor | None = None, config: dict | None = None,
-                 nibble: bool | None = None) -> Tensor:
-    """Triton version of `ct_int4_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous); nibble: as
-    awq.awq_gemv."""
+                 nibble: bool | None = None, counters: Tensor | None = None) -> Tensor:
+    """Triton version of `ct_int4_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous); nibble, counters: as
+    awq.awq_gemv (the nibble path's fused split-K reduce)."""
     N, K = _check(weight_packed, weight_scale, weight_zero_point, group_size)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
     cfg = config or gemv_config_for(x, N, K, group_size, "ct_int4", 1, nibble)
     zp = weight_zero_point if weight_zero_point is not None else weight_packed
     if cfg.get("NIBBLE_DOT"):
         return nibble_gemv(x, N, bias, cfg, "ct_int4", (weight_packed, weight_scale, zp), group_size,
-                           has_zp=weight_zero_point is not None)
+                           has_zp=weight_zero_point is not None, counters=counters)
     return launch_gemv(_ct_gemv_kernel, x, N, bias, cfg, weight_packed, weight_scale, zp, G=group_size,
                        HAS_ZP=weight_zero_point is not None)

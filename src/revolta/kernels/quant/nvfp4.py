@@ -138,14 +138,15 @@ def nvfp4_dequantize(weight: Tensor, weight_scale: Tensor, global_scale: Tensor,
 
 
 def nvfp4_gemv(x: Tensor, weight: Tensor, weight_scale: Tensor, global_scale: Tensor, inverted: bool = False,
-               bias: Tensor | None = None, config: dict | None = None, nibble: bool | None = None) -> Tensor:
-    """Triton version of `nvfp4_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous); nibble: as
-    awq.awq_gemv."""
+               bias: Tensor | None = None, config: dict | None = None, nibble: bool | None = None,
+               counters: Tensor | None = None) -> Tensor:
+    """Triton version of `nvfp4_gemv_ref` (M <= MAX_GEMV_ROWS rows; x's last dim contiguous); nibble, counters: as
+    awq.awq_gemv (the nibble path's fused split-K reduce)."""
     N, K, scale_bytes, per_shard = _check(weight, weight_scale, global_scale)
     assert x.dim() == 2 and x.shape[1] == K and x.stride(-1) == 1, (x.shape, K)
     cfg = config or gemv_config_for(x, N, K, GROUP, "nvfp4", 1, nibble)
     if cfg.get("NIBBLE_DOT"):
         return nibble_gemv(x, N, bias, cfg, "nvfp4", (weight, scale_bytes, global_scale.contiguous()), GROUP,
-                           inverted=inverted, rows_per_shard=per_shard)
+                           inverted=inverted, rows_per_shard=per_shard, counters=counters)
     return launch_gemv(_nvfp4_gemv_kernel, x, N, bias, cfg, weight, scale_bytes, global_scale.contiguous(),
                        per_shard, INVERTED=inverted)
