@@ -482,6 +482,9 @@ def parse_args(argv):
     ap.add_argument("--fullsize", action="store_true",
                     help="the real model: --experts 512 --weights awq --ple host --real-ngram-table, 48 layers")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-packed-merge", action="store_true",
+                    help="run each packed (quantized) input projection as its own GEMV, as before the packed merge "
+                         "(layers/merged_linear.merge_quant_linears): the A/B of that change")
     ap.add_argument("--quick", action="store_true", help="C1 and C8 only, 12 timed steps")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile the timed rounds at the --profile-concurrency levels (their times then include "
@@ -522,6 +525,12 @@ def main(argv: list[str] | None = None) -> dict:
     bw = copy_bandwidth_gbs(args.device, gib=1.0 if args.cuda else 1 / 64)
     out["copy_GBps"] = bw
     log(f"copy bandwidth {bw:,.0f} GB/s")
+    if args.no_packed_merge:  # the layers imported the function by name: replace it where they call it
+        import revolta.layers.gdn
+        import revolta.layers.qsa
+
+        for mod in (revolta.layers.gdn, revolta.layers.qsa):
+            mod.merge_quant_linears = lambda parts, merged=None: None
     cfg = standin_config(args.layers, args.experts, with_mtp=True, widths=args.widths,
                          real_ngram_table=args.real_ngram_table)
     ple_table = "host" if args.ple == "host" else None

@@ -4,6 +4,7 @@ a rebound parameter falls back to its own GEMM; a packed (non-plain) part stays 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -146,3 +147,139 @@ def test_an_odd_merged_width_is_padded_to_16_byte_rows():
     gdn, _ = _layers()  # a width that is already a multiple of 8 gets no padding
     gdn.merge_projections()
     assert gdn.merged_in_proj.weight.shape[0] == sum(gdn.merged_in_proj.sizes)
+
+
+# ---- packed (quantized) parts: one packed GEMV ---------------------------------------------------------------
+
+
+def _packed(layer, names, fmt_name, seed=0, bias_on=()):
+    """Swap the layer's projections `names` for QuantLinears holding `fmt_name` tensors written by the format's own
+    tool (tests/quant/quant_checkpoints.quantize_weight: AutoAWQ's packing, compressed-tensors' compressors)."""
+    from quant_checkpoints import quantize_weight
+
+    from revolta.layers.linear import QuantLinear
+    from revolta.quant.config import WeightScheme
+    from revolta.quant.formats import weight_format
+
+    fmt = weight_format(WeightScheme(*{"awq": ("awq", 4, 32, False), "ct-int4": ("ct-int4", 4, 32, True),
+                                       "ct-int4-asym": ("ct-int4", 4, 32, False),
+                                       "ct-nvfp4": ("ct-nvfp4", 4, 16, True)}[fmt_name]))
+    gen = torch.Generator().manual_seed(seed)
+    for name in names:
+        owner, attr = (layer.indexer, "index_qk_proj") if name == "index_qk_proj" else (layer, name)
+        old = getattr(owner, attr)
+        q = QuantLinear(old.in_features, old.out_features, name in bias_on, fmt)
+        stored, _ = quantize_weight(torch.randn(old.out_features, old.in_features, generator=gen) * 0.1, fmt_name)
+        with torch.no_grad():
+            for n in q.packed_names:
+                getattr(q, n).copy_(stored[n].reshape(getattr(q, n).shape))
+            if q.bias is not None:
+                q.bias.copy_(torch.randn(q.out_features, generator=gen))
+        setattr(owner, attr, q)
+    return layer
+
+
+def _count_packed(monkeypatch):
+    import revolta.layers.linear as L
+    import revolta.layers.merged_linear as ML
+
+    calls = []
+    real = L.quant_linear
+
+    def counting(x, fmt, packed, n, *a, **k):
+        calls.append(n)
+        return real(x, fmt, packed, n, *a, **k)
+
+    monkeypatch.setattr(L, "quant_linear", counting)
+    monkeypatch.setattr(ML, "quant_linear", counting)
+    return calls
+
+
+@pytest.mark.parametrize("fmt_name", ["awq", "ct-int4-asym"])
+def test_packed_parts_run_as_one_gemv(fmt_name, monkeypatch):
+    """GDN's packed in_proj_qkv / in_proj_z and QSA's four packed projections (one with a bias) become one packed
+    GEMV each: outputs equal the separate calls, names and state_dict unchanged, the parts' buffers views of the
+    merged tensors (no second copy)."""
+    calls = _count_packed(monkeypatch)
+    gdn, qsa = _layers()
+    _packed(gdn, ("in_proj_qkv", "in_proj_z"), fmt_name)
+    _packed(qsa, ("q_proj", "k_proj", "v_proj", "index_qk_proj"), fmt_name, seed=1, bias_on=("k_proj",))
+    for layer, packed_index, plain_index in ((gdn, (0, 1), (2, 3)), (qsa, (0, 1, 2, 3), None)):
+        parts, x = layer.in_projections(), torch.randn(3, CFG.hidden_size)
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        calls.clear()
+        want, _ = _gemms(parts, None, x)
+        assert len(calls) == len(packed_index)
+        layer.merge_projections()
+        merged = layer.merged_packed_in_proj
+        assert merged is not None and merged.index == packed_index
+        assert (layer.merged_in_proj.index if layer.merged_in_proj is not None else None) == plain_index
+        after = layer.state_dict()
+        assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+        for i in packed_index:
+            for name, t in parts[i].packed().items():
+                if name in merged.views[0]:
+                    assert t.untyped_storage().data_ptr() == merged.packed[name].untyped_storage().data_ptr()
+        calls.clear()
+        got, _ = _gemms(parts, (layer.merged_in_proj, merged), x)
+        assert calls == [sum(parts[i].out_features for i in packed_index)]  # one GEMV over every packed part
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        layer.merge_projections()
+        assert layer.merged_packed_in_proj is merged  # idempotent
+
+
+def test_packed_merge_follows_loads_and_falls_back_when_rebound(monkeypatch):
+    """An in-place load (copy_ into the strided views) reaches the merged tensors; a rebound buffer takes its part
+    off the merge, every packed part then runs its own GEMV (on contiguous copies of its views), and merging again
+    brings the one GEMV back. The Triton path (interpreter here) gives the separate calls' outputs too."""
+    calls = _count_packed(monkeypatch)
+    gdn, _ = _layers()
+    _packed(gdn, ("in_proj_qkv", "in_proj_z"), "awq")
+    gdn.merge_projections()
+    parts, x = gdn.in_projections(), torch.randn(2, CFG.hidden_size)
+    fresh, _ = _layers()
+    _packed(fresh, ("in_proj_qkv", "in_proj_z"), "awq", seed=7)
+    gdn.load_state_dict(fresh.state_dict())
+    assert not gdn.in_proj_qkv.qweight.is_contiguous()  # AWQ packs along its last axis: column slices
+    merges = (gdn.merged_in_proj, gdn.merged_packed_in_proj)
+    calls.clear()
+    got, _ = _gemms(parts, merges, x)
+    assert len(calls) == 1
+    want = [fresh.in_proj_qkv(x), fresh.in_proj_z(x)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.detach(), atol=1e-5, rtol=1e-5)
+    gdn.in_proj_z.scales.data = gdn.in_proj_z.scales.data.clone() * 2  # rebound (as .to() does)
+    calls.clear()
+    got, _ = _gemms(parts, merges, x)
+    assert len(calls) == 2
+    torch.testing.assert_close(got[1], 2 * want[1].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], want[0].detach(), atol=1e-5, rtol=1e-5)
+    gdn.merge_projections()
+    merges = (gdn.merged_in_proj, gdn.merged_packed_in_proj)
+    for p in parts[:2]:
+        p.kernel = "triton"
+    calls.clear()
+    got, _ = _gemms(parts, merges, x[:1])
+    assert len(calls) == 1
+    for p, g in zip(parts[:2], got):
+        p_alone = p.dequantize(torch.float32)
+        torch.testing.assert_close(g, x[:1] @ p_alone.T, atol=2e-5, rtol=2e-5)
+
+
+def test_packed_parts_of_other_formats_or_with_global_scales_stay_apart():
+    """NVFP4's per-linear global scale cannot be shared, so its parts keep their own GEMVs; parts of two formats
+    merge only with the first part's format."""
+    gdn, _ = _layers()
+    _packed(gdn, ("in_proj_qkv", "in_proj_z"), "ct-nvfp4")
+    gdn.merge_projections()
+    assert gdn.merged_packed_in_proj is None and gdn.merged_in_proj.index == (2, 3)
+    x = torch.randn(2, CFG.hidden_size)
+    got, _ = _gemms(gdn.in_projections(), (gdn.merged_in_proj, None), x)
+    torch.testing.assert_close(got[0], gdn.in_proj_qkv(x).detach(), atol=0, rtol=0)
+    _, qsa = _layers()
+    _packed(qsa, ("q_proj", "v_proj"), "awq")
+    _packed(qsa, ("k_proj", "index_qk_proj"), "ct-int4", seed=3)
+    qsa.merge_projections()
+    assert qsa.merged_packed_in_proj.index == (0, 2) and qsa.merged_in_proj is None

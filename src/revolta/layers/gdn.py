@@ -15,7 +15,7 @@ from ..forward import ForwardMeta, GDNRecord
 from ..kernels.conv1d import causal_conv1d_ref
 from ..kernels.gdn import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 from ..state import GDNState
-from .merged_linear import MergedLinear, merge_linears, project
+from .merged_linear import MergedLinear, MergedQuant, merge_linears, merge_quant_linears, project
 from .norm import GatedRMSNorm
 
 
@@ -45,15 +45,18 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, cfg.output_gate_type)
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
         self.merged_in_proj: MergedLinear | None = None  # see merge_projections (not a parameter: names unchanged)
+        self.merged_packed_in_proj: MergedQuant | None = None  # the packed (quantized) parts' merge
 
     def in_projections(self) -> tuple[nn.Module, ...]:
         """The projections that read the block input, in the order `forward` unpacks them."""
         return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def merge_projections(self) -> None:
-        """One GEMM for the four input projections from now on (layers/merged_linear.py); call after the
-        weights are loaded (ModelRunner and the loaders do). Idempotent."""
-        self.merged_in_proj = merge_linears(self.in_projections(), self.merged_in_proj)
+        """One GEMM for the four input projections from now on, and one packed GEMV for those stored quantized
+        (layers/merged_linear.py); call after the weights are loaded (ModelRunner and the loaders do). Idempotent."""
+        parts = self.in_projections()
+        self.merged_in_proj = merge_linears(parts, self.merged_in_proj)
+        self.merged_packed_in_proj = merge_quant_linears(parts, self.merged_packed_in_proj)
 
     def new_state(self, device, dtype) -> GDNState:
         return GDNState(
@@ -65,7 +68,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, meta: ForwardMeta) -> Tensor:
         """x: [T, d] block input of all sequences -> [T, d]."""
         # [T, conv_dim] pre-conv q ‖ k ‖ v, [T, value_dim], [T, HV] x 2: column views of one GEMM once merged
-        mixed, z, b, a = project(self.in_projections(), self.merged_in_proj, x)
+        mixed, z, b, a = project(self.in_projections(), (self.merged_in_proj, self.merged_packed_in_proj), x)
         ops = meta.paged.ops if meta.paged is not None else None
         if ops is not None and ops.gdn_gates is not None and meta.paged.is_decode:
             g, beta = a, b  # raw: the recurrent decode kernel makes the gates

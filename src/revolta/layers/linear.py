@@ -74,7 +74,10 @@ class QuantLinear(nn.Module):
         return self.fmt.dequantize(self.packed(), dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = quant_linear(x.reshape(-1, self.in_features), self.fmt, self.packed(), self.out_features, self.bias,
+        # a merged projection's parts hold strided slices of the merged tensors (layers/merged_linear.py); alone
+        # (the merge no longer holds) a part runs on contiguous copies, since the kernels take dense tensors
+        packed = {n: t.contiguous() for n, t in self.packed().items()}
+        y = quant_linear(x.reshape(-1, self.in_features), self.fmt, packed, self.out_features, self.bias,
                          self.kernel, self.splitk_counters)
         return y.view(*x.shape[:-1], self.out_features)
 

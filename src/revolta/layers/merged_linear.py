@@ -24,10 +24,18 @@ model): on the H100 at 8 rows that GEMM took 33 us a layer (`cutlass_75_wmma_ten
 gemv. The padding's outputs are computed and dropped (columns of a GEMM are independent); its rows are not a
 parameter, so a reload that skips them (sleep level 2) leaves values that reach only those dropped columns.
 
-Only plain 16-bit/fp32 `nn.Linear`s merge (exact type): a packed quantized layer (QuantLinear: AWQ,
-compressed-tensors, NVFP4) or a parallel subclass keeps its own forward and runs alone; the plain parts of the
-same group still merge when there are two or more. With autograd on and a part requiring grad (training) every
-part runs separately, so gradients reach the parameters.
+`merge_linears` takes the plain 16-bit/fp32 `nn.Linear`s (exact type). `merge_quant_linears` does the same for
+the packed parts (`QuantLinear`, exact type) of one format and scheme: each packed tensor of the parts concatenated
+along its output axis (the format's TensorSpec.out_axis: AWQ packs along its last axis, compressed-tensors along
+its first), the parts' buffers rebound to their slices, one packed GEMV (layers/linear.quant_linear) with its own
+split-K counters. At decode on the full-size AWQ model that makes GDN's in_proj_qkv and in_proj_z one 16,384-wide
+GEMV and QSA's q / k / v / indexer projections one: two and three launches fewer a layer, and the 512-wide ones
+stop paying a whole launch's latency for 0.7 MB. A format with a per-linear value (NVFP4's global scale: out_axis
+None; WeightFormat.merged_value) does not merge: the parts' values differ in general and a reload may change one of
+them. Where the output axis
+is not the first (AWQ), a part's slices are strided views; its own forward (the fallback when the merge no longer
+holds) runs on contiguous copies. A parallel subclass keeps its own forward and runs alone. With autograd on and a
+part requiring grad (training) every part runs separately, so gradients reach the parameters.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .linear import QuantLinear, quant_linear
 
 ROW_ALIGN = 8  # rows of the merged weight: a multiple of 8 keeps a 16-bit product's rows 16-byte aligned
 
@@ -88,8 +98,93 @@ def merge_linears(parts: Sequence[nn.Module], merged: MergedLinear | None = None
     return MergedLinear(weight, bias, index, tuple(m.out_features for m in mods), has_bias)
 
 
-def is_current(merged: MergedLinear, parts: Sequence[nn.Module]) -> bool:
-    """Whether the merged parts' parameters are still the merged tensor's rows (nothing rebound them)."""
+@dataclass(frozen=True)
+class MergedQuant:
+    """The merged packed tensors of the QuantLinear parts `index` (positions in the layer's part list, in order)."""
+
+    packed: dict[str, Tensor]  # name -> the parts' tensors concatenated along the format's output axis, and the
+    # merged linear's per-linear metadata (WeightFormat.merged_value: compressed-tensors' weight_shape)
+    views: tuple[dict[str, Tensor], ...]  # per part: its slices of `packed` (what its buffers must still be)
+    bias: Tensor | None  # [sum N_i]; zeros where a part has no bias
+    counters: Tensor  # int32 [ceil(sum N_i / 8)] zeros: the merged GEMV's split-K counters (QuantLinear's rule)
+    index: tuple[int, ...]
+    sizes: tuple[int, ...]
+    has_bias: tuple[bool, ...]
+
+
+def _packed_plain(m: nn.Module) -> bool:
+    return type(m) is QuantLinear and not any(t.is_meta for t in m.packed().values())
+
+
+def _same_format(a: QuantLinear, b: QuantLinear) -> bool:
+    return type(a.fmt) is type(b.fmt) and a.fmt.scheme == b.fmt.scheme and a.in_features == b.in_features
+
+
+@torch.no_grad()
+def merge_quant_linears(parts: Sequence[nn.Module], merged: MergedQuant | None = None) -> MergedQuant | None:
+    """Merge the packed QuantLinear `parts` (same input, format and scheme as the first of them) into one packed
+    weight and rebind each part's buffers and bias to its slices (module docstring). `merged`: the layer's current
+    merge, returned as is while it holds. None: fewer than two such parts, a format with a per-linear value, or
+    parts on different devices."""
+    if merged is not None and is_current(merged, parts):
+        return merged
+    index = tuple(i for i, p in enumerate(parts) if _packed_plain(p))
+    index = tuple(i for i in index if _same_format(parts[i], parts[index[0]])) if index else ()
+    if len(index) < 2:
+        return None
+    mods = [parts[i] for i in index]
+    specs = [{k: s for k, s in m.fmt.specs(m.out_features, m.in_features).items() if s.out_axis is not None}
+             for m in mods]
+    dev, n_all, k_in = mods[0].splitk_counters.device, sum(m.out_features for m in mods), mods[0].in_features
+    fmt = mods[0].fmt
+    per_linear = {k: fmt.merged_value(k, n_all, k_in, dev) for k, s in fmt.specs(n_all, k_in).items()
+                  if s.out_axis is None}
+    if None in per_linear.values() or any(m.out_features % s.out_pack for m, sp in zip(mods, specs) for s in sp.values()) \
+            or \
+            any(t.device != dev for m in mods for t in (*m.packed().values(), *([m.bias] if m.bias is not None else []))):
+        return None
+    packed = {name: torch.cat([m.packed()[name] for m in mods], dim=spec.out_axis) for name, spec in specs[0].items()}
+    packed.update(per_linear)
+    has_bias = tuple(m.bias is not None for m in mods)
+    b0 = next((m.bias for m in mods if m.bias is not None), None)
+    bias = torch.cat([m.bias if m.bias is not None else b0.new_zeros(m.out_features) for m in mods]) \
+        if b0 is not None else None
+    views, row = [], 0
+    for m, spec in zip(mods, specs):
+        n = m.out_features
+        view = {name: packed[name].narrow(s.out_axis, row // s.out_pack, n // s.out_pack) for name, s in spec.items()}
+        for name, v in view.items():
+            getattr(m, name).data = v  # the old storage goes when nothing else holds it
+        if m.bias is not None:
+            m.bias.data = bias[row:row + n]
+        views.append(view)
+        row += n
+    counters = torch.zeros(-(-row // 8), dtype=torch.int32, device=dev)
+    return MergedQuant(packed, tuple(views), bias, counters, index, tuple(m.out_features for m in mods), has_bias)
+
+
+def _quant_current(merged: MergedQuant, parts: Sequence[nn.Module]) -> bool:
+    first = parts[merged.index[0]]
+    row = 0
+    for i, n, has_b, view in zip(merged.index, merged.sizes, merged.has_bias, merged.views):
+        m = parts[i]
+        if type(m) is not QuantLinear or m.out_features != n or not _same_format(m, first):
+            return False
+        for name, v in view.items():
+            t = getattr(m, name)
+            if t.data_ptr() != v.data_ptr() or t.shape != v.shape or t.stride() != v.stride() or t.dtype != v.dtype:
+                return False
+        b = merged.bias
+        if (m.bias is not None) != has_b or (has_b and m.bias.data_ptr() != b.data_ptr() + row * b.element_size()):
+            return False
+        row += n
+    return True
+
+
+def is_current(merged: MergedLinear | MergedQuant, parts: Sequence[nn.Module]) -> bool:
+    """Whether the merged parts' tensors are still the merged tensors' slices (nothing rebound them)."""
+    if isinstance(merged, MergedQuant):
+        return _quant_current(merged, parts)
     w = merged.weight
     w_step, b_step = w.stride(0) * w.element_size(), w.element_size()
     row = 0
@@ -104,13 +199,32 @@ def is_current(merged: MergedLinear, parts: Sequence[nn.Module]) -> bool:
     return True
 
 
-def project(parts: Sequence[nn.Module], merged: MergedLinear | None, x: Tensor) -> list[Tensor]:
-    """[part(x) for part in parts] for x [..., K], the merged parts in one GEMM (their outputs column views)."""
-    if merged is None or not is_current(merged, parts) \
-            or (torch.is_grad_enabled() and any(parts[i].weight.requires_grad for i in merged.index)):
-        return [p(x) for p in parts]
+def _needs_grad(merged: MergedLinear | MergedQuant, parts: Sequence[nn.Module]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for i in merged.index for t in parts[i].parameters())
+
+
+def _merged_product(merged: MergedLinear | MergedQuant, parts: Sequence[nn.Module], x: Tensor) -> Tensor:
+    """x [..., K] through the merged weight -> [..., sum N_i (+ pad)]."""
+    if isinstance(merged, MergedLinear):
+        return F.linear(x, merged.weight, merged.bias)
+    first = parts[merged.index[0]]
+    n = sum(merged.sizes)
+    y = quant_linear(x.reshape(-1, x.shape[-1]), first.fmt, merged.packed, n, merged.bias, first.kernel,
+                     merged.counters)
+    return y.view(*x.shape[:-1], n)
+
+
+Merge = MergedLinear | MergedQuant
+
+
+def project(parts: Sequence[nn.Module], merged: Merge | None | tuple[Merge | None, ...], x: Tensor) -> list[Tensor]:
+    """[part(x) for part in parts] for x [..., K]; each merge in `merged` (one, or a tuple: the plain parts' and the
+    packed parts') runs its parts as one GEMM / GEMV whose column views are their outputs; the rest run alone."""
     out: list[Tensor | None] = [None] * len(parts)
-    y_all = F.linear(x, merged.weight, merged.bias)  # [..., sum N_i + pad]
-    for i, y in zip(merged.index, y_all.narrow(-1, 0, sum(merged.sizes)).split(merged.sizes, dim=-1)):
-        out[i] = y
+    for m in merged if isinstance(merged, tuple) else (merged,):
+        if m is None or not is_current(m, parts) or _needs_grad(m, parts):
+            continue
+        y_all = _merged_product(m, parts, x)  # [..., sum N_i + pad]
+        for i, y in zip(m.index, y_all.narrow(-1, 0, sum(m.sizes)).split(m.sizes, dim=-1)):
+            out[i] = y
     return [y if y is not None else p(x) for y, p in zip(out, parts)]

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ..config import TextConfig
 from ..forward import ForwardMeta
 from ..state import QSAState
-from .merged_linear import MergedLinear, merge_linears, project
+from .merged_linear import MergedLinear, MergedQuant, merge_linears, merge_quant_linears, project
 from .norm import ZCRMSNorm
 from .rope import apply_rope
 
@@ -90,15 +90,18 @@ class QSAttention(nn.Module):
         self.k_norm = ZCRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.indexer = QSAIndexer(cfg)
         self.merged_in_proj: MergedLinear | None = None  # see merge_projections (not a parameter: names unchanged)
+        self.merged_packed_in_proj: MergedQuant | None = None  # the packed (quantized) parts' merge
 
     def in_projections(self) -> tuple[nn.Module, ...]:
         """The projections that read the block input, in the order `forward` unpacks them."""
         return self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj
 
     def merge_projections(self) -> None:
-        """One GEMM for the four input projections from now on (layers/merged_linear.py); call after the
-        weights are loaded (ModelRunner and the loaders do). Idempotent."""
-        self.merged_in_proj = merge_linears(self.in_projections(), self.merged_in_proj)
+        """One GEMM for the four input projections from now on, and one packed GEMV for those stored quantized
+        (layers/merged_linear.py); call after the weights are loaded (ModelRunner and the loaders do). Idempotent."""
+        parts = self.in_projections()
+        self.merged_in_proj = merge_linears(parts, self.merged_in_proj)
+        self.merged_packed_in_proj = merge_quant_linears(parts, self.merged_packed_in_proj)
 
     def new_state(self, x: Tensor, rotary_dim: int) -> QSAState:
         kv = x.new_zeros(0, self.num_kv_heads, self.head_dim)
@@ -111,7 +114,7 @@ class QSAttention(nn.Module):
         """x: [T, d] -> [T, d]."""
         T = x.shape[0]
         # column views of one GEMM once merged (their row stride is the merged width; the kernels take it)
-        qg, k, v, index_qk = project(self.in_projections(), self.merged_in_proj, x)
+        qg, k, v, index_qk = project(self.in_projections(), (self.merged_in_proj, self.merged_packed_in_proj), x)
         qg = qg.view(T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # per head [query | gate]
         ops = meta.paged.ops if meta.paged is not None else None

@@ -53,5 +53,9 @@ class CTInt4(WeightFormat):
         s = torch.rand(t["weight_scale"].shape, generator=generator, device=dev) * 0.5 + 0.75
         t["weight_scale"].copy_(s * (std / 4.6))  # q - 8 spans -8..7, std ~4.6
 
+    def merged_value(self, name, out_features, in_features, device):
+        # the shape record is metadata (the kernels read the packed tensors' shapes): the merged linear's own
+        return torch.tensor([out_features, in_features], device=device) if name == "weight_shape" else None
+
     def _g(self, t) -> int:
         return self.group(t["weight_packed"].shape[-1] * kernels.PACK)

@@ -81,6 +81,12 @@ class WeightFormat:
         split-K reduce (kernels/quant/common.py splitk_counters), where the format's kernels have one."""
         raise NotImplementedError
 
+    def merged_value(self, name: str, out_features: int, in_features: int, device) -> Tensor | None:
+        """The per-linear tensor `name` (TensorSpec.out_axis None) of one linear made of several of this format's
+        linears side by side along the outputs (layers/merged_linear.py), or None where no such value exists (a
+        global scale: the parts' values differ, so they stay separate linears)."""
+        return None
+
     def kernel_weights(self, t: Mapping[str, Tensor]) -> PackedWeights:
         """The tensors as the packed MoE kernels read them (one linear, or E stacked along a leading axis)."""
         raise NotImplementedError
