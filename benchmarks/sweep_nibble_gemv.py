@@ -33,7 +33,10 @@ sys.path.insert(0, HERE)
 
 SHAPES = (("qsa q_proj", 12288, 2560), ("gdn out_proj", 2560, 6144), ("expert gate_up", 1280, 2560),
           ("expert down", 2560, 640), ("gdn in_proj_qkv", 10240, 2560), ("gdn in_proj_z", 6144, 2560),
-          ("qsa k_proj", 512, 2560))
+          ("qsa k_proj", 512, 2560),
+          # the merged packed input projections a layer runs at decode (layers/merged_linear.merge_quant_linears):
+          # GDN in_proj_qkv + in_proj_z, QSA q + k + v + indexer q/k
+          ("gdn in_proj merged", 16384, 2560), ("qsa in_proj merged", 13952, 2560))
 FIRST_SHAPES = 4  # the default sweep's; --wordcol and --shapes reach the rest
 GRID = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), num_stages=(3, 4))
 QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_stages=(3,))  # --quick: 9 configs
