@@ -71,16 +71,6 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wc-bh2-r16-sk32-8-fx": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True, FIXUP=True)),
     "wcp-bh2-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True)),
     "wcp-bh2-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, FIXUP=True)),
-    # wider programs on fp16 pairs: 512 / 1024 features a warp, so each thread loads 2 / 4 words a row with one
-    # 8- / 16-byte load (ld.global.v2 / v4 in the sm_90 PTX) and a warp keeps 2-4x the bytes in flight
-    "wc-h2-r16-sk32-8-n512": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True, BLOCK_N_UP=512,
-                                          BLOCK_N_DOWN=512)),
-    "wc-h2-r16-sk64-16-n1024": ("nib", dict(WC, SPLIT_UP=64, SPLIT_DOWN=16, ROWS=16, HALF2=True, BLOCK_N_UP=1024,
-                                            BLOCK_N_DOWN=1024)),
-    "wcp-h2-r16-sk16-4-n512": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, BLOCK_N_UP=512,
-                                           BLOCK_N_DOWN=512)),
-    "wcp-h2-r16-sk32-8-n1024": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True, BLOCK_N_UP=1024,
-                                            BLOCK_N_DOWN=1024)),
     "fx": ("default", dict(FIXUP=True)),
     "fxm": ("default", dict(FIXUP=True, COUNTERS="memset")),
     "fx-sk2x": ("default", dict(FIXUP=True, SPLIT_SCALE=2)),  # and twice the default's K slices

@@ -44,8 +44,8 @@ QUICK = dict(BLOCK_N=(64, 128, 256), SPLIT_K=(4, 8, 16), num_warps=(4,), num_sta
 # 512 features: two words a thread, twice a program's loads in flight per step; 128 slices lost everywhere (K6c)
 WORDCOL = dict(BLOCK_N=(256, 512), num_warps=(1,), SPLIT_K=(None, 32, 64), rows=(32, 16, 8), prefetch=(False, True))
 # --half2: the fp16-pair walk (gemv_wordcol.wordcol_slice_half2; fp16 only) beside the default and the fp32 walk's
-# (512 / 1024 features: 2 / 4 words a thread, read with one 8- / 16-byte load a row: ld.global.v2 / v4 on sm_90)
-HALF2 = dict(BLOCK_N=(256, 512, 1024), num_warps=(1,), SPLIT_K=(None, 32), rows=(32, 16, 8))
+# (512 / 1024 features, 2 / 4 words a thread with one 8- / 16-byte load a row, lost: RESULTS.md K6i)
+HALF2 = dict(BLOCK_N=(256,), num_warps=(1,), SPLIT_K=(None, 32), rows=(32, 16, 8))
 
 
 def with_fixup(cfgs):
