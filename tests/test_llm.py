@@ -331,6 +331,15 @@ def test_startup_summary_names_each_setting_and_its_source(tiny_dir, monkeypatch
     # the DFlash2 graph options reach the EngineConfig, which refuses them where no CUDA graphs run (the CPU)
     with pytest.raises(ValueError, match="dflash2_graph_rounds=True needs CUDA graphs"):
         LLM(model=str(tiny_dir), dflash2_graph_rounds=True)
+    # the start-up warm-up (engine/warmup.py): off with the CPU's torch kernels unless asked for
+    assert rows["warmup"] == ("off", "default (off with the torch kernels)")
+    warm = LLM(model=str(tiny_dir), max_num_seqs=3, warmup=True)
+    value, source = {n: (v, s) for n, v, s in warm.effective_config()}["warmup"]
+    k = warm.engine.spec.drafts_at(1) if warm.engine.spec.enabled else 0
+    assert source == "argument" and value.startswith(f"{k + 1} request") and warm.warmup.requests == k + 1
+    assert not warm.engine.has_unfinished() and warm.engine.spec_stats.num_rounds == 0
+    with pytest.raises(ValueError, match="warmup='yes' must be True or False"):
+        LLM(model=str(tiny_dir), warmup="yes")
 
 
 def test_stream_and_chat(llm):

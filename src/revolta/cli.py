@@ -188,6 +188,9 @@ def _add_serve_parser(sub) -> None:
                        help="KV block size in tokens (default: chosen for the model; the release note advises "
                             "leaving it unset)")
     serve.add_argument("--enforce-eager", action="store_true", default=None, help="capture no CUDA graphs")
+    serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                       help="start-up warm-up requests that compile every speculative round's row count and a prefill "
+                            "before the first request (default: on with the Triton kernels, i.e. on a GPU)")
     serve.add_argument("--trust-remote-code", action="store_true", default=None,
                        help="accepted for vLLM command lines; revolta runs no code from the checkpoint")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
@@ -491,7 +494,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                           "ple_placement", "dflash2_graph_rounds",
                                                           "dflash2_draft_graph", "gpu_memory_utilization",
                                                           "kv_offload_gib", "block_size", "enforce_eager",
-                                                          "trust_remote_code", *PARALLEL_ARGS)
+                                                          "warmup", "trust_remote_code", *PARALLEL_ARGS)
                    if getattr(args, name) is not None}
     if args.enable_auto_tool_choice and args.tool_call_parser == "none":
         raise UserError("--enable-auto-tool-choice needs a tool-call parser: drop --tool-call-parser none (or drop "

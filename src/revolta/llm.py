@@ -126,6 +126,8 @@ class LLM(SleepPauseMixin):
                                    num_text_ids=num_text_ids, ple_placement=self.ple_placement.value,
                                    device=self.device)
         self.model: FlashNextModel = self.engine.model  # at tp > 1: rank 0's shard
+        # every row count of a speculative round (and a prefill) compiled now, not inside a user's first requests
+        self.warmup = self.engine.warm_up() if self.engine.config.use_warmup else None
         self.max_model_len = self.engine.config.max_model_len  # the checkpoint's may be lowered to fit the cache
         self._structured: StructuredDecoding | None = None  # built by the first structured request
         self._seed, self._seed_rng = seed, random.Random(seed)

@@ -51,6 +51,7 @@ ENGINE_ARG_NAMES = frozenset({
     "max_num_encoder_input_tokens", "encoder_cache_size",
     "ple_placement",  # where the PLE n-gram table lives: "device", "host" or "disk" (ple/placement.py)
     "dflash2_graph_rounds", "dflash2_draft_graph",  # DFlash2 rounds / its drafter in CUDA graphs (EngineConfig)
+    "warmup",  # start-up warm-up requests (engine/warmup.py; EngineConfig.warmup)
 })
 LOAD_ARGS = ("ple_placement",)  # arguments that shape how the weights load
 # vLLM arguments the media path consumes (multimodal/processor.py)
@@ -60,7 +61,7 @@ ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype"
                       "gpu_memory_utilization", "block_size", "enforce_eager", "kv_cache_gib", "kv_offload_gib",
                       "cudagraph_mem_mib", "cudagraph_capture_sizes", "max_num_encoder_input_tokens",
                       "encoder_cache_size", "speculative_config", "tensor_parallel_size",
-                      "decode_context_parallel_size", "dflash2_graph_rounds", "dflash2_draft_graph")
+                      "decode_context_parallel_size", "dflash2_graph_rounds", "dflash2_draft_graph", "warmup")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -206,6 +207,10 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     mem_source = "argument" if ec.cudagraph_mem_mib is not None else f"environment ({env})" if env else \
         "default (1200 MiB with DFlash2, else 700 MiB)"
     rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
+    report = getattr(llm, "warmup", None)
+    rows.append(("warmup", report.describe() if report is not None else "off",
+                 arg("warmup") if ec.warmup is not None else
+                 "default (on where the Triton kernels run)" if ec.use_warmup else "default (off with the torch kernels)"))
     rows.append(("ple_placement", ple_memory(llm.model).describe(), llm.ple_placement.source))
     spec_source = arg("speculative_config") if "speculative_config" in llm.engine_args else \
         speculation_source(llm.cfg, llm.mtp_weights)

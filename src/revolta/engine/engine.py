@@ -46,6 +46,7 @@ from .sample_step import StepSampler
 from .scheduler import ScheduledSeq, Scheduler, SeqState
 from .sleep import SLEEP_LEVELS, EngineAsleepError, check_host_memory, host_available_bytes
 from .spec_policy import SpecPolicy
+from .warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # the trunk QSA K/V striped over this many ranks of a KV head's group (parallel/dcp.py); the cache plan counts it
     decode_context_parallel_size: int = 1
+    # start-up warm-up requests (warmup.py: every row count a speculative round verifies, compiled before the first
+    # request); None: on where the Triton kernels run (kernels "triton"); LLM runs it after building the engine
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         gib = self.kv_cache_gib
@@ -120,11 +124,12 @@ class EngineConfig:
                              f"leaves, on CPU {CPU_KV_CACHE_GIB})")
         if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        for name in ("enable_prefix_caching", "enforce_eager", "dflash2_graph_rounds", "dflash2_draft_graph"):
+        for name in ("enable_prefix_caching", "enforce_eager", "dflash2_graph_rounds", "dflash2_draft_graph", "warmup"):
             value = getattr(self, name)  # "no" would be truthy: on, silently
-            if not isinstance(value, bool) and not (value is None and name.startswith("dflash2")):
-                raise ValueError(f"{name}={value!r} must be True or False"
-                                 + (" (or None: on where CUDA graphs run)" if name.startswith("dflash2") else ""))
+            if not isinstance(value, bool) and not (value is None and (name.startswith("dflash2") or name == "warmup")):
+                raise ValueError(f"{name}={value!r} must be True or False" + (
+                    " (or None: on where CUDA graphs run)" if name.startswith("dflash2") else
+                    " (or None: on where the Triton kernels run)" if name == "warmup" else ""))
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")
@@ -169,6 +174,11 @@ class EngineConfig:
         if value < 0:
             raise ValueError(f"{var}={env} must be >= 0 MiB (0 keeps no graph reserve); unset it for the default")
         return value
+
+    @property
+    def use_warmup(self) -> bool:
+        """Whether LLM runs the start-up warm-up (warmup.py): the setting, else where the Triton kernels run."""
+        return self.warmup if self.warmup is not None else self.kernels == "triton"
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -370,6 +380,11 @@ class Engine:
             self.scheduler.finish(seq)
             self.executor.drop(request_id)
             seq.request.release()
+
+    def warm_up(self) -> WarmupReport:
+        """Run every row count a speculative round verifies once (and a prefill), before the first request, then
+        clear what that touched (warmup.py). LLM calls it at start-up where EngineConfig.use_warmup."""
+        return warm_up(self)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
