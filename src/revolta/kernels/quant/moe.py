@@ -242,9 +242,9 @@ def _quant_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids
 # launch
 
 
-# one bf16 token of AWQ experts on sm80+ (use_moe_wordcol): single-warp programs of 256 features, 8-row steps,
-# gate_up in 64 K slices and down in 16. H200, bf16 (RESULTS.md K5g): 42.4 us at the real shapes against the nibble
-# path's 47.9 and the same walk in 32-row steps' 47.6 (H100, K5f: 44.2 against 47.3 in 32-row steps)
+# the fp32 walk (one bf16 token's default until K5l) of AWQ experts on sm80+ (use_moe_wordcol): single-warp programs
+# of 256 features, 8-row steps, gate_up in 64 K slices and down in 16. H200, bf16 (RESULTS.md K5g): 42.4 us at the
+# real shapes against the nibble path's 47.9 and the same walk in 32-row steps' 47.6 (H100, K5f: 44.2 against 47.3)
 MOE_WORDCOL = dict(WORDCOL=True, NIBBLE_DOT=False, BLOCK_M=1, USE_DOT=False, BLOCK_N_UP=256, BLOCK_N_DOWN=256,
                    SPLIT_UP=64, SPLIT_DOWN=16, ROWS=8, PREFETCH=False, HALF2=False, num_warps=1, num_stages=1)
 # the word-column walk's defaults (RESULTS.md K5h, H100; K5g for one bf16 token), by (one token or several, dtype):
@@ -252,6 +252,9 @@ MOE_WORDCOL = dict(WORDCOL=True, NIBBLE_DOT=False, BLOCK_M=1, USE_DOT=False, BLO
 # 16-row steps and 16 / 4 K slices (fp16 pairs: 76 / 109 / 405 µs at M = 5 / 8 / 40 against the nibble path's
 # 153 / 226 / 840; bf16, the fp32 walk: 102 / 143 / 590 against 153 / 226 / 836)
 MOE_WORDCOL_HALF2 = MOE_WORDCOL | dict(SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)
+# one bf16 token on fp16 pairs (each step's x scaled into fp16 by a power of two), with the reduces inside the kernels:
+# H100 (RESULTS.md K5l) 37.5 µs against the fp32 walk's 45.5 (the only bf16 pair config timed so far)
+MOE_WORDCOL_BF16_PAIRS = MOE_WORDCOL_HALF2 | dict(FIXUP=True)
 MOE_WORDCOL_PAIRS = MOE_WORDCOL | dict(SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16)
 MOE_WORDCOL_PAIRS_HALF2 = MOE_WORDCOL_PAIRS | dict(HALF2=True)
 MOE_WORDCOL_MAX_TOKENS = 40  # the per-pair walk reads an expert once per token that chose it: timed up to 40 tokens
@@ -271,7 +274,7 @@ def moe_wordcol_config(M: int, dtype: torch.dtype) -> dict:
     half2 = dtype == torch.float16
     fixup = dict(FIXUP=True) if fixup_default() else {}  # the reduces inside the kernels (opt-in: RESULTS.md K5l)
     if M == 1:
-        return dict(MOE_WORDCOL_HALF2 if half2 else MOE_WORDCOL) | fixup
+        return dict(MOE_WORDCOL_HALF2 if half2 else MOE_WORDCOL_BF16_PAIRS) | fixup
     return dict(MOE_WORDCOL_PAIRS_HALF2 if half2 else MOE_WORDCOL_PAIRS) | fixup
 
 
