@@ -210,7 +210,8 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     report = getattr(llm, "warmup", None)
     rows.append(("warmup", report.describe() if report is not None else "off",
                  arg("warmup") if ec.warmup is not None else
-                 "default (on where the Triton kernels run)" if ec.use_warmup else "default (off with the torch kernels)"))
+                 "default (on where the Triton kernels run)" if ec.use_warmup
+                 else "default (off with the torch kernels)"))
     rows.append(("ple_placement", ple_memory(llm.model).describe(), llm.ple_placement.source))
     spec_source = arg("speculative_config") if "speculative_config" in llm.engine_args else \
         speculation_source(llm.cfg, llm.mtp_weights)

@@ -32,10 +32,9 @@ split-K counters. At decode on the full-size AWQ model that makes GDN's in_proj_
 GEMV and QSA's q / k / v / indexer projections one: two and three launches fewer a layer, and the 512-wide ones
 stop paying a whole launch's latency for 0.7 MB. A format with a per-linear value (NVFP4's global scale: out_axis
 None; WeightFormat.merged_value) does not merge: the parts' values differ in general and a reload may change one of
-them. Where the output axis
-is not the first (AWQ), a part's slices are strided views; its own forward (the fallback when the merge no longer
-holds) runs on contiguous copies. A parallel subclass keeps its own forward and runs alone. With autograd on and a
-part requiring grad (training) every part runs separately, so gradients reach the parameters.
+them. Where the output axis is not the first (AWQ), a part's slices are strided views; its own forward (the fallback
+when the merge no longer holds) runs on contiguous copies. A parallel subclass keeps its own forward and runs alone.
+With autograd on and a part requiring grad (training) every part runs separately, so gradients reach the parameters.
 """
 
 from __future__ import annotations
@@ -139,9 +138,10 @@ def merge_quant_linears(parts: Sequence[nn.Module], merged: MergedQuant | None =
     fmt = mods[0].fmt
     per_linear = {k: fmt.merged_value(k, n_all, k_in, dev) for k, s in fmt.specs(n_all, k_in).items()
                   if s.out_axis is None}
-    if None in per_linear.values() or any(m.out_features % s.out_pack for m, sp in zip(mods, specs) for s in sp.values()) \
-            or \
-            any(t.device != dev for m in mods for t in (*m.packed().values(), *([m.bias] if m.bias is not None else []))):
+    unaligned = any(m.out_features % s.out_pack for m, sp in zip(mods, specs) for s in sp.values())
+    tensors = [t for m in mods for t in (*m.packed().values(), m.bias) if t is not None]
+    elsewhere = any(t.device != dev for t in tensors)
+    if None in per_linear.values() or unaligned or elsewhere:
         return None
     packed = {name: torch.cat([m.packed()[name] for m in mods], dim=spec.out_axis) for name, spec in specs[0].items()}
     packed.update(per_linear)
