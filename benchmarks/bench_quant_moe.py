@@ -71,6 +71,9 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wc-bh2-r16-sk32-8-fx": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True, FIXUP=True)),
     "wcp-bh2-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True)),
     "wcp-bh2-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, FIXUP=True)),
+    # the default's config with its program rows in expert order (pairs of an expert side by side: the later ones
+    # read its words from L2); M > 1 only
+    "eo": ("default", dict(EXPERT_ORDER=True)),
     "fx": ("default", dict(FIXUP=True)),
     "fxm": ("default", dict(FIXUP=True, COUNTERS="memset")),
     "fx-sk2x": ("default", dict(FIXUP=True, SPLIT_SCALE=2)),  # and twice the default's K slices
@@ -159,10 +162,10 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
             base["default"] = QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, layout="awq", dtype=dt)
             variants = {"quant": None} | {n: scaled_splits(base[p] | v) for n, (p, v) in VARIANTS.items()
                                           if (only is None or n in only)
-                                          and (n in ("tile", "fx", "fxm", "fx-sk2x") or small
+                                          and (n in ("tile", "fx", "fxm", "fx-sk2x", "eo") or small
                                                or (dt == torch.float16) == ("-h2-" in n))  # -bh2-: bf16
                                           and (M == 1 or not n.startswith("wc-"))
-                                          and (M > 1 or not n.startswith("wcp-"))}
+                                          and (M > 1 or not (n.startswith("wcp-") or n == "eo"))}
             for vname, cfg in variants.items():
                 # the weights' own counters, as layers/quant_moe.py gives them, unless the variant times a memset
                 gu = gate_up if cfg is not None and cfg.get("COUNTERS") == "memset" else gate_up_own

@@ -118,6 +118,11 @@ def wordcol_builds():
                                             dict(flags, BLOCK_N=c["BLOCK_N_DOWN"], SPLIT=c["SPLIT_DOWN"], EVEN=True,
                                                  TOP_K=TOP_K, FIXUP=True),
                                             c["num_warps"], 1, "awq")
+    # program rows in expert order (EXPERT_ORDER: each row's pair read from moe_group's order)
+    for part in ("gate_up", "down"):
+        kernel, names, types, consts, warps, stages, layout = out[f"awq_wordcol_half2_pairs_{part}"]
+        out[f"awq_wordcol_half2_pairs_{part}_eo"] = (kernel, names + " order EXPERT_ORDER", types + "ic",
+                                                     dict(consts, EXPERT_ORDER=True), warps, stages, layout)
     return out
 
 
@@ -172,7 +177,7 @@ def test_aot_real_shapes(arch, reports):
     spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column builds spill (budget 0 on every arch): {spills}"
-    assert sum("wordcol" in n for n in reports[arch]) == 20
+    assert sum("wordcol" in n for n in reports[arch]) == 22
     assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 

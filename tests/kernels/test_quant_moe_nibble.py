@@ -125,6 +125,22 @@ def test_wordcol_fixup_is_bitwise_the_reduce_launches(M, dtype, split):
     assert torch.equal(got, want) and not few.counters.any()
 
 
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("M,dtype,split,fixup", [(5, torch.float16, (2, 3, 8), False),
+                                                 (3, torch.bfloat16, (2, 1, 32), True)], ids=str)
+def test_wordcol_expert_order_is_bitwise_the_pair_order(M, dtype, split, fixup):
+    """EXPERT_ORDER: the program rows walk the pairs sorted by expert (moe_group's order) instead of token-major; each
+    pair's sums are the same, so the output is bitwise the default's, every output written (NaN-poisoned), with the
+    reduce launches and with FIXUP (counters back at 0)."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
+    assert ids.unique().numel() < ids.numel()  # pairs share experts across tokens: the order differs
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2], FIXUP=fixup)
+    want = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+    got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(EXPERT_ORDER=True))
+    assert torch.equal(got, want) and not gate_up.counters.any()
+    torch.testing.assert_close(got, ref, **TOLS[dtype])
+
+
 def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70():
     for M in (1, 8, 40):
         assert quant_grouped_config(M, 11, 513, 90)["NIBBLE_DOT"] and quant_grouped_config(M, 11, 513)["NIBBLE_DOT"]

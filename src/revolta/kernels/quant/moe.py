@@ -488,6 +488,10 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         fix_dn = dict(out=out, counters=counters, TOP_K=k, FIXUP=True)
     else:
         fix_up = fix_dn = {}
+    # opt-in (untimed): program rows in expert order, the pairs of an expert several tokens chose side by side
+    if cfg.get("EXPERT_ORDER", False) and M > 1:
+        order = moe_group(ids, min(T, gate_up.tensors[0].shape[0] + has_shared))[0]
+        fix_up, fix_dn = (dict(f, order=order, EXPERT_ORDER=True) for f in (fix_up, fix_dn))
     _wordcol_gate_up_kernel[(T, tiles_up, split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
         *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group,

@@ -44,12 +44,14 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
                             BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
                             EVEN: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
                             HALF2: tl.constexpr = False, ASM: tl.constexpr = True, counters=None,
-                            FIXUP: tl.constexpr = False):
+                            FIXUP: tl.constexpr = False, order=None, EXPERT_ORDER: tl.constexpr = False):
     """act [T, I] = SiLU(gate)·up in x.dtype (SPLIT == 1) or K slice program_id(2) of gate and up to ws [SPLIT, T, 2I];
     x [M, H]; pair = program_id(0) = token·TOP_K + slot, its expert topk_ids[pair] (the shared expert: num_routed).
     ROWS, PREFETCH, HALF2, ASM: gemv_wordcol.wordcol_slice's. FIXUP (SPLIT > 1): the last of a (pair, N tile)'s
-    slices writes its act from ws (`_act_fixup`; int32 counters, one a (pair, N tile)) instead of _split_act_kernel."""
-    pair = tl.program_id(0)
+    slices writes its act from ws (`_act_fixup`; int32 counters, one a (pair, N tile)) instead of _split_act_kernel.
+    EXPERT_ORDER: program row r walks pair order[r] (pairs sorted by expert, moe_group), so the pairs of an expert
+    several tokens chose run side by side and the later ones read its words from L2."""
+    pair = tl.load(order + tl.program_id(0)) if EXPERT_ORDER else tl.program_id(0)
     x_row = x + (pair // TOP_K).to(tl.int64) * stride_xm
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -101,11 +103,12 @@ def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_i
                          stride_e0, stride_e1, stride_e2, stride_ym, k_split, G: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
                          PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True,
-                         out=None, counters=None, TOP_K: tl.constexpr = 1, FIXUP: tl.constexpr = False):
+                         out=None, counters=None, TOP_K: tl.constexpr = 1, FIXUP: tl.constexpr = False,
+                         order=None, EXPERT_ORDER: tl.constexpr = False):
     """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ). FIXUP: the
     last of a (token, N tile)'s TOP_K·SPLIT programs also writes out [M, H] (`_sum_fixup`; int32 counters, one a
-    (token, N tile)) instead of moe._moe_sum_kernel."""
-    pair = tl.program_id(0)
+    (token, N tile)) instead of moe._moe_sum_kernel. EXPERT_ORDER: as _wordcol_gate_up_kernel's."""
+    pair = tl.load(order + tl.program_id(0)) if EXPERT_ORDER else tl.program_id(0)
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
     i_e = tl.load(topk_ids + pair).to(tl.int64)
