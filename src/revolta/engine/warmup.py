@@ -28,7 +28,8 @@ MAX_STEPS = 64  # a warm-up request finishes in a prefill and at most d + 1 deco
 
 @dataclass(frozen=True)
 class WarmupReport:
-    """What `warm_up` ran: requests, the rows each round verified (1 .. k + 1; () without speculation), seconds."""
+    """What `warm_up` ran: requests, the row counts they were built to verify (1 .. k + 1; () without
+    speculation; tests/engine/test_warmup.py checks the executor saw them), seconds."""
 
     requests: int
     verify_rows: tuple[int, ...]
