@@ -125,6 +125,9 @@ def test_an_odd_merged_width_is_padded_to_16_byte_rows():
     names and state_dict are those of the unpadded parts."""
     torch.manual_seed(0)
     moe = MoE(hidden_size=32, num_experts=12, top_k=2, intermediate_size=16, shared_intermediate_size=16).eval()
+    with torch.no_grad():  # the experts' banks start as torch.empty: NaN garbage would fail torch.equal below
+        for p in moe.parameters():
+            p.normal_()
     parts, x = moe.router_projections(), torch.randn(5, 32)
     want, n_split = _gemms(parts, None, x)
     before = {k: v.clone() for k, v in moe.state_dict().items()}
