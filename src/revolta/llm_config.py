@@ -207,8 +207,7 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     mem_source = "argument" if ec.cudagraph_mem_mib is not None else f"environment ({env})" if env else \
         "default (1200 MiB with DFlash2, else 700 MiB)"
     rows.append(("cudagraph_mem_mib", ec.resolved_cudagraph_mem_mib(), mem_source))
-    report = getattr(llm, "warmup", None)
-    rows.append(("warmup", report.describe() if report is not None else "off",
+    rows.append(("warmup", llm.warmup.describe() if llm.warmup is not None else "off",
                  arg("warmup") if ec.warmup is not None else
                  "default (on where the Triton kernels run)" if ec.use_warmup
                  else "default (off with the torch kernels)"))

@@ -124,12 +124,13 @@ class EngineConfig:
                              f"leaves, on CPU {CPU_KV_CACHE_GIB})")
         if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        for name in ("enable_prefix_caching", "enforce_eager", "dflash2_graph_rounds", "dflash2_draft_graph", "warmup"):
+        none_means = {"dflash2_graph_rounds": "on where CUDA graphs run", "dflash2_draft_graph": "on where CUDA "
+                      "graphs run", "warmup": "on where the Triton kernels run"}  # the switches None may leave unset
+        for name in ("enable_prefix_caching", "enforce_eager", *none_means):
             value = getattr(self, name)  # "no" would be truthy: on, silently
-            if not isinstance(value, bool) and not (value is None and (name.startswith("dflash2") or name == "warmup")):
-                raise ValueError(f"{name}={value!r} must be True or False" + (
-                    " (or None: on where CUDA graphs run)" if name.startswith("dflash2") else
-                    " (or None: on where the Triton kernels run)" if name == "warmup" else ""))
+            if not isinstance(value, bool) and not (value is None and name in none_means):
+                raise ValueError(f"{name}={value!r} must be True or False"
+                                 + (f" (or None: {none_means[name]})" if name in none_means else ""))
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (or None for the default)")

@@ -85,16 +85,35 @@ def merge_linears(parts: Sequence[nn.Module], merged: MergedLinear | None = None
     pad = -sum(m.out_features for m in mods) % ROW_ALIGN
     weight = torch.cat([m.weight for m in mods] + [w0.new_zeros(pad, w0.shape[1])])
     has_bias = tuple(m.bias is not None for m in mods)
-    bias = torch.cat([m.bias if m.bias is not None else w0.new_zeros(m.out_features) for m in mods]
-                     + [w0.new_zeros(pad)]) if any(has_bias) else None
+    bias = _merged_bias(mods, pad)
     row = 0
     for m in mods:
-        n = m.out_features
-        m.weight.data = weight[row:row + n]  # the old storage goes when nothing else holds it
-        if m.bias is not None:
-            m.bias.data = bias[row:row + n]
-        row += n
+        m.weight.data = weight[row:row + m.out_features]  # the old storage goes when nothing else holds it
+        row += m.out_features
     return MergedLinear(weight, bias, index, tuple(m.out_features for m in mods), has_bias)
+
+
+def _merged_bias(mods: Sequence[nn.Module], pad: int = 0) -> Tensor | None:
+    """The parts' biases end to end (zeros for a part without one, then `pad` zeros), each part's bias rebound to
+    its slice; None when no part has one."""
+    b0 = next((m.bias for m in mods if m.bias is not None), None)
+    if b0 is None:
+        return None
+    bias = torch.cat([m.bias if m.bias is not None else b0.new_zeros(m.out_features) for m in mods]
+                     + [b0.new_zeros(pad)])
+    row = 0
+    for m in mods:
+        if m.bias is not None:
+            m.bias.data = bias[row:row + m.out_features]
+        row += m.out_features
+    return bias
+
+
+def _bias_current(m: nn.Module, has_bias: bool, bias: Tensor | None, row: int) -> bool:
+    """Whether part `m`'s bias is still what the merge made of it: none, or the merged bias's slice from `row`."""
+    if (m.bias is not None) != has_bias:
+        return False
+    return not has_bias or m.bias.data_ptr() == bias.data_ptr() + row * bias.element_size()
 
 
 @dataclass(frozen=True)
@@ -146,17 +165,13 @@ def merge_quant_linears(parts: Sequence[nn.Module], merged: MergedQuant | None =
     packed = {name: torch.cat([m.packed()[name] for m in mods], dim=spec.out_axis) for name, spec in specs[0].items()}
     packed.update(per_linear)
     has_bias = tuple(m.bias is not None for m in mods)
-    b0 = next((m.bias for m in mods if m.bias is not None), None)
-    bias = torch.cat([m.bias if m.bias is not None else b0.new_zeros(m.out_features) for m in mods]) \
-        if b0 is not None else None
+    bias = _merged_bias(mods)
     views, row = [], 0
     for m, spec in zip(mods, specs):
         n = m.out_features
         view = {name: packed[name].narrow(s.out_axis, row // s.out_pack, n // s.out_pack) for name, s in spec.items()}
         for name, v in view.items():
             getattr(m, name).data = v  # the old storage goes when nothing else holds it
-        if m.bias is not None:
-            m.bias.data = bias[row:row + n]
         views.append(view)
         row += n
     counters = torch.zeros(-(-row // 8), dtype=torch.int32, device=dev)
@@ -174,8 +189,7 @@ def _quant_current(merged: MergedQuant, parts: Sequence[nn.Module]) -> bool:
             t = getattr(m, name)
             if t.data_ptr() != v.data_ptr() or t.shape != v.shape or t.stride() != v.stride() or t.dtype != v.dtype:
                 return False
-        b = merged.bias
-        if (m.bias is not None) != has_b or (has_b and m.bias.data_ptr() != b.data_ptr() + row * b.element_size()):
+        if not _bias_current(m, has_b, merged.bias, row):
             return False
         row += n
     return True
@@ -186,14 +200,14 @@ def is_current(merged: MergedLinear | MergedQuant, parts: Sequence[nn.Module]) -
     if isinstance(merged, MergedQuant):
         return _quant_current(merged, parts)
     w = merged.weight
-    w_step, b_step = w.stride(0) * w.element_size(), w.element_size()
+    w_step = w.stride(0) * w.element_size()
     row = 0
     for i, n, has_b in zip(merged.index, merged.sizes, merged.has_bias):
         m = parts[i]
         if type(m) is not nn.Linear or m.weight.dtype != w.dtype or m.weight.device != w.device \
                 or m.weight.shape[0] != n or m.weight.data_ptr() != w.data_ptr() + row * w_step:
             return False
-        if (m.bias is not None) != has_b or (has_b and m.bias.data_ptr() != merged.bias.data_ptr() + row * b_step):
+        if not _bias_current(m, has_b, merged.bias, row):
             return False
         row += n
     return True
