@@ -141,6 +141,44 @@ def test_wordcol_expert_order_is_bitwise_the_pair_order(M, dtype, split, fixup):
     torch.testing.assert_close(got, ref, **TOLS[dtype])
 
 
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("M,dtype,split,rows", [(5, torch.float16, (2, 3, 8), 2), (3, torch.bfloat16, (1, 1, 32), 4)],
+                         ids=str)
+def test_wordcol_group_rows_is_bitwise_the_pair_walk(M, dtype, split, rows):
+    """GROUP_ROWS: the pairs of an expert in blocks of up to R, each block's weight words read and decoded once for
+    all its tokens: every pair's act and y rows are the per-pair walk's, so the output is bitwise the default's
+    (fp16 pairs, fp16 and bf16 tokens; the shared expert in every token: blocks of R and a shorter last at M = 5),
+    every output written (NaN-poisoned); R must be a power of two."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
+    assert ids.unique().numel() < ids.numel()
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2], HALF2=True)
+    want = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+    got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(GROUP_ROWS=rows))
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
+    with pytest.raises(AssertionError, match="GROUP_ROWS"):
+        quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(GROUP_ROWS=3))
+
+
+def test_pair_blocks_cut_each_expert_into_blocks():
+    """moe_wordcol.pair_blocks: at each block's first sorted position its pair count (<= R), zeros elsewhere; every
+    pair in exactly one block of its own expert; the Triton kernel equals the reference."""
+    from revolta.kernels.moe_grouped import moe_group_ref
+    from revolta.kernels.quant.moe_wordcol import pair_blocks, pair_blocks_ref
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.randint(0, 6, (13, 3), generator=gen), torch.full((13, 1), 6)], 1).to(torch.int32)
+    order, slot_expert, start, end = moe_group_ref(ids, ids.numel())
+    for rows in (1, 2, 4, 16):
+        want = pair_blocks_ref(start, end, ids.numel(), rows)
+        assert torch.equal(pair_blocks(start, end, ids.numel(), rows), want)
+        assert int(want.sum()) == ids.numel() and int(want.max()) <= rows
+        flat = ids.reshape(-1)[order.long()]
+        for p in torch.nonzero(want).flatten().tolist():
+            assert (flat[p:p + int(want[p])] == flat[p]).all()
+    assert int(pair_blocks_ref(start, end, ids.numel(), 4)[start[6]:end[6]].sum()) == 13  # the shared expert: 4+4+4+1
+
+
 def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70():
     for M in (1, 8, 40):
         assert quant_grouped_config(M, 11, 513, 90)["NIBBLE_DOT"] and quant_grouped_config(M, 11, 513)["NIBBLE_DOT"]

@@ -49,7 +49,8 @@ from ..moe_grouped import _mac, _pairs, _program, expected_distinct, moe_group
 from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
 from .moe_decode import _split_act_kernel
-from .moe_wordcol import _wordcol_down_kernel, _wordcol_gate_up_kernel
+from .moe_wordcol import (_wordcol_down_kernel, _wordcol_down_rows_kernel, _wordcol_gate_up_kernel,
+                          _wordcol_gate_up_rows_kernel, pair_blocks)
 from .common import REDUCE_BLOCK, fixup_default, splitk_counters
 from .nibble import LAYOUTS, nibble_block_k, nibble_min_rows, split_len
 
@@ -488,6 +489,10 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         fix_dn = dict(out=out, counters=counters, TOP_K=k, FIXUP=True)
     else:
         fix_up = fix_dn = {}
+    group_rows = cfg.get("GROUP_ROWS", 1)
+    if group_rows > 1 and M > 1:
+        return _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
+                                 has_shared, cfg, ws, y, rows_up, rows_dn, group_rows)
     # opt-in (untimed): program rows in expert order, the pairs of an expert several tokens chose side by side
     if cfg.get("EXPERT_ORDER", False) and M > 1:
         order = moe_group(ids, min(T, gate_up.tensors[0].shape[0] + has_shared))[0]
@@ -506,3 +511,35 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, **half2,
         **fix_dn, **launch)
     return out if fixup else y
+
+
+def _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights, has_shared, cfg,
+                      ws, y, rows_up, rows_dn, group_rows) -> Tensor:
+    """`_wordcol_expert_mlp` with GROUP_ROWS = R > 1 (opt-in, fp16 pairs, no FIXUP): the pairs sorted by expert
+    (moe_group) and cut into blocks of up to R pairs of one expert (moe_wordcol.pair_blocks); a program row walks its
+    block's weight words once for all its tokens (wordcol_rows_half2), so an expert several tokens chose is read
+    ceil(pairs / R) times instead of once a pair (M = 40: 440 pairs over ~276 experts, the shared expert in every
+    token). The act / y rows are bitwise the per-pair walk's; y [M·k·SPLIT_DOWN, H] fp32."""
+    M, H = x.shape
+    T, I = act.shape
+    k = ids.shape[1]
+    assert cfg.get("HALF2", False) and not cfg.get("FIXUP", False) and group_rows & (group_rows - 1) == 0, \
+        f"GROUP_ROWS (a power of two) walks fp16 pairs (HALF2) with the reduce launches (no FIXUP), got {cfg}"
+    num_routed = gate_up.tensors[0].shape[0]
+    order, _, slot_start, slot_end = moe_group(ids, min(T, num_routed + has_shared))
+    blocks = pair_blocks(slot_start, slot_end, T, group_rows)
+    split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
+    bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
+    common = dict(HAS_SHARED=has_shared, R=group_rows, ASM=x.is_cuda, num_warps=cfg["num_warps"], num_stages=1)
+    _wordcol_gate_up_rows_kernel[(T, triton.cdiv(I, bn_up), split_up)](
+        x, *w_up, *s_gate, *s_up, act, ws, ids, order, blocks, num_routed, H, I, T, x.stride(0),
+        *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group,
+        BLOCK_N=bn_up, SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, **common)
+    if split_up > 1:
+        _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
+                                                             BLOCK=REDUCE_BLOCK, num_warps=2)
+    _wordcol_down_rows_kernel[(T, triton.cdiv(H, bn_dn), split_dn)](
+        act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, order, blocks, num_routed, H, I, act.stride(0),
+        *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
+        SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, **common)
+    return y

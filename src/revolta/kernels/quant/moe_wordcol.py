@@ -18,11 +18,13 @@ two launches fewer, the same sums. Fixed order everywhere: bitwise reproducible,
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .common import splitk_last, splitk_sum
-from .gemv_wordcol import _feature, wordcol_slice
+from .gemv_wordcol import _feature, wordcol_rows_half2, wordcol_slice
 from .moe_decode import _down_operands, _gate_up_operands
 
 
@@ -143,3 +145,148 @@ def _sum_fixup(y, out, counters, token, i_n, H, stride_ym, ROWS: tl.constexpr, B
         m = o < H
         acc = splitk_sum(y + token.to(tl.int64) * ROWS * stride_ym + o, m, stride_ym, ROWS)
         tl.store(out + token.to(tl.int64) * H + o, acc.to(out.dtype.element_ty), mask=m)
+
+
+# ----------------------------------------------------------------------------------------------
+# GROUP_ROWS: the pairs of an expert in blocks of up to R, each block's weight words read and decoded once
+
+
+def pair_blocks_ref(slot_start: Tensor, slot_end: Tensor, num_pairs: int, rows: int) -> Tensor:
+    """block_rows [T] int32 from moe_group's slots: at the sorted position of every rows-th pair of a slot (its
+    first, its rows + 1-th, ...) the number of the slot's pairs from there, at most `rows`; 0 elsewhere."""
+    out = torch.zeros(num_pairs, dtype=torch.int32, device=slot_start.device)
+    for a, b in zip(slot_start.tolist(), slot_end.tolist()):
+        for p in range(a, b, rows):
+            out[p] = min(rows, b - p)
+    return out
+
+
+@triton.jit
+def _pair_blocks_kernel(slot_start, slot_end, block_rows, T, S, R: tl.constexpr, BLOCK: tl.constexpr):
+    """`pair_blocks_ref` in one program (S <= T <= BLOCK): zeros, then each slot's block starts."""
+    o = tl.arange(0, BLOCK)
+    tl.store(block_rows + o, tl.zeros([BLOCK], dtype=tl.int32), mask=o < T)
+    tl.debug_barrier()  # the zeros before the counts (other threads may write the same positions)
+    m = o < S
+    start = tl.load(slot_start + o, mask=m, other=0)
+    end = tl.load(slot_end + o, mask=m, other=0)
+    for j in range(0, tl.max(end - start, 0), R):
+        pos = start + j
+        tl.store(block_rows + pos, tl.minimum(end - pos, R), mask=m & (pos < end))
+
+
+def pair_blocks(slot_start: Tensor, slot_end: Tensor, num_pairs: int, rows: int) -> Tensor:
+    """Triton version of `pair_blocks_ref` (one launch, no host sync)."""
+    out = torch.empty(num_pairs, dtype=torch.int32, device=slot_start.device)
+    _pair_blocks_kernel[(1,)](slot_start, slot_end, out, num_pairs, slot_start.numel(), R=rows,
+                              BLOCK=max(16, triton.next_power_of_2(num_pairs)), num_warps=4)
+    return out
+
+
+@triton.jit
+def _block_pairs(order, block_rows, topk_ids, R: tl.constexpr):
+    """(cnt, pairs [R], mask [R], expert) of the block starting at sorted position program_id(0) (cnt 0: none)."""
+    p = tl.program_id(0)
+    cnt = tl.load(block_rows + p)
+    o_r = tl.arange(0, R)
+    m_r = o_r < cnt
+    pairs = tl.load(order + p + o_r, mask=m_r, other=0)
+    i_e = tl.load(topk_ids + tl.load(order + p)).to(tl.int64)
+    return cnt, pairs, m_r, i_e
+
+
+@triton.jit
+def _rows_mask(m_r, m_w, EVEN: tl.constexpr):
+    """[R, W] store mask of a block's rows m_r and the words m_w (None when EVEN)."""
+    if EVEN:
+        m = m_r[:, None]
+    else:
+        m = m_r[:, None] & m_w[None, :]
+    return m
+
+
+@triton.jit
+def _act_store_rows(act, ws, g, u, pairs, m, o_f, T, I, stride_am, i_k, SPLIT: tl.constexpr, j: tl.constexpr):
+    col = (o_f * 8 + _feature(j))[None, :]  # [1, W] features of nibble j
+    if SPLIT == 1:
+        tl.store(act + pairs[:, None] * stride_am + col, (g * tl.sigmoid(g) * u).to(act.dtype.element_ty), mask=m)
+    else:
+        p_w = ws + (i_k * T + pairs[:, None]) * (2 * I) + col
+        tl.store(p_w, g, mask=m)
+        tl.store(p_w + I, u, mask=m)
+
+
+@triton.jit
+def _wordcol_gate_up_rows_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws, topk_ids, order, block_rows,
+                                 num_routed, H, I, T, stride_xm, stride_e0, stride_e1, stride_e2, stride_am, k_split,
+                                 TOP_K: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                                 ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr = True):
+    """`_wordcol_gate_up_kernel` (fp16 pairs) for a block of up to R pairs of one expert: program row p is sorted
+    position p of moe_group's order, a block's first (block_rows[p] > 0 pairs from there) or nothing. The same act /
+    ws rows, bitwise (wordcol_rows_half2)."""
+    cnt, pairs, m_r, i_e = _block_pairs(order, block_rows, topk_ids, R)
+    if cnt == 0:
+        return
+    i_n = tl.program_id(1)
+    i_k = tl.program_id(2)
+    g0, g1, g2, n_g, u0, u1, u2, n_u, N = _gate_up_operands(w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, i_e, i_n,
+                                                            num_routed, I, stride_e0, stride_e1, stride_e2, BLOCK_N,
+                                                            HAS_SHARED)
+    W: tl.constexpr = BLOCK_N // 8
+    o_f = i_n * W + tl.arange(0, W)
+    m_w = None if EVEN else o_f < I // 8
+    x_rows = x + (pairs // TOP_K).to(tl.int64) * stride_xm  # [R]
+    k_lo = i_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, H)
+    g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_rows_half2(x_rows, m_r, g0, g1, g2, n_g // 8 + tl.arange(0, W),
+                                                                m_w, N, k_lo, k_hi, G, W, ROWS, R, ASM)
+    u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_rows_half2(x_rows, m_r, u0, u1, u2, n_u // 8 + tl.arange(0, W),
+                                                                m_w, N, k_lo, k_hi, G, W, ROWS, R, ASM)
+    m = _rows_mask(m_r, m_w, EVEN)
+    _act_store_rows(act, ws, g_0, u_0, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 0)
+    _act_store_rows(act, ws, g_1, u_1, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 1)
+    _act_store_rows(act, ws, g_2, u_2, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 2)
+    _act_store_rows(act, ws, g_3, u_3, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 3)
+    _act_store_rows(act, ws, g_4, u_4, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 4)
+    _act_store_rows(act, ws, g_5, u_5, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 5)
+    _act_store_rows(act, ws, g_6, u_6, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 6)
+    _act_store_rows(act, ws, g_7, u_7, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 7)
+
+
+@triton.jit
+def _y_store_rows(y, a, rw, pairs, m, o_w, stride_ym, i_k, SPLIT: tl.constexpr, j: tl.constexpr):
+    tl.store(y + (pairs[:, None] * SPLIT + i_k) * stride_ym + (o_w * 8 + _feature(j))[None, :], a * rw, mask=m)
+
+
+@triton.jit
+def _wordcol_down_rows_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids, order, block_rows,
+                              num_routed, H, I, stride_am, stride_e0, stride_e1, stride_e2, stride_ym, k_split,
+                              G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
+                              EVEN: tl.constexpr, ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr = True):
+    """`_wordcol_down_kernel` (fp16 pairs) for a block of up to R pairs of one expert (as
+    _wordcol_gate_up_rows_kernel): the same y rows, bitwise."""
+    cnt, pairs, m_r, i_e = _block_pairs(order, block_rows, topk_ids, R)
+    if cnt == 0:
+        return
+    i_n = tl.program_id(1)
+    i_k = tl.program_id(2)
+    d0, d1, d2 = _down_operands(w0, w1, w2, sd0, sd1, sd2, i_e, num_routed, stride_e0, stride_e1, stride_e2,
+                                HAS_SHARED)
+    W: tl.constexpr = BLOCK_N // 8
+    o_w = i_n * W + tl.arange(0, W)
+    m_w = None if EVEN else o_w < H // 8
+    k_lo = i_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, I)
+    a_0, a_1, a_2, a_3, a_4, a_5, a_6, a_7 = wordcol_rows_half2(act + pairs.to(tl.int64) * stride_am, m_r, d0, d1,
+                                                                d2, o_w, m_w, H, k_lo, k_hi, G, W, ROWS, R, ASM)
+    rw = tl.load(topk_weights + pairs, mask=m_r, other=0.0).to(tl.float32)[:, None]
+    m = _rows_mask(m_r, m_w, EVEN)
+    _y_store_rows(y, a_0, rw, pairs, m, o_w, stride_ym, i_k, SPLIT, 0)
+    _y_store_rows(y, a_1, rw, pairs, m, o_w, stride_ym, i_k, SPLIT, 1)
+    _y_store_rows(y, a_2, rw, pairs, m, o_w, stride_ym, i_k, SPLIT, 2)
+    _y_store_rows(y, a_3, rw, pairs, m, o_w, stride_ym, i_k, SPLIT, 3)
+    _y_store_rows(y, a_4, rw, pairs, m, o_w, stride_ym, i_k, SPLIT, 4)
+    _y_store_rows(y, a_5, rw, pairs, m, o_w, stride_ym, i_k, SPLIT, 5)
+    _y_store_rows(y, a_6, rw, pairs, m, o_w, stride_ym, i_k, SPLIT, 6)
+    _y_store_rows(y, a_7, rw, pairs, m, o_w, stride_ym, i_k, SPLIT, 7)
