@@ -14,6 +14,12 @@ moe_decode._split_act_kernel, as the nibble path does. down programs write y row
 both adds happen inside the two kernels instead (common.splitk_fixup's counting: the last program of each gate_up
 tile forms its act, the last of each (token, down tile)'s k · SPLIT_DOWN programs sums its y rows into the output),
 two launches fewer, the same sums. Fixed order everywhere: bitwise reproducible, no host sync (CUDA-graph safe).
+
+GROUP_ROWS = R (opt-in, fp16 pairs, M > 1): the pairs sorted by expert (moe_group) are cut into blocks of up to R pairs
+of one expert (`pair_blocks`); program row p is sorted position p, a block's first or nothing, and walks its expert's
+words once for all the block's tokens (gemv_wordcol.wordcol_rows_half2: each word loaded and decoded once, then
+multiplied into R rows' sums), so an expert several tokens chose is read ceil(pairs / R) times instead of once a pair.
+Each row's sums are the per-pair walk's, so act, y and the output are bitwise the same.
 """
 
 from __future__ import annotations
