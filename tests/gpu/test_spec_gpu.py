@@ -37,10 +37,12 @@ def force(engine, refs, wrong=None):
     force_drafts(engine, refs, None if wrong is None else lambda rid, d: wrong_at(d, wrong(rid), vocab))
 
 
-def run(model, spec, prompts, n, refs=None, **kw):
+def run(model, spec, prompts, n, refs=None, warm=False, **kw):
     cfg = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, kv_cache_gib=0.5, kernels="triton",
                speculative_config=spec)
     engine = Engine(model, EngineConfig(**{**cfg, **kw}))
+    if warm:  # LLM's start-up warm-up (engine/warmup.py)
+        engine.warm_up_report = engine.warm_up()
     if refs is not None:  # forced drafts: the run without speculation's own tokens
         force(engine, refs)
     record_gaps(engine)
@@ -105,3 +107,18 @@ def test_paused_drafting_replays_the_decode_graphs(model):
     assert [r.token_ids for r in reqs] == [r.token_ids for r in plain]
     assert engine.graphs.num_replays >= 10 and engine.spec_stats.num_rounds == 0
     assert engine.num_paused_steps == engine.graphs.num_replays
+
+
+def test_warm_up_on_triton_leaves_the_tokens_of_a_fresh_engine(model):
+    """The start-up warm-up (engine/warmup.py) on the GPU with eager rounds (enforce_eager, as TP > 1 runs): one
+    request per verify row count 1 .. k + 1, then the engine's greedy speculative tokens equal those of an engine
+    that was never warmed up (same kernels and shapes: bitwise), with no warm-up round in its counters."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (7, 52, 19)]
+    spec = {"method": "mtp", "num_speculative_tokens": 4}
+    fresh, fresh_engine = run(model, spec, prompts, 16, enforce_eager=True)
+    warm, engine = run(model, spec, prompts, 16, warm=True, enforce_eager=True)
+    report = engine.warm_up_report
+    assert report.requests == 5 and report.verify_rows == (1, 2, 3, 4, 5), report.describe()
+    assert [r.token_ids for r in warm] == [r.token_ids for r in fresh]
+    assert engine.spec_stats.num_rounds == fresh_engine.spec_stats.num_rounds
