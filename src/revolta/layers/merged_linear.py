@@ -178,36 +178,28 @@ def merge_quant_linears(parts: Sequence[nn.Module], merged: MergedQuant | None =
     return MergedQuant(packed, tuple(views), bias, counters, index, tuple(m.out_features for m in mods), has_bias)
 
 
-def _quant_current(merged: MergedQuant, parts: Sequence[nn.Module]) -> bool:
-    first = parts[merged.index[0]]
-    row = 0
-    for i, n, has_b, view in zip(merged.index, merged.sizes, merged.has_bias, merged.views):
-        m = parts[i]
-        if type(m) is not QuantLinear or m.out_features != n or not _same_format(m, first):
+def _same_view(t: Tensor, v: Tensor) -> bool:
+    return t.data_ptr() == v.data_ptr() and t.shape == v.shape and t.stride() == v.stride() and t.dtype == v.dtype
+
+
+def _part_current(merged: MergedLinear | MergedQuant, parts: Sequence[nn.Module], j: int, row: int) -> bool:
+    """Whether part j of the merge (parts[merged.index[j]], its rows from `row`) still holds the merged tensors'
+    slices: a plain part its weight rows, a packed part every packed tensor's view."""
+    m, n = parts[merged.index[j]], merged.sizes[j]
+    if isinstance(merged, MergedQuant):
+        if type(m) is not QuantLinear or m.out_features != n or not _same_format(m, parts[merged.index[0]]):
             return False
-        for name, v in view.items():
-            t = getattr(m, name)
-            if t.data_ptr() != v.data_ptr() or t.shape != v.shape or t.stride() != v.stride() or t.dtype != v.dtype:
-                return False
-        if not _bias_current(m, has_b, merged.bias, row):
-            return False
-        row += n
-    return True
+        return all(_same_view(getattr(m, name), v) for name, v in merged.views[j].items())
+    w = merged.weight
+    return (type(m) is nn.Linear and m.weight.dtype == w.dtype and m.weight.device == w.device
+            and m.weight.shape[0] == n and m.weight.data_ptr() == w.data_ptr() + row * w.stride(0) * w.element_size())
 
 
 def is_current(merged: MergedLinear | MergedQuant, parts: Sequence[nn.Module]) -> bool:
     """Whether the merged parts' tensors are still the merged tensors' slices (nothing rebound them)."""
-    if isinstance(merged, MergedQuant):
-        return _quant_current(merged, parts)
-    w = merged.weight
-    w_step = w.stride(0) * w.element_size()
     row = 0
-    for i, n, has_b in zip(merged.index, merged.sizes, merged.has_bias):
-        m = parts[i]
-        if type(m) is not nn.Linear or m.weight.dtype != w.dtype or m.weight.device != w.device \
-                or m.weight.shape[0] != n or m.weight.data_ptr() != w.data_ptr() + row * w_step:
-            return False
-        if not _bias_current(m, has_b, merged.bias, row):
+    for j, (i, n, has_b) in enumerate(zip(merged.index, merged.sizes, merged.has_bias)):
+        if not _part_current(merged, parts, j, row) or not _bias_current(parts[i], has_b, merged.bias, row):
             return False
         row += n
     return True

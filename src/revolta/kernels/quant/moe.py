@@ -480,6 +480,10 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
     y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
+    group_rows = cfg.get("GROUP_ROWS", 1)
+    if group_rows > 1 and M > 1:
+        return _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
+                                 has_shared, cfg, ws, y, rows_up, rows_dn, group_rows)
     launch = dict(num_warps=cfg["num_warps"], num_stages=1)
     fixup = cfg.get("FIXUP", False) and out is not None
     tiles_up, tiles_dn = triton.cdiv(I, bn_up), triton.cdiv(H, bn_dn)
@@ -489,10 +493,6 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         fix_dn = dict(out=out, counters=counters, TOP_K=k, FIXUP=True)
     else:
         fix_up = fix_dn = {}
-    group_rows = cfg.get("GROUP_ROWS", 1)
-    if group_rows > 1 and M > 1:
-        return _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
-                                 has_shared, cfg, ws, y, rows_up, rows_dn, group_rows)
     # opt-in (untimed): program rows in expert order, the pairs of an expert several tokens chose side by side
     if cfg.get("EXPERT_ORDER", False) and M > 1:
         order = moe_group(ids, min(T, gate_up.tensors[0].shape[0] + has_shared))[0]
