@@ -56,7 +56,7 @@ def _recurrent(draft_mode, store_output, store_final, limit, raw_gates=False):
 
 
 WALK_NAMES = ("k w u gcum k_rstd h v_new ssm_state slots has_initial_state h_start cu_seqlens cu_chunks cu_segs "
-              "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES TRANSPOSED")
+              "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES TRANSPOSED PREFETCH")
 PRESCAN_NAMES = ("k w u gcum k_rstd hm cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_CHUNKS stride_k "
                  "H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES")
 
@@ -74,9 +74,9 @@ def _chunk_builds(cfg, arch, prefix):
     halves = cfg.walk_k_halves
     for name, bv, warps, stages in (("walk", cfg.walk_bv, cfg.walk_warps, cfg.walk_stages),
                                     ("walk_split", cfg.cp_walk_bv, cfg.cp_walk_warps, cfg.cp_stages)):
-        yield prefix + name, (chunk_state._gdn_chunk_walk_kernel, WALK_NAMES, "aaaffaafibfiii" + "nnn" + "c" * 9,
+        yield prefix + name, (chunk_state._gdn_chunk_walk_kernel, WALK_NAMES, "aaaffaafibfiii" + "nnn" + "c" * 10,
                               dict(H=H, HV=HV, K=K, V=V, BV=bv, DOT_PREC="ieee", LOG_NUM_SEQ=3, K_HALVES=halves,
-                                   TRANSPOSED=cfg.walk_transposed), warps, stages)
+                                   TRANSPOSED=cfg.walk_transposed, PREFETCH=cfg.walk_prefetch), warps, stages)
     yield prefix + "prescan", (chunk_state._gdn_chunk_prescan_kernel, PRESCAN_NAMES, "aaafffiii" + "nnn" + "c" * 8,
                                dict(H=H, HV=HV, K=K, V=V, BV=cfg.prescan_bv, DOT_PREC="ieee", LOG_NUM_SEQ=3,
                                     K_HALVES=halves), cfg.prescan_warps, cfg.cp_stages)
@@ -99,7 +99,8 @@ def _variant_builds(arch):
     default = chunk.chunk_config(K, V, arch)
     if arch < 80:
         candidates = {"sm70_khalves": dataclasses.replace(default, walk_k_halves=True),
-                      "sm70_transposed": dataclasses.replace(default, walk_transposed=True)}
+                      "sm70_transposed": dataclasses.replace(default, walk_transposed=True),
+                      "sm70_prefetch": dataclasses.replace(default, walk_prefetch=True)}
     else:
         candidates = chunk_variants(K, V)
     seen = {_compile_key(b) for _, b in _chunk_builds(default, arch, "")}

@@ -94,6 +94,9 @@ VARIANT_CASES = [
     ("t_bv64", [1, 63, 70], dict(H=2, HV=4, K=32, V=64), torch.float16, 0),  # the transposed walk, serial
     ("t_bv32", [65, 0, 130], dict(H=1, HV=2, K=64, V=64), torch.float32, 1),  # split: hᵀ from h_start
     ("t_bv16_w2", [130, 64, 3], dict(H=1, HV=2, K=16, V=32), torch.float16, 2),
+    ("pf", [1, 63, 70], dict(H=2, HV=4, K=32, V=32), torch.float16, 0),  # factors a chunk ahead, serial
+    ("pf", [65, 0, 130], dict(H=1, HV=2, K=64, V=16), torch.float32, 1),  # and split (segments of one chunk)
+    ("t_bv32_pf", [130, 64, 3], dict(H=1, HV=2, K=32, V=64), torch.float16, 2),
     ("out_bv32", [1, 63, 70], dict(H=1, HV=2, K=16, V=64), torch.float16, 0),  # two 32-wide tiles per program
     ("intra_bk32_bv32", [65, 0, 130], dict(H=1, HV=2, K=64, V=64), torch.float16, 1),  # two K and two V slices
     ("out_bk128_bv128_w8", [70, 1, 0], dict(H=1, HV=1, K=128, V=128), torch.float16, 0),  # whole K, V per product
@@ -117,6 +120,25 @@ def test_chunk_prefill_variants(name, lens, shape, dtype, seg):
     # slots of empty sequences and unaddressed slots are untouched
     untouched = [s for s in range(NUM_SLOTS) if s not in [int(slots[b]) for b in range(3) if lens[b] > 0]]
     assert torch.equal(pool[untouched], pool0[untouched])
+
+
+@pytest.mark.parametrize("base,seg", [("default", 0), ("t_bv32", 1)])
+def test_prefetched_factors_are_bitwise_the_walk(base, seg):
+    """walk_prefetch only moves three loads a chunk earlier: outputs and states equal the walk without it."""
+    q, k, v, g, beta, pool0, cu = make([1, 63, 130], dtype=torch.float16, seed=3, H=1, HV=2, K=32, V=32)
+    slots = torch.tensor([2, 0, 5], dtype=torch.int32)
+    has_init = torch.tensor([True, False, True])
+    outs = []
+    for prefetch in (False, True):
+        config = dataclasses.replace(chunk_variants(32, 32)[base], walk_prefetch=prefetch)
+        if seg:
+            config = dataclasses.replace(config, cp_min_tokens=1, seg_chunks=seg)
+        pool = pool0.clone()
+        outs.append((gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init, config=config), pool))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    with pytest.raises(AssertionError, match="walk_prefetch is a variant of the one-tile walk"):
+        gdn_chunk_prefill(q, k, v, g, beta, cu, pool0.clone(), slots, has_init,
+                          config=dataclasses.replace(chunk_variants(32, 32)["khalves"], walk_prefetch=True))
 
 
 def test_k_halves_needs_two_dot_tiles():

@@ -68,6 +68,7 @@ class ChunkConfig:
     seg_chunks: int  # chunks per segment when split (0: chosen from the token count and SM count)
     walk_k_halves: bool = False  # walk and prescan hold the state as two [K/2, BV] tiles (chunk_state.py)
     walk_transposed: bool = False  # the walk holds hᵀ [BV, K] and stores h_c as [V, K] (chunk_state.py)
+    walk_prefetch: bool = False  # the walk loads each chunk's decay factors a chunk ahead (chunk_state.py)
 
     def serial_walk_programs(self, num_seqs: int, num_v_heads: int, V: int) -> int:
         """Programs of the walk when it is not split: one per (sequence, v-head, V tile)."""
@@ -186,6 +187,8 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         f"walk_k_halves needs K >= 32 (two tiles of at least 16 rows for tl.dot), got K={K}: use walk_k_halves=False"
     assert not (cfg.walk_k_halves and cfg.walk_transposed), \
         "walk_k_halves and walk_transposed are two tilings of the walk: set at most one"
+    assert not (cfg.walk_k_halves and cfg.walk_prefetch), \
+        "walk_prefetch is a variant of the one-tile walk: set walk_k_halves=False with it"
     scale = float(K**-0.5 if scale is None else scale)
     prec = "ieee"  # fp32 inputs: exact fp32 products (no TF32); fp16/bf16 inputs ignore it
     tensor_f32 = arch >= 80 and dt != torch.float32  # fp32 products may use TF32 tensor cores
@@ -231,8 +234,8 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     _gdn_chunk_walk_kernel[(V // walk_bv, num_segs_max, HV)](
         k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start, cu_seqlens, cu_chunks,
         cu_segs, B, seg or NO_SPLIT, k.stride(0), H=H, HV=HV, K=K, V=V, BV=walk_bv, DOT_PREC=prec,
-        LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves, TRANSPOSED=cfg.walk_transposed, num_warps=walk_warps,
-        num_stages=walk_stages)
+        LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves, TRANSPOSED=cfg.walk_transposed, PREFETCH=cfg.walk_prefetch,
+        num_warps=walk_warps, num_stages=walk_stages)
 
     ovp = _fit(cfg.out_vp, V)
     _gdn_chunk_o_kernel[(V // ovp, num_chunks_max, HV)](

@@ -28,6 +28,10 @@ shared memory. h_c is stored transposed ([V, K] per chunk and head, which the ou
 with H_T); slot states and the merge's start states keep their [K, V] layout (read and written
 transposed once per segment).
 
+PREFETCH (a launch-configuration variant, off by default, not with K_HALVES): the chunk's decay factors (γ_C and
+F, three small loads) are loaded a chunk ahead with U, instead of between the chunk's two products where their
+latency sits inside the serial chain (the loads that feed a product are pipelined by Triton; these are not).
+
 K_HALVES (a launch-configuration variant, off by default): the walk and the prescan hold the
 state as two [K/2, BV] register tiles, rows 0 .. K/2 − 1 and K/2 .. K − 1, as fla's walk holds
 its state in 64-row tiles: W h becomes two accumulating K/2-deep products and K̂ᵀ V' two
@@ -61,16 +65,28 @@ def _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H: tl.constexpr, 
 
 
 @triton.jit
+def _next_factors(gcum, k_rstd, t0, eos, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr):
+    """`_chunk_factors` of the chunk starting at token t0 (PREFETCH: loaded a chunk ahead, as U is)."""
+    o_r = tl.arange(0, 64)
+    return _chunk_factors(gcum, k_rstd, t0, eos, (t0 + o_r).to(tl.int64), t0 + o_r < eos, i_h, i_hv, H, HV)
+
+
+@triton.jit
 def _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One chunk of the walk from state b_h [K, BV] fp32: returns (V' = U − W h [64, BV] fp32, next state)."""
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr,
+                pre_glast=0.0, pre_f=0.0, PREFETCH: tl.constexpr = False):
+    """One chunk of the walk from state b_h [K, BV] fp32: returns (V' = U − W h [64, BV] fp32, next state).
+    PREFETCH: the chunk's factors are pre_glast, pre_f (loaded during the previous chunk), not loaded here."""
     o_r = tl.arange(0, 64)
     o_k = tl.arange(0, K)
     o_t = (t0 + o_r).to(tl.int64)
     m_t = t0 + o_r < eos
     b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PREC)
-    b_glast, b_f = _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H, HV)
+    if PREFETCH:
+        b_glast, b_f = pre_glast, pre_f
+    else:
+        b_glast, b_f = _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H, HV)
     b_kt = tl.load(k + o_t[None, :] * stride_k + i_h * K + o_k[:, None], mask=m_t[None, :], other=0.0)  # [K, 64]
     b_h = tl.dot(b_kt, (b_vn * b_f[:, None]).to(b_kt.dtype), b_h * tl.exp(b_glast), input_precision=DOT_PREC)
     return b_vn, b_h
@@ -113,7 +129,8 @@ def _load_ut(u, t0, end, i_hv, o_col, HV: tl.constexpr, V: tl.constexpr):
 
 @triton.jit
 def _walk_chunk_t(b_ht, b_ut, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr):
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT_PREC: tl.constexpr,
+                  pre_glast=0.0, pre_f=0.0, PREFETCH: tl.constexpr = False):
     """`_walk_chunk` on the transposed state b_ht = hᵀ [BV, K] fp32 (TRANSPOSED): returns (V'ᵀ [BV, 64] fp32, next
     hᵀ). Same arithmetic; both products take the state side as their left operand."""
     o_r = tl.arange(0, 64)
@@ -122,7 +139,10 @@ def _walk_chunk_t(b_ht, b_ut, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k,
     m_t = t0 + o_r < eos
     b_wt = tl.load(w + (o_t[None, :] * HV + i_hv) * K + o_k[:, None], mask=m_t[None, :], other=0.0)  # Wᵀ [K, 64]
     b_vnt = b_ut.to(tl.float32) - tl.dot(b_ht.to(b_wt.dtype), b_wt, input_precision=DOT_PREC)  # [BV, 64]
-    b_glast, b_f = _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H, HV)
+    if PREFETCH:
+        b_glast, b_f = pre_glast, pre_f
+    else:
+        b_glast, b_f = _chunk_factors(gcum, k_rstd, t0, eos, o_t, m_t, i_h, i_hv, H, HV)
     b_k = tl.load(k + o_t[:, None] * stride_k + i_h * K + o_k[None, :], mask=m_t[:, None], other=0.0)  # [64, K]
     b_ht = tl.dot((b_vnt * b_f[None, :]).to(b_k.dtype), b_k, b_ht * tl.exp(b_glast), input_precision=DOT_PREC)
     return b_vnt, b_ht
@@ -145,9 +165,11 @@ def _start_state(p_slot, p_start, o_kv, from_slot, use_slot_state, ROWS: tl.cons
 @triton.jit
 def _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
                   n_chunks, c_base, i_h, i_hv, i_v, stride_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, TRANSPOSED: tl.constexpr):
+                  V: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     """Walk chunks [c_lo, c_hi) of one sequence with the state in one register tile: h [K, BV], or hᵀ [BV, K] with
-    TRANSPOSED (h_c then stored as [V, K] per chunk and head)."""
+    TRANSPOSED (h_c then stored as [V, K] per chunk and head). PREFETCH: each chunk's decay factors are loaded
+    during the chunk before it, as U is, instead of between its two products."""
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_r = tl.arange(0, 64)
@@ -161,23 +183,40 @@ def _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_sta
         o_h = o_kv
         b_h = _start_state(p_slot, p_start, o_kv, c_lo == 0, use_slot_state, K, BV)
         b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
+    if PREFETCH:
+        b_glast, b_f = _next_factors(gcum, k_rstd, bos + c_lo * 64, eos, i_h, i_hv, H, HV)
     for i_c in range(c_lo, c_hi):
         t0 = bos + i_c * 64
         tl.store(h + ((c_base + i_c).to(tl.int64) * HV + i_hv) * (K * V) + o_h, b_h.to(h.dtype.element_ty))
-        # the next chunk's U is loaded now, so its latency hides behind this chunk's products
+        # the next chunk's U (and with PREFETCH its factors) is loaded now, so its latency hides behind this
+        # chunk's products
+        if PREFETCH:
+            b_glast_next, b_f_next = _next_factors(gcum, k_rstd, t0 + 64, eos, i_h, i_hv, H, HV)
         if TRANSPOSED:
             b_u_next = _load_ut(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
-            b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
+            if PREFETCH:
+                b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
+                                          DOT_PREC, b_glast, b_f, True)
+            else:
+                b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
+                                          DOT_PREC)
             o_t = (t0 + o_r).to(tl.int64)
             tl.store(v_new + (o_t[None, :] * HV + i_hv) * V + o_v[:, None], b_vn.to(v_new.dtype.element_ty),
                      mask=(t0 + o_r < eos)[None, :])
         else:
             b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
-            b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC)
+            if PREFETCH:
+                b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
+                                        DOT_PREC, b_glast, b_f, True)
+            else:
+                b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
+                                        DOT_PREC)
             o_t = (t0 + o_r).to(tl.int64)
             tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
                      mask=(t0 + o_r < eos)[:, None])
         b_u = b_u_next
+        if PREFETCH:
+            b_glast, b_f = b_glast_next, b_f_next
     if c_hi == n_chunks:  # a sequence's last segment writes its final state back to the slot
         tl.store(p_slot + o_kv, b_h)
 
@@ -217,7 +256,7 @@ def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, ha
                            cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS, stride_k,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                            DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr, K_HALVES: tl.constexpr,
-                           TRANSPOSED: tl.constexpr = False):
+                           TRANSPOSED: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     i_v, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_s >= tl.load(cu_segs + NUM_SEQ):
         return
@@ -232,7 +271,7 @@ def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, ha
                              n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC)
     else:
         _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
-                      n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC, TRANSPOSED)
+                      n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC, TRANSPOSED, PREFETCH)
 
 
 @triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch

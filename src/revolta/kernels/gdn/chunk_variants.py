@@ -20,6 +20,8 @@ What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one pr
   instead of storing them to shared memory inside the serial chain (chunk_state.py); at 64
   columns (wgmma's 64-row minimum for one warpgroup) it also halves the programs, at 32 and 16
   the products are mma.sync;
+- the decay factors loaded a chunk ahead (`walk_prefetch`), like U: Triton pipelines the loads that
+  feed a product (W, K̂) but not these three, which otherwise wait between the chunk's two products;
 - when the walk is split into segments (context parallelism, which fla does not do by default)
   and how (existing knobs of `ChunkConfig`);
 - the fully parallel stages' tiles and warps (intra, output), in case the per-stage profile puts
@@ -60,6 +62,11 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("t_bv64_w8", dict(walk_transposed=True, walk_bv=64, walk_warps=8, cp_walk_bv=64, cp_walk_warps=8)),
     ("t_bv128_w8", dict(walk_transposed=True, walk_bv=128, walk_warps=8, walk_stages=2, cp_walk_bv=128,
                         cp_walk_warps=8)),
+    # the decay factors a chunk ahead (three loads Triton does not pipeline, otherwise inside the serial chain)
+    ("pf", dict(walk_prefetch=True)),
+    ("pf_2stages", dict(walk_prefetch=True, walk_stages=2)),
+    # t_bv64_w8 and the 64-column transposed split walk spill a few bytes with it
+    ("t_bv32_pf", dict(walk_transposed=True, walk_prefetch=True, cp_walk_bv=32)),
     ("split_seg16", dict(cp_min_tokens=8192, seg_chunks=16)),
     ("out_vp64", dict(out_vp=64)),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
     ("out_bv32", dict(out_bv=32)),  # 122 registers instead of 146: four output programs to an SM, not three
