@@ -16,8 +16,8 @@ minutes on an H200, most of it Triton compiling ours and autotuning fla):
    and 1x32K, bf16 and fp16, grouped into stages (gdn_k1.py: prep, intra, walk, out) with each
    stage's growth from 8K to 32K and its ratio to fla's; fla's autotuned configurations;
 4. k1_variant_checks, k1_variants: the sm_90 launch-configuration candidates of
-   kernels/gdn/chunk_variants.py (GDN_VARIANTS=a,b selects the timed ones), each checked against
-   the torch reference (varlen, serial and split, bf16 and fp16), then timed at the three shapes,
+   kernels/gdn/chunk_variants.py (GDN_VARIANTS=a,b selects the timed ones; GDN_DTYPES=bf16 times
+   one dtype here and in k1_prefill), each checked against the torch reference (varlen, serial and split, bf16 and fp16), then timed at the three shapes,
    bf16 and fp16, CUDA graph, beside the default and fla's µs from k1_prefill, each with its
    per-stage GPU µs (profiler) and its output's difference to the default's, so one run shows
    which configuration to make the default (needs k1_prefill in the same run for fla's µs); then
@@ -287,7 +287,7 @@ PEER_US: dict = {}  # (shape, dtype) -> fla graph µs, for the variants' ratios
 
 @section
 def k1_prefill():
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in _prefill_dtypes():
         for name, lens in PREFILL_CASES:
             T, B = sum(lens), len(lens)
             sets = _prefill_sets(lens, dtype)
@@ -319,6 +319,14 @@ def k1_prefill():
             torch.cuda.empty_cache()
 
 
+def _prefill_dtypes() -> tuple[torch.dtype, ...]:
+    """k1_prefill's and k1_variants' dtypes: GDN_DTYPES=bf16 (or fp16) times one (default both)."""
+    names = os.environ.get("GDN_DTYPES", "bf16,fp16").split(",")
+    known = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    assert set(names) <= set(known), f"GDN_DTYPES takes bf16 and / or fp16, got {names}"
+    return tuple(known[n] for n in names)
+
+
 @section
 def k1_variants():
     wanted = os.environ.get("GDN_VARIANTS")
@@ -326,7 +334,7 @@ def k1_variants():
     unknown = [n for n in names if n not in VARIANTS]
     assert not unknown, f"GDN_VARIANTS names unknown candidates {unknown}: choose from {list(VARIANTS)}"
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in _prefill_dtypes():
         dt = str(dtype).split(".")[-1]
         for name, lens in PREFILL_CASES:
             B = len(lens)
