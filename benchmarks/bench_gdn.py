@@ -17,11 +17,12 @@ minutes on an H200, most of it Triton compiling ours and autotuning fla):
    stage's growth from 8K to 32K and its ratio to fla's; fla's autotuned configurations;
 4. k1_variant_checks, k1_variants: the sm_90 launch-configuration candidates of
    kernels/gdn/chunk_variants.py (GDN_VARIANTS=a,b selects the timed ones; GDN_DTYPES=bf16 times
-   one dtype here and in k1_prefill), each checked against the torch reference (varlen, serial and split, bf16 and fp16), then timed at the three shapes,
-   bf16 and fp16, CUDA graph, beside the default and fla's µs from k1_prefill, each with its
-   per-stage GPU µs (profiler) and its output's difference to the default's, so one run shows
-   which configuration to make the default (needs k1_prefill in the same run for fla's µs); then
-   the shared memory / registers / spills of every compiled chunk kernel;
+   one dtype here and in k1_prefill), each checked against the torch reference (varlen, serial
+   and split, bf16 and fp16), then timed at the three shapes, CUDA graph, beside the default and
+   fla's µs from k1_prefill, each with its per-stage GPU µs (profiler) and its output's
+   difference to the default's, so one run shows which configuration to make the default (needs
+   k1_prefill in the same run for fla's µs); then the shared memory / registers / spills of
+   every compiled chunk kernel;
 5. k2_decode: batch 1/8/64/256 (fp32 state pool) vs fla `fused_recurrent_gated_delta_rule` on
    the same states; µs/layer, state GB/s (read + write), output difference to fla, a BV sweep;
 6. v100_configs: the sm70 launch configurations (plain and split walk), fp16, correctness only;
