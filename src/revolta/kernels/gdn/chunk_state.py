@@ -183,40 +183,33 @@ def _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_sta
         o_h = o_kv
         b_h = _start_state(p_slot, p_start, o_kv, c_lo == 0, use_slot_state, K, BV)
         b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
+    pre_glast, pre_f = 0.0, 0.0  # with PREFETCH, the chunk's factors, loaded during the chunk before
     if PREFETCH:
-        b_glast, b_f = _next_factors(gcum, k_rstd, bos + c_lo * 64, eos, i_h, i_hv, H, HV)
+        pre_glast, pre_f = _next_factors(gcum, k_rstd, bos + c_lo * 64, eos, i_h, i_hv, H, HV)
     for i_c in range(c_lo, c_hi):
         t0 = bos + i_c * 64
         tl.store(h + ((c_base + i_c).to(tl.int64) * HV + i_hv) * (K * V) + o_h, b_h.to(h.dtype.element_ty))
         # the next chunk's U (and with PREFETCH its factors) is loaded now, so its latency hides behind this
         # chunk's products
         if PREFETCH:
-            b_glast_next, b_f_next = _next_factors(gcum, k_rstd, t0 + 64, eos, i_h, i_hv, H, HV)
+            next_glast, next_f = _next_factors(gcum, k_rstd, t0 + 64, eos, i_h, i_hv, H, HV)
         if TRANSPOSED:
             b_u_next = _load_ut(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
-            if PREFETCH:
-                b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
-                                          DOT_PREC, b_glast, b_f, True)
-            else:
-                b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
-                                          DOT_PREC)
+            b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC,
+                                      pre_glast, pre_f, PREFETCH)
             o_t = (t0 + o_r).to(tl.int64)
             tl.store(v_new + (o_t[None, :] * HV + i_hv) * V + o_v[:, None], b_vn.to(v_new.dtype.element_ty),
                      mask=(t0 + o_r < eos)[None, :])
         else:
             b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
-            if PREFETCH:
-                b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
-                                        DOT_PREC, b_glast, b_f, True)
-            else:
-                b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
-                                        DOT_PREC)
+            b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC,
+                                    pre_glast, pre_f, PREFETCH)
             o_t = (t0 + o_r).to(tl.int64)
             tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
                      mask=(t0 + o_r < eos)[:, None])
         b_u = b_u_next
         if PREFETCH:
-            b_glast, b_f = b_glast_next, b_f_next
+            pre_glast, pre_f = next_glast, next_f
     if c_hi == n_chunks:  # a sequence's last segment writes its final state back to the slot
         tl.store(p_slot + o_kv, b_h)
 
