@@ -139,6 +139,11 @@ def wordcol_builds():
         out[f"awq_wordcol{tag}_half2_rows4_down"] = (
             moe_wordcol._wordcol_down_rows_kernel, WORDCOL_ROWS_DOWN, act + "iih" * 2 + "ffiii" + "n" * 9 + "c" * 8,
             dict(flags, BLOCK_N=c["BLOCK_N_DOWN"], SPLIT=c["SPLIT_DOWN"], EVEN=True), c["num_warps"], 1, "awq")
+    # GROUP_ROWS_FIT: each block walked as the smallest power of two >= its pair count rows (a branch per count)
+    for part in ("gate_up", "down"):
+        kernel, names, types, consts, warps, stages, layout = out[f"awq_wordcol_half2_rows4_{part}"]
+        out[f"awq_wordcol_half2_rows4_fit_{part}"] = (kernel, names + " FIT", types + "c", dict(consts, FIT=True),
+                                                      warps, stages, layout)
     return out
 
 
@@ -193,7 +198,7 @@ def test_aot_real_shapes(arch, reports):
     spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column builds spill (budget 0 on every arch): {spills}"
-    assert sum("wordcol" in n for n in reports[arch]) == 26
+    assert sum("wordcol" in n for n in reports[arch]) == 28
     assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 

@@ -9,6 +9,7 @@ The interpreter runs tl.dot and arithmetic on bf16 as raw uint16 bits (numpy has
 computes."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -141,23 +142,44 @@ def test_wordcol_expert_order_is_bitwise_the_pair_order(M, dtype, split, fixup):
     torch.testing.assert_close(got, ref, **TOLS[dtype])
 
 
+@functools.lru_cache(maxsize=None)
+def _pair_walk(M, dtype, split):
+    """The per-pair fp16-pair walk's output on _case("awq", M, dtype) (computed once: the interpreter is slow)."""
+    x, gate_up, down, ids, w, shared, _ = _case("awq", M, dtype)
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2], HALF2=True)
+    return quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
+
+
 @pytest.mark.usefixtures("bf16_dots")
-@pytest.mark.parametrize("M,dtype,split,rows", [(5, torch.float16, (2, 3, 8), 2), (3, torch.bfloat16, (1, 1, 32), 4)],
-                         ids=str)
-def test_wordcol_group_rows_is_bitwise_the_pair_walk(M, dtype, split, rows):
+@pytest.mark.parametrize("M,dtype,split,rows,fit", [(5, torch.float16, (2, 3, 8), 2, False),
+                                                    (3, torch.bfloat16, (1, 1, 32), 4, False),
+                                                    (5, torch.float16, (2, 3, 8), 4, True),
+                                                    (5, torch.float16, (2, 3, 8), 8, True)], ids=str)
+def test_wordcol_group_rows_is_bitwise_the_pair_walk(M, dtype, split, rows, fit):
     """GROUP_ROWS: the pairs of an expert in blocks of up to R, each block's weight words read and decoded once for
     all its tokens: every pair's act and y rows are the per-pair walk's, so the output is bitwise the default's
     (fp16 pairs, fp16 and bf16 tokens; the shared expert in every token: blocks of R and a shorter last at M = 5),
-    every output written (NaN-poisoned); R must be a power of two."""
+    every output written (NaN-poisoned); R must be a power of two. GROUP_ROWS_FIT: each block walked as the smallest
+    power of two >= its count rows (blocks of 1 .. R pairs take every branch at R = 4 and 8): bitwise too."""
     x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
     assert ids.unique().numel() < ids.numel()
     cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2], HALF2=True)
-    want = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg)
-    got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(GROUP_ROWS=rows))
+    want = _pair_walk(M, dtype, split)
+    group = dict(GROUP_ROWS=rows, GROUP_ROWS_FIT=fit)
+    got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | group)
     assert torch.equal(got, want)
     torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
+    if fit:  # the block sizes this routing gives (the shared expert rides as the last expert, in every token)
+        counts = torch.bincount(ids.flatten()).tolist() + [M] * (shared is not None)
+        sizes = {min(rows, c - j) for c in counts if c for j in range(0, c, rows)}
+        branches = {1 << (c - 1).bit_length() for c in sizes}  # the row count each block walks as
+        assert branches == {1 << i for i in range(rows.bit_length())}, sizes
     with pytest.raises(AssertionError, match="GROUP_ROWS"):
         quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(GROUP_ROWS=3))
+    if fit:
+        with pytest.raises(AssertionError, match="GROUP_ROWS_FIT takes"):
+            quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(GROUP_ROWS=16,
+                                                                                              GROUP_ROWS_FIT=True))
 
 
 def test_pair_blocks_cut_each_expert_into_blocks():

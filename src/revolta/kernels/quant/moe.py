@@ -519,18 +519,24 @@ def _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, i
     (moe_group) and cut into blocks of up to R pairs of one expert (moe_wordcol.pair_blocks); a program row walks its
     block's weight words once for all its tokens (wordcol_rows_half2), so an expert several tokens chose is read
     ceil(pairs / R) times instead of once a pair (M = 40: 440 pairs over ~276 experts, the shared expert in every
-    token). The act / y rows are bitwise the per-pair walk's; y [M·k·SPLIT_DOWN, H] fp32."""
+    token). The act / y rows are bitwise the per-pair walk's; y [M·k·SPLIT_DOWN, H] fp32. A block's walk does R rows'
+    work whatever its count (sm_90 loop: 375 instructions a pair-step per pair, 552 at R = 2, 858 at R = 4), and at
+    512 experts most blocks hold one pair (M = 40: ~2 / 3 of the touched experts); GROUP_ROWS_FIT walks each block
+    as the smallest power of two >= its count rows (one branch per row count inside the kernels)."""
     M, H = x.shape
     T, I = act.shape
     k = ids.shape[1]
     assert cfg.get("HALF2", False) and not cfg.get("FIXUP", False) and group_rows & (group_rows - 1) == 0, \
         f"GROUP_ROWS (a power of two) walks fp16 pairs (HALF2) with the reduce launches (no FIXUP), got {cfg}"
+    fit = cfg.get("GROUP_ROWS_FIT", False)  # opt-in (untimed): a block of c pairs walks as the next power of two >= c
+    assert not fit or group_rows <= 8, f"GROUP_ROWS_FIT takes GROUP_ROWS of 2, 4 or 8, got {group_rows}"
     num_routed = gate_up.tensors[0].shape[0]
     order, _, slot_start, slot_end = moe_group(ids, min(T, num_routed + has_shared))
     blocks = pair_blocks(slot_start, slot_end, T, group_rows)
     split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
     bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
-    common = dict(HAS_SHARED=has_shared, R=group_rows, ASM=x.is_cuda, num_warps=cfg["num_warps"], num_stages=1)
+    common = dict(HAS_SHARED=has_shared, R=group_rows, ASM=x.is_cuda, FIT=fit, num_warps=cfg["num_warps"],
+                  num_stages=1)
     _wordcol_gate_up_rows_kernel[(T, triton.cdiv(I, bn_up), split_up)](
         x, *w_up, *s_gate, *s_up, act, ws, ids, order, blocks, num_routed, H, I, T, x.stride(0),
         *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group,

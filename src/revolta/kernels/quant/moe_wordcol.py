@@ -19,7 +19,9 @@ GROUP_ROWS = R (opt-in, fp16 pairs, M > 1): the pairs sorted by expert (moe_grou
 of one expert (`pair_blocks`); program row p is sorted position p, a block's first or nothing, and walks its expert's
 words once for all the block's tokens (gemv_wordcol.wordcol_rows_half2: each word loaded and decoded once, then
 multiplied into R rows' sums), so an expert several tokens chose is read ceil(pairs / R) times instead of once a pair.
-Each row's sums are the per-pair walk's, so act, y and the output are bitwise the same.
+Each row's sums are the per-pair walk's, so act, y and the output are bitwise the same. A block's walk does R rows'
+work whatever its count; GROUP_ROWS_FIT (R <= 8) walks each block as the smallest power of two >= its count rows (a
+branch per row count: at 512 experts most blocks hold one pair, which then costs about the per-pair walk).
 """
 
 from __future__ import annotations
@@ -190,18 +192,6 @@ def pair_blocks(slot_start: Tensor, slot_end: Tensor, num_pairs: int, rows: int)
 
 
 @triton.jit
-def _block_pairs(order, block_rows, topk_ids, R: tl.constexpr):
-    """(cnt, pairs [R], mask [R], expert) of the block starting at sorted position program_id(0) (cnt 0: none)."""
-    p = tl.program_id(0)
-    cnt = tl.load(block_rows + p)
-    o_r = tl.arange(0, R)
-    m_r = o_r < cnt
-    pairs = tl.load(order + p + o_r, mask=m_r, other=0)
-    i_e = tl.load(topk_ids + tl.load(order + p)).to(tl.int64)
-    return cnt, pairs, m_r, i_e
-
-
-@triton.jit
 def _rows_mask(m_r, m_w, EVEN: tl.constexpr):
     """[R, W] store mask of a block's rows m_r and the words m_w (None when EVEN)."""
     if EVEN:
@@ -227,13 +217,17 @@ def _wordcol_gate_up_rows_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, ac
                                  num_routed, H, I, T, stride_xm, stride_e0, stride_e1, stride_e2, stride_am, k_split,
                                  TOP_K: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
                                  HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
-                                 ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr = True):
+                                 ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr = True,
+                                 FIT: tl.constexpr = False):
     """`_wordcol_gate_up_kernel` (fp16 pairs) for a block of up to R pairs of one expert: program row p is sorted
     position p of moe_group's order, a block's first (block_rows[p] > 0 pairs from there) or nothing. The same act /
-    ws rows, bitwise (wordcol_rows_half2)."""
-    cnt, pairs, m_r, i_e = _block_pairs(order, block_rows, topk_ids, R)
+    ws rows, bitwise (wordcol_rows_half2). FIT (R <= 8): a block of c pairs walks as the smallest power of two >= c
+    rows, so a lone pair costs about the per-pair walk instead of R rows' work (one branch per row count)."""
+    p = tl.program_id(0)
+    cnt = tl.load(block_rows + p)
     if cnt == 0:
         return
+    i_e = tl.load(topk_ids + tl.load(order + p)).to(tl.int64)
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
     g0, g1, g2, n_g, u0, u1, u2, n_u, N = _gate_up_operands(w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, i_e, i_n,
@@ -242,14 +236,47 @@ def _wordcol_gate_up_rows_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, ac
     W: tl.constexpr = BLOCK_N // 8
     o_f = i_n * W + tl.arange(0, W)
     m_w = None if EVEN else o_f < I // 8
-    x_rows = x + (pairs // TOP_K).to(tl.int64) * stride_xm  # [R]
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, H)
+    if FIT:  # the block as the smallest power of two >= its pair count rows (R <= 8)
+        if cnt > R // 2:
+            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
+                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R, ASM)
+        elif R == 2:
+            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
+                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, 1, ASM)
+        elif cnt > R // 4:
+            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
+                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R // 2, ASM)
+        elif R == 4:
+            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
+                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, 1, ASM)
+        elif cnt > 1:
+            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
+                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, 2, ASM)
+        else:
+            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
+                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, 1, ASM)
+    else:
+        _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo, k_hi, T,
+                       I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R, ASM)
+
+
+@triton.jit
+def _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo, k_hi, T, I,
+                   stride_xm, stride_am, TOP_K: tl.constexpr, G: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr,
+                   EVEN: tl.constexpr, ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr):
+    """The rows kernel's walk and act / ws stores of its block (cnt <= R pairs from program_id(0)) as R rows."""
+    o_r = tl.arange(0, R)
+    m_r = o_r < cnt
+    pairs = tl.load(order + tl.program_id(0) + o_r, mask=m_r, other=0)
+    x_rows = x + (pairs // TOP_K).to(tl.int64) * stride_xm  # [R]
     g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_rows_half2(x_rows, m_r, g0, g1, g2, n_g // 8 + tl.arange(0, W),
                                                                 m_w, N, k_lo, k_hi, G, W, ROWS, R, ASM)
     u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_rows_half2(x_rows, m_r, u0, u1, u2, n_u // 8 + tl.arange(0, W),
                                                                 m_w, N, k_lo, k_hi, G, W, ROWS, R, ASM)
     m = _rows_mask(m_r, m_w, EVEN)
+    i_k = tl.program_id(2)
     _act_store_rows(act, ws, g_0, u_0, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 0)
     _act_store_rows(act, ws, g_1, u_1, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 1)
     _act_store_rows(act, ws, g_2, u_2, pairs, m, o_f, T, I, stride_am, i_k, SPLIT, 2)
@@ -269,12 +296,15 @@ def _y_store_rows(y, a, rw, pairs, m, o_w, stride_ym, i_k, SPLIT: tl.constexpr, 
 def _wordcol_down_rows_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_ids, order, block_rows,
                               num_routed, H, I, stride_am, stride_e0, stride_e1, stride_e2, stride_ym, k_split,
                               G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
-                              EVEN: tl.constexpr, ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr = True):
+                              EVEN: tl.constexpr, ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr = True,
+                              FIT: tl.constexpr = False):
     """`_wordcol_down_kernel` (fp16 pairs) for a block of up to R pairs of one expert (as
-    _wordcol_gate_up_rows_kernel): the same y rows, bitwise."""
-    cnt, pairs, m_r, i_e = _block_pairs(order, block_rows, topk_ids, R)
+    _wordcol_gate_up_rows_kernel, FIT too): the same y rows, bitwise."""
+    p = tl.program_id(0)
+    cnt = tl.load(block_rows + p)
     if cnt == 0:
         return
+    i_e = tl.load(topk_ids + tl.load(order + p)).to(tl.int64)
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
     d0, d1, d2 = _down_operands(w0, w1, w2, sd0, sd1, sd2, i_e, num_routed, stride_e0, stride_e1, stride_e2,
@@ -284,6 +314,39 @@ def _wordcol_down_rows_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, t
     m_w = None if EVEN else o_w < H // 8
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, I)
+    if FIT:  # the block as the smallest power of two >= its pair count rows (R <= 8)
+        if cnt > R // 2:
+            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+                        stride_ym, G, W, SPLIT, EVEN, ROWS, R, ASM)
+        elif R == 2:
+            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+                        stride_ym, G, W, SPLIT, EVEN, ROWS, 1, ASM)
+        elif cnt > R // 4:
+            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+                        stride_ym, G, W, SPLIT, EVEN, ROWS, R // 2, ASM)
+        elif R == 4:
+            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+                        stride_ym, G, W, SPLIT, EVEN, ROWS, 1, ASM)
+        elif cnt > 1:
+            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+                        stride_ym, G, W, SPLIT, EVEN, ROWS, 2, ASM)
+        else:
+            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+                        stride_ym, G, W, SPLIT, EVEN, ROWS, 1, ASM)
+    else:
+        _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+                    stride_ym, G, W, SPLIT, EVEN, ROWS, R, ASM)
+
+
+@triton.jit
+def _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+                stride_ym, G: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr):
+    """The down rows kernel's walk and y stores of its block (cnt <= R pairs from program_id(0)) as R rows."""
+    o_r = tl.arange(0, R)
+    m_r = o_r < cnt
+    pairs = tl.load(order + tl.program_id(0) + o_r, mask=m_r, other=0)
+    i_k = tl.program_id(2)
     a_0, a_1, a_2, a_3, a_4, a_5, a_6, a_7 = wordcol_rows_half2(act + pairs.to(tl.int64) * stride_am, m_r, d0, d1,
                                                                 d2, o_w, m_w, H, k_lo, k_hi, G, W, ROWS, R, ASM)
     rw = tl.load(topk_weights + pairs, mask=m_r, other=0.0).to(tl.float32)[:, None]
