@@ -94,8 +94,8 @@ VARIANT_CASES = [
     ("t_bv64", [1, 63, 70], dict(H=2, HV=4, K=32, V=64), torch.float16, 0),  # the transposed walk, serial
     ("t_bv32", [65, 0, 130], dict(H=1, HV=2, K=64, V=64), torch.float32, 1),  # split: hᵀ from h_start
     ("t_bv16_w2", [130, 64, 3], dict(H=1, HV=2, K=16, V=32), torch.float16, 2),
-    ("pf", [1, 63, 70], dict(H=2, HV=4, K=32, V=32), torch.float16, 0),  # factors a chunk ahead, serial
-    ("pf", [65, 0, 130], dict(H=1, HV=2, K=64, V=16), torch.float32, 1),  # and split (segments of one chunk)
+    ("no_pf", [1, 63, 70], dict(H=2, HV=4, K=32, V=32), torch.float16, 0),  # factors loaded in the chain, serial
+    ("no_pf", [65, 0, 130], dict(H=1, HV=2, K=64, V=16), torch.float32, 1),  # and split (segments of one chunk)
     ("t_bv32_pf", [130, 64, 3], dict(H=1, HV=2, K=32, V=64), torch.float16, 2),
     ("out_bv32", [1, 63, 70], dict(H=1, HV=2, K=16, V=64), torch.float16, 0),  # two 32-wide tiles per program
     ("intra_bk32_bv32", [65, 0, 130], dict(H=1, HV=2, K=64, V=64), torch.float16, 1),  # two K and two V slices

@@ -100,12 +100,13 @@ def chunk_config(K: int, V: int, arch: int = 90) -> ChunkConfig:
                            cp_min_tokens=16384, seg_chunks=0)
     # walk: one program per (sequence, v-head, 32 columns) under 112 KiB of shared memory with 3
     # stages, so two fit on an SM and the 192 programs of one sequence at the real shape run in one
-    # wave (U is prefetched in registers; w and k in 3 cp.async stages, two chunks ahead). Split
-    # walk and prescan: many programs per SM hide latency, so 2 stages and wider tiles.
+    # wave (U and the decay factors are prefetched in registers, walk_prefetch: the walk 333 -> 305 µs
+    # at 1 x 8K, 1,332 -> 1,211 at 1 x 32K on an H100, RESULTS.md K1; w and k in 3 cp.async stages, two
+    # chunks ahead). Split walk and prescan: many programs per SM hide latency, so 2 stages and wider tiles.
     return ChunkConfig(intra_bk=64, intra_bv=64, intra_warps=4, walk_bv=32, walk_warps=4, walk_stages=3,
                        cp_walk_bv=64, cp_walk_warps=4, cp_stages=2, prescan_bv=64, prescan_warps=4,
                        merge_bv=32, merge_warps=8, out_bk=64, out_bv=64, out_vp=128, out_warps=4, out_stages=2,
-                       cp_min_tokens=16384, seg_chunks=0)
+                       cp_min_tokens=16384, seg_chunks=0, walk_prefetch=True)
 
 
 def _fit(block: int, n: int) -> int:

@@ -257,6 +257,8 @@ MOE_WORDCOL_HALF2 = MOE_WORDCOL | dict(SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2
 # H100 (RESULTS.md K5l) 37.5 µs against the fp32 walk's 45.5 (the only bf16 pair config timed so far)
 MOE_WORDCOL_BF16_PAIRS = MOE_WORDCOL_HALF2 | dict(FIXUP=True)
 MOE_WORDCOL_PAIRS = MOE_WORDCOL | dict(SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16)
+# several tokens on fp16 pairs, fp16 and (scaled) bf16 alike: bf16 at M = 8 / 40 on an H100 122.8 / 434.6 µs against
+# the fp32 walk's 142.6 / 584.7 (RESULTS.md K5m, tree b8fbd54); the fp32 walk (MOE_WORDCOL_PAIRS) stays a variant
 MOE_WORDCOL_PAIRS_HALF2 = MOE_WORDCOL_PAIRS | dict(HALF2=True)
 MOE_WORDCOL_MAX_TOKENS = 40  # the per-pair walk reads an expert once per token that chose it: timed up to 40 tokens
 # (1.6x the distinct experts' bytes there, still 2.1x faster than the grouped nibble path)
@@ -276,7 +278,7 @@ def moe_wordcol_config(M: int, dtype: torch.dtype) -> dict:
     fixup = dict(FIXUP=True) if fixup_default() else {}  # the reduces inside the kernels (opt-in: RESULTS.md K5l)
     if M == 1:
         return dict(MOE_WORDCOL_HALF2 if half2 else MOE_WORDCOL_BF16_PAIRS) | fixup
-    return dict(MOE_WORDCOL_PAIRS_HALF2 if half2 else MOE_WORDCOL_PAIRS) | fixup
+    return dict(MOE_WORDCOL_PAIRS_HALF2) | fixup
 
 
 def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None,
