@@ -28,9 +28,10 @@ shared memory. h_c is stored transposed ([V, K] per chunk and head, which the ou
 with H_T); slot states and the merge's start states keep their [K, V] layout (read and written
 transposed once per segment).
 
-PREFETCH (a launch-configuration variant, off by default, not with K_HALVES): the chunk's decay factors (γ_C and
-F, three small loads) are loaded a chunk ahead with U, instead of between the chunk's two products where their
-latency sits inside the serial chain (the loads that feed a product are pipelined by Triton; these are not).
+PREFETCH (`walk_prefetch`: on in the sm_90 default, off on sm_70, not with K_HALVES): the chunk's decay factors
+(γ_C and F, three small loads) are loaded a chunk ahead with U, instead of between the chunk's two products where
+their latency sits inside the serial chain (the loads that feed a product are pipelined by Triton; these are not):
+8-9% off the walk on an H100 (RESULTS.md K1). Bitwise the same outputs.
 
 K_HALVES (a launch-configuration variant, off by default): the walk and the prescan hold the
 state as two [K/2, BV] register tiles, rows 0 .. K/2 − 1 and K/2 .. K − 1, as fla's walk holds
