@@ -524,7 +524,8 @@ def _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, i
     token). The act / y rows are bitwise the per-pair walk's; y [M·k·SPLIT_DOWN, H] fp32. A block's walk does R rows'
     work whatever its count (sm_90 loop: 375 instructions a pair-step per pair, 552 at R = 2, 858 at R = 4), and at
     512 experts most blocks hold one pair (M = 40: ~2 / 3 of the touched experts); GROUP_ROWS_FIT walks each block
-    as the smallest power of two >= its count rows (one branch per row count inside the kernels)."""
+    as the smallest power of two >= its count rows (one branch per row count inside the kernels). Both lost to the
+    per-pair walk on an H100 (RESULTS.md K5m: the rows kernels' registers leave a third of the resident warps)."""
     M, H = x.shape
     T, I = act.shape
     k = ids.shape[1]

@@ -21,7 +21,8 @@ words once for all the block's tokens (gemv_wordcol.wordcol_rows_half2: each wor
 multiplied into R rows' sums), so an expert several tokens chose is read ceil(pairs / R) times instead of once a pair.
 Each row's sums are the per-pair walk's, so act, y and the output are bitwise the same. A block's walk does R rows'
 work whatever its count; GROUP_ROWS_FIT (R <= 8) walks each block as the smallest power of two >= its count rows (a
-branch per row count: at 512 experts most blocks hold one pair, which then costs about the per-pair walk).
+branch per row count: at 512 experts most blocks hold one pair, which then costs about the per-pair walk). Both are
+slower than the per-pair walk at 8 and 40 tokens on an H100 (1.4-2.4x, RESULTS.md K5m): opt-in.
 """
 
 from __future__ import annotations
