@@ -363,7 +363,8 @@ def wordcol_rows_half2(x_rows, m_r, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.c
                 xx = h2_splat((xv.to(tl.float32) * x_scale).to(tl.float16))[:, None]
             else:
                 xx = h2_splat(xv)[:, None]
-            p0, p1, p2, p3 = _step_pairs(wd, m_even, m_odd, nz0, nz1, nz2, nz3, xx, p0, p1, p2, p3, ASM)  # [W] pairs x [R, 1] rows
+            # [W] pairs x [R, 1] rows
+            p0, p1, p2, p3 = _step_pairs(wd, m_even, m_odd, nz0, nz1, nz2, nz3, xx, p0, p1, p2, p3, ASM)
         a0, a1, a2, a3, a4, a5, a6, a7 = _flush_pairs(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, sc + g * N,
                                                       o_w, m_w, back, SCALED)
     return a0 * 512.0, a1 * 512.0, a2 * 512.0, a3 * 512.0, a4 * 512.0, a5 * 512.0, a6 * 512.0, a7 * 512.0

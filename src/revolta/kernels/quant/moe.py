@@ -531,7 +531,7 @@ def _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, i
     k = ids.shape[1]
     assert cfg.get("HALF2", False) and not cfg.get("FIXUP", False) and group_rows & (group_rows - 1) == 0, \
         f"GROUP_ROWS (a power of two) walks fp16 pairs (HALF2) with the reduce launches (no FIXUP), got {cfg}"
-    fit = cfg.get("GROUP_ROWS_FIT", False)  # opt-in (untimed): a block of c pairs walks as the next power of two >= c
+    fit = cfg.get("GROUP_ROWS_FIT", False)  # opt-in (lost, K5m): a block of c pairs walks as the next power of two >= c
     assert not fit or group_rows <= 8, f"GROUP_ROWS_FIT takes GROUP_ROWS of 2, 4 or 8, got {group_rows}"
     num_routed = gate_up.tensors[0].shape[0]
     order, _, slot_start, slot_end = moe_group(ids, min(T, num_routed + has_shared))

@@ -239,25 +239,12 @@ def _wordcol_gate_up_rows_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, ac
     m_w = None if EVEN else o_f < I // 8
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, H)
-    if FIT:  # the block as the smallest power of two >= its pair count rows (R <= 8)
-        if cnt > R // 2:
-            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
-                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R, ASM)
-        elif R == 2:
-            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
-                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, 1, ASM)
-        elif cnt > R // 4:
-            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
-                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R // 2, ASM)
-        elif R == 4:
-            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
-                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, 1, ASM)
-        elif cnt > 1:
-            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
-                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, 2, ASM)
-        else:
-            _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo,
-                           k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, 1, ASM)
+    if FIT:  # each block walked as the smallest power of two >= its pair count rows: a branch per R, R / 2, .. 1
+        for i in tl.static_range(4):  # R <= 8
+            if (R >> i) > 0:  # rows R >> i take the blocks of (R >> i) // 2 + 1 .. R >> i pairs
+                if (cnt > (R >> i) // 2) & (cnt <= (R >> i)):
+                    _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w,
+                                   k_lo, k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R >> i, ASM)
     else:
         _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo, k_hi, T,
                        I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R, ASM)
@@ -315,25 +302,12 @@ def _wordcol_down_rows_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, t
     m_w = None if EVEN else o_w < H // 8
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, I)
-    if FIT:  # the block as the smallest power of two >= its pair count rows (R <= 8)
-        if cnt > R // 2:
-            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
-                        stride_ym, G, W, SPLIT, EVEN, ROWS, R, ASM)
-        elif R == 2:
-            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
-                        stride_ym, G, W, SPLIT, EVEN, ROWS, 1, ASM)
-        elif cnt > R // 4:
-            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
-                        stride_ym, G, W, SPLIT, EVEN, ROWS, R // 2, ASM)
-        elif R == 4:
-            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
-                        stride_ym, G, W, SPLIT, EVEN, ROWS, 1, ASM)
-        elif cnt > 1:
-            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
-                        stride_ym, G, W, SPLIT, EVEN, ROWS, 2, ASM)
-        else:
-            _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
-                        stride_ym, G, W, SPLIT, EVEN, ROWS, 1, ASM)
+    if FIT:  # each block walked as the smallest power of two >= its pair count rows: a branch per R, R / 2, .. 1
+        for i in tl.static_range(4):  # R <= 8
+            if (R >> i) > 0:  # rows R >> i take the blocks of (R >> i) // 2 + 1 .. R >> i pairs
+                if (cnt > (R >> i) // 2) & (cnt <= (R >> i)):
+                    _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H,
+                                stride_am, stride_ym, G, W, SPLIT, EVEN, ROWS, R >> i, ASM)
     else:
         _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
                     stride_ym, G, W, SPLIT, EVEN, ROWS, R, ASM)
