@@ -67,10 +67,11 @@ def _chunk_builds(cfg, arch, prefix):
     solve_prec, merge_prec = ("tf32", "tf32x3") if arch >= 80 else ("ieee", "ieee")
     yield prefix + "intra", (chunk_intra._gdn_chunk_intra_kernel,
                              "k v g beta cu_seqlens cu_chunks w u gcum k_rstd NUM_SEQ stride_k stride_v stride_g "
-                             "stride_beta H HV K V BK BV USE_L2NORM DOT_PREC SOLVE_PREC LOG_NUM_SEQ",
-                             "aaffiiaaff" + "n" * 5 + "c" * 10,
+                             "stride_beta H HV K V BK BV USE_L2NORM DOT_PREC SOLVE_PREC LOG_NUM_SEQ GROUP_HEADS",
+                             "aaffiiaaff" + "n" * 5 + "c" * 11,
                              dict(H=H, HV=HV, K=K, V=V, BK=cfg.intra_bk, BV=cfg.intra_bv, USE_L2NORM=True,
-                                  DOT_PREC="ieee", SOLVE_PREC=solve_prec, LOG_NUM_SEQ=3), cfg.intra_warps)
+                                  DOT_PREC="ieee", SOLVE_PREC=solve_prec, LOG_NUM_SEQ=3,
+                                  GROUP_HEADS=cfg.intra_group_heads), cfg.intra_warps)
     halves = cfg.walk_k_halves
     for name, bv, warps, stages in (("walk", cfg.walk_bv, cfg.walk_warps, cfg.walk_stages),
                                     ("walk_split", cfg.cp_walk_bv, cfg.cp_walk_warps, cfg.cp_stages)):

@@ -4,8 +4,9 @@ Outputs and intermediates are NaN-poisoned (tests/kernels/conftest.py), so a ker
 row, a chunk state or a segment summary unwritten fails. The split walk (context parallelism) is
 forced with one- and two-chunk segments so that small batches cross segment boundaries.
 
-bf16 is not tested here: Triton's interpreter computes bf16 tl.dot wrongly (triton#11584); the
-H200 benchmark checks bf16 against the reference instead.
+bf16 is not tested against the references here: Triton's interpreter computes bf16 tl.dot wrongly
+(triton#11584); the H200 benchmark checks bf16 against the reference instead. Bitwise comparisons of two
+launch configurations run bf16 under the `bf16_dots` fixture (tests/kernels/conftest.py).
 """
 
 import dataclasses
@@ -139,6 +140,27 @@ def test_prefetched_factors_are_bitwise_the_walk(base, seg):
     with pytest.raises(AssertionError, match="walk_prefetch is a variant of the one-tile walk"):
         gdn_chunk_prefill(q, k, v, g, beta, cu, pool0.clone(), slots, has_init,
                           config=dataclasses.replace(chunk_variants(32, 32)["khalves"], walk_prefetch=True))
+
+
+@pytest.mark.parametrize("dtype,l2norm", [(torch.float32, True), (torch.float16, True), (torch.bfloat16, True),
+                                          (torch.float32, False)])
+def test_intra_group_heads_is_bitwise_the_default(request, dtype, l2norm):
+    """intra_group_heads computes each k head's K Kᵀ and 1/‖k‖ once for its HV / H value heads: outputs and final
+    states equal the per-value-head launch bitwise (3 value heads per k head; a sequence ending mid-chunk)."""
+    if dtype == torch.bfloat16:
+        request.getfixturevalue("bf16_dots")  # tests/kernels/conftest.py: bf16 products as on the GPU
+    q, k, v, g, beta, pool0, cu = make([1, 63, 70], dtype=dtype, seed=11, H=2, HV=6, K=32, V=32)
+    slots = torch.tensor([2, 0, 5], dtype=torch.int32)
+    has_init = torch.tensor([True, False, True])
+    outs = []
+    for group in (False, True):
+        config = dataclasses.replace(chunk_config(32, 32), intra_group_heads=group)
+        pool = pool0.clone()
+        o = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init, use_qk_l2norm=l2norm, config=config)
+        outs.append((o, pool))
+    assert not outs[1][0].isnan().any() and not outs[1][1].isnan().any()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert chunk_variants(32, 32)["intra_heads"].intra_group_heads and not chunk_config(32, 32, 70).intra_group_heads
 
 
 def test_k_halves_needs_two_dot_tiles():

@@ -5,8 +5,8 @@ wrapper; the kernels live in chunk_intra.py, chunk_state.py and chunk_out.py.
 Launches (chunk = 64 tokens, every grid sized by a host-known bound, so the wrapper never
 synchronises with the device and can be graph-captured):
 0. `_gdn_chunk_index_kernel`: chunk and segment tables from cu_seqlens (chunk_index.py).
-1. `_gdn_chunk_intra_kernel` (chunk, v-head): γ, 1/‖k‖, T = (I + β K̂K̂ᵀ ⊙ Γ)⁻¹ and the WY form
-   W, U, in one pass (T stays in registers).
+1. `_gdn_chunk_intra_kernel` (chunk, v-head), or (chunk, k-head) with `intra_group_heads`: γ, 1/‖k‖,
+   T = (I + β K̂K̂ᵀ ⊙ Γ)⁻¹ and the WY form W, U, in one pass (T stays in registers).
 2. the state walk (chunk_state.py), serial over chunks: one program per (sequence, v-head, V
    block) for short batches; for batches of at least `cp_min_tokens` tokens each sequence is cut
    into segments of `seg_chunks` chunks that walk at the same time after a prescan (affine
@@ -69,6 +69,9 @@ class ChunkConfig:
     walk_k_halves: bool = False  # walk and prescan hold the state as two [K/2, BV] tiles (chunk_state.py)
     walk_transposed: bool = False  # the walk holds hᵀ [BV, K] and stores h_c as [V, K] (chunk_state.py)
     walk_prefetch: bool = False  # the walk loads each chunk's decay factors a chunk ahead (chunk_state.py)
+    # one intra program per (chunk, k head) over its HV / H value heads: K Kᵀ and 1/‖k‖ (the same for the value
+    # heads of one k head) once instead of HV / H times, on H programs per chunk instead of HV (chunk_intra.py)
+    intra_group_heads: bool = False
 
     def serial_walk_programs(self, num_seqs: int, num_v_heads: int, V: int) -> int:
         """Programs of the walk when it is not split: one per (sequence, v-head, V tile)."""
@@ -209,11 +212,11 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     u = torch.empty(T, HV, V, dtype=dt, device=dev)
     gcum = torch.empty(T, HV, dtype=torch.float32, device=dev)
     k_rstd = torch.empty(T, H, dtype=torch.float32, device=dev)
-    _gdn_chunk_intra_kernel[(num_chunks_max, HV)](
+    _gdn_chunk_intra_kernel[(num_chunks_max, H if cfg.intra_group_heads else HV)](
         k, v, g, beta, cu_seqlens, cu_chunks, w, u, gcum, k_rstd, B, k.stride(0), v.stride(0), g.stride(0),
         beta.stride(0), H=H, HV=HV, K=K, V=V, BK=_fit(cfg.intra_bk, K), BV=_fit(cfg.intra_bv, V),
         USE_L2NORM=use_qk_l2norm, DOT_PREC=prec, SOLVE_PREC=solve_prec, LOG_NUM_SEQ=log_b,
-        num_warps=cfg.intra_warps, num_stages=2)
+        GROUP_HEADS=cfg.intra_group_heads, num_warps=cfg.intra_warps, num_stages=2)
 
     h = torch.empty(num_chunks_max, HV, *((V, K) if cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
     v_new = torch.empty(T, HV, V, dtype=dt, device=dev)

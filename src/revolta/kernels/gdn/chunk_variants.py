@@ -25,7 +25,10 @@ What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one pr
 - when the walk is split into segments (context parallelism, which fla does not do by default)
   and how (existing knobs of `ChunkConfig`);
 - the fully parallel stages' tiles and warps (intra, output), in case the per-stage profile puts
-  the gap there rather than in the walk.
+  the gap there rather than in the walk;
+- the intra stage per (chunk, k head) over its value heads (`intra_group_heads`), so the K Kᵀ and
+  1/‖k‖ that the HV / H value heads of one k head share are computed once (outputs bitwise those of
+  the same warps without it: intra_heads the default's, intra_heads_w8 intra_w8's).
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("out_bk128_bv128_w8", dict(out_bk=128, out_bv=128, out_warps=8)),  # the first of fla's output configs
     ("intra_w8", dict(intra_warps=8)),
     ("intra_bk32_bv32", dict(intra_bk=32, intra_bv=32)),  # 130 registers: fewer live tiles per program
+    # per (chunk, k head) over its 3 value heads: K Kᵀ, 1/‖k‖ once, not three times (sm_90: 255 / 249 registers)
+    ("intra_heads", dict(intra_group_heads=True)),
+    ("intra_heads_w8", dict(intra_group_heads=True, intra_warps=8)),
 )
 
 
