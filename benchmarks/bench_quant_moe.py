@@ -71,6 +71,7 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wc-bh2-r16-sk32-8-fx": ("nib", dict(WC, SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True, FIXUP=True)),
     "wcp-bh2-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True)),
     "wcp-bh2-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, FIXUP=True)),
+    "wcp-bh2-r32-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=32, HALF2=True)),  # 32-row steps alone
     # M > 1 on fp16 pairs with the pairs of an expert in blocks of up to 2 / 4 (GROUP_ROWS: a block's weight words
     # read and decoded once for all its tokens); fp16 ("-h2-") and bf16 ("-bh2-")
     "wcp-h2-g2": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, GROUP_ROWS=2)),
@@ -88,6 +89,18 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "fx": ("default", dict(FIXUP=True)),
     "fxm": ("default", dict(FIXUP=True, COUNTERS="memset")),
     "fx-sk2x": ("default", dict(FIXUP=True, SPLIT_SCALE=2)),  # and twice the default's K slices
+    # the default's config with gate and up in one walk (JOINT: both weights' words of a step in flight together,
+    # half the dependent steps), its four launches chained by programmatic dependent launch (PDL, sm_90), the
+    # split-act / slot-sum programs on 64 features (more programs at one token: 110 / 40 instead of 33 / 10), and
+    # without the reduces inside the kernels (nofx: one bf16 token's default has FIXUP)
+    "j": ("default", dict(JOINT=True)),
+    "pdl": ("default", dict(PDL=True)),
+    "b64": ("default", dict(ACT_BLOCK=64, SUM_BLOCK=64)),
+    "j-pdl": ("default", dict(JOINT=True, PDL=True)),
+    "j-pdl-b64": ("default", dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64)),
+    "j-nofx-pdl-b64": ("default", dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64, FIXUP=False)),
+    "j-r32-pdl-b64": ("default", dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64, ROWS=32)),
+    "j-sk2x-pdl-b64": ("default", dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64, SPLIT_SCALE=2)),
 }
 
 
@@ -173,7 +186,7 @@ def run(small: bool = False, json_path: str | None = None, ms: tuple[int, ...] =
             base["default"] = QMOE.quant_grouped_config(M, TOPK + 1, num_experts + 1, arch, layout="awq", dtype=dt)
             variants = {"quant": None} | {n: scaled_splits(base[p] | v) for n, (p, v) in VARIANTS.items()
                                           if (only is None or n in only)
-                                          and (n in ("tile", "fx", "fxm", "fx-sk2x", "eo") or small
+                                          and (n == "tile" or p == "default" or small
                                                or (dt == torch.float16) == ("-h2-" in n))  # -bh2-: bf16
                                           and (M == 1 or not n.startswith("wc-"))
                                           and (M > 1 or not (n.startswith("wcp-") or n == "eo"))}

@@ -86,6 +86,42 @@ def test_nvfp4_moe_default_path_matches_the_reference(M):
         assert rel_err(QMOE.quant_fused_moe(x, gate_up, down, ids, w, config=nib), ref) < 1e-2, dt
 
 
+def _token_caller(bq, gate_up, down, shared, M, dt, gen):
+    """(x, router logits, call): call(config) routes the logits (top-10 + the shared expert) and runs the packed MoE
+    on x with that config; refill x and the logits in place for new tokens and routing."""
+    from revolta.kernels import moe as MOE
+    from revolta.kernels.quant import moe as QMOE
+
+    x = torch.randn(M, bq.H, device="cuda", dtype=dt, generator=gen)
+    logits = torch.randn(M, bq.E, device="cuda", generator=gen)
+    shared_logits = torch.randn(M, device="cuda", generator=gen)
+
+    def call(c):
+        ids, w = MOE.moe_route(logits, bq.TOPK, shared_logits=shared_logits)
+        return QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=c)
+
+    return x, logits, call
+
+
+def _assert_bitwise(call, new, base, x, logits, gen, times, tag, check=lambda: None):
+    """call(new) equals call(base) bitwise on `times` new token sets and routings, eager, then replayed from a CUDA
+    graph of call(new); check() after each phase."""
+    for i in range(times):
+        x.normal_(generator=gen)
+        logits.normal_(generator=gen)
+        assert torch.equal(call(new), call(base)), (*tag, i)
+    check()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = call(new)
+    for i in range(times):
+        x.normal_(generator=gen)
+        logits.normal_(generator=gen)
+        g.replay()
+        assert torch.equal(y, call(base)), (*tag, "graph", i)
+    check()
+
+
 @pytest.mark.parametrize("M", [1, 8, 40])
 def test_awq_moe_fixup_is_bitwise_the_reduce_launches(M):
     """The word-column MoE's reduces inside its kernels (FIXUP: act formed by each gate_up tile's last K slice, the
@@ -94,37 +130,41 @@ def test_awq_moe_fixup_is_bitwise_the_reduce_launches(M):
     replayed from a CUDA graph, in fp16 and bf16, and the weights' counters back at 0."""
     import dataclasses
 
-    from revolta.kernels import moe as MOE
     from revolta.kernels.quant import moe as QMOE
 
     bq = _bench()
     gen = torch.Generator(device="cuda").manual_seed(M + 7)
     (gate_up, down), shared = bq.awq_bank(bq.E, bq.H, bq.I, "cuda", gen)
     gate_up = dataclasses.replace(gate_up, counters=torch.zeros(4096, dtype=torch.int32, device="cuda"))
+
+    def counters_at_zero():
+        assert not gate_up.counters.any()
+
     for dt in (torch.float16, torch.bfloat16):
         cfg = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90, layout="awq", dtype=dt)
         assert cfg["WORDCOL"]
-        fx = cfg | dict(FIXUP=True)
-        x = torch.randn(M, bq.H, device="cuda", dtype=dt, generator=gen)
-        logits = torch.randn(M, bq.E, device="cuda", generator=gen)
-        shared_logits = torch.randn(M, device="cuda", generator=gen)
+        x, logits, call = _token_caller(bq, gate_up, down, shared, M, dt, gen)
+        _assert_bitwise(call, cfg | dict(FIXUP=True), cfg | dict(FIXUP=False), x, logits, gen, 20, (dt,),
+                        counters_at_zero)
 
-        def call(c):
-            ids, w = MOE.moe_route(logits, bq.TOPK, shared_logits=shared_logits)
-            return QMOE.quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=c)
 
-        for i in range(20):
-            x.normal_(generator=gen)
-            logits.normal_(generator=gen)
-            assert torch.equal(call(fx), call(cfg)), (dt, i)
-        assert not gate_up.counters.any()
-        call(fx)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = call(fx)
-        for i in range(20):
-            x.normal_(generator=gen)
-            logits.normal_(generator=gen)
-            g.replay()
-            assert torch.equal(y, call(cfg)), (dt, "graph", i)
-        assert not gate_up.counters.any()
+@pytest.mark.parametrize("M", [1, 8, 40])
+def test_awq_moe_joint_walk_and_pdl_chain_are_bitwise_the_default(M):
+    """The word-column MoE with gate and up in one walk (JOINT), its launches chained by programmatic dependent launch
+    (PDL: each grid may start before the one it reads has finished and waits inside, on sm_90) and 64-feature
+    split-act / slot-sum programs, with and without the reduces inside the kernels: bitwise the same config without
+    them over 10 new token sets and routings, eager and replayed from a CUDA graph, fp16 and bf16."""
+    from revolta.kernels.quant import moe as QMOE
+
+    bq = _bench()
+    gen = torch.Generator(device="cuda").manual_seed(M + 11)
+    (gate_up, down), shared = bq.awq_bank(bq.E, bq.H, bq.I, "cuda", gen)
+    for dt in (torch.float16, torch.bfloat16):
+        cfg = QMOE.quant_grouped_config(M, bq.TOPK + 1, bq.E + 1, arch=90, layout="awq", dtype=dt)
+        assert cfg["WORDCOL"] and cfg["HALF2"]
+        x, logits, call = _token_caller(bq, gate_up, down, shared, M, dt, gen)
+        for fixup in (False, True):
+            base = {k: v for k, v in cfg.items() if k not in ("JOINT", "PDL", "ACT_BLOCK", "SUM_BLOCK")}
+            base["FIXUP"] = fixup
+            new = base | dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64)
+            _assert_bitwise(call, new, base, x, logits, gen, 10, (dt, fixup))

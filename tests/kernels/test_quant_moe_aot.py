@@ -95,27 +95,31 @@ def wordcol_builds():
     fma.rn.f16x2 as inline PTX, built for every arch), several tokens a program row per pair (MOE_WORDCOL_PAIRS and
     its fp16-pair twin); gate_up masked (I = 640 is 2.5 programs of 256 features)."""
     from revolta.kernels.quant import moe_wordcol
-    from revolta.kernels.quant.moe import MOE_WORDCOL, MOE_WORDCOL_HALF2, MOE_WORDCOL_PAIRS, MOE_WORDCOL_PAIRS_HALF2
+    from revolta.kernels.quant.moe import (MOE_WORDCOL, MOE_WORDCOL_BF16_PAIRS, MOE_WORDCOL_BF16_PAIRS_ROWS,
+                                          MOE_WORDCOL_HALF2, MOE_WORDCOL_PAIRS, MOE_WORDCOL_PAIRS_HALF2)
 
     out = {}
     for tag, c in (("_M1", MOE_WORDCOL), ("_half2_M1", MOE_WORDCOL_HALF2), ("_pairs", MOE_WORDCOL_PAIRS),
-                   ("_half2_pairs", MOE_WORDCOL_PAIRS_HALF2), ("_bf16_half2_pairs", MOE_WORDCOL_PAIRS_HALF2)):
+                   ("_half2_pairs", MOE_WORDCOL_PAIRS_HALF2), ("_bf16_half2_pairs", MOE_WORDCOL_PAIRS_HALF2),
+                   ("_bf16_half2_M1", MOE_WORDCOL_BF16_PAIRS), ("_bf16_half2_rows32", MOE_WORDCOL_BF16_PAIRS_ROWS)):
         act = "h" if c["HALF2"] and "bf16" not in tag else "a"  # bf16 on fp16 pairs: "a" is bf16 on sm_90
         flags = dict(G=32, HAS_SHARED=True, ROWS=c["ROWS"], PREFETCH=c["PREFETCH"], HALF2=c["HALF2"], ASM=True)
-        out[f"awq_wordcol{tag}_gate_up"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP,
-                                            act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * 10,
+        joint = dict(JOINT=True) if c.get("JOINT") else {}  # gate and up in one walk (PDL is sm_90 only: not here)
+        out[f"awq_wordcol{tag}_gate_up"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP + " JOINT" * bool(joint),
+                                            act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * (10 + bool(joint)),
                                             dict(flags, BLOCK_N=c["BLOCK_N_UP"], SPLIT=c["SPLIT_UP"], EVEN=False,
-                                                 TOP_K=TOP_K),
+                                                 TOP_K=TOP_K, **joint),
                                             c["num_warps"], 1, "awq")
         out[f"awq_wordcol{tag}_down"] = (moe_wordcol._wordcol_down_kernel, WORDCOL_DOWN,
                                          act + "iih" * 2 + "ffi" + "n" * 9 + "c" * 9,
                                          dict(flags, BLOCK_N=c["BLOCK_N_DOWN"], SPLIT=c["SPLIT_DOWN"], EVEN=True),
                                          c["num_warps"], 1, "awq")
         # the reduces inside the kernels (FIXUP: each tile's last program adds the partials, counted in int32)
-        out[f"awq_wordcol{tag}_gate_up_fx"] = (moe_wordcol._wordcol_gate_up_kernel, WORDCOL_GATE_UP + " counters FIXUP",
-                                               act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * 10 + "ic",
+        out[f"awq_wordcol{tag}_gate_up_fx"] = (moe_wordcol._wordcol_gate_up_kernel,
+                                               WORDCOL_GATE_UP + " JOINT" * bool(joint) + " counters FIXUP",
+                                               act + "iih" * 3 + act + "fi" + "n" * 10 + "c" * (10 + bool(joint)) + "ic",
                                                dict(flags, BLOCK_N=c["BLOCK_N_UP"], SPLIT=c["SPLIT_UP"], EVEN=False,
-                                                    TOP_K=TOP_K, FIXUP=True),
+                                                    TOP_K=TOP_K, FIXUP=True, **joint),
                                                c["num_warps"], 1, "awq")
         out[f"awq_wordcol{tag}_down_fx"] = (moe_wordcol._wordcol_down_kernel,
                                             WORDCOL_DOWN + " out counters TOP_K FIXUP",
@@ -123,6 +127,11 @@ def wordcol_builds():
                                             dict(flags, BLOCK_N=c["BLOCK_N_DOWN"], SPLIT=c["SPLIT_DOWN"], EVEN=True,
                                                  TOP_K=TOP_K, FIXUP=True),
                                             c["num_warps"], 1, "awq")
+    # gate and up in one walk (JOINT: both weights' words of a step in flight together), one token and several
+    for tag in ("_half2_M1", "_half2_pairs"):
+        kernel, names, types, consts, warps, stages, layout = out[f"awq_wordcol{tag}_gate_up"]
+        out[f"awq_wordcol{tag}_gate_up_joint"] = (kernel, names + " JOINT", types + "c", dict(consts, JOINT=True),
+                                                  warps, stages, layout)
     # program rows in expert order (EXPERT_ORDER: each row's pair read from moe_group's order)
     for part in ("gate_up", "down"):
         kernel, names, types, consts, warps, stages, layout = out[f"awq_wordcol_half2_pairs_{part}"]
@@ -198,7 +207,7 @@ def test_aot_real_shapes(arch, reports):
     spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column builds spill (budget 0 on every arch): {spills}"
-    assert sum("wordcol" in n for n in reports[arch]) == 28
+    assert sum("wordcol" in n for n in reports[arch]) == 38
     assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 

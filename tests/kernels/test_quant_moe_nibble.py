@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_quant_moe import TOL, _case
 
-from revolta.kernels.quant.moe import (MOE_WORDCOL, MOE_WORDCOL_BF16_PAIRS, MOE_WORDCOL_HALF2, MOE_WORDCOL_MAX_TOKENS,
-                                      MOE_WORDCOL_PAIRS, MOE_WORDCOL_PAIRS_HALF2, quant_fused_moe, quant_grouped_config,
-                                      use_moe_wordcol)
+from revolta.kernels.quant.moe import (MOE_WORDCOL, MOE_WORDCOL_BF16_PAIRS, MOE_WORDCOL_BF16_PAIRS_ROWS,
+                                      MOE_WORDCOL_CHAIN, MOE_WORDCOL_HALF2, MOE_WORDCOL_MAX_TOKENS, MOE_WORDCOL_PAIRS,
+                                      MOE_WORDCOL_PAIRS_HALF2, quant_fused_moe, quant_grouped_config, use_moe_wordcol)
 
 pytestmark = pytest.mark.usefixtures("poison")  # tests/kernels/conftest.py: unwritten outputs are NaN
 
@@ -182,6 +182,26 @@ def test_wordcol_group_rows_is_bitwise_the_pair_walk(M, dtype, split, rows, fit)
                                                                                               GROUP_ROWS_FIT=True))
 
 
+@pytest.mark.usefixtures("bf16_dots")
+@pytest.mark.parametrize("M,dtype,split", [(1, torch.float16, (3, 2, 16)), (3, torch.bfloat16, (1, 1, 32))], ids=str)
+def test_wordcol_joint_gate_up_walk_is_bitwise_the_two_walks(M, dtype, split):
+    """JOINT: gate and up walked together (gemv_wordcol.wordcol_slice2_half2: both weights' words of a step loaded
+    together, x once) give the two walks' sums bitwise, so the output is the per-pair walk's (fp16 and bf16 tokens,
+    one K slice and split-K partials, experts shared by tokens, the shared expert in every token; NaN-poisoned
+    outputs all written). The
+    split-act and slot-sum block sizes (ACT_BLOCK, SUM_BLOCK) change which program adds a feature, not its sum."""
+    x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
+    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2], HALF2=True)
+    want = _pair_walk(M, dtype, split)
+    got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(JOINT=True))
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
+    if split[0] > 1:
+        got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared,
+                              config=cfg | dict(JOINT=True, ACT_BLOCK=16, SUM_BLOCK=32))
+        assert torch.equal(got, want)
+
+
 def test_pair_blocks_cut_each_expert_into_blocks():
     """moe_wordcol.pair_blocks: at each block's first sorted position its pair count (<= R), zeros elsewhere; every
     pair in exactly one block of its own expert; the Triton kernel equals the reference."""
@@ -214,9 +234,9 @@ def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70()
                                      (3, torch.bfloat16)], ids=str)
 def test_default_wordcol_config_matches_reference(M, dtype):
     """The configs AWQ tokens take by default on sm80+ (moe_wordcol_config: one token on fp16 pairs in 32 / 8 slices of
-    16 rows, bf16 scaled into fp16 a step and reduced inside the kernels; several tokens a program row per pair in
-    16 / 4 slices of 16 rows on pairs, bf16 scaled too; most slices empty at H = 64, I = 32) compute the reference's
-    MoE."""
+    16 rows, bf16 scaled into fp16 a step with gate and up in one walk; several tokens a program row per pair in
+    16 / 4 slices on pairs, fp16 in 16-row steps, bf16 scaled in 32-row steps with gate and up in one walk; most slices
+    empty at H = 64, I = 32; PDL is off under the interpreter) compute the reference's MoE."""
     x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
     cfg = quant_grouped_config(M, ids.shape[1], 9, 90, dtype=dtype)
     assert cfg["WORDCOL"] and cfg["HALF2"]
@@ -238,9 +258,11 @@ def test_awq_tokens_in_16_bit_take_the_word_column_walk_on_sm80_up():
             half2 = dtype == torch.float16
             assert use_moe_wordcol(arch, dtype, "awq", 1) and use_moe_wordcol(arch, dtype, "awq", 40)
             one = quant_grouped_config(1, 11, 513, arch, dtype=dtype)
-            assert one == (MOE_WORDCOL_HALF2 if half2 else MOE_WORDCOL_BF16_PAIRS)
+            assert one == (MOE_WORDCOL_HALF2 | MOE_WORDCOL_CHAIN if half2 else MOE_WORDCOL_BF16_PAIRS)
             assert one is not MOE_WORDCOL_BF16_PAIRS and one is not MOE_WORDCOL_HALF2  # a copy: callers may edit
-            assert quant_grouped_config(8, 11, 513, arch, dtype=dtype) == MOE_WORDCOL_PAIRS_HALF2  # bf16: K5m
+            several = quant_grouped_config(8, 11, 513, arch, dtype=dtype)
+            assert several == (MOE_WORDCOL_PAIRS_HALF2 if half2 else MOE_WORDCOL_BF16_PAIRS_ROWS)  # K5n
+            assert several is not MOE_WORDCOL_PAIRS_HALF2 and several is not MOE_WORDCOL_BF16_PAIRS_ROWS
     assert MOE_WORDCOL_HALF2["HALF2"] and MOE_WORDCOL_PAIRS_HALF2["HALF2"] and not MOE_WORDCOL_PAIRS["HALF2"]
     assert not use_moe_wordcol(90, torch.float32, "awq", 1)
     assert not use_moe_wordcol(90, torch.float16, "awq", MOE_WORDCOL_MAX_TOKENS + 1)

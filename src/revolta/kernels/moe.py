@@ -40,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_grouped import _down_base, _gate_up_bases, _load_weight_tile, grouped_config, grouped_expert_mlp
+from .pdl import pdl_launch, pdl_start
 
 # ----------------------------------------------------------------------------------------------
 # routing
@@ -333,7 +334,9 @@ def _moe_down_kernel(act, w, shared_down, topk_weights, y, sorted_ids, expert_id
 
 
 @triton.jit
-def _moe_sum_kernel(y, out, H, stride_ym, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _moe_sum_kernel(y, out, H, stride_ym, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_start(PDL)
     i_m = tl.program_id(0).to(tl.int64)
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
@@ -347,11 +350,13 @@ SUM_BLOCK = 256  # features per program of the slot sum: 10 programs a token at 
 # 8.4 µs at M = 1 on an H100 under Nsight Compute, stalled on its serial loads: benchmarks/RESULTS.md K5d)
 
 
-def moe_sum(y: Tensor, out: Tensor, slots: int) -> Tensor:
-    """out [M, H] = Σ_j y[m·slots + j] (fp32, slots in order, rounded once to out.dtype); y [M·slots, H] fp32."""
+def moe_sum(y: Tensor, out: Tensor, slots: int, block: int = SUM_BLOCK, pdl: bool = False) -> Tensor:
+    """out [M, H] = Σ_j y[m·slots + j] (fp32, slots in order, rounded once to out.dtype); y [M·slots, H] fp32.
+    block: features a program (the sums do not depend on it); pdl: launched with programmatic dependent launch
+    (pdl.use_pdl decides)."""
     M, H = out.shape
-    _moe_sum_kernel[(M, triton.cdiv(H, SUM_BLOCK))](y, out, H, y.stride(0), out.stride(0), TOP_K=slots,
-                                                    BLOCK_N=SUM_BLOCK, num_warps=2)
+    _moe_sum_kernel[(M, triton.cdiv(H, block))](y, out, H, y.stride(0), out.stride(0), TOP_K=slots, BLOCK_N=block,
+                                                PDL=pdl, num_warps=2, **pdl_launch(pdl))
     return out
 
 

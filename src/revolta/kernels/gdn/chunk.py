@@ -70,7 +70,8 @@ class ChunkConfig:
     walk_transposed: bool = False  # the walk holds hᵀ [BV, K] and stores h_c as [V, K] (chunk_state.py)
     walk_prefetch: bool = False  # the walk loads each chunk's decay factors a chunk ahead (chunk_state.py)
     # one intra program per (chunk, k head) over its HV / H value heads: K Kᵀ and 1/‖k‖ (the same for the value
-    # heads of one k head) once instead of HV / H times, on H programs per chunk instead of HV (chunk_intra.py)
+    # heads of one k head) once instead of HV / H times, on H programs per chunk instead of HV (chunk_intra.py;
+    # opt-in: slower on an H100, RESULTS.md K1)
     intra_group_heads: bool = False
 
     def serial_walk_programs(self, num_seqs: int, num_v_heads: int, V: int) -> int:

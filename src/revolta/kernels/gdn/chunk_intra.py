@@ -10,7 +10,9 @@ GROUP_HEADS (`ChunkConfig.intra_group_heads`): one program per (chunk, q/k head)
 HV / H value heads that share the k head. Raw K Kᵀ and 1/‖k‖ depend on the k head only, so they are computed
 (and k_rstd stored) once per program rather than once per value head; γ, β, T, U and W stay per value head.
 Every value is the same expression on the same operands in the same order as in a per-value-head program, so
-w, u, gcum and k_rstd are bitwise those of the launch without it at the same warps and tiles.
+w, u, gcum and k_rstd are bitwise those of the launch without it at the same warps and tiles. Opt-in: timed on an
+H100 (RESULTS.md K1, bf16) it is slower, intra 418 against 360 µs at 1 x 8K and 1,630 against 1,423 at 1 x 32K:
+244 registers a thread against 143 (two programs an SM instead of three) cost more than the shared K Kᵀ saves.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("out_bk128_bv128_w8", dict(out_bk=128, out_bv=128, out_warps=8)),  # the first of fla's output configs
     ("intra_w8", dict(intra_warps=8)),
     ("intra_bk32_bv32", dict(intra_bk=32, intra_bv=32)),  # 130 registers: fewer live tiles per program
-    # per (chunk, k head) over its 3 value heads: K Kᵀ, 1/‖k‖ once, not three times (sm_90: 255 / 249 registers)
+    # per (chunk, k head) over its 3 value heads: K Kᵀ, 1/‖k‖ once, not three times (sm_90: 244 / 236 registers with
+    # Triton 3.6); slower on an H100 (K1: intra 418 / 1,033 against 360 µs at 1 x 8K bf16)
     ("intra_heads", dict(intra_group_heads=True)),
     ("intra_heads_w8", dict(intra_group_heads=True, intra_warps=8)),
 )

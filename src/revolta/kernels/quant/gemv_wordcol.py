@@ -283,6 +283,29 @@ def wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.conste
     fp32 walk rounds nothing); the 1 / 512 keeps every partial under 65504 for any fp16 x (|Σ x d| <= 32 · 15 ·
     65504 / 512), and costs absolute precision only where |x_k (q - z)| < 2^-14 · 512 = 1/32 (subnormal products,
     2^-25 · 512 = 1.5e-5 each)."""
+    a0, a1, a2, a3, a4, a5, a6, a7, _0, _1, _2, _3, _4, _5, _6, _7 = _half2_walk(
+        x_row, qw, qz, sc, o_w, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G, W, ROWS, ASM, False)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def wordcol_slice2_half2(x_row, qw, qz, sc, o_w, qw2, qz2, sc2, o_w2, m_w, N, k_lo, k_hi, G: tl.constexpr,
+                         W: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
+    """`wordcol_slice_half2` over two weights of the same shape, K slice and word mask at once (an expert's gate and up
+    rows): each step loads both weights' words (twice the loads in flight a thread, half the dependent steps of two
+    walks one after the other) and x once. Returns sixteen fp32 [W] sums, the first weight's eight then the
+    second's, each bitwise what wordcol_slice_half2 returns for that weight alone (the same operations in the same
+    order; the two chains never mix)."""
+    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _half2_walk(
+        x_row, qw, qz, sc, o_w, qw2, qz2, sc2, o_w2, m_w, N, k_lo, k_hi, G, W, ROWS, ASM, True)
+    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
+
+
+@triton.jit
+def _half2_walk(x_row, qw, qz, sc, o_w, qw2, qz2, sc2, o_w2, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr,
+                ROWS: tl.constexpr, ASM: tl.constexpr, TWO: tl.constexpr):
+    """The fp16-pair walk of wordcol_slice_half2 over qw (and with TWO over qw2 beside it, sharing the x loads and
+    the bf16 step scales): sixteen fp32 [W] sums, qw's eight then qw2's (zeros without TWO)."""
     tl.static_assert(ROWS <= 32, "fp16 partials of at most 32 rows (HALF2_MAX_ROWS)")
     SCALED: tl.constexpr = x_row.dtype.element_ty == tl.bfloat16  # bf16 x: each step scaled into fp16 (_step_scale)
     NW = N // 8
@@ -293,27 +316,42 @@ def wordcol_slice_half2(x_row, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.conste
     zero = tl.zeros([W], dtype=tl.int32)
     a0 = tl.zeros([W], dtype=tl.float32)  # fp32 sums in nibble order (a_j: nibble j of the words)
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    b0, b1, b2, b3, b4, b5, b6, b7 = a0, a0, a0, a0, a0, a0, a0, a0  # qw2's (TWO)
     for k0 in range(k_lo, k_hi, ROWS):
         g = k0 // G
         b_z = tl.load(qz + g * NW + o_w, mask=m_w)  # [W]
         nz0, nz1, nz2, nz3 = _neg_zeros(b_z, neg_even, neg_odd, zero, ASM)  # -z / 512, exact
         p0, p1, p2, p3 = zero, zero, zero, zero
+        if TWO:
+            b_z2 = tl.load(qz2 + g * NW + o_w2, mask=m_w)
+            mz0, mz1, mz2, mz3 = _neg_zeros(b_z2, neg_even, neg_odd, zero, ASM)
+            q0, q1, q2, q3 = zero, zero, zero, zero
         if SCALED:
             x_scale, back = _step_scale(x_row, k0, ROWS)
         else:
             x_scale, back = 1.0, 1.0
         rows = qw + k0 * NW + o_w  # k0 * NW < qweight.numel() < 2^31 (the wrappers check)
+        if TWO:
+            rows2 = qw2 + k0 * NW + o_w2
         for r in tl.static_range(ROWS):  # independent loads the compiler issues ahead
             wd = tl.load(rows + r * NW, mask=m_w)
+            if TWO:
+                wd2 = tl.load(rows2 + r * NW, mask=m_w)
             if SCALED:
                 xx = h2_splat((tl.load(x_row + k0 + r).to(tl.float32) * x_scale).to(tl.float16))
             else:
                 xx = h2_splat(tl.load(x_row + k0 + r))  # (x_k, x_k)
             p0, p1, p2, p3 = _step_pairs(wd, m_even, m_odd, nz0, nz1, nz2, nz3, xx, p0, p1, p2, p3, ASM)
+            if TWO:
+                q0, q1, q2, q3 = _step_pairs(wd2, m_even, m_odd, mz0, mz1, mz2, mz3, xx, q0, q1, q2, q3, ASM)
         a0, a1, a2, a3, a4, a5, a6, a7 = _flush_pairs(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, sc + g * N,
                                                       o_w, m_w, back, SCALED)
+        if TWO:
+            b0, b1, b2, b3, b4, b5, b6, b7 = _flush_pairs(b0, b1, b2, b3, b4, b5, b6, b7, q0, q1, q2, q3,
+                                                          sc2 + g * N, o_w2, m_w, back, SCALED)
     # the codes' 1/512 undone once (exact: a power of two)
-    return a0 * 512.0, a1 * 512.0, a2 * 512.0, a3 * 512.0, a4 * 512.0, a5 * 512.0, a6 * 512.0, a7 * 512.0
+    return (a0 * 512.0, a1 * 512.0, a2 * 512.0, a3 * 512.0, a4 * 512.0, a5 * 512.0, a6 * 512.0, a7 * 512.0,
+            b0 * 512.0, b1 * 512.0, b2 * 512.0, b3 * 512.0, b4 * 512.0, b5 * 512.0, b6 * 512.0, b7 * 512.0)
 
 
 @triton.jit

@@ -44,8 +44,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..moe import GROUPED_MAX_PAIRS, _arch, moe_sum
+from ..moe import GROUPED_MAX_PAIRS, SUM_BLOCK, _arch, moe_sum
 from ..moe_grouped import _mac, _pairs, _program, expected_distinct, moe_group
+from ..pdl import pdl_launch, use_pdl
 from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
 from .moe_decode import _split_act_kernel
@@ -253,13 +254,20 @@ MOE_WORDCOL = dict(WORDCOL=True, NIBBLE_DOT=False, BLOCK_M=1, USE_DOT=False, BLO
 # 16-row steps and 16 / 4 K slices (fp16 pairs: 76 / 109 / 405 µs at M = 5 / 8 / 40 against the nibble path's
 # 153 / 226 / 840; bf16, the fp32 walk: 102 / 143 / 590 against 153 / 226 / 836)
 MOE_WORDCOL_HALF2 = MOE_WORDCOL | dict(SPLIT_UP=32, SPLIT_DOWN=8, ROWS=16, HALF2=True)
-# one bf16 token on fp16 pairs (each step's x scaled into fp16 by a power of two), with the reduces inside the kernels:
-# H100 (RESULTS.md K5l) 37.5 µs against the fp32 walk's 45.5 (the only bf16 pair config timed so far)
-MOE_WORDCOL_BF16_PAIRS = MOE_WORDCOL_HALF2 | dict(FIXUP=True)
+# the launches of one token's walk chained by programmatic dependent launch (sm_90) and its split-act / slot-sum
+# launches on 64-feature programs (110 / 40 programs instead of 33 / 10): on an H100 (RESULTS.md K5n) one fp16 token
+# 33.3-33.9 µs with either against 36.3
+MOE_WORDCOL_CHAIN = dict(PDL=True, ACT_BLOCK=64, SUM_BLOCK=64)
+# one bf16 token on fp16 pairs (each step's x scaled into fp16 by a power of two), gate and up in one walk (JOINT:
+# one step scale for both), chained: H100 (K5n) 32.4 µs against 39.1 with the reduces inside the kernels (K5l's)
+MOE_WORDCOL_BF16_PAIRS = MOE_WORDCOL_HALF2 | dict(JOINT=True) | MOE_WORDCOL_CHAIN
 MOE_WORDCOL_PAIRS = MOE_WORDCOL | dict(SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16)
-# several tokens on fp16 pairs, fp16 and (scaled) bf16 alike: bf16 at M = 8 / 40 on an H100 122.8 / 434.6 µs against
-# the fp32 walk's 142.6 / 584.7 (RESULTS.md K5m, tree b8fbd54); the fp32 walk (MOE_WORDCOL_PAIRS) stays a variant
+# several fp16 tokens on fp16 pairs (the fp32 walk, MOE_WORDCOL_PAIRS, stays a variant; JOINT, which needs about
+# twice the registers, was 4-17% slower here at 8 / 40 tokens: K5n)
 MOE_WORDCOL_PAIRS_HALF2 = MOE_WORDCOL_PAIRS | dict(HALF2=True)
+# several bf16 tokens on fp16 pairs in 32-row steps (half the step scales), gate and up in one walk, chained: H100
+# (K5n) 108.2 / 423.8 µs at M = 8 / 40 against 16-row steps' 122.9 / 434.2 (K5m: the fp32 walk 142.6 / 584.7)
+MOE_WORDCOL_BF16_PAIRS_ROWS = MOE_WORDCOL_PAIRS_HALF2 | dict(JOINT=True, ROWS=32) | MOE_WORDCOL_CHAIN
 MOE_WORDCOL_MAX_TOKENS = 40  # the per-pair walk reads an expert once per token that chose it: timed up to 40 tokens
 # (1.6x the distinct experts' bytes there, still 2.1x faster than the grouped nibble path)
 
@@ -277,8 +285,8 @@ def moe_wordcol_config(M: int, dtype: torch.dtype) -> dict:
     half2 = dtype == torch.float16
     fixup = dict(FIXUP=True) if fixup_default() else {}  # the reduces inside the kernels (opt-in: RESULTS.md K5l)
     if M == 1:
-        return dict(MOE_WORDCOL_HALF2 if half2 else MOE_WORDCOL_BF16_PAIRS) | fixup
-    return dict(MOE_WORDCOL_PAIRS_HALF2) | fixup
+        return (MOE_WORDCOL_HALF2 | MOE_WORDCOL_CHAIN if half2 else dict(MOE_WORDCOL_BF16_PAIRS)) | fixup
+    return dict(MOE_WORDCOL_PAIRS_HALF2 if half2 else MOE_WORDCOL_BF16_PAIRS_ROWS) | fixup
 
 
 def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None = None,
@@ -303,7 +311,9 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     gets `nibble_min_rows` (64) rows, which matched too (rows past M are masked).
     WORDCOL (up to MOE_WORDCOL_MAX_TOKENS tokens of AWQ experts, `use_moe_wordcol`, when `dtype` is given and nibble
     is None): the word-column walk on CUDA cores (moe_wordcol.py), `moe_wordcol_config`: MOE_WORDCOL's keys
-    BLOCK_N_UP / BLOCK_N_DOWN (256 a warp), SPLIT_UP / SPLIT_DOWN, ROWS, PREFETCH, HALF2 (fp16 pairs).
+    BLOCK_N_UP / BLOCK_N_DOWN (256 a warp), SPLIT_UP / SPLIT_DOWN, ROWS, PREFETCH, HALF2 (fp16 pairs), and optional
+    JOINT (gate and up in one walk), PDL (the launches chained, sm_90), ACT_BLOCK / SUM_BLOCK (features a program of
+    the split-act / slot-sum launches), FIXUP, EXPERT_ORDER, GROUP_ROWS (moe_wordcol.py).
     """
     if nibble is None and dtype is not None and use_moe_wordcol(arch, dtype, layout, M):
         return moe_wordcol_config(M, dtype)
@@ -382,7 +392,8 @@ def quant_fused_moe(x: Tensor, gate_up: PackedWeights, down: PackedWeights, topk
     y = _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg, out)
     if y is out:  # the word-column down kernel summed the slots itself (FIXUP)
         return out
-    return moe_sum(y, out, y.shape[0] // M)  # y [M·k·SPLIT_DOWN, H]
+    # y [M·k·SPLIT_DOWN, H]; the word-column path's chain may end in a PDL launch (its PDL key) and set the block
+    return moe_sum(y, out, y.shape[0] // M, cfg.get("SUM_BLOCK", SUM_BLOCK), use_pdl(x, cfg.get("PDL", False)))
 
 
 def _grouped_expert_mlp(x, gate_up, down, topk_ids, topk_weights, shared_expert, cfg, out=None) -> Tensor:
@@ -486,7 +497,8 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     if group_rows > 1 and M > 1:
         return _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
                                  has_shared, cfg, ws, y, rows_up, rows_dn, group_rows)
-    launch = dict(num_warps=cfg["num_warps"], num_stages=1)
+    pdl = use_pdl(x, cfg.get("PDL", False))  # the chain's launches overlap their predecessors' tails (sm_90+)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=1, **pdl_launch(pdl))
     fixup = cfg.get("FIXUP", False) and out is not None
     tiles_up, tiles_dn = triton.cdiv(I, bn_up), triton.cdiv(H, bn_dn)
     if fixup:  # the kernels run one after the other and each leaves its counters at 0: one buffer serves both
@@ -503,14 +515,16 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         x, *w_up, *s_gate, *s_up, act, ws, ids, gate_up.tensors[0].shape[0], H, I, T, x.stride(0),
         *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group,
         BLOCK_N=bn_up, HAS_SHARED=has_shared, SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, PREFETCH=prefetch,
-        **half2, **fix_up, **launch)
+        JOINT=cfg.get("JOINT", False), PDL=pdl, **half2, **fix_up, **launch)
     if split_up > 1 and not fixup:
-        _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
-                                                             BLOCK=REDUCE_BLOCK, num_warps=2)
+        act_block = cfg.get("ACT_BLOCK", REDUCE_BLOCK)  # features a program (the sums do not depend on it)
+        _split_act_kernel[(T, triton.cdiv(I, act_block))](ws, act, T, I, act.stride(0), SPLIT=split_up,
+                                                          BLOCK=act_block, PDL=pdl, num_warps=2, **pdl_launch(pdl))
+    weights = topk_weights.contiguous()  # before the down launch: a copy kernel between would break the PDL chain
     _wordcol_down_kernel[(T, tiles_dn, split_dn)](
-        act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
+        act, *w_dn, *s_down, weights, y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
         *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
-        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, **half2,
+        HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, PDL=pdl, **half2,
         **fix_dn, **launch)
     return out if fixup else y
 

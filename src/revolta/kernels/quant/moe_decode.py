@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..moe_grouped import _pairs, _program
+from ..pdl import pdl_start
 from .nibble import _nibble_rows_matmul
 
 
@@ -87,9 +88,10 @@ def _nibble_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws,
 
 
 @triton.jit
-def _split_act_kernel(ws, act, T, I, stride_am, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _split_act_kernel(ws, act, T, I, stride_am, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """act[t] = SiLU(Σ_s gate_s)·Σ_s up_s in act's dtype from ws [SPLIT, T, 2I] (fixed split order); grid (T, I
-    tiles)."""
+    tiles). PDL: pdl.pdl_start."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = o < I

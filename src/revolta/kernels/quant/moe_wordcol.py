@@ -15,6 +15,14 @@ both adds happen inside the two kernels instead (common.splitk_fixup's counting:
 tile forms its act, the last of each (token, down tile)'s k · SPLIT_DOWN programs sums its y rows into the output),
 two launches fewer, the same sums. Fixed order everywhere: bitwise reproducible, no host sync (CUDA-graph safe).
 
+JOINT (fp16 pairs): gate and up walked together (gemv_wordcol.wordcol_slice2_half2): each step loads both weights'
+words, so twice the loads are in flight a thread and the dependent steps halve; bf16 tokens also share one step
+scale. Each sum is bitwise the two walks'. It needs about twice the registers: slower for fp16 tokens, faster for
+bf16 in 32-row steps (RESULTS.md K5n), where moe.moe_wordcol_config turns it on. PDL: the gate_up, split-act, down
+and slot-sum launches chained by programmatic dependent launch (kernels/pdl.py, sm_90): each grid is scheduled
+while the one before it runs and waits inside before its first read, which hides the launch gaps of one token's
+short kernels (K5n); the outputs do not change.
+
 GROUP_ROWS = R (opt-in, fp16 pairs, M > 1): the pairs sorted by expert (moe_group) are cut into blocks of up to R pairs
 of one expert (`pair_blocks`); program row p is sorted position p, a block's first or nothing, and walks its expert's
 words once for all the block's tokens (gemv_wordcol.wordcol_rows_half2: each word loaded and decoded once, then
@@ -32,8 +40,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..pdl import pdl_start
 from .common import splitk_last, splitk_sum
-from .gemv_wordcol import _feature, wordcol_rows_half2, wordcol_slice
+from .gemv_wordcol import _feature, wordcol_rows_half2, wordcol_slice, wordcol_slice2_half2
 from .moe_decode import _down_operands, _gate_up_operands
 
 
@@ -55,13 +64,16 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
                             BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr,
                             EVEN: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
                             HALF2: tl.constexpr = False, ASM: tl.constexpr = True, counters=None,
-                            FIXUP: tl.constexpr = False, order=None, EXPERT_ORDER: tl.constexpr = False):
+                            FIXUP: tl.constexpr = False, order=None, EXPERT_ORDER: tl.constexpr = False,
+                            JOINT: tl.constexpr = False, PDL: tl.constexpr = False):
     """act [T, I] = SiLU(gate)·up in x.dtype (SPLIT == 1) or K slice program_id(2) of gate and up to ws [SPLIT, T, 2I];
     x [M, H]; pair = program_id(0) = token·TOP_K + slot, its expert topk_ids[pair] (the shared expert: num_routed).
     ROWS, PREFETCH, HALF2, ASM: gemv_wordcol.wordcol_slice's. FIXUP (SPLIT > 1): the last of a (pair, N tile)'s
     slices writes its act from ws (`_act_fixup`; int32 counters, one a (pair, N tile)) instead of _split_act_kernel.
     EXPERT_ORDER: program row r walks pair order[r] (pairs sorted by expert, moe_group), so the pairs of an expert
-    several tokens chose run side by side and the later ones read its words from L2."""
+    several tokens chose run side by side and the later ones read its words from L2. JOINT (HALF2): gate and up in
+    one walk (gemv_wordcol.wordcol_slice2_half2), bitwise the two walks' sums. PDL: `pdl_start`."""
+    pdl_start(PDL)
     pair = tl.load(order + tl.program_id(0)) if EXPERT_ORDER else tl.program_id(0)
     x_row = x + (pair // TOP_K).to(tl.int64) * stride_xm
     i_n = tl.program_id(1)
@@ -75,10 +87,16 @@ def _wordcol_gate_up_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, act, ws
     m_w = None if EVEN else o_f < I // 8
     k_lo = i_k * k_split
     k_hi = tl.minimum(k_lo + k_split, H)
-    g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_slice(x_row, g0, g1, g2, n_g // 8 + tl.arange(0, W), m_w, N,
-                                                           k_lo, k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
-    u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice(x_row, u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w, N,
-                                                           k_lo, k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
+    if JOINT:  # gate and up in one walk: both weights' words of a step in flight together
+        tl.static_assert(HALF2, "JOINT walks fp16 pairs (HALF2)")
+        g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7, u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice2_half2(
+            x_row, g0, g1, g2, n_g // 8 + tl.arange(0, W), u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w, N, k_lo, k_hi,
+            G, W, ROWS, ASM)
+    else:
+        g_0, g_1, g_2, g_3, g_4, g_5, g_6, g_7 = wordcol_slice(x_row, g0, g1, g2, n_g // 8 + tl.arange(0, W), m_w,
+                                                               N, k_lo, k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
+        u_0, u_1, u_2, u_3, u_4, u_5, u_6, u_7 = wordcol_slice(x_row, u0, u1, u2, n_u // 8 + tl.arange(0, W), m_w,
+                                                               N, k_lo, k_hi, G, W, ROWS, PREFETCH, HALF2, ASM)
     _act_store(act, ws, g_0, u_0, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 0)
     _act_store(act, ws, g_1, u_1, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 1)
     _act_store(act, ws, g_2, u_2, pair, o_f, m_w, T, I, stride_am, i_k, SPLIT, 2)
@@ -115,10 +133,11 @@ def _wordcol_down_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, topk_i
                          HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
                          PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True,
                          out=None, counters=None, TOP_K: tl.constexpr = 1, FIXUP: tl.constexpr = False,
-                         order=None, EXPERT_ORDER: tl.constexpr = False):
+                         order=None, EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False):
     """y [T·SPLIT, H] fp32: row pair·SPLIT + s = w_pair · (act[pair, K slice s] @ down_e[:, K slice s]ᵀ). FIXUP: the
     last of a (token, N tile)'s TOP_K·SPLIT programs also writes out [M, H] (`_sum_fixup`; int32 counters, one a
-    (token, N tile)) instead of moe._moe_sum_kernel. EXPERT_ORDER: as _wordcol_gate_up_kernel's."""
+    (token, N tile)) instead of moe._moe_sum_kernel. EXPERT_ORDER, PDL: as _wordcol_gate_up_kernel's."""
+    pdl_start(PDL)
     pair = tl.load(order + tl.program_id(0)) if EXPERT_ORDER else tl.program_id(0)
     i_n = tl.program_id(1)
     i_k = tl.program_id(2)
