@@ -9,11 +9,12 @@ M): the default's time, the best config found, and both as % of the copy bandwid
 over it ("%read"): how far the GEMV is from reading its bytes at that size.
 
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py [--ms 1,8] [--dtype fp16] [--json F]
-        [--quick | --wordcol | --half2] [--fixup | --fixup-only]
+        [--quick | --wordcol | --half2] [--fixup | --fixup-only | --pdl]
 
 --fixup adds, beside every split word-column or nibble config, the same config with the split-K reduce inside the GEMV (FIXUP:
 the last K slice of each tile adds the partials; counters owned by the caller, as a layer owns them, "/fx"), and the
-default's with counters zeroed by a memset each call ("/fxm").
+default's with counters zeroed by a memset each call ("/fxm"). --pdl: the default config only, beside it with the GEMV
+and its reduce launched by programmatic dependent launch ("/pdl", sm_90: back-to-back calls chain too).
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py --small    # CPU interpreter: two configs, correctness
 """
 
@@ -101,12 +102,14 @@ def name(c):
     if c.get("WORDCOL"):
         return (f"wc{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/r{c['BLOCK_K']}"
                 + ("/pf" if c["PREFETCH"] else "") + ("/h2" if c.get("HALF2") else "")
-                + ("/fxm" if c.get("COUNTERS") == "memset" else "/fx" if c.get("FIXUP") else ""))
+                + ("/fxm" if c.get("COUNTERS") == "memset" else "/fx" if c.get("FIXUP") else "")
+                + ("/pdl" if c.get("PDL") else ""))
     if not c.get("NIBBLE_DOT"):  # the tile path (common.gemv_config: the default off sm80+ and in the interpreter)
         return f"tile{c['BLOCK_M']}x{c['BLOCK_N']}/sk{c['SPLIT_K']}"
     ahead = "" if c["SCALE_AHEAD"] else "/now"  # "now": scales loaded in their own K step
     fx = "/fxm" if c.get("COUNTERS") == "memset" else "/fx" if c.get("FIXUP") else ""
-    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}{fx}"
+    pdl = "/pdl" if c.get("PDL") else ""
+    return f"n{c['BLOCK_N']}/sk{c['SPLIT_K']}/w{c['num_warps']}/s{c['num_stages']}{ahead}{fx}{pdl}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                     "reduce inside the GEMV (FIXUP), and the default's with per-call zeroed counters")
     ap.add_argument("--fixup-only", action="store_true", help="the default config only, beside it with the reduce "
                     "inside (FIXUP) over the caller's counters and over per-call zeros")
+    ap.add_argument("--pdl", action="store_true", help="the default config only, beside it with its launches chained "
+                    "by programmatic dependent launch (PDL)")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -159,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             timed, worst = [], 0.0
             cfgs = configs(M, N, K, args.group, device, args.small, grid, args.half2, dtype)
             counters = torch.zeros(N, dtype=torch.int32, device=device)  # a layer's own (the "/fx" rows)
-            if args.fixup_only:
+            if args.pdl:
+                cfgs = [cfgs[0], cfgs[0] | dict(PDL=True)]
+            elif args.fixup_only:
                 cfgs = with_fixup(cfgs[:1])
             elif args.fixup:
                 cfgs = with_fixup(cfgs)

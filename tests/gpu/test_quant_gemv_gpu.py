@@ -151,3 +151,34 @@ def test_wordcol_fixup_is_bitwise_the_reduce_launch(N, K):
             g.replay()
             assert torch.equal(y, awq_wordcol_gemv(x, *args, bias, cfg)), (dt, "graph", i)
         assert not counters.any()
+
+
+@pytest.mark.parametrize("N,K", [(16384, 2560), (2560, 6144)])
+def test_gemv_pdl_chain_is_bitwise_the_plain_launches(N, K):
+    """The packed GEMV and its split-K reduce launched with programmatic dependent launch (PDL on sm_90: each grid
+    scheduled while the one before it runs, waiting inside before its first access) against plain launches: bitwise
+    equal at one row (the word-column walk) and 8 rows (the nibble path), fp16 and bf16, over 10 new rows eager and
+    replayed from a CUDA graph of back-to-back calls (each call's reduce and the next call's GEMV chained)."""
+    from revolta.kernels.quant.awq import awq_gemv
+    from revolta.kernels.quant.gemv_nibble import gemv_config_for
+
+    gen = torch.Generator(device="cuda").manual_seed(N + 3)
+    fmt, t = _packed("awq", N, K, gen)
+    args = (t["qweight"], t["qzeros"], t["scales"], 32)
+    for M in (1, 8):
+        for dt in (torch.float16, torch.bfloat16):
+            x = torch.randn(M, K, device="cuda", generator=gen).to(dt)
+            cfg = gemv_config_for(x, N, K, 32, "awq")
+            assert cfg["SPLIT_K"] > 1 and (cfg.get("WORDCOL") or cfg.get("NIBBLE_DOT")), cfg
+            pdl = cfg | dict(PDL=True)
+            for i in range(10):
+                x.normal_(generator=gen)
+                assert torch.equal(awq_gemv(x, *args, config=pdl), awq_gemv(x, *args, config=cfg)), (M, dt, i)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                ys = [awq_gemv(x, *args, config=pdl) for _ in range(3)]
+            for i in range(10):
+                x.normal_(generator=gen)
+                g.replay()
+                want = awq_gemv(x, *args, config=cfg)
+                assert all(torch.equal(y, want) for y in ys), (M, dt, "graph", i)

@@ -26,6 +26,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.nn import functional as F
 
+from ..pdl import pdl_launch, pdl_start, use_pdl
+
 MAX_GEMV_ROWS = 64  # above this many rows: dequantized tiles + torch matmul (cuBLAS tensor cores)
 DOT_MIN_ROWS = 16  # from here on the tile product uses tl.dot (tensor cores on sm80+, FMA on sm70)
 # sm80+: tl.dot from 5 rows (MTP4 verify, C8 decode). H200, AWQ g32 at the real shapes (RESULTS.md K6): the FMA
@@ -157,7 +159,8 @@ def splitk_fixup(ws, out, bias, counters, tile, o_m, o_n, M, N, stride_om, SPLIT
 
 @triton.jit
 def _splitk_reduce_kernel(ws, bias, out, M, N, stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     i_m = tl.program_id(0).to(tl.int64)
     o_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = o_n < N
@@ -235,7 +238,9 @@ def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args
     """Run a packed GEMV `kernel(x, *args, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, ...)` over
     x [M, K] and return out [M, N] in x.dtype (split-K partials reduced in order when SPLIT_K > 1: by
     `_splitk_reduce_kernel`, or with cfg["FIXUP"] (kernels that take `counters` and FIXUP) by the last program of each
-    tile, `splitk_fixup`, over `counters` (splitk_counters))."""
+    tile, `splitk_fixup`, over `counters` (splitk_counters)). cfg["PDL"] (kernels that take PDL; pdl.use_pdl decides
+    for x's device): the GEMV and its reduce launched with programmatic dependent launch, each waiting inside for the
+    grid before it (kernels/pdl.py); the output does not change."""
     M, K = x.shape
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
@@ -246,15 +251,19 @@ def launch_gemv(kernel, x: Tensor, N: int, bias: Tensor | None, cfg: dict, *args
     fixup = split > 1 and cfg.get("FIXUP", False)
     if fixup:
         constexprs.update(counters=splitk_counters(grid[0] * grid[2], x.device, counters), FIXUP=True)
+    pdl = use_pdl(x, cfg.get("PDL", False))
+    if pdl:
+        assert "PDL" in kernel.arg_names, f"{kernel.fn.__name__} has no PDL chain: leave cfg['PDL'] out for it"
+        constexprs.update(PDL=True)
     kernel[grid](x, *args, ws, out, bias if bias is not None else out, M, N, K, x.stride(0), out.stride(0),
                  cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                  SPLIT_K=split, USE_DOT=cfg["USE_DOT"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
-                 num_stages=cfg["num_stages"], **constexprs)
+                 num_stages=cfg["num_stages"], **pdl_launch(pdl), **constexprs)
     if split > 1 and not fixup:
         _splitk_reduce_kernel[(M, triton.cdiv(N, REDUCE_BLOCK))](ws, bias if bias is not None else ws, out, M, N,
                                                                 out.stride(0), SPLIT_K=split,
                                                                 HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
-                                                                num_warps=2)
+                                                                PDL=pdl, num_warps=2, **pdl_launch(pdl))
     return out
 
 

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..pdl import pdl_start
 from .common import device_facts, fixup_default, gemv_config, launch_gemv, splitk_fixup, store_partial
 from .gemv_wordcol import default_wordcol_config, use_wordcol
 from .nibble import LAYOUTS, _nibble_rows_matmul, nibble_block_k, nibble_min_rows, split_len
@@ -123,11 +124,12 @@ def _nibble_gemv_kernel(x, w0, w1, w2, rows_per_shard, ws, out, bias, M, N, K, s
                         FMT: tl.constexpr, G: tl.constexpr, HAS_ZP: tl.constexpr, INVERTED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_AHEAD: tl.constexpr, counters=None,
-                        FIXUP: tl.constexpr = False):
+                        FIXUP: tl.constexpr = False, PDL: tl.constexpr = False):
     """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ; w0..w2: the
     format's three tensors (nibble._group). USE_DOT: always True (launch_gemv's argument list); SCALE_AHEAD:
     nibble._nibble_rows_matmul. FIXUP (SPLIT_K > 1): the last K slice of each (row block, N tile) adds the partials
-    and writes out (common.splitk_fixup over int32 `counters`) instead of a reduce launch."""
+    and writes out (common.splitk_fixup over int32 `counters`) instead of a reduce launch. PDL: pdl.pdl_start."""
+    pdl_start(PDL)
     i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = i_n * BLOCK_N

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..pdl import pdl_start
 from .common import fixup_default, launch_gemv, splitk_fixup, store_partial
 from .half2 import awq_code_pair, h2_fma, h2_hi, h2_lo, h2_splat
 from .nibble import split_len
@@ -413,7 +414,8 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
                         PREFETCH: tl.constexpr, HALF2: tl.constexpr = False, ASM: tl.constexpr = True,
-                        N_FIXED: tl.constexpr = 0, counters=None, FIXUP: tl.constexpr = False):
+                        N_FIXED: tl.constexpr = 0, counters=None, FIXUP: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """out [M, N] (SPLIT_K == 1) or ws [SPLIT_K, M, N] fp32 (K slice program_id(1)) of x [M, K] @ Wᵀ, row
     program_id(2) (each row walks the weight on its own: M rows read it M times, from L2 when their programs run
     together), W as AutoAWQ's qweight [K, N/8] / qzeros [K/G, N/8] / scales [K/G, N]. BLOCK_M, BLOCK_K, USE_DOT:
@@ -421,7 +423,9 @@ def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride
     weight in the sm_90 loop). ROWS, PREFETCH, HALF2, ASM: wordcol_slice's. N_FIXED: N as a compile-time constant
     (0: not), so the walk's row offsets are immediates of its loads (a runtime row stride costs ~3 instructions a
     row: RESULTS.md K6f). FIXUP (SPLIT_K > 1): the last of a tile's K slices adds the slices' partials and writes out
-    (common.splitk_fixup over int32 `counters`, one a (row, N tile)) instead of a reduce launch."""
+    (common.splitk_fixup over int32 `counters`, one a (row, N tile)) instead of a reduce launch. PDL:
+    pdl.pdl_start."""
+    pdl_start(PDL)
     if N_FIXED > 0:
         N = N_FIXED
     i_n, i_s, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -498,6 +498,7 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         return _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
                                  has_shared, cfg, ws, y, rows_up, rows_dn, group_rows)
     pdl = use_pdl(x, cfg.get("PDL", False))  # the chain's launches overlap their predecessors' tails (sm_90+)
+    weights = topk_weights.contiguous()  # before the chain: a copy kernel inside it would end the overlap
     launch = dict(num_warps=cfg["num_warps"], num_stages=1, **pdl_launch(pdl))
     fixup = cfg.get("FIXUP", False) and out is not None
     tiles_up, tiles_dn = triton.cdiv(I, bn_up), triton.cdiv(H, bn_dn)
@@ -520,7 +521,6 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         act_block = cfg.get("ACT_BLOCK", REDUCE_BLOCK)  # features a program (the sums do not depend on it)
         _split_act_kernel[(T, triton.cdiv(I, act_block))](ws, act, T, I, act.stride(0), SPLIT=split_up,
                                                           BLOCK=act_block, PDL=pdl, num_warps=2, **pdl_launch(pdl))
-    weights = topk_weights.contiguous()  # before the down launch: a copy kernel between would break the PDL chain
     _wordcol_down_kernel[(T, tiles_dn, split_dn)](
         act, *w_dn, *s_down, weights, y, ids, gate_up.tensors[0].shape[0], H, I, act.stride(0),
         *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
