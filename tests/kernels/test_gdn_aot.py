@@ -56,7 +56,7 @@ def _recurrent(draft_mode, store_output, store_final, limit, raw_gates=False):
 
 
 WALK_NAMES = ("k w u gcum k_rstd h v_new ssm_state slots has_initial_state h_start cu_seqlens cu_chunks cu_segs "
-              "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES TRANSPOSED PREFETCH")
+              "NUM_SEQ SEG_CHUNKS stride_k H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES TRANSPOSED PREFETCH STAGE_U")
 PRESCAN_NAMES = ("k w u gcum k_rstd hm cu_seqlens cu_chunks cu_segs NUM_SEQ SEG_CHUNKS stride_k "
                  "H HV K V BV DOT_PREC LOG_NUM_SEQ K_HALVES")
 
@@ -75,9 +75,10 @@ def _chunk_builds(cfg, arch, prefix):
     halves = cfg.walk_k_halves
     for name, bv, warps, stages in (("walk", cfg.walk_bv, cfg.walk_warps, cfg.walk_stages),
                                     ("walk_split", cfg.cp_walk_bv, cfg.cp_walk_warps, cfg.cp_stages)):
-        yield prefix + name, (chunk_state._gdn_chunk_walk_kernel, WALK_NAMES, "aaaffaafibfiii" + "nnn" + "c" * 10,
+        yield prefix + name, (chunk_state._gdn_chunk_walk_kernel, WALK_NAMES, "aaaffaafibfiii" + "nnn" + "c" * 11,
                               dict(H=H, HV=HV, K=K, V=V, BV=bv, DOT_PREC="ieee", LOG_NUM_SEQ=3, K_HALVES=halves,
-                                   TRANSPOSED=cfg.walk_transposed, PREFETCH=cfg.walk_prefetch), warps, stages)
+                                   TRANSPOSED=cfg.walk_transposed, PREFETCH=cfg.walk_prefetch,
+                                   STAGE_U=cfg.walk_stage_u), warps, stages)
     yield prefix + "prescan", (chunk_state._gdn_chunk_prescan_kernel, PRESCAN_NAMES, "aaafffiii" + "nnn" + "c" * 8,
                                dict(H=H, HV=HV, K=K, V=V, BV=cfg.prescan_bv, DOT_PREC="ieee", LOG_NUM_SEQ=3,
                                     K_HALVES=halves), cfg.prescan_warps, cfg.cp_stages)

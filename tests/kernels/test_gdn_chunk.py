@@ -123,23 +123,28 @@ def test_chunk_prefill_variants(name, lens, shape, dtype, seg):
     assert torch.equal(pool[untouched], pool0[untouched])
 
 
-@pytest.mark.parametrize("base,seg", [("default", 0), ("t_bv32", 1)])
-def test_prefetched_factors_are_bitwise_the_walk(base, seg):
-    """walk_prefetch only moves three loads a chunk earlier: outputs and states equal the walk without it."""
+@pytest.mark.parametrize("field,base,seg,refused", [
+    ("walk_prefetch", "default", 0, "khalves"), ("walk_prefetch", "t_bv32", 1, "khalves"),
+    ("walk_stage_u", "no_pf", 0, "t_bv32"), ("walk_stage_u", "no_pf", 1, "khalves")])
+def test_walk_load_placements_are_bitwise_the_walk(field, base, seg, refused):
+    """walk_prefetch loads the decay factors a chunk earlier; walk_stage_u loads U and the factors in their own chunk
+    (for the pipeliner's stages) instead of a chunk ahead in registers: the same values into the same arithmetic, so
+    outputs and states equal the walk without them, serial and split into 1-chunk segments; the tilings they are not
+    written for are refused by name."""
     q, k, v, g, beta, pool0, cu = make([1, 63, 130], dtype=torch.float16, seed=3, H=1, HV=2, K=32, V=32)
     slots = torch.tensor([2, 0, 5], dtype=torch.int32)
     has_init = torch.tensor([True, False, True])
     outs = []
-    for prefetch in (False, True):
-        config = dataclasses.replace(chunk_variants(32, 32)[base], walk_prefetch=prefetch)
+    for on in (False, True):
+        config = dataclasses.replace(chunk_variants(32, 32)[base], **{field: on})
         if seg:
             config = dataclasses.replace(config, cp_min_tokens=1, seg_chunks=seg)
         pool = pool0.clone()
         outs.append((gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, has_init, config=config), pool))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    with pytest.raises(AssertionError, match="walk_prefetch is a variant of the one-tile walk"):
+    with pytest.raises(AssertionError, match=f"{field} is a variant of the one-tile"):
         gdn_chunk_prefill(q, k, v, g, beta, cu, pool0.clone(), slots, has_init,
-                          config=dataclasses.replace(chunk_variants(32, 32)["khalves"], walk_prefetch=True))
+                          config=dataclasses.replace(chunk_variants(32, 32)[refused], **{field: True}))
 
 
 @pytest.mark.parametrize("dtype,l2norm", [(torch.float32, True), (torch.float16, True), (torch.bfloat16, True),

@@ -69,6 +69,9 @@ class ChunkConfig:
     walk_k_halves: bool = False  # walk and prescan hold the state as two [K/2, BV] tiles (chunk_state.py)
     walk_transposed: bool = False  # the walk holds hᵀ [BV, K] and stores h_c as [V, K] (chunk_state.py)
     walk_prefetch: bool = False  # the walk loads each chunk's decay factors a chunk ahead (chunk_state.py)
+    # the walk loads U and the decay factors in their own chunk, for Triton's pipeliner to stage with W and K̂ (cp.async
+    # stages, as fla's walk), instead of a register prefetch one chunk ahead (chunk_state.py STAGE_U; not timed)
+    walk_stage_u: bool = False
     # one intra program per (chunk, k head) over its HV / H value heads: K Kᵀ and 1/‖k‖ (the same for the value
     # heads of one k head) once instead of HV / H times, on H programs per chunk instead of HV (chunk_intra.py;
     # opt-in: slower on an H100, RESULTS.md K1)
@@ -194,6 +197,8 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         "walk_k_halves and walk_transposed are two tilings of the walk: set at most one"
     assert not (cfg.walk_k_halves and cfg.walk_prefetch), \
         "walk_prefetch is a variant of the one-tile walk: set walk_k_halves=False with it"
+    assert not (cfg.walk_stage_u and (cfg.walk_k_halves or cfg.walk_transposed)), \
+        "walk_stage_u is a variant of the one-tile [K, BV] walk: set walk_k_halves and walk_transposed to False with it"
     scale = float(K**-0.5 if scale is None else scale)
     prec = "ieee"  # fp32 inputs: exact fp32 products (no TF32); fp16/bf16 inputs ignore it
     tensor_f32 = arch >= 80 and dt != torch.float32  # fp32 products may use TF32 tensor cores
@@ -240,7 +245,7 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start, cu_seqlens, cu_chunks,
         cu_segs, B, seg or NO_SPLIT, k.stride(0), H=H, HV=HV, K=K, V=V, BV=walk_bv, DOT_PREC=prec,
         LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves, TRANSPOSED=cfg.walk_transposed, PREFETCH=cfg.walk_prefetch,
-        num_warps=walk_warps, num_stages=walk_stages)
+        STAGE_U=cfg.walk_stage_u, num_warps=walk_warps, num_stages=walk_stages)
 
     ovp = _fit(cfg.out_vp, V)
     _gdn_chunk_o_kernel[(V // ovp, num_chunks_max, HV)](

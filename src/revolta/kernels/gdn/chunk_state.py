@@ -33,6 +33,13 @@ PREFETCH (`walk_prefetch`: on in the sm_90 default, off on sm_70, not with K_HAL
 their latency sits inside the serial chain (the loads that feed a product are pipelined by Triton; these are not):
 8-9% off the walk on an H100 (RESULTS.md K1). Bitwise the same outputs.
 
+STAGE_U (`walk_stage_u`, a launch-configuration variant, off by default, not timed): U and the decay factors are
+loaded inside their own chunk instead of a chunk ahead into registers, so Triton's pipeliner stages them in shared
+memory with W and K̂ (cp.async, num_stages - 1 chunks ahead), as fla's walk stages every per-chunk input; a static
+sm_90 comparison with fla's walk found the register-prefetched U (read from HBM once, larger than L2) and its
+per-chunk layout conversion the main difference in the loop (RESULTS.md K1). Bitwise the same outputs; the default's
+PTX is unchanged with it off.
+
 K_HALVES (a launch-configuration variant, off by default): the walk and the prescan hold the
 state as two [K/2, BV] register tiles, rows 0 .. K/2 − 1 and K/2 .. K − 1, as fla's walk holds
 its state in 64-row tiles: W h becomes two accumulating K/2-deep products and K̂ᵀ V' two
@@ -167,10 +174,12 @@ def _start_state(p_slot, p_start, o_kv, from_slot, use_slot_state, ROWS: tl.cons
 def _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
                   n_chunks, c_base, i_h, i_hv, i_v, stride_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, TRANSPOSED: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  PREFETCH: tl.constexpr, STAGE_U: tl.constexpr = False):
     """Walk chunks [c_lo, c_hi) of one sequence with the state in one register tile: h [K, BV], or hᵀ [BV, K] with
     TRANSPOSED (h_c then stored as [V, K] per chunk and head). PREFETCH: each chunk's decay factors are loaded
-    during the chunk before it, as U is, instead of between its two products."""
+    during the chunk before it, as U is, instead of between its two products. STAGE_U (not TRANSPOSED): U and the
+    factors are loaded in their own chunk, not carried over from the one before, so Triton's pipeliner stages them
+    with W and K̂ (cp.async, num_stages - 1 chunks ahead) as fla's walk does; the same values."""
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_r = tl.arange(0, 64)
@@ -183,34 +192,42 @@ def _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_sta
         o_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV] inside one head's state
         o_h = o_kv
         b_h = _start_state(p_slot, p_start, o_kv, c_lo == 0, use_slot_state, K, BV)
-        b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
+        if not STAGE_U:
+            b_u = _load_u(u, bos + c_lo * 64, eos, i_hv, o_v, HV, V)
     pre_glast, pre_f = 0.0, 0.0  # with PREFETCH, the chunk's factors, loaded during the chunk before
-    if PREFETCH:
+    if PREFETCH and not STAGE_U:
         pre_glast, pre_f = _next_factors(gcum, k_rstd, bos + c_lo * 64, eos, i_h, i_hv, H, HV)
     for i_c in range(c_lo, c_hi):
         t0 = bos + i_c * 64
         tl.store(h + ((c_base + i_c).to(tl.int64) * HV + i_hv) * (K * V) + o_h, b_h.to(h.dtype.element_ty))
-        # the next chunk's U (and with PREFETCH its factors) is loaded now, so its latency hides behind this
-        # chunk's products
-        if PREFETCH:
-            next_glast, next_f = _next_factors(gcum, k_rstd, t0 + 64, eos, i_h, i_hv, H, HV)
+        if STAGE_U:  # this chunk's U and factors, loaded in the chunk (staged by the pipeliner, not carried)
+            tl.static_assert(not TRANSPOSED, "STAGE_U walks the [K, BV] state")
+            cur_glast, cur_f = _next_factors(gcum, k_rstd, t0, eos, i_h, i_hv, H, HV)
+            b_vn, b_h = _walk_chunk(b_h, _load_u(u, t0, eos, i_hv, o_v, HV, V), k, w, gcum, k_rstd, t0, eos, i_h,
+                                    i_hv, stride_k, H, HV, K, DOT_PREC, cur_glast, cur_f, True)
+        else:
+            # the next chunk's U (and with PREFETCH its factors) is loaded now, so its latency hides behind this
+            # chunk's products
+            if PREFETCH:
+                next_glast, next_f = _next_factors(gcum, k_rstd, t0 + 64, eos, i_h, i_hv, H, HV)
+            if TRANSPOSED:
+                b_u_next = _load_ut(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
+                b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
+                                          DOT_PREC, pre_glast, pre_f, PREFETCH)
+            else:
+                b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
+                b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K,
+                                        DOT_PREC, pre_glast, pre_f, PREFETCH)
+            b_u = b_u_next
+            if PREFETCH:
+                pre_glast, pre_f = next_glast, next_f
+        o_t = (t0 + o_r).to(tl.int64)
         if TRANSPOSED:
-            b_u_next = _load_ut(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
-            b_vn, b_h = _walk_chunk_t(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC,
-                                      pre_glast, pre_f, PREFETCH)
-            o_t = (t0 + o_r).to(tl.int64)
             tl.store(v_new + (o_t[None, :] * HV + i_hv) * V + o_v[:, None], b_vn.to(v_new.dtype.element_ty),
                      mask=(t0 + o_r < eos)[None, :])
         else:
-            b_u_next = _load_u(u, t0 + 64, tl.minimum(eos, bos + c_hi * 64), i_hv, o_v, HV, V)
-            b_vn, b_h = _walk_chunk(b_h, b_u, k, w, gcum, k_rstd, t0, eos, i_h, i_hv, stride_k, H, HV, K, DOT_PREC,
-                                    pre_glast, pre_f, PREFETCH)
-            o_t = (t0 + o_r).to(tl.int64)
             tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
                      mask=(t0 + o_r < eos)[:, None])
-        b_u = b_u_next
-        if PREFETCH:
-            pre_glast, pre_f = next_glast, next_f
     if c_hi == n_chunks:  # a sequence's last segment writes its final state back to the slot
         tl.store(p_slot + o_kv, b_h)
 
@@ -250,7 +267,8 @@ def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, ha
                            cu_seqlens, cu_chunks, cu_segs, NUM_SEQ, SEG_CHUNKS, stride_k,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                            DOT_PREC: tl.constexpr, LOG_NUM_SEQ: tl.constexpr, K_HALVES: tl.constexpr,
-                           TRANSPOSED: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                           TRANSPOSED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                           STAGE_U: tl.constexpr = False):
     i_v, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_s >= tl.load(cu_segs + NUM_SEQ):
         return
@@ -265,7 +283,8 @@ def _gdn_chunk_walk_kernel(k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, ha
                              n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC)
     else:
         _walk_segment(k, w, u, gcum, k_rstd, h, v_new, p_slot, p_start, use_slot_state, bos, eos, c_lo, c_hi,
-                      n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC, TRANSPOSED, PREFETCH)
+                      n_chunks, c_base, i_h, i_hv, i_v, stride_k, H, HV, K, V, BV, DOT_PREC, TRANSPOSED, PREFETCH,
+                      STAGE_U)
 
 
 @triton.jit(do_not_specialize=["NUM_SEQ", "SEG_CHUNKS"])  # one build for any batch

@@ -71,6 +71,12 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("pf_2stages", dict(walk_prefetch=True, walk_stages=2)),
     # t_bv64_w8 and the 64-column transposed split walk spill a few bytes with it
     ("t_bv32_pf", dict(walk_transposed=True, walk_prefetch=True, cp_walk_bv=32)),
+    # U and the factors loaded in their own chunk for Triton's cp.async stages (as fla's walk: no register load in the
+    # loop; a static sm_90 comparison put the walk's extra wait there, RESULTS.md K1): at 32 columns 2 stages keep two
+    # programs an SM (3 would take one), at 64 columns 3 / 4 stages (140 / 182 KB) run 96 programs in one wave
+    ("stage_u_s2", dict(walk_stage_u=True, walk_prefetch=False, walk_stages=2)),
+    ("stage_u_bv64_s3", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=3)),
+    ("stage_u_bv64_s4", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=4)),
     ("split_seg16", dict(cp_min_tokens=8192, seg_chunks=16)),
     ("out_vp64", dict(out_vp=64)),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
     ("out_bv32", dict(out_bv=32)),  # 122 registers instead of 146: four output programs to an SM, not three
