@@ -111,14 +111,16 @@ GDN_SHAPES = {"8x1K": [1024] * 8, "1x8K": [8192], "1x32K": [32768]}
 def gdn_groups(T: int, B: int) -> dict:
     """Candidates of chunk_variants.py grouped by the launch parameters that change addresses at this batch, under
     the walk-split rule of today and the one of the K1 crash run (tree 9a3e24b, before 64a7bcd: split at
-    cp_min_tokens whatever the serial walk's program count): key -> [(name, config, segment chunks, rule)]."""
+    cp_min_tokens whatever the serial walk's program count): key -> [(name, config, segment chunks, rule)]. The key
+    holds every field that moves a load or store (tiles, the intra grid, the walk's tiling and load placement)."""
     from revolta.kernels.gdn.chunk_variants import chunk_variants
 
     groups: dict = {}
     for name, cfg in chunk_variants(DK, DV).items():
         for rule, programs in (("now", cfg.serial_walk_programs(B, HV, DV)), ("9a3e24b", 0)):
             seg = cfg.segment_chunks(T, HV, 132, programs)
-            key = (cfg.intra_bk, cfg.intra_bv, cfg.out_bk, cfg.out_bv, cfg.out_vp, cfg.walk_k_halves, seg,
+            key = (cfg.intra_bk, cfg.intra_bv, cfg.intra_group_heads, cfg.out_bk, cfg.out_bv, cfg.out_vp,
+                   cfg.walk_k_halves, cfg.walk_transposed, cfg.walk_prefetch, cfg.walk_stage_u, seg,
                    (cfg.cp_walk_bv, cfg.prescan_bv, cfg.merge_bv) if seg else cfg.walk_bv)
             if all(n != name for n, *_ in groups.get(key, [])):
                 groups.setdefault(key, []).append((name, cfg, seg, rule))
@@ -192,14 +194,16 @@ def gdn_cases(runner: Runner, gen: torch.Generator, args) -> None:
                     compare = shape == "8x1K" and dtype == torch.float16 and init_kind == "init"
                     heads = [0, HV - 1]
                     chunks = range(1 << 20) if compare else None
-                    picks = {("_gdn_chunk_intra_kernel", 1): heads, ("_gdn_chunk_walk_kernel", 2): heads,
+                    intra_heads = [0, HK - 1] if cfg.intra_group_heads else heads  # its grid: (chunk, k head)
+                    picks = {("_gdn_chunk_intra_kernel", 1): intra_heads, ("_gdn_chunk_walk_kernel", 2): heads,
                              ("_gdn_chunk_prescan_kernel", 2): heads, ("_gdn_chunk_merge_kernel", 2): heads,
                              ("_gdn_chunk_o_kernel", 2): heads}
                     if compare:
                         picks |= {("_gdn_chunk_intra_kernel", 0): chunks, ("_gdn_chunk_o_kernel", 1): chunks,
                                   ("_gdn_chunk_walk_kernel", 1): chunks, ("_gdn_chunk_prescan_kernel", 1): chunks}
                     st1, st2 = state0.clone(), state0.clone()
-                    keys = ("walk_bv", "cp_walk_bv", "walk_k_halves", "out_vp", "out_bv", "intra_bk")
+                    keys = ("walk_bv", "cp_walk_bv", "walk_k_halves", "walk_transposed", "walk_prefetch",
+                            "walk_stage_u", "out_vp", "out_bv", "intra_bk", "intra_group_heads")
                     cfgtxt = short(dataclasses.asdict(cfg), keys) + (f" split seg={seg}" if seg else " serial")
                     case(runner, "gdn_chunk_prefill", T, f"{shape} {dt} {init_kind}",
                          f"q,k [{T}, 16, 128] v [{T}, 48, 128] (stride {CONV_DIM}) pool {pool}",
