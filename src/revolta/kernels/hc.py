@@ -63,6 +63,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from . import hc_dot
 from .hc_combine import _hc_combine_kernel, hc_combine, hc_combine_once_ref, hc_combine_ref  # noqa: F401
 from .norm import zc_rms_norm_ref as zc_rms_norm
+from .pdl import pdl_allowed, pdl_launch
 
 
 def hc_read_ref(x: Tensor, norm_w: Tensor, w_down: Tensor, w_up: Tensor, w_inject: Tensor | None,
@@ -532,8 +533,8 @@ def _read_rows(x, norm_w, w_down, w_up, w_inject, out, inject, h, eps, cfg, arch
     rstd = sumsq if fused else torch.empty(M, h, dtype=torch.float32, device=x.device)
     # programmatic dependent launch (sm90+; not under the interpreter): the later launches start while
     # the down pass streams, so their W_up loads overlap it and their launch latency is hidden
-    pdl = bool(cfg["PDL"]) and arch is not None and arch >= 90 and os.environ.get("TRITON_INTERPRET", "0") == "0"
-    extra = dict(launch_pdl=True) if pdl else {}
+    pdl = bool(cfg["PDL"]) and pdl_allowed(arch)
+    extra = pdl_launch(pdl)
     has_inj = w_inject is not None
     inj = inject if has_inj else out
     k1, k2 = up_k_pieces(r)

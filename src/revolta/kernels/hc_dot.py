@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .pdl import pdl_launch
+
 DOT_M = 16  # rows per tile: tl.dot's smallest M (and N, K)
 
 
@@ -216,7 +218,7 @@ def launch_up_dot(x, norm_w, w_up, mix, rstd, out, h, cfg, dot_f32, pdl):
     """The up pass (see the module doc): reads `a` ([M, r], x.dtype) and rstd ([M, h] fp32) of the mix launch."""
     M, d, r = x.shape[0], out.shape[1], mix.shape[1]
     k1, k2 = dot_k_pieces(r, cfg["UP_BLOCK_K"])
-    extra = dict(launch_pdl=True) if pdl else {}
+    extra = pdl_launch(pdl)
     _hc_up_dot_kernel[(triton.cdiv(d, cfg["BLOCK_C"]), triton.cdiv(M, DOT_M))](
         x, norm_w, w_up, mix, rstd, out, M, r, d, x.stride(0), w_up.stride(0), out.stride(0),
         NH=h, BLOCK_M=DOT_M, BLOCK_C=cfg["BLOCK_C"], BLOCK_K1=k1, BLOCK_K2=k2, BLOCK_KC=cfg["UP_BLOCK_K"],

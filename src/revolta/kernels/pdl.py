@@ -3,7 +3,9 @@
 until that grid has finished and its writes are visible, so what PDL saves is the launch latency and
 the ramp-up between two dependent grids, not any ordering. Every kernel of such a chain calls
 `pdl_start` before its first global read or write, so a chain is exactly as ordered as plain launches
-(also against kernels launched without PDL, which the wait covers as well).
+(also against kernels launched without PDL, which the wait covers as well). The HyperConnection kernels
+(hc.py, hc_dot.py) place their own waits (weight loads issued before `gdc_wait`) and share the host side here:
+`pdl_allowed`, `pdl_launch`.
 """
 
 from __future__ import annotations
@@ -26,11 +28,19 @@ def pdl_start(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+def pdl_allowed(arch: int | None) -> bool:
+    """Whether kernels may launch with PDL on compute capability `arch` (70, 90; None: not a CUDA device): sm_90 or
+    later, and not under the Triton interpreter (which has no grid dependency control)."""
+    return arch is not None and arch >= 90 and os.environ.get("TRITON_INTERPRET", "0") == "0"
+
+
 def use_pdl(x: Tensor, wanted: bool) -> bool:
-    """Whether kernels working on x's device may launch with PDL: asked for, a CUDA device of compute capability
-    9.0 or later, and not the Triton interpreter (which has no grid dependency control)."""
-    return (wanted and x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") == "0"
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    """Whether kernels working on x's device launch with PDL: asked for and `pdl_allowed` there (the device is
+    only queried when asked)."""
+    if not (wanted and x.is_cuda):
+        return False
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return pdl_allowed(10 * major + minor)
 
 
 def pdl_launch(pdl: bool) -> dict:

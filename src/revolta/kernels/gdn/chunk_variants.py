@@ -22,6 +22,8 @@ What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one pr
   the products are mma.sync;
 - the decay factors loaded a chunk ahead (`walk_prefetch`), like U: Triton pipelines the loads that
   feed a product (W, K̂) but not these three, which otherwise wait between the chunk's two products;
+- U and the factors loaded in their own chunk (`walk_stage_u`), so Triton stages them in shared
+  memory with W and K̂ as fla's walk stages every per-chunk input, instead of a register prefetch;
 - when the walk is split into segments (context parallelism, which fla does not do by default)
   and how (existing knobs of `ChunkConfig`);
 - the fully parallel stages' tiles and warps (intra, output), in case the per-stage profile puts

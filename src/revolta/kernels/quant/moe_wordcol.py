@@ -262,15 +262,15 @@ def _wordcol_gate_up_rows_kernel(x, w0, w1, w2, sg0, sg1, sg2, su0, su1, su2, ac
         for i in tl.static_range(4):  # R <= 8
             if (R >> i) > 0:  # rows R >> i take the blocks of (R >> i) // 2 + 1 .. R >> i pairs
                 if (cnt > (R >> i) // 2) & (cnt <= (R >> i)):
-                    _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w,
+                    _gate_up_block(x, act, ws, order, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w,
                                    k_lo, k_hi, T, I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R >> i, ASM)
     else:
-        _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo, k_hi, T,
+        _gate_up_block(x, act, ws, order, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo, k_hi, T,
                        I, stride_xm, stride_am, TOP_K, G, W, SPLIT, EVEN, ROWS, R, ASM)
 
 
 @triton.jit
-def _gate_up_block(x, act, ws, order, block_rows, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo, k_hi, T, I,
+def _gate_up_block(x, act, ws, order, cnt, g0, g1, g2, n_g, u0, u1, u2, n_u, N, o_f, m_w, k_lo, k_hi, T, I,
                    stride_xm, stride_am, TOP_K: tl.constexpr, G: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr,
                    EVEN: tl.constexpr, ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr):
     """The rows kernel's walk and act / ws stores of its block (cnt <= R pairs from program_id(0)) as R rows."""
@@ -325,15 +325,15 @@ def _wordcol_down_rows_kernel(act, w0, w1, w2, sd0, sd1, sd2, topk_weights, y, t
         for i in tl.static_range(4):  # R <= 8
             if (R >> i) > 0:  # rows R >> i take the blocks of (R >> i) // 2 + 1 .. R >> i pairs
                 if (cnt > (R >> i) // 2) & (cnt <= (R >> i)):
-                    _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H,
+                    _down_block(act, topk_weights, y, order, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H,
                                 stride_am, stride_ym, G, W, SPLIT, EVEN, ROWS, R >> i, ASM)
     else:
-        _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+        _down_block(act, topk_weights, y, order, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
                     stride_ym, G, W, SPLIT, EVEN, ROWS, R, ASM)
 
 
 @triton.jit
-def _down_block(act, topk_weights, y, order, block_rows, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
+def _down_block(act, topk_weights, y, order, cnt, d0, d1, d2, o_w, m_w, k_lo, k_hi, H, stride_am,
                 stride_ym, G: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
                 ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr):
     """The down rows kernel's walk and y stores of its block (cnt <= R pairs from program_id(0)) as R rows."""
