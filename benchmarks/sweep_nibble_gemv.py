@@ -13,8 +13,8 @@ over it ("%read"): how far the GEMV is from reading its bytes at that size.
 
 --fixup adds, beside every split word-column or nibble config, the same config with the split-K reduce inside the GEMV (FIXUP:
 the last K slice of each tile adds the partials; counters owned by the caller, as a layer owns them, "/fx"), and the
-default's with counters zeroed by a memset each call ("/fxm"). --pdl: the default config only, beside it with the GEMV
-and its reduce launched by programmatic dependent launch ("/pdl", sm_90: back-to-back calls chain too).
+default's with counters zeroed by a memset each call ("/fxm"). --pdl: the default config only, with and without the GEMV
+and its reduce launched by programmatic dependent launch ("/pdl", sm_90's default: back-to-back calls chain too).
     PYTHONPATH=src python benchmarks/sweep_nibble_gemv.py --small    # CPU interpreter: two configs, correctness
 """
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     "reduce inside the GEMV (FIXUP), and the default's with per-call zeroed counters")
     ap.add_argument("--fixup-only", action="store_true", help="the default config only, beside it with the reduce "
                     "inside (FIXUP) over the caller's counters and over per-call zeros")
-    ap.add_argument("--pdl", action="store_true", help="the default config only, beside it with its launches chained "
+    ap.add_argument("--pdl", action="store_true", help="the default config only, with and without its launches chained "
                     "by programmatic dependent launch (PDL)")
     ap.add_argument("--shapes", default=None, help="comma-separated projection names of SHAPES (default: all)")
     ap.add_argument("--json", default=None)
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             cfgs = configs(M, N, K, args.group, device, args.small, grid, args.half2, dtype)
             counters = torch.zeros(N, dtype=torch.int32, device=device)  # a layer's own (the "/fx" rows)
             if args.pdl:
-                cfgs = [cfgs[0], cfgs[0] | dict(PDL=True)]
+                cfgs = [cfgs[0] | dict(PDL=False), cfgs[0] | dict(PDL=True)]  # the default chains on sm_90
             elif args.fixup_only:
                 cfgs = with_fixup(cfgs[:1])
             elif args.fixup:

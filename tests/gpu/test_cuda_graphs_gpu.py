@@ -66,3 +66,38 @@ def test_graph_capture_sizes_and_reserve(model, monkeypatch):
     eager = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=3, kernels="triton",
                                        gpu_memory_utilization=0.05, enforce_eager=True))
     assert eager.plan.budget.cudagraph_reserve_bytes == 0 and eager.graphs is None
+
+
+def test_no_garbage_collection_inside_a_capture():
+    """capture_graph keeps Python's cyclic collector off while it captures (a collection there may tear down an
+    unreachable engine's graphs or pinned buffers, whose CUDA calls invalidate the capture: the spec-graph test failed
+    that way with a warm Triton cache), and on again after: a captured function that makes enough cyclic garbage to
+    trigger collections sees none start during the capture, and replays what it computed."""
+    import gc
+
+    from revolta.engine.cuda_graphs import capture_graph
+
+    device = torch.device("cuda")
+    x = torch.arange(64.0, device=device)
+    during = []
+
+    def watch(phase, info):
+        if phase == "start" and torch.cuda.is_current_stream_capturing():
+            during.append(info["generation"])
+
+    def fn():
+        for i in range(50_000):  # cyclic garbage, far past every generation's allocation threshold
+            cell = [i]
+            cell.append(cell)
+        return x * 2
+
+    gc.callbacks.append(watch)
+    try:
+        graph, out = capture_graph(fn, torch.cuda.graph_pool_handle(), device)
+    finally:
+        gc.callbacks.remove(watch)
+    assert not during, f"collections of generations {sorted(set(during))} started inside the capture"
+    assert gc.isenabled()
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, x * 2)

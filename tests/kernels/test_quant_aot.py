@@ -95,6 +95,14 @@ def _builds(arch):
                                    wc["num_warps"], wc["num_stages"])
     b["splitk_reduce"] = (common._splitk_reduce_kernel, "ws bias out M N stride_om SPLIT_K HAS_BIAS BLOCK", "faannnccc",
                           dict(SPLIT_K=16, HAS_BIAS=True, BLOCK=common.REDUCE_BLOCK), 2, 2)
+    if h2.get("PDL") and arch >= 90:  # sm_90's default chain: the GEMV and its reduce by PDL (gdc_wait: sm_90 only)
+        b["awq_wordcol_half2_gemv_M1_pdl"] = (gemv_wordcol._awq_wordcol_kernel,
+                                              b["awq_wordcol_half2_gemv_M1"][1] + " counters FIXUP PDL",
+                                              b["awq_wordcol_half2_gemv_M1"][2] + "icc",
+                                              b["awq_wordcol_half2_gemv_M1"][3] | dict(FIXUP=False, PDL=True),
+                                              h2["num_warps"], h2["num_stages"])
+        b["splitk_reduce_pdl"] = (common._splitk_reduce_kernel, b["splitk_reduce"][1] + " PDL", "faannncccc",
+                                  b["splitk_reduce"][3] | dict(PDL=True), 2, 2)
     b["awq_dequant"] = (awq._awq_dequant_kernel, "qw qz sc w N K n0 n_rows G BLOCK_K BLOCK_N", "iihannnnccc",
                         dict(G=32, BLOCK_K=32, BLOCK_N=64), 4, 2)
     b["ct_int4_dequant"] = (ct_int4._ct_dequant_kernel, "wp sc zp w N K n0 n_rows G HAS_ZP BLOCK_N BLOCK_K",
@@ -153,6 +161,7 @@ def test_aot_real_shapes(arch, reports):
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column GEMV builds spill (budget 0 on every arch): {spills}"
     assert "awq_wordcol_gemv_M1" in reports[arch] and "awq_wordcol_half2_gemv_M1" in reports[arch]
+    assert ("awq_wordcol_half2_gemv_M1_pdl" in reports[arch]) == (arch >= 90)  # the sm_90 default chain is built
 
 
 if __name__ == "__main__":

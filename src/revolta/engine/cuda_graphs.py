@@ -17,6 +17,7 @@ graphs also return the rows' hidden states [b, h*d], which the drafter keeps to 
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,7 +53,13 @@ def graph_warning(used_bytes: int, reserve_bytes: int) -> str | None:
 def capture_graph(fn: Callable[[], Any], pool, device: torch.device, warmup: int = 2
                   ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Run `fn` `warmup` times on a side stream (compiles the Triton kernels, sizes the workspaces),
-    then capture one call into a graph in memory pool `pool` -> (graph, what the captured call returned)."""
+    then capture one call into a graph in memory pool `pool` -> (graph, what the captured call returned).
+
+    Python's cyclic garbage collector is off during the capture: a collection there may free an
+    unreachable engine's CUDA graphs, memory pools or pinned buffers, whose teardown calls CUDA APIs
+    that invalidate a capture (cudaErrorStreamCaptureInvalidated at the next launch). torch no longer
+    collects before a capture, and when a collection falls depends on Python allocation counts, so
+    it struck only some runs (a warm Triton cache: no compiler allocations to trigger it earlier)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -60,8 +67,14 @@ def capture_graph(fn: Callable[[], Any], pool, device: torch.device, warmup: int
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 

@@ -79,6 +79,13 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("stage_u_s2", dict(walk_stage_u=True, walk_prefetch=False, walk_stages=2)),
     ("stage_u_bv64_s3", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=3)),
     ("stage_u_bv64_s4", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=4)),
+    ("stage_u_s3", dict(walk_stage_u=True, walk_prefetch=False, walk_stages=3)),
+    # the 64-column walk never split: at 1 x 32K its 96 serial programs (< 132 SMs) split by default, 1.74 ms against
+    # the serial default's 1.22 ms on an H100 (RESULTS.md K1)
+    ("stage_u_bv64_s3_serial", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=3,
+                                    cp_min_tokens=0)),
+    ("stage_u_bv64_s2_serial", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=2,
+                                    cp_min_tokens=0)),
     ("split_seg16", dict(cp_min_tokens=8192, seg_chunks=16)),
     ("out_vp64", dict(out_vp=64)),  # two output programs per (chunk, v-head): more programs, Q Kᵀ twice
     ("out_bv32", dict(out_bv=32)),  # 122 registers instead of 146: four output programs to an SM, not three

@@ -86,7 +86,7 @@ def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms:
     asked): 16-row tiles (M tiles on the grid) of 32 features, narrow enough not to spill
     (tests/kernels/test_quant_aot.py); at least `nibble_min_rows` (NVFP4 on sm80+: 64). One group per K step
     (`nibble_block_k`: 32 for group 32, 16 for NVFP4). SPLIT_K: module docstring; FIXUP (the reduce inside the
-    kernel): common.fixup_default().
+    kernel): common.fixup_default(); PDL (the GEMV and its reduce chained where the device has it, sm_90: K6j).
     """
     wide = arch is None or arch >= 80
     skinny_rows = M <= NIBBLE_SKINNY_ROWS or not wide
@@ -103,7 +103,7 @@ def nibble_gemv_config(M: int, N: int, K: int, group: int, layout: str, num_sms:
         split *= 2
     stages = 3 if skinny or arch is None or arch < 90 else 4
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, USE_DOT=True, NIBBLE_DOT=True, SCALE_AHEAD=True,
-                k_per_split=split_len(K, split, bk), num_warps=4, num_stages=stages, FIXUP=fixup_default())
+                k_per_split=split_len(K, split, bk), num_warps=4, num_stages=stages, FIXUP=fixup_default(), PDL=True)
 
 
 def gemv_config_for(x: Tensor, N: int, K: int, group: int, layout: str, n_align: int = 1,
