@@ -198,7 +198,8 @@ def test_chunk_prefill_strided_views_no_l2norm():
 
 
 def test_segment_choice():
-    """The walk splits only from cp_min_tokens on, with segments that grow with the sequence."""
+    """The walk splits only from cp_min_tokens on, with segments that grow with the sequence, and only where the serial
+    walk's programs would leave more than half the SMs idle."""
     cfg = dataclasses.replace(chunk_config(128, 128), cp_min_tokens=16384, seg_chunks=0)
     assert cfg.segment_chunks(8192, 48, 132) == 0
     seg_16k, seg_32k = cfg.segment_chunks(16384, 48, 132), cfg.segment_chunks(32768, 48, 132)
@@ -208,6 +209,11 @@ def test_segment_choice():
     # a serial walk that fills every SM is not split (192 programs at 48 v-heads x 4 tiles); 12 v-heads (TP4) are
     assert cfg.segment_chunks(32768, 48, 132, walk_programs=192) == 0
     assert cfg.segment_chunks(32768, 12, 132, walk_programs=48) > 0
+    # the sm_90 default's 64-column walk: 96 programs of one sequence stay serial from half the SMs on (not below)
+    assert cfg.serial_min_fill == 0.5 and cfg.serial_walk_programs(1, 48, 128) == 96
+    assert cfg.segment_chunks(32768, 48, 132, walk_programs=96) == 0
+    assert dataclasses.replace(cfg, serial_min_fill=1.0).segment_chunks(32768, 48, 132, walk_programs=96) > 0
+    assert cfg.segment_chunks(32768, 24, 132, walk_programs=48) > 0
     assert isinstance(chunk_config(128, 128, 70), ChunkConfig)
 
 

@@ -66,11 +66,13 @@ class ChunkConfig:
     out_stages: int
     cp_min_tokens: int  # split the walk when the batch has at least this many tokens (0: never)
     seg_chunks: int  # chunks per segment when split (0: chosen from the token count and SM count)
+    # the walk stays serial when its programs fill at least this fraction of the SMs (segment_chunks)
+    serial_min_fill: float = 1.0
     walk_k_halves: bool = False  # walk and prescan hold the state as two [K/2, BV] tiles (chunk_state.py)
     walk_transposed: bool = False  # the walk holds hᵀ [BV, K] and stores h_c as [V, K] (chunk_state.py)
     walk_prefetch: bool = False  # the walk loads each chunk's decay factors a chunk ahead (chunk_state.py)
     # the walk loads U and the decay factors in their own chunk, for Triton's pipeliner to stage with W and K̂ (cp.async
-    # stages, as fla's walk), instead of a register prefetch one chunk ahead (chunk_state.py STAGE_U; not timed)
+    # stages, as fla's walk), instead of a register prefetch one chunk ahead (chunk_state.py STAGE_U; sm_90 default)
     walk_stage_u: bool = False
     # one intra program per (chunk, k head) over its HV / H value heads: K Kᵀ and 1/‖k‖ (the same for the value
     # heads of one k head) once instead of HV / H times, on H programs per chunk instead of HV (chunk_intra.py;
@@ -83,9 +85,11 @@ class ChunkConfig:
 
     def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int, walk_programs: int = 0) -> int:
         """Chunks per walk segment for a batch of num_tokens tokens, or 0 for no split. walk_programs: the serial
-        walk's programs (sequences x v-heads x V tiles); when they fill every SM the walk is not split (H200, 1 x 32K,
-        48 v-heads: 192 programs, serial 3.52 ms against 3.98 ms split; RESULTS.md K1)."""
-        if self.cp_min_tokens <= 0 or num_tokens < self.cp_min_tokens or walk_programs >= num_sms:
+        walk's programs (sequences x v-heads x V tiles); when they fill `serial_min_fill` of the SMs the walk is not
+        split (H200, 1 x 32K, 48 v-heads: 192 32-column programs, serial 3.52 ms against 3.98 ms split; H100, 96
+        64-column programs on 132 SMs: serial faster, RESULTS.md K1)."""
+        if (self.cp_min_tokens <= 0 or num_tokens < self.cp_min_tokens
+                or walk_programs >= self.serial_min_fill * num_sms):
             return 0
         if self.seg_chunks > 0:
             return self.seg_chunks
@@ -105,15 +109,15 @@ def chunk_config(K: int, V: int, arch: int = 90) -> ChunkConfig:
                            cp_walk_bv=16, cp_walk_warps=8, cp_stages=1, prescan_bv=16, prescan_warps=8,
                            merge_bv=16, merge_warps=8, out_bk=16, out_bv=32, out_vp=32, out_warps=8, out_stages=1,
                            cp_min_tokens=16384, seg_chunks=0)
-    # walk: one program per (sequence, v-head, 32 columns) under 112 KiB of shared memory with 3
-    # stages, so two fit on an SM and the 192 programs of one sequence at the real shape run in one
-    # wave (U and the decay factors are prefetched in registers, walk_prefetch: the walk 333 -> 305 µs
-    # at 1 x 8K, 1,332 -> 1,211 at 1 x 32K on an H100, RESULTS.md K1; w and k in 3 cp.async stages, two
-    # chunks ahead). Split walk and prescan: many programs per SM hide latency, so 2 stages and wider tiles.
-    return ChunkConfig(intra_bk=64, intra_bv=64, intra_warps=4, walk_bv=32, walk_warps=4, walk_stages=3,
+    # walk: one program per (sequence, v-head, 64 columns), the 96 programs of one sequence at the real
+    # shape in one wave, with every per-chunk input (W, K̂, U, the decay factors) in 3 cp.async stages as
+    # fla's walk (walk_stage_u: the walk 305 -> 261 µs at 1 x 8K, 284 -> 239 at 8 x 1K on an H100 against
+    # 32 columns with U prefetched in registers; RESULTS.md K1); 96 programs on 132 SMs stay serial
+    # (serial_min_fill). Split walk and prescan: many programs per SM hide latency, so 2 stages.
+    return ChunkConfig(intra_bk=64, intra_bv=64, intra_warps=4, walk_bv=64, walk_warps=4, walk_stages=3,
                        cp_walk_bv=64, cp_walk_warps=4, cp_stages=2, prescan_bv=64, prescan_warps=4,
                        merge_bv=32, merge_warps=8, out_bk=64, out_bv=64, out_vp=128, out_warps=4, out_stages=2,
-                       cp_min_tokens=16384, seg_chunks=0, walk_prefetch=True)
+                       cp_min_tokens=16384, seg_chunks=0, walk_stage_u=True, serial_min_fill=0.5)
 
 
 def _fit(block: int, n: int) -> int:

@@ -4,7 +4,8 @@ item 5: GDN prefill >= 1.0x fla at 1 x 8K and 1 x 32K).
 benchmarks/bench_gdn.py times every candidate beside `chunk_config` and fla in one H200 run, and
 tests/kernels/test_gdn_aot.py builds each candidate's walk kernels for sm_90 without spills, so
 the table can pick a winner without another round trip. None of them is the default until a
-measured row says so; sm_70 keeps `chunk_config(K, V, 70)` whatever wins here.
+measured row says so (stage_u_bv64_s3 became it: RESULTS.md K1); sm_70 keeps `chunk_config(K, V, 70)`
+whatever wins here.
 
 What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one program per
 (sequence, head, V block) serially over the chunks, as ours does below `cp_min_tokens`):
@@ -43,6 +44,7 @@ from .chunk import ChunkConfig, chunk_config
 # where the batch splits it, to the split walk alike, so a name means one walk shape at every length
 _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("default", {}),
+    ("prefetch_walk", {}),
     ("no_split", dict(cp_min_tokens=0)),  # one serial walk per sequence at every length (fla's structure)
     ("split_from_8k", dict(cp_min_tokens=8192)),
     ("bv16_w2", dict(walk_bv=16, walk_warps=2, cp_walk_bv=16, cp_walk_warps=2)),
@@ -100,12 +102,19 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
 )
 
 
+# the sm_90 default walk until the staged-U walk replaced it (32 columns, U and the factors prefetched in registers,
+# split below 132 programs): the base every other candidate overrides, so a name keeps the walk it was timed as
+PREFETCH_WALK = dict(walk_bv=32, walk_prefetch=True, walk_stage_u=False, serial_min_fill=1.0)
+
+
 def chunk_variants(K: int, V: int) -> dict[str, ChunkConfig]:
-    """The sm_90 candidates by name ("default" is `chunk_config(K, V, 90)` itself). The other tilings of the walk
-    (K halves, transposed) run without the default's prefetched factors unless their overrides name it, as they were
-    timed (K halves cannot take it)."""
-    base = chunk_config(K, V, 90)
-    return {name: dataclasses.replace(base, **_tiling_base(over), **over) for name, over in _OVERRIDES}
+    """The sm_90 candidates by name ("default" is `chunk_config(K, V, 90)` itself; "prefetch_walk" the default before
+    the staged-U walk, which the others override). The other tilings of the walk (K halves, transposed) run without
+    the prefetched factors unless their overrides name it, as they were timed (K halves cannot take it)."""
+    default = chunk_config(K, V, 90)
+    base = dataclasses.replace(default, **PREFETCH_WALK)
+    return {name: default if name == "default" else dataclasses.replace(base, **_tiling_base(over), **over)
+            for name, over in _OVERRIDES}
 
 
 def _tiling_base(over: dict) -> dict:
@@ -114,7 +123,9 @@ def _tiling_base(over: dict) -> dict:
 
 
 def variant_overrides(name: str) -> dict:
-    """The fields a candidate changes from the default (for the benchmark's JSON)."""
+    """The fields a candidate sets over chunk_config(K, V, 90) (for the benchmark's JSON): none for the default, else
+    the prefetch walk's and its own."""
     found = dict(_OVERRIDES)
     assert name in found, f"unknown chunk variant {name!r}: choose from {list(found)}"
-    return dict(found[name])
+    over = found[name]
+    return {} if name == "default" else {**PREFETCH_WALK, **_tiling_base(over), **over}
