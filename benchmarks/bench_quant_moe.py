@@ -72,17 +72,6 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "wcp-bh2-r16-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True)),
     "wcp-bh2-r16-sk16-4-fx": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, FIXUP=True)),
     "wcp-bh2-r32-sk16-4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=32, HALF2=True)),  # 32-row steps alone
-    # M > 1 on fp16 pairs with the pairs of an expert in blocks of up to 2 / 4 (GROUP_ROWS: a block's weight words
-    # read and decoded once for all its tokens); fp16 ("-h2-") and bf16 ("-bh2-")
-    "wcp-h2-g2": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, GROUP_ROWS=2)),
-    "wcp-h2-g4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, GROUP_ROWS=4)),
-    "wcp-bh2-g4": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, GROUP_ROWS=4)),
-    # the same with each block walked as the smallest power of two >= its pair count rows (GROUP_ROWS_FIT: a lone
-    # pair, most blocks at 512 experts, costs about the per-pair walk instead of R rows' work)
-    "wcp-h2-g4f": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, GROUP_ROWS=4, GROUP_ROWS_FIT=True)),
-    "wcp-h2-g8f": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, GROUP_ROWS=8, GROUP_ROWS_FIT=True)),
-    "wcp-bh2-g4f": ("nib", dict(WC, SPLIT_UP=16, SPLIT_DOWN=4, ROWS=16, HALF2=True, GROUP_ROWS=4,
-                                GROUP_ROWS_FIT=True)),
     # the default's config with its program rows in expert order (pairs of an expert side by side: the later ones
     # read its words from L2); M > 1 only
     "eo": ("default", dict(EXPERT_ORDER=True)),

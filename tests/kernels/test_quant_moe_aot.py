@@ -82,12 +82,6 @@ WORDCOL_GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act ws topk_ids num_route
                    "stride_e2 stride_am k_split TOP_K G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH HALF2 ASM")
 WORDCOL_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids num_routed H I stride_am stride_e0 stride_e1 "
                 "stride_e2 stride_ym k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS PREFETCH HALF2 ASM")
-WORDCOL_ROWS_GATE_UP = ("x w0 w1 w2 sg0 sg1 sg2 su0 su1 su2 act ws topk_ids order block_rows num_routed H I T "
-                        "stride_xm stride_e0 stride_e1 stride_e2 stride_am k_split TOP_K G BLOCK_N HAS_SHARED SPLIT "
-                        "EVEN ROWS R ASM")
-WORDCOL_ROWS_DOWN = ("act w0 w1 w2 sd0 sd1 sd2 topk_weights y topk_ids order block_rows num_routed H I stride_am "
-                     "stride_e0 stride_e1 stride_e2 stride_ym k_split G BLOCK_N HAS_SHARED SPLIT EVEN ROWS R ASM")
-
 
 def wordcol_builds():
     """The word-column MoE (moe_wordcol.py, AWQ) in the configs AWQ tokens take on sm80+ (moe_wordcol_config): one bf16
@@ -137,22 +131,6 @@ def wordcol_builds():
         kernel, names, types, consts, warps, stages, layout = out[f"awq_wordcol_half2_pairs_{part}"]
         out[f"awq_wordcol_half2_pairs_{part}_eo"] = (kernel, names + " order EXPERT_ORDER", types + "ic",
                                                      dict(consts, EXPERT_ORDER=True), warps, stages, layout)
-    # blocks of up to R pairs of one expert (GROUP_ROWS: each block's words read and decoded once), fp16 and bf16
-    for tag, act in (("", "h"), ("_bf16", "a")):
-        c = MOE_WORDCOL_PAIRS_HALF2
-        flags = dict(G=32, HAS_SHARED=True, ROWS=c["ROWS"], R=4, ASM=True)
-        out[f"awq_wordcol{tag}_half2_rows4_gate_up"] = (
-            moe_wordcol._wordcol_gate_up_rows_kernel, WORDCOL_ROWS_GATE_UP, act + "iih" * 3 + act + "fiii" + "n" * 10
-            + "c" * 9, dict(flags, TOP_K=TOP_K, BLOCK_N=c["BLOCK_N_UP"], SPLIT=c["SPLIT_UP"], EVEN=False),
-            c["num_warps"], 1, "awq")
-        out[f"awq_wordcol{tag}_half2_rows4_down"] = (
-            moe_wordcol._wordcol_down_rows_kernel, WORDCOL_ROWS_DOWN, act + "iih" * 2 + "ffiii" + "n" * 9 + "c" * 8,
-            dict(flags, BLOCK_N=c["BLOCK_N_DOWN"], SPLIT=c["SPLIT_DOWN"], EVEN=True), c["num_warps"], 1, "awq")
-    # GROUP_ROWS_FIT: each block walked as the smallest power of two >= its pair count rows (a branch per count)
-    for part in ("gate_up", "down"):
-        kernel, names, types, consts, warps, stages, layout = out[f"awq_wordcol_half2_rows4_{part}"]
-        out[f"awq_wordcol_half2_rows4_fit_{part}"] = (kernel, names + " FIT", types + "c", dict(consts, FIT=True),
-                                                      warps, stages, layout)
     return out
 
 
@@ -207,7 +185,7 @@ def test_aot_real_shapes(arch, reports):
     spills = {n: r["spill_store_bytes"] for n, r in reports[arch].items()
               if ("nibble" in n or "wordcol" in n) and r["spill_store_bytes"]}
     assert not spills, f"sm_{arch} nibble / word-column builds spill (budget 0 on every arch): {spills}"
-    assert sum("wordcol" in n for n in reports[arch]) == 38
+    assert sum("wordcol" in n for n in reports[arch]) == 32
     assert sum("nibble" in n for n in reports[arch]) == 2 * len(NIBBLE_BUILDS) + 1  # + the split-K act kernel
 
 

@@ -151,38 +151,6 @@ def _pair_walk(M, dtype, split):
 
 
 @pytest.mark.usefixtures("bf16_dots")
-@pytest.mark.parametrize("M,dtype,split,rows,fit", [(5, torch.float16, (2, 3, 8), 2, False),
-                                                    (3, torch.bfloat16, (1, 1, 32), 4, False),
-                                                    (5, torch.float16, (2, 3, 8), 4, True),
-                                                    (5, torch.float16, (2, 3, 8), 8, True)], ids=str)
-def test_wordcol_group_rows_is_bitwise_the_pair_walk(M, dtype, split, rows, fit):
-    """GROUP_ROWS: the pairs of an expert in blocks of up to R, each block's weight words read and decoded once for
-    all its tokens: every pair's act and y rows are the per-pair walk's, so the output is bitwise the default's
-    (fp16 pairs, fp16 and bf16 tokens; the shared expert in every token: blocks of R and a shorter last at M = 5),
-    every output written (NaN-poisoned); R must be a power of two. GROUP_ROWS_FIT: each block walked as the smallest
-    power of two >= its count rows (blocks of 1 .. R pairs take every branch at R = 4 and 8): bitwise too."""
-    x, gate_up, down, ids, w, shared, ref = _case("awq", M, dtype)
-    assert ids.unique().numel() < ids.numel()
-    cfg = WORDCOL | dict(SPLIT_UP=split[0], SPLIT_DOWN=split[1], ROWS=split[2], HALF2=True)
-    want = _pair_walk(M, dtype, split)
-    group = dict(GROUP_ROWS=rows, GROUP_ROWS_FIT=fit)
-    got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | group)
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
-    if fit:  # the block sizes this routing gives (the shared expert rides as the last expert, in every token)
-        counts = torch.bincount(ids.flatten()).tolist() + [M] * (shared is not None)
-        sizes = {min(rows, c - j) for c in counts if c for j in range(0, c, rows)}
-        branches = {1 << (c - 1).bit_length() for c in sizes}  # the row count each block walks as
-        assert branches == {1 << i for i in range(rows.bit_length())}, sizes
-    with pytest.raises(AssertionError, match="GROUP_ROWS"):
-        quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(GROUP_ROWS=3))
-    if fit:
-        with pytest.raises(AssertionError, match="GROUP_ROWS_FIT takes"):
-            quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared, config=cfg | dict(GROUP_ROWS=16,
-                                                                                              GROUP_ROWS_FIT=True))
-
-
-@pytest.mark.usefixtures("bf16_dots")
 @pytest.mark.parametrize("M,dtype,split", [(1, torch.float16, (3, 2, 16)), (3, torch.bfloat16, (1, 1, 32))], ids=str)
 def test_wordcol_joint_gate_up_walk_is_bitwise_the_two_walks(M, dtype, split):
     """JOINT: gate and up walked together (gemv_wordcol.wordcol_slice2_half2: both weights' words of a step loaded
@@ -200,25 +168,6 @@ def test_wordcol_joint_gate_up_walk_is_bitwise_the_two_walks(M, dtype, split):
         got = quant_fused_moe(x, gate_up, down, ids, w, shared_expert=shared,
                               config=cfg | dict(JOINT=True, ACT_BLOCK=16, SUM_BLOCK=32))
         assert torch.equal(got, want)
-
-
-def test_pair_blocks_cut_each_expert_into_blocks():
-    """moe_wordcol.pair_blocks: at each block's first sorted position its pair count (<= R), zeros elsewhere; every
-    pair in exactly one block of its own expert; the Triton kernel equals the reference."""
-    from revolta.kernels.moe_grouped import moe_group_ref
-    from revolta.kernels.quant.moe_wordcol import pair_blocks, pair_blocks_ref
-
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.cat([torch.randint(0, 6, (13, 3), generator=gen), torch.full((13, 1), 6)], 1).to(torch.int32)
-    order, slot_expert, start, end = moe_group_ref(ids, ids.numel())
-    for rows in (1, 2, 4, 16):
-        want = pair_blocks_ref(start, end, ids.numel(), rows)
-        assert torch.equal(pair_blocks(start, end, ids.numel(), rows), want)
-        assert int(want.sum()) == ids.numel() and int(want.max()) <= rows
-        flat = ids.reshape(-1)[order.long()]
-        for p in torch.nonzero(want).flatten().tolist():
-            assert (flat[p:p + int(want[p])] == flat[p]).all()
-    assert int(pair_blocks_ref(start, end, ids.numel(), 4)[start[6]:end[6]].sum()) == 13  # the shared expert: 4+4+4+1
 
 
 def test_default_config_picks_the_nibble_path_on_sm80_up_and_the_tiles_on_sm70():

@@ -357,60 +357,6 @@ def _half2_walk(x_row, qw, qz, sc, o_w, qw2, qz2, sc2, o_w2, m_w, N, k_lo, k_hi,
 
 
 @triton.jit
-def _step_scale_rows(x_rows, m_r, k0, ROWS: tl.constexpr):
-    """`_step_scale` of R rows at once (x_rows [R] row pointers, m_r their mask): ([R] x scales, [R] inverses)."""
-    m = tl.abs(tl.load(x_rows + k0, mask=m_r, other=0.0).to(tl.float32))
-    for r in tl.static_range(1, ROWS):
-        m = tl.maximum(m, tl.abs(tl.load(x_rows + k0 + r, mask=m_r, other=0.0).to(tl.float32)))
-    e = tl.minimum(tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
-    return ((268 - e) << 23).to(tl.float32, bitcast=True), ((e - 14) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def wordcol_rows_half2(x_rows, m_r, qw, qz, sc, o_w, m_w, N, k_lo, k_hi, G: tl.constexpr, W: tl.constexpr,
-                       ROWS: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr):
-    """`wordcol_slice_half2` for R activation rows over the same weight words (x_rows [R] row pointers, m_r [R] the
-    rows in use): each word is loaded and its codes turned into (q - z) / 512 pairs once, then multiplied into every
-    row's sums, so an expert several tokens chose is read and decoded once for all of them. Returns eight fp32 [R, W]
-    sums; row i's are bitwise what wordcol_slice_half2 returns for x_rows[i] (the same products, sums and flushes in
-    the same order), masked rows' are zeros."""
-    tl.static_assert(ROWS <= 32, "fp16 partials of at most 32 rows (HALF2_MAX_ROWS)")
-    SCALED: tl.constexpr = x_rows.dtype.element_ty == tl.bfloat16
-    NW = N // 8
-    m_even = tl.full([W], 0x78007800, tl.int32)
-    m_odd = tl.full([W], 0x68006800, tl.int32)
-    neg_even = m_even ^ -0x7FFF8000
-    neg_odd = m_odd ^ -0x7FFF8000
-    zero = tl.zeros([W], dtype=tl.int32)
-    zero_rw = tl.zeros([R, W], dtype=tl.int32)
-    a0 = tl.zeros([R, W], dtype=tl.float32)
-    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
-    for k0 in range(k_lo, k_hi, ROWS):
-        g = k0 // G
-        b_z = tl.load(qz + g * NW + o_w, mask=m_w)
-        nz0, nz1, nz2, nz3 = _neg_zeros(b_z, neg_even, neg_odd, zero, ASM)  # -z / 512, exact
-        p0, p1, p2, p3 = zero_rw, zero_rw, zero_rw, zero_rw
-        if SCALED:
-            x_scale, back = _step_scale_rows(x_rows, m_r, k0, ROWS)
-            back = back[:, None]
-        else:
-            x_scale, back = 1.0, 1.0
-        rows = qw + k0 * NW + o_w
-        for r in tl.static_range(ROWS):
-            wd = tl.load(rows + r * NW, mask=m_w)
-            xv = tl.load(x_rows + k0 + r, mask=m_r, other=0.0)  # [R]
-            if SCALED:
-                xx = h2_splat((xv.to(tl.float32) * x_scale).to(tl.float16))[:, None]
-            else:
-                xx = h2_splat(xv)[:, None]
-            # [W] pairs x [R, 1] rows
-            p0, p1, p2, p3 = _step_pairs(wd, m_even, m_odd, nz0, nz1, nz2, nz3, xx, p0, p1, p2, p3, ASM)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _flush_pairs(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, sc + g * N,
-                                                      o_w, m_w, back, SCALED)
-    return a0 * 512.0, a1 * 512.0, a2 * 512.0, a3 * 512.0, a4 * 512.0, a5 * 512.0, a6 * 512.0, a7 * 512.0
-
-
-@triton.jit
 def _awq_wordcol_kernel(x, qw, qz, sc, ws, out, bias, M, N, K, stride_xm, stride_om, k_per_split, G: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,

@@ -50,8 +50,7 @@ from ..pdl import pdl_launch, use_pdl
 from . import awq, ct_int4, nvfp4
 from .moe_decode import _down_operands, _gate_up_operands, _nibble_down_kernel, _nibble_gate_up_kernel
 from .moe_decode import _split_act_kernel
-from .moe_wordcol import (_wordcol_down_kernel, _wordcol_down_rows_kernel, _wordcol_gate_up_kernel,
-                          _wordcol_gate_up_rows_kernel, pair_blocks)
+from .moe_wordcol import _wordcol_down_kernel, _wordcol_gate_up_kernel
 from .common import REDUCE_BLOCK, fixup_default, splitk_counters
 from .nibble import LAYOUTS, nibble_block_k, nibble_min_rows, split_len
 
@@ -313,7 +312,7 @@ def quant_grouped_config(M: int, top_k: int, num_experts: int, arch: int | None 
     is None): the word-column walk on CUDA cores (moe_wordcol.py), `moe_wordcol_config`: MOE_WORDCOL's keys
     BLOCK_N_UP / BLOCK_N_DOWN (256 a warp), SPLIT_UP / SPLIT_DOWN, ROWS, PREFETCH, HALF2 (fp16 pairs), and optional
     JOINT (gate and up in one walk), PDL (the launches chained, sm_90), ACT_BLOCK / SUM_BLOCK (features a program of
-    the split-act / slot-sum launches), FIXUP, EXPERT_ORDER, GROUP_ROWS (moe_wordcol.py).
+    the split-act / slot-sum launches), FIXUP, EXPERT_ORDER (moe_wordcol.py).
     """
     if nibble is None and dtype is not None and use_moe_wordcol(arch, dtype, layout, M):
         return moe_wordcol_config(M, dtype)
@@ -493,10 +492,6 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
     bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
     ws = torch.empty(split_up, T, 2 * I, dtype=torch.float32, device=x.device) if split_up > 1 else act
     y = torch.empty(T * split_dn, H, dtype=torch.float32, device=x.device)
-    group_rows = cfg.get("GROUP_ROWS", 1)
-    if group_rows > 1 and M > 1:
-        return _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights,
-                                 has_shared, cfg, ws, y, rows_up, rows_dn, group_rows)
     pdl = use_pdl(x, cfg.get("PDL", False))  # the chain's launches overlap their predecessors' tails (sm_90+)
     weights = topk_weights.contiguous()  # before the chain: a copy kernel inside it would end the overlap
     launch = dict(num_warps=cfg["num_warps"], num_stages=1, **pdl_launch(pdl))
@@ -527,42 +522,3 @@ def _wordcol_expert_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act,
         HAS_SHARED=has_shared, SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, PREFETCH=prefetch, PDL=pdl, **half2,
         **fix_dn, **launch)
     return out if fixup else y
-
-
-def _wordcol_rows_mlp(x, gate_up, down, w_up, w_dn, s_gate, s_up, s_down, act, ids, topk_weights, has_shared, cfg,
-                      ws, y, rows_up, rows_dn, group_rows) -> Tensor:
-    """`_wordcol_expert_mlp` with GROUP_ROWS = R > 1 (opt-in, fp16 pairs, no FIXUP): the pairs sorted by expert
-    (moe_group) and cut into blocks of up to R pairs of one expert (moe_wordcol.pair_blocks); a program row walks its
-    block's weight words once for all its tokens (wordcol_rows_half2), so an expert several tokens chose is read
-    ceil(pairs / R) times instead of once a pair (M = 40: 440 pairs over ~276 experts, the shared expert in every
-    token). The act / y rows are bitwise the per-pair walk's; y [M·k·SPLIT_DOWN, H] fp32. A block's walk does R rows'
-    work whatever its count (sm_90 loop: 375 instructions a pair-step per pair, 552 at R = 2, 858 at R = 4), and at
-    512 experts most blocks hold one pair (M = 40: ~2 / 3 of the touched experts); GROUP_ROWS_FIT walks each block
-    as the smallest power of two >= its count rows (one branch per row count inside the kernels). Both lost to the
-    per-pair walk on an H100 (RESULTS.md K5m: the rows kernels' registers leave a third of the resident warps)."""
-    M, H = x.shape
-    T, I = act.shape
-    k = ids.shape[1]
-    assert cfg.get("HALF2", False) and not cfg.get("FIXUP", False) and group_rows & (group_rows - 1) == 0, \
-        f"GROUP_ROWS (a power of two) walks fp16 pairs (HALF2) with the reduce launches (no FIXUP), got {cfg}"
-    fit = cfg.get("GROUP_ROWS_FIT", False)  # opt-in (lost, K5m): a block of c pairs walks as the next power of two >= c
-    assert not fit or group_rows <= 8, f"GROUP_ROWS_FIT takes GROUP_ROWS of 2, 4 or 8, got {group_rows}"
-    num_routed = gate_up.tensors[0].shape[0]
-    order, _, slot_start, slot_end = moe_group(ids, min(T, num_routed + has_shared))
-    blocks = pair_blocks(slot_start, slot_end, T, group_rows)
-    split_up, split_dn = cfg.get("SPLIT_UP", 1), cfg.get("SPLIT_DOWN", 1)
-    bn_up, bn_dn = cfg["BLOCK_N_UP"], cfg["BLOCK_N_DOWN"]
-    common = dict(HAS_SHARED=has_shared, R=group_rows, ASM=x.is_cuda, FIT=fit, num_warps=cfg["num_warps"],
-                  num_stages=1)
-    _wordcol_gate_up_rows_kernel[(T, triton.cdiv(I, bn_up), split_up)](
-        x, *w_up, *s_gate, *s_up, act, ws, ids, order, blocks, num_routed, H, I, T, x.stride(0),
-        *(t.stride(0) for t in w_up), act.stride(0), split_len(H, split_up, rows_up), TOP_K=k, G=gate_up.group,
-        BLOCK_N=bn_up, SPLIT=split_up, EVEN=I % bn_up == 0, ROWS=rows_up, **common)
-    if split_up > 1:
-        _split_act_kernel[(T, triton.cdiv(I, REDUCE_BLOCK))](ws, act, T, I, act.stride(0), SPLIT=split_up,
-                                                             BLOCK=REDUCE_BLOCK, num_warps=2)
-    _wordcol_down_rows_kernel[(T, triton.cdiv(H, bn_dn), split_dn)](
-        act, *w_dn, *s_down, topk_weights.contiguous(), y, ids, order, blocks, num_routed, H, I, act.stride(0),
-        *(t.stride(0) for t in w_dn), y.stride(0), split_len(I, split_dn, rows_dn), G=down.group, BLOCK_N=bn_dn,
-        SPLIT=split_dn, EVEN=H % bn_dn == 0, ROWS=rows_dn, **common)
-    return y
