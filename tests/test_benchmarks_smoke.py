@@ -35,7 +35,9 @@ def test_fulldepth_smoke_rows(fulldepth):
     assert mtp["graph_rounds"] == mtp["rounds"] > 0 and mtp["verify_gpu_ms"] > 0 and mtp["draft_gpu_ms"] > 0
     assert set(mtp["round_split"]) == {"host_start_to_draft_ms", "host_draft_to_verify_ms",
                                        "host_verify_to_commit_ms", "host_commit_to_end_ms"}
-    assert sum(mtp["round_split"].values()) <= mtp["round_ms"] * 1.5  # medians of intervals inside the rounds
+    # each a median of intervals inside one round (their sum is no bound: medians of the parts come from different
+    # rounds, and a loaded CI machine's rounds vary: 4.8 s against a 2.7 s median round once)
+    assert all(0 <= v <= mtp["round_ms"] * 1.5 for v in mtp["round_split"].values()), (mtp["round_split"], mtp["round_ms"])
     assert dflash2["verify_ms"] > 0 and dflash2["draft_ms"] > 0  # eager rounds, as on the GPU
     functions = [e["function"] for e in mtp["host_profile"]["cumulative"]]
     assert any(f.startswith("step (engine.py") for f in functions), functions  # the profiled rounds' engine steps
