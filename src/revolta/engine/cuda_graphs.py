@@ -58,8 +58,8 @@ def capture_graph(fn: Callable[[], Any], pool, device: torch.device, warmup: int
     Python's cyclic garbage collector is off during the capture: a collection there may free an
     unreachable engine's CUDA graphs, memory pools or pinned buffers, whose teardown calls CUDA APIs
     that invalidate a capture (cudaErrorStreamCaptureInvalidated at the next launch). torch no longer
-    collects before a capture, and when a collection falls depends on Python allocation counts, so
-    it struck only some runs (a warm Triton cache: no compiler allocations to trigger it earlier)."""
+    collects before a capture, and when a collection falls depends on Python allocation counts (the
+    likely cause of a spec-graph GPU test that failed only with a warm Triton cache: RESULTS.md G1)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
