@@ -274,3 +274,28 @@ def test_deferred_mtp_seeding_while_paused_gives_the_drafts_of_seeding_every_ste
     seeded_every_step = drafts_of(1)
     deferred = drafts_of(16)
     assert len(deferred) >= 4 and deferred == seeded_every_step
+
+
+def test_an_engine_goes_with_its_last_reference(model):
+    """An engine (MTP on: the scheduler asks it for draft counts; the allocator's pools report evictions) and its cache
+    are freed when the last reference goes, with Python's cyclic collector off: no engine <-> scheduler or allocator
+    <-> pool cycle keeps the KV cache alive until a collection (which may fall inside a later engine's CUDA-graph
+    capture) and a user's `del llm` frees the memory at once."""
+    import gc
+    import weakref
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        engine = Engine(model, EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                                            block_size=16, kv_cache_gib=0.002,
+                                            speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+        run_engine(engine, [Req("a", ids(20, 1), 6), Req("b", ids(9, 2), 6)])
+        assert engine.spec_stats.num_rounds > 0
+        refs = [weakref.ref(o) for o in (engine, engine.scheduler, engine.allocator, engine.allocator.blocks)]
+        del engine
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+        assert not alive, f"still alive without a garbage collection: {alive}"
+    finally:
+        if collecting:
+            gc.enable()

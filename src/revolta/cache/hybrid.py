@@ -49,6 +49,7 @@ asked). Snapshots are best effort (skipped when no slot is free) and LRU-evicted
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -165,8 +166,11 @@ class HybridAllocator:
     def __init__(self, config: AllocatorConfig):
         self.config = config
         self.block_size = config.block_size
-        self.blocks = BlockPool(config.num_blocks, on_evict=self._block_evicted)
-        self.slots = StatePool(config.num_slots, on_evict=self._slot_evicted)
+        # the pools call back through weak references: a bound method would make allocator and pools a cycle, which
+        # only Python's cyclic collector frees (the cache's tensors with it, at a moment nobody chose)
+        block_evicted, slot_evicted = weakref.WeakMethod(self._block_evicted), weakref.WeakMethod(self._slot_evicted)
+        self.blocks = BlockPool(config.num_blocks, on_evict=lambda block, key: block_evicted()(block, key))
+        self.slots = StatePool(config.num_slots, on_evict=lambda slot, key: slot_evicted()(slot, key))
         self.cpu_blocks = BlockPool(config.num_cpu_blocks) if config.num_cpu_blocks else None
         self.cpu_slots = StatePool(config.num_cpu_slots) if config.num_cpu_slots else None
         self._seqs: dict[str, _Seq] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -270,9 +271,10 @@ class Engine:
         self.policy = SpecPolicy() if self.spec.enabled and self.spec.draft_policy == "adaptive" else None
         self._drafting = self.spec.enabled  # this step's decoding requests verify drafts
         self.num_paused_steps = 0
+        num_drafts = weakref.WeakMethod(self._num_drafts)  # not the bound method: no engine <-> scheduler cycle
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.encoder_cache, self.encoder_budget,
-                                   lookahead_fn=self._num_drafts if self.spec.enabled else None)
+                                   lookahead_fn=(lambda seq: num_drafts()(seq)) if self.spec.enabled else None)
         self._seqs: dict[str, SeqState] = {}
         self.sleep_level: int | None = None  # None: awake (sleep.py)
         self.paused = False  # pause(): steps are refused until resume(); requests may still be added
