@@ -82,8 +82,8 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("stage_u_bv64_s3", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=3)),
     ("stage_u_bv64_s4", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=4)),
     ("stage_u_s3", dict(walk_stage_u=True, walk_prefetch=False, walk_stages=3)),
-    # the 64-column walk never split: at 1 x 32K its 96 serial programs (< 132 SMs) split by default, 1.74 ms against
-    # the serial default's 1.22 ms on an H100 (RESULTS.md K1)
+    # the 64-column walk never split: at 1 x 32K its 96 serial programs (< 132 SMs) split under the prefetch walk's
+    # rule, 1.74 ms against the prefetch walk's serial 1.22 ms on an H100 (RESULTS.md K1); the default keeps it serial
     ("stage_u_bv64_s3_serial", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=3,
                                     cp_min_tokens=0)),
     ("stage_u_bv64_s2_serial", dict(walk_stage_u=True, walk_prefetch=False, walk_bv=64, walk_stages=2,
