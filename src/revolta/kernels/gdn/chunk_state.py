@@ -28,17 +28,17 @@ shared memory. h_c is stored transposed ([V, K] per chunk and head, which the ou
 with H_T); slot states and the merge's start states keep their [K, V] layout (read and written
 transposed once per segment).
 
-PREFETCH (`walk_prefetch`: on in the sm_90 default, off on sm_70, not with K_HALVES): the chunk's decay factors
-(γ_C and F, three small loads) are loaded a chunk ahead with U, instead of between the chunk's two products where
-their latency sits inside the serial chain (the loads that feed a product are pipelined by Triton; these are not):
-8-9% off the walk on an H100 (RESULTS.md K1). Bitwise the same outputs.
+PREFETCH (`walk_prefetch`: off by default, the sm_90 default before STAGE_U; not with K_HALVES): the chunk's decay
+factors (γ_C and F, three small loads) are loaded a chunk ahead with U, instead of between the chunk's two products
+where their latency sits inside the serial chain (the loads that feed a product are pipelined by Triton; these are
+not): 8-9% off the walk on an H100 (RESULTS.md K1). Bitwise the same outputs.
 
-STAGE_U (`walk_stage_u`, a launch-configuration variant, off by default, not timed): U and the decay factors are
-loaded inside their own chunk instead of a chunk ahead into registers, so Triton's pipeliner stages them in shared
+STAGE_U (`walk_stage_u`: on in the sm_90 default, at 64 columns and 3 stages; off on sm_70): U and the decay factors
+are loaded inside their own chunk instead of a chunk ahead into registers, so Triton's pipeliner stages them in shared
 memory with W and K̂ (cp.async, num_stages - 1 chunks ahead), as fla's walk stages every per-chunk input; a static
 sm_90 comparison with fla's walk found the register-prefetched U (read from HBM once, larger than L2) and its
-per-chunk layout conversion the main difference in the loop (RESULTS.md K1). Bitwise the same outputs; the default's
-PTX is unchanged with it off.
+per-chunk layout conversion the main difference in the loop, and on an H100 it takes the walk 305 -> 261 µs at
+1 x 8K (RESULTS.md K1). Bitwise the same outputs; the walk without it builds as it did before it existed.
 
 K_HALVES (a launch-configuration variant, off by default): the walk and the prescan hold the
 state as two [K/2, BV] register tiles, rows 0 .. K/2 − 1 and K/2 .. K − 1, as fla's walk holds

@@ -70,7 +70,7 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("t_bv128_w8", dict(walk_transposed=True, walk_bv=128, walk_warps=8, walk_stages=2, cp_walk_bv=128,
                         cp_walk_warps=8)),
     # the decay factors a chunk ahead (three loads Triton does not pipeline, otherwise inside the serial chain): the
-    # default since the H100 run of RESULTS.md K1; no_pf is the walk before it
+    # prefetch walk's (the default from K1's H100 run until the staged-U walk); no_pf is the walk before it
     ("no_pf", dict(walk_prefetch=False)),
     ("pf_2stages", dict(walk_prefetch=True, walk_stages=2)),
     # t_bv64_w8 and the 64-column transposed split walk spill a few bytes with it
