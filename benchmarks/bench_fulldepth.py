@@ -62,7 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
-from engine_timing import (HostProfile, Req, copy_bandwidth_gbs, drive, gpu_ms, host_split,  # noqa: E402
+from engine_timing import (HostProfile, Req, copy_bandwidth_gbs, decode_loop_ms, drive, gpu_ms, host_split,  # noqa: E402
                            random_prompts, round_split, step_once, sync, time_graphs)
 from forced_drafts import force_drafts  # noqa: E402
 from kernel_families import FAMILIES, breakdown, count_routing  # noqa: E402
@@ -220,6 +220,8 @@ def plain_stage(model, args, bw_gbs: float, log: Log, out: dict) -> dict:
         if row["measured_distinct"] < 0.5 * row["uniform_distinct"]:
             log(f"  routing is concentrated: {row['measured_distinct']:.1f} distinct experts per layer against "
                 f"{row['uniform_distinct']:.1f} uniform; the roofline uses the measured ones")
+        if args.async_ab and C in args.profile_concurrency:
+            row.update(async_ab(engine, model, args, C, tokens, log, row["roofline_ms"]))
         out["decode"].append(row)
         if C in args.profile_concurrency and seqs is not None:
             replay = None
@@ -232,6 +234,24 @@ def plain_stage(model, args, bw_gbs: float, log: Log, out: dict) -> dict:
                 + ", ".join(f"{f} {bd['share'][f]:.0%}" for f in FAMILIES))
         out.save()
     return refs
+
+
+def async_ab(engine, model, args, C: int, tokens: int, log: Log, roofline_ms: float) -> dict:
+    """The same decode (C requests, `tokens` each) timed as a loop without syncs between steps, with
+    async_scheduling off and on, on this engine and its graphs (engine_timing.decode_loop_ms)."""
+    ms = {}
+    for on in (False, True):
+        engine.config = replace(engine.config, async_scheduling=on)  # the same engine and graphs: an A/B
+        reqs = [Req(f"async{int(on)}c{C}r{i}", p, tokens, device=model.device) for i, p in enumerate(args.prompts[:C])]
+        ms[on], steps = decode_loop_ms(engine, reqs, warmup=1 + args.warmup)
+    engine.config = replace(engine.config, async_scheduling=False)
+    row = {"loop_step_ms_sync": ms[False], "loop_step_ms_async": ms[True], "async_speedup": ms[False] / ms[True],
+           "roofline_frac_loop_sync": roofline_ms / ms[False], "roofline_frac_loop_async": roofline_ms / ms[True],
+           "async_chained_steps": engine.num_chained_steps}
+    log(f"  decode loop of {steps} steps: synchronous {ms[False]:.2f} ms a step ({row['roofline_frac_loop_sync']:.0%} "
+        f"of roofline), async_scheduling {ms[True]:.2f} ms ({row['roofline_frac_loop_async']:.0%}): "
+        f"{row['async_speedup']:.3f}x")
+    return row
 
 
 # ---- speculative rounds ---------------------------------------------------------------------------
@@ -425,6 +445,13 @@ def tables(out: dict) -> str:
                      f"{r['tok_s']:.1f} | {r['measured_distinct']:.1f}, {r['uniform_distinct']:.1f} | "
                      f"{r['bytes']['total'] / 1e9:.2f} | {r['roofline_ms']:.2f} | {r['roofline_frac']:.0%} | "
                      f"{r.get('roofline_frac_gpu', float('nan')):.0%} |")
+    ab = [r for r in out["decode"] if "loop_step_ms_async" in r]
+    if ab:
+        lines += ["", "| C | decode loop ms a step (synchronous) | async_scheduling | speedup | % of roofline (sync) | "
+                  "% of roofline (async) |", "| --- " * 6 + "|"]
+        lines += [f"| {r['concurrency']} | {r['loop_step_ms_sync']:.2f} | {r['loop_step_ms_async']:.2f} | "
+                  f"{r['async_speedup']:.3f}x | {r['roofline_frac_loop_sync']:.0%} | {r['roofline_frac_loop_async']:.0%} |"
+                  for r in ab]
     lines += ["", "| method | C | drafts | draft ms | verify ms | commit ms | verify / step (GPU) | round ms (wall) | "
               "round / step | acceptance | tokens / round | measured speedup | speedup a=0.6 | a=0.7 | a=0.8 | "
               "round GB | % of roofline | a=0.7 at both rooflines |", "| --- " * 18 + "|"]
@@ -486,6 +513,8 @@ def parse_args(argv):
                     help="run each packed (quantized) input projection as its own GEMV, as before the packed merge "
                          "(layers/merged_linear.merge_quant_linears): the A/B of that change")
     ap.add_argument("--quick", action="store_true", help="C1 and C8 only, 12 timed steps")
+    ap.add_argument("--no-async-ab", dest="async_ab", action="store_false",
+                    help="skip the decode loop with async_scheduling off / on at the profile concurrencies")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile the timed rounds at the --profile-concurrency levels (their times then include "
                          "the profiler's overhead: a run for the host's breakdown, not for the round times)")

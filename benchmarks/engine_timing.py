@@ -223,6 +223,28 @@ def drive(engine, reqs: list[Request]) -> list[StepRecord]:
     return records
 
 
+@torch.no_grad()
+def decode_loop_ms(engine, reqs: list[Request], warmup: int) -> tuple[float, int]:
+    """Add `reqs` (one batch that decodes together), run `warmup` steps untimed (the prefill and the first decode
+    steps), then run the rest with one device sync at each end and none between steps, so that an engine with
+    async_scheduling overlaps a step's host work with the previous step's GPU work -> (ms per decode step, steps
+    timed), a step being one token for each request (a step left in flight with ended rows is run and counted)."""
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(warmup):
+        engine.step()
+    device = engine.model.device
+    sync(device)
+    before = sum(len(r.token_ids) for r in reqs)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()  # lands what is left in flight (rows of ended requests): part of the async run's cost
+    sync(device)
+    steps = (sum(len(r.token_ids) for r in reqs) - before) / len(reqs)
+    return (time.perf_counter() - t0) * 1e3 / steps, int(steps)
+
+
 def copy_bandwidth_gbs(device: torch.device | str, gib: float = 1.0, reps: int = 10) -> float:
     """Device-to-device copy bandwidth (read + write) of a `gib` GiB fp16 buffer, median of `reps`."""
     device = torch.device(device)

@@ -46,6 +46,8 @@ def test_fulldepth_smoke_rows(fulldepth):
         assert r["verify_bytes"]["total"] > 0 and r["draft_bytes"] > 0
     plain = saved["decode"][0]
     assert 0 < plain["measured_distinct"] <= 8 and plain["roofline_ms"] > 0
+    # the decode loop A/B: both timed, and the async run planned steps on unread tokens
+    assert plain["loop_step_ms_sync"] > 0 and plain["loop_step_ms_async"] > 0 and plain["async_chained_steps"] > 0
     step, verify = saved["breakdown"]
     assert (step["what"], step["source"]) == ("plain step", "eager")
     assert (verify["what"], verify["source"]) == ("MTP4 verify", "graph replay") and verify["matched"] > 0.9

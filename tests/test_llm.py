@@ -244,6 +244,27 @@ def test_stop_strings(llm):
     assert kept.text == expected + stop
 
 
+def test_async_scheduling_gives_the_synchronous_outputs(llm, tiny_dir):
+    """LLM(async_scheduling=True): a stop string (detokenized while the next step is already launched), plain greedy
+    and seeded sampling give the synchronous engine's outputs; the startup summary names the setting."""
+    full = _greedy(llm, PROMPTS[1], max_tokens=24)
+    stop = full.text[8:11]
+    params = [SamplingParams(temperature=0, max_tokens=24, stop=[stop]), SamplingParams(temperature=0, max_tokens=20),
+              SamplingParams(temperature=1.0, top_k=50, seed=123, max_tokens=16)]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    fast = LLM(model=str(tiny_dir), seed=0, async_scheduling=True)
+
+    def seen(outs):
+        return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in (o.outputs[0] for o in outs)]
+
+    expected = seen(llm.generate(prompts, params, use_tqdm=False))
+    assert seen(fast.generate(prompts, params, use_tqdm=False)) == expected
+    assert expected[0][3] == stop and len(expected[0][0]) < 24
+    assert fast.engine.num_chained_steps >= 5
+    assert ("async_scheduling", True, "argument") in fast.effective_config()
+    assert ("async_scheduling", False, "default") in llm.effective_config()
+
+
 def test_seeded_sampling(llm):
     params = SamplingParams(temperature=1.0, top_k=50, seed=123, max_tokens=10)
     alone = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -188,6 +188,10 @@ def _add_serve_parser(sub) -> None:
                        help="KV block size in tokens (default: chosen for the model; the release note advises "
                             "leaving it unset)")
     serve.add_argument("--enforce-eager", action="store_true", default=None, help="capture no CUDA graphs")
+    serve.add_argument("--async-scheduling", action="store_true", default=None,
+                       help="launch each plain decode step before the previous step's tokens are read (hides the "
+                            "host's work between steps; prefill, speculation, penalties, grammars and logprobs run "
+                            "synchronously)")
     serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                        help="start-up warm-up requests that compile every speculative round's row count and a prefill "
                             "before the first request (default: on with the Triton kernels, i.e. on a GPU)")
@@ -494,6 +498,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                           "ple_placement", "dflash2_graph_rounds",
                                                           "dflash2_draft_graph", "gpu_memory_utilization",
                                                           "kv_offload_gib", "block_size", "enforce_eager",
+                                                          "async_scheduling",
                                                           "warmup", "trust_remote_code", *PARALLEL_ARGS)
                    if getattr(args, name) is not None}
     if args.enable_auto_tool_choice and args.tool_call_parser == "none":

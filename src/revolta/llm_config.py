@@ -52,6 +52,7 @@ ENGINE_ARG_NAMES = frozenset({
     "ple_placement",  # where the PLE n-gram table lives: "device", "host" or "disk" (ple/placement.py)
     "dflash2_graph_rounds", "dflash2_draft_graph",  # DFlash2 rounds / its drafter in CUDA graphs (EngineConfig)
     "warmup",  # start-up warm-up requests (engine/warmup.py; EngineConfig.warmup)
+    "async_scheduling",  # plain decode steps launch before the previous step's tokens are read (engine/async_step.py)
 })
 LOAD_ARGS = ("ple_placement",)  # arguments that shape how the weights load
 # vLLM arguments the media path consumes (multimodal/processor.py)
@@ -61,7 +62,8 @@ ENGINE_CONFIG_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype"
                       "gpu_memory_utilization", "block_size", "enforce_eager", "kv_cache_gib", "kv_offload_gib",
                       "cudagraph_mem_mib", "cudagraph_capture_sizes", "max_num_encoder_input_tokens",
                       "encoder_cache_size", "speculative_config", "tensor_parallel_size",
-                      "decode_context_parallel_size", "dflash2_graph_rounds", "dflash2_draft_graph", "warmup")
+                      "decode_context_parallel_size", "dflash2_graph_rounds", "dflash2_draft_graph", "warmup",
+                      "async_scheduling")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -171,7 +173,7 @@ def effective_config(llm: Any) -> list[tuple[str, Any, str]]:
     ]
     for name in ("tensor_parallel_size", "decode_context_parallel_size", "max_num_seqs", "max_num_batched_tokens",
                  "kv_cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_gib", "kv_offload_gib",
-                 "block_size", "enforce_eager", "dflash2_graph_rounds", "dflash2_draft_graph"):
+                 "block_size", "enforce_eager", "async_scheduling", "dflash2_graph_rounds", "dflash2_draft_graph"):
         if name == "kv_cache_gib" and ec.kv_cache_gib is None:  # the size in force, not "None"
             on_cpu = llm.device.type != "cuda"
             rows.append((name, CPU_KV_CACHE_GIB if on_cpu else None, "default (the CPU allowance)" if on_cpu

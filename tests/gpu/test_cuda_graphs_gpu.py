@@ -56,6 +56,45 @@ def test_graph_decode_equals_eager(model):
 
 
 @torch.no_grad()
+def test_async_scheduling_equals_synchronous_graph_decode(model):
+    """async_scheduling on the graph path: a chained step's input ids are the previous step's samples, copied on the
+    device into the graph's input buffer, and the sampling parameters reach the device through pinned memory: the
+    greedy and seeded tokens of synchronous steps, with a request stopping while its successor is in flight, and
+    the graphs served the chained steps."""
+    from revolta.engine import Request
+    from revolta.engine.sampling import SamplingParams, make_generator
+
+    def reqs(stop=None):
+        out = []
+        for i, p in enumerate(prompts()):
+            params = SamplingParams(temperature=0.8 if i == 4 else 0.0, seed=7 + i, max_tokens=20, ignore_eos=True,
+                                    stop_token_ids=[stop] if stop is not None and i == 2 else [])
+            out.append(Request(str(i), p, params, generator=make_generator(7 + i, "cuda") if i == 4 else None))
+        return out
+
+    def generate(async_scheduling, requests):
+        engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96,
+                                            kernels="triton", enable_prefix_caching=False, kv_cache_gib=1.0,
+                                            async_scheduling=async_scheduling))
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_unfinished():
+            engine.step()
+        engine.step()  # lands a step left in flight
+        return engine, [(r.token_ids, r.finish_reason, r.stop_reason) for r in requests]
+
+    probe = reqs()
+    generate(False, probe)
+    stop = probe[2].token_ids[9]
+    _, expected = generate(False, reqs(stop))
+    engine, got = generate(True, reqs(stop))
+    assert got == expected
+    assert expected[2][2] == stop and len(expected[2][0]) <= 10
+    assert engine.num_chained_steps >= 10 and engine.graphs.num_replays >= engine.num_async_steps
+    assert not engine.allocator._seqs
+
+
+@torch.no_grad()
 def test_graph_capture_sizes_and_reserve(model, monkeypatch):
     monkeypatch.setenv("REVOLTA_CUDAGRAPH_MEM_MIB", "300")
     engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=3, kernels="triton",

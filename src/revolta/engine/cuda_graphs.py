@@ -141,13 +141,16 @@ class DecodeGraphs:
                         for s in seqs))
 
     @torch.no_grad()
-    def run(self, seqs: list[StepSequence]) -> Tensor | tuple[Tensor, Tensor]:
+    def run(self, seqs: list[StepSequence], input_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Replay the graph for len(seqs) decode rows -> logits [b, V] fp32 (a copy); with return_hidden
-        (logits, hidden rows [b, h*d])."""
+        (logits, hidden rows [b, h*d]). input_ids: [b] int64 on the device, the rows' tokens in place of
+        their token_ids (async scheduling: the previous step's samples)."""
         b = len(seqs)
         B = next(size for size in self.batch_sizes if size >= b)
         flat = self.runner.pack_step(seqs, num_rows=B, width=self.width)
         self.static[: flat.numel()].copy_(flat, non_blocking=True)
+        if input_ids is not None:  # the input_ids section leads the buffer: one token per row
+            self.static[:b].copy_(input_ids)
         if self.runner.ple_feeder is not None:  # a disk-placed PLE table: its rows are in place before the replay
             self.runner.stage_ple(StepInputs.unpack(self.static, B, B, self.width))
         g = self.graphs[B]

@@ -39,6 +39,7 @@ from ..spec.dflash2.rank_drafter import rank_weight_bytes
 from ..spec.resolve import resolve_speculative
 from ..spec.stats import SpecStats
 from ..tokenizer import Tokenizer
+from .async_step import InFlightStep, PendingTokens, chain_blocker, plain_request
 from .executor import Executor, ModelStep, StepItem, UniProcExecutor, forwarded
 from .tp_executor import TPGroup
 from .request import Request
@@ -117,6 +118,10 @@ class EngineConfig:
     # start-up warm-up requests (warmup.py: every row count a speculative round verifies, compiled before the first
     # request); None: on where the Triton kernels run (kernels "triton"); LLM runs it after building the engine
     warmup: bool | None = None
+    # launch a plain decode step before the host reads the previous step's tokens, hiding the host's work between
+    # steps (vLLM's name; async_step.py); steps it does not cover (prefill, speculation, penalties, grammars,
+    # logprobs) run synchronously
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         gib = self.kv_cache_gib
@@ -127,7 +132,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         none_means = {"dflash2_graph_rounds": "on where CUDA graphs run", "dflash2_draft_graph": "on where CUDA "
                       "graphs run", "warmup": "on where the Triton kernels run"}  # the switches None may leave unset
-        for name in ("enable_prefix_caching", "enforce_eager", *none_means):
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling", *none_means):
             value = getattr(self, name)  # "no" would be truthy: on, silently
             if not isinstance(value, bool) and not (value is None and name in none_means):
                 raise ValueError(f"{name}={value!r} must be True or False"
@@ -276,6 +281,9 @@ class Engine:
                                    self.encoder_cache, self.encoder_budget,
                                    lookahead_fn=(lambda seq: num_drafts()(seq)) if self.spec.enabled else None)
         self._seqs: dict[str, SeqState] = {}
+        self._inflight: InFlightStep | None = None  # async scheduling: the launched step whose tokens are unread
+        self.num_async_steps = 0  # steps launched without waiting for their tokens (async_scheduling)
+        self.num_chained_steps = 0  # of those, planned before the previous step's tokens were read
         self.sleep_level: int | None = None  # None: awake (sleep.py)
         self.paused = False  # pause(): steps are refused until resume(); requests may still be added
         self.host_memory = host_available_bytes  # the sleep preflight's source; tests inject a shortage
@@ -380,6 +388,9 @@ class Engine:
         """Drop a request at once: its blocks and slot go back to the pools, its grammar matcher is closed."""
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
+            row = self._inflight.row_of(request_id) if self._inflight is not None else None
+            if row is not None:  # its row's token is never read; its cache goes now (later steps run after it)
+                self._inflight.dropped.add(row)
             self.scheduler.finish(seq)
             self.executor.drop(request_id)
             seq.request.release()
@@ -426,6 +437,9 @@ class Engine:
         """Free the device memory of an idle engine (see sleep.py for the levels); refuses with requests left."""
         if self.sleep_level is not None:
             return
+        if self._inflight is not None:  # only ended requests' rows are left in it: let the device finish them
+            self._inflight.tokens.read()
+            self._inflight = None
         if self.has_unfinished():
             raise RuntimeError(f"sleep with {len(self.scheduler.running) + len(self.scheduler.waiting)} requests "
                                "unfinished; finish or abort them first (LLM.sleep(mode=...) does)")
@@ -470,19 +484,25 @@ class Engine:
         if self.paused or self.sleep_level is not None:
             raise RuntimeError("the engine is " + ("paused; call resume() first" if self.paused else
                                                    f"asleep (level {self.sleep_level}); call wake_up() first"))
+        landed: list[Request] = []
+        if self._inflight is not None:  # async scheduling (async_step.py)
+            if chain_blocker(self._inflight, self.scheduler, self.allocator) is None:
+                return self._chain()
+            landed, self._inflight = self._land(self._inflight), None
         if self.policy is not None:
             self._drafting = self.policy.should_draft(max(1, len(self.scheduler.running)))
         items = self.scheduler.schedule()
         if not items:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not landed:
                 raise RuntimeError("no request fits in the cache even alone; raise the cache size or lower "
                                    "max_model_len")
-            return []
-        now = time.time()
-        for it in items:
-            if it.seq.request.metrics.first_scheduled_time is None:
-                it.seq.request.metrics.first_scheduled_time = now
+            return landed
+        self._mark_scheduled(items)
         step = self._model_step(items)
+        if (self.config.async_scheduling and self.executor.runs_async(step)
+                and all(plain_request(it.seq.request) for it in items)):
+            self._inflight = self._launch(items, step)
+            return landed
         decode_only = all(s.verify or (s.sample and len(s.seq.token_ids) == 1 and s.seq.num_computed > 0
                                        and not s.prompt_logits) for s in step.items)
         result = self.executor.execute(step)
@@ -516,7 +536,73 @@ class Engine:
         num_verified = sum(s.verify for s in step.items)
         if num_verified and self.spec_stats.num_rounds and self.spec_stats.num_rounds % SPEC_LOG_INTERVAL < num_verified:
             logger.info("speculative decoding: %s", self.spec_stats.summary())
+        if landed:  # a request may gain a token twice in one call (landed, then stepped): listed once
+            seen = {id(r) for r in landed}
+            return landed + [r for r in sampled if id(r) not in seen]
         return sampled
+
+    @staticmethod
+    def _mark_scheduled(items: list[ScheduledSeq]) -> None:
+        now = time.time()
+        for it in items:
+            if it.seq.request.metrics.first_scheduled_time is None:
+                it.seq.request.metrics.first_scheduled_time = now
+
+    # ---- async scheduling (async_step.py) --------------------------------------------------------
+    def _launch(self, items: list[ScheduledSeq], step: ModelStep, input_ids: torch.Tensor | None = None
+                ) -> InFlightStep:
+        """Run a plain decode step and sample it on the device, without reading its tokens."""
+        step.input_ids = input_ids
+        result = self.executor.execute(step)
+        ids = self.sampler.pick([it.seq.request for it in items], result.logits)  # [B] on the device
+        self.num_async_steps += 1
+        return InFlightStep(items, PendingTokens(ids))
+
+    def _chain(self) -> list[Request]:
+        """Plan and launch the step after the in-flight one on placeholders, then land the in-flight one."""
+        prev = self._inflight
+        self.scheduler.update(prev.items)  # its input tokens were known; none of its requests ended yet
+        prev.committed = True
+        for it in prev.items:
+            it.seq.num_placeholders = 1
+        try:
+            items = self.scheduler.schedule()
+            step = self._model_step(items)
+            if [it.seq for it in items] != [it.seq for it in prev.items] or not self.executor.runs_async(step):
+                raise RuntimeError("async scheduling planned a step other than the in-flight one's requests "
+                                   "(a bug: chain_blocker let it through); set async_scheduling=False")
+            nxt = self._launch(items, step, prev.tokens.ids)
+        except BaseException:  # the caller aborts what it ran; nothing refers to the placeholders any more
+            self._inflight = None
+            for it in prev.items:
+                it.seq.num_placeholders = 0
+            raise
+        self.num_chained_steps += 1
+        self._inflight = nxt
+        return self._land(prev, nxt)
+
+    def _land(self, step: InFlightStep, successor: InFlightStep | None = None) -> list[Request]:
+        """Read an in-flight step's tokens and append them (stop rules). Not yet committed: commit it now. Committed
+        (`successor` was planned on it, same rows): a request that ended here leaves `successor` and its cache."""
+        token_ids = step.tokens.read()
+        now, gained = time.time(), []
+        kept = [(i, it) for i, it in enumerate(step.items) if i not in step.dropped]
+        for i, it in kept:
+            r = it.seq.request
+            it.seq.num_placeholders = 0
+            r.append(token_ids[i], self.sampler.eos_token_ids)
+            if r.metrics.first_token_time is None:
+                r.metrics.first_token_time = now
+            gained.append(r)
+        if not step.committed:
+            self.scheduler.update([it for _, it in kept])
+        for i, it in kept:
+            if it.seq.request.finished:
+                if step.committed:
+                    successor.dropped.add(i)
+                    self.scheduler.finish(it.seq)
+                self._seqs.pop(it.seq.request_id, None)
+        return gained
 
     def _record_policy(self, step: ModelStep, decode_only: bool, tokens: int) -> None:
         """Tell the adaptive policy what a pure decode step cost; count the steps it ran without drafts."""

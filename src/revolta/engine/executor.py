@@ -84,6 +84,9 @@ class ModelStep:
     items: list[StepItem]
     swap_outs: SwapOuts | None = None
     encode: list[MediaItem] = field(default_factory=list)
+    # [B] int64 on the device: each item's one new token, in place of the placeholder in its token_ids (async
+    # scheduling: the previous step's samples, which the host has not read yet; only where `runs_async`)
+    input_ids: Tensor | None = None
 
 
 @dataclass
@@ -112,6 +115,11 @@ class Executor(ABC):
     @abstractmethod
     def finish(self, step: ModelStep, accepted: list[int], finished: list[bool]) -> None:
         """After sampling: per item the drafts it kept (`accepted`) and whether its request finished."""
+
+    def runs_async(self, step: ModelStep) -> bool:
+        """Whether `step` may run before the host has read the previous step's tokens, taking them from
+        `step.input_ids` (async scheduling, async_step.py); executors that cannot say no."""
+        return False
 
     @abstractmethod
     def can_draft(self, request_id: str, num_computed: int, num_preemptions: int) -> bool:
@@ -294,7 +302,17 @@ class UniProcExecutor(Executor):
         return {"graph_replays": sum(g.num_replays for g in (self.graphs, self.spec_graphs) if g is not None)}
 
     # ---- one step --------------------------------------------------------------------------------
+    def runs_async(self, step: ModelStep) -> bool:
+        """A text-only decode step (one token per request, each sampled) without speculation or prompt logprobs,
+        and no disk-placed PLE table (its worker reads the step's token ids on the host)."""
+        return (not self.spec.enabled and self.runner.ple_feeder is None and not step.encode
+                and all(it.sample and not it.prompt_logits and it.mm is None and len(it.seq.token_ids) == 1
+                        for it in step.items))
+
     def execute(self, step: ModelStep) -> StepResult:
+        if step.input_ids is not None and not self.runs_async(step):
+            raise ValueError("input_ids on the device are for text-only decode steps without speculation "
+                             "(Executor.runs_async)")
         self._encode(step.encode)
         items = step.items
         self.storage.pre_forward([it.alloc for it in items], step.swap_outs, self.cpu_storage)
@@ -307,9 +325,9 @@ class UniProcExecutor(Executor):
         if any(it.prompt_logits for it in items):
             logits = self._execute_with_prompt_logits(items, seqs, prompt_logits)
         elif self.graphs is not None and self.graphs.can_run(seqs):
-            logits = self.graphs.run(seqs)  # [B, V]
+            logits = self.graphs.run(seqs, step.input_ids)  # [B, V]
         else:
-            logits = self.runner.execute(seqs)  # [B, V]
+            logits = self.runner.execute(seqs, input_ids=step.input_ids)  # [B, V]
         self.storage.post_forward([it.alloc for it in items])
         ready = [i for i, it in enumerate(items) if it.sample]
         if len(ready) < len(items):

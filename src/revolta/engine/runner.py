@@ -288,15 +288,20 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, seqs: list[StepSequence], all_logits: bool = False, return_hidden: bool = False,
-                logits_rows: list[int] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                logits_rows: list[int] | None = None, input_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Forward the step; logits [B, V] of each sequence's last new token ([T, V] with all_logits,
-        [len(logits_rows), V] for those rows of the flat token stream)."""
+        [len(logits_rows), V] for those rows of the flat token stream). input_ids: [T] int64 on the device, the
+        step's tokens in place of the sequences' token_ids (async scheduling: the previous step's samples)."""
         lens = [len(s.token_ids) for s in seqs]
         decode = bool(seqs) and max(lens) == 1
         flat = self.pack_step(seqs)
         B, T, W = len(seqs), sum(lens), max(len(s.block_ids) for s in seqs)
         device = self.model.device
         inputs = StepInputs.unpack(flat.to(device, non_blocking=True), B, T, W)
+        if input_ids is not None:
+            if input_ids.shape != (T,):
+                raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the step has {T} tokens")
+            inputs.input_ids.copy_(input_ids)
         self.stage_ple(inputs)
         if logits_rows is not None:
             rows = torch.tensor(logits_rows).to(device, non_blocking=True)

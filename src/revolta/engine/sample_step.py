@@ -46,6 +46,16 @@ class StepSampler:
 
     def sample(self, requests: list[Request], logits: Tensor) -> None:
         """logits [N, V]: row i is request i's next-token distribution; appends one token to each."""
+        token_ids = self.pick(requests, logits)
+        if any(r.params.logprobs is not None for r in requests):
+            self._record_logprobs(requests, logits, token_ids)
+        for r, token_id in zip(requests, token_ids.tolist()):
+            r.append(token_id, self.eos_token_ids)
+
+    def pick(self, requests: list[Request], logits: Tensor) -> Tensor:
+        """The tokens `sample` appends -> [N] int64 on logits.device, without waiting for the device when no
+        request needs a host decision first (penalties and grammars read the requests' tokens on the host, which
+        they already have); masks the padding rows of logits in place."""
         self._mask_padding(logits)
         params = [r.params for r in requests]
         sample_logits = logits  # logprobs report the raw model distribution, as vLLM does
@@ -61,11 +71,7 @@ class StepSampler:
                 bitmasks += [(b, bits) for _, bits in rows]
                 forced += [(b, token) for _, token in ends]
             apply_row_constraints(sample_logits, bitmasks, forced)
-        token_ids = self.sampler(sample_logits, params, [r.generator for r in requests])
-        if any(p.logprobs is not None for p in params):
-            self._record_logprobs(requests, logits, token_ids)
-        for r, token_id in zip(requests, token_ids.tolist()):
-            r.append(token_id, self.eos_token_ids)
+        return self.sampler(sample_logits, params, [r.generator for r in requests])
 
     def verify(self, requests: list[Request], logits: Tensor, drafts: Sequence[Sequence[int]]) -> list[int]:
         """Speculative rows: request i owns 1 + len(drafts[i]) consecutive rows of logits [N, V] (its definite

@@ -173,6 +173,13 @@ def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gener
     return torch.Generator(device=device).manual_seed(seed - 2**64 if seed >= 2**63 else seed)
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A small host list as a tensor on `device` without waiting for the device: through pinned memory on CUDA (a
+    pageable copy synchronizes the stream, which would wait for an asynchronous step's forward: async_step.py)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+
 class Sampler:
     """logits [N, V] fp32 + one SamplingParams and generator per row -> token ids [N]."""
 
@@ -191,7 +198,7 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):  # decided from the params on the host: no device sync
             return greedy_ids
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        is_greedy = device_tensor([p.greedy for p in params], torch.bool, logits.device)
         probs = self.probs(logits, params)
         noise = torch.empty_like(probs)
         for row, (p, gen) in enumerate(zip(params, generators)):
@@ -210,13 +217,14 @@ class Sampler:
         filters run is decided from the params on the host, so this never waits on the device.
         """
         device = logits.device
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        temperature = device_tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32,
+                                    device)
         logits = logits / temperature[:, None]
         V = logits.shape[-1]
         ks = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
-        top_k = torch.tensor(ks, device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+        top_k = device_tensor(ks, torch.int64, device)
+        top_p = device_tensor([p.top_p for p in params], logits.dtype, device)
+        min_p = device_tensor([p.min_p for p in params], logits.dtype, device)
         if min(ks) < V or any(p.top_p < 1.0 for p in params):
             logits = _apply_top_k_top_p(logits, top_k, top_p, k_max=max(ks))
         probs = logits.softmax(dim=-1)

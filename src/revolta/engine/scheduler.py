@@ -39,16 +39,20 @@ class SeqState:
         # media: expanded prompt, items, positions; its content hashes key the prefix cache (extra_keys)
         self.mm: MultimodalPrompt | None = request.mm_prompt
         self.extra_keys = self.mm.extra_keys if self.mm is not None else None
+        # tokens sampled by a launched step that the host has not read yet (async scheduling, async_step.py): they
+        # count as known, so the next step can be scheduled before they are read
+        self.num_placeholders = 0
 
     @property
     def all_token_ids(self) -> TokenView:
         """The prompt and output tokens, read in place: the cache and the step read the length and a slice every
         step, and a copy of a 512K-token context costs milliseconds of host time per request."""
-        return TokenView(self.request.prompt_token_ids, self.request.token_ids)
+        return TokenView(self.request.prompt_token_ids, self.request.token_ids, self.num_placeholders)
 
     @property
     def num_pending_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.request.token_ids) - self.num_computed_tokens
+        return (len(self.request.prompt_token_ids) + len(self.request.token_ids) + self.num_placeholders
+                - self.num_computed_tokens)
 
 
 @dataclass

@@ -1,0 +1,106 @@
+"""Async scheduling: the next decode step launches before the host reads this step's tokens.
+
+Why: a synchronous step leaves the GPU idle while the host reads the sampled tokens, appends them (detokenizer,
+stop strings), schedules and packs the next step: 0.5-1.1 ms of a 13-14 ms C8 step of the full-depth stand-in on
+the H200, the gap between its wall-time and GPU-time roofline fractions (benchmarks/RESULTS.md, F1 run I).
+
+How (`EngineConfig.async_scheduling`, vLLM's `async_scheduling` for plain decode steps):
+
+    launch   a decode step of plain requests (`plain_request`; `Executor.runs_async` says the step qualifies)
+             samples on the device and starts copying its tokens to pinned host memory (`PendingTokens`); the
+             host does not wait: the step is in flight (`InFlightStep`).
+    chain    at the next `Engine.step`, when nothing stands in the way (`chain_blocker`), the in-flight step is
+             committed (its input tokens were known), each of its requests gets one placeholder token
+             (`SeqState.num_placeholders`), the scheduler plans the next step as usual, and it launches with its
+             input ids taken on the device from the in-flight step's samples. Only then does the host wait for
+             the older step's tokens and append them (stop rules). A request that stopped there already has a row
+             in the newer step: that row is dropped and the request's blocks and slot freed at once (a later step
+             that reuses them runs after it on the same stream).
+    land     otherwise (a request waiting for admission, one ending by length, a stopped or aborted request, too
+             few free blocks, a prefix-cache snapshot due) the host reads the in-flight step's tokens, commits it,
+             and the engine schedules the next step synchronously (which may launch asynchronously again).
+
+Tokens are those of a synchronous run: the same forward rows, the same sampling draws in the same order (greedy
+and seeded requests are reproducible either way; tests/engine/test_async_scheduling.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..cache.hybrid import HybridAllocator
+from .request import Request
+from .scheduler import ScheduledSeq, Scheduler
+
+
+class PendingTokens:
+    """A step's sampled tokens on their way to the host: `ids` [B] int64 on the device (the next step's inputs),
+    a pinned host copy started without waiting, and `read()` which waits for it."""
+
+    def __init__(self, ids: Tensor):
+        self.ids = ids
+        self._event = None
+        if ids.is_cuda:
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = ids
+
+    def read(self) -> list[int]:
+        """The token ids (waits for the step that samples them)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose tokens the host has not read. committed: the scheduler already committed it (a
+    successor was planned on top of it); dropped: rows whose request ended (stopped or aborted) after launch."""
+
+    items: list[ScheduledSeq]
+    tokens: PendingTokens
+    committed: bool = False
+    dropped: set[int] = field(default_factory=set)
+
+    def row_of(self, request_id: str) -> int | None:
+        return next((i for i, it in enumerate(self.items) if it.seq.request_id == request_id), None)
+
+
+def plain_request(r: Request) -> bool:
+    """Sampled with no decision on the host before the draw: no penalties or min_tokens (they read the output
+    so far), no grammar, no logprobs (one more host read per step)."""
+    p = r.params
+    return not p.adjusts_logits and r.constraint is None and p.logprobs is None
+
+
+def chain_blocker(step: InFlightStep, scheduler: Scheduler, allocator: HybridAllocator) -> str | None:
+    """Why the step after `step` cannot be planned before `step`'s tokens are read, or None when it can: then
+    the scheduler will plan exactly `step`'s requests, one token each, in the same order, with no preemption."""
+    if step.dropped:
+        return "a request ended"
+    if scheduler.waiting:
+        return "requests wait for admission"
+    running = scheduler.running
+    if len(running) != len(step.items) or any(it.seq is not s for it, s in zip(step.items, running)):
+        return "the running requests changed"
+    if len(running) > scheduler.max_num_batched_tokens:
+        return "max_num_batched_tokens is below the number of running requests"
+    bs, interval = allocator.block_size, allocator.config.snapshot_interval
+    new_blocks = 0
+    for it in step.items:
+        r = it.seq.request
+        if r.finished or len(r.token_ids) + 1 >= r.max_tokens:  # its in-flight token is its last
+            return "a request ends by length"
+        end = it.seq.num_computed_tokens + 2  # tokens in the cache after the next step
+        new_blocks += -(-end // bs) > len(allocator.block_ids(it.seq))
+        if allocator.config.enable_prefix_caching and interval and end % interval == 0:
+            return "a prefix-cache snapshot is due"  # its key would hash the placeholder
+    if new_blocks > allocator.num_free_blocks:
+        return "too few free blocks"
+    return None
