@@ -198,3 +198,11 @@ def test_each_request_is_returned_once_a_step(model):
 def test_async_scheduling_must_be_a_bool():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(max_model_len=64, async_scheduling="yes")
+
+
+def test_speculation_says_async_scheduling_does_not_apply(model, caplog):
+    with_mtp = FlashNextModel(ModelConfig.from_dict(dict(TINY, mtp_num_hidden_layers=1))).eval()
+    init_random_weights(with_mtp, seed=3)
+    with caplog.at_level("WARNING", logger="revolta.engine.engine"):
+        make_engine(with_mtp, True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert "every step runs synchronously" in caplog.text and "speculative_config={'method': None}" in caplog.text

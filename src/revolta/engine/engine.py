@@ -255,6 +255,12 @@ class Engine:
             self.plan = self._fit_max_model_len(cache, dtype)
             config = self.config
         logger.info("speculative decoding: %s", self.spec.describe())
+        if config.async_scheduling and (self.spec.enabled or self.tp > 1):
+            why = (f"speculative decoding ({self.spec.method}) verifies drafts in every decoding step (to use it, turn "
+                   "speculation off: speculative_config={'method': None})" if self.spec.enabled
+                   else f"tensor_parallel_size={self.tp} runs its steps on worker processes")
+            logger.warning("async_scheduling covers plain decode steps on one GPU, but %s: every step runs "
+                           "synchronously", why)
         if self.drafter_weights_bytes:
             sharded = self.tp > 1 and self.spec.sm70_dflash2.sharded_selector_codebook
             books = f"sharded over TP {self.tp}" if sharded else "replicated"
