@@ -156,13 +156,15 @@ def test_serve_takes_the_vllm_engine_flags_the_llm_takes(tmp_path, monkeypatch):
     seen = _fake_serve(tmp_path, monkeypatch)
     assert main(["serve", str(tmp_path), "--gpu-memory-utilization", "0.85", "--block-size", "32", "--enforce-eager",
                  "--kv-offload-gib", "4", "--trust-remote-code", "--enable-auto-tool-choice",
-                 "--tool-call-parser", "qwen3_coder"]) == 0
+                 "--tool-call-parser", "qwen3_coder", "--async-scheduling"]) == 0
     assert (seen["gpu_memory_utilization"], seen["block_size"], seen["enforce_eager"]) == (0.85, 32, True)
+    assert seen["async_scheduling"] is True
     assert seen["kv_offload_gib"] == 4 and seen["trust_remote_code"] is True
     assert seen["server"].tool_call_parser == "qwen3_coder"
     seen.clear()
     assert main(["serve", str(tmp_path)]) == 0  # unset flags leave the LLM's defaults
-    assert not {"gpu_memory_utilization", "block_size", "enforce_eager", "trust_remote_code"} & seen.keys()
+    assert not {"gpu_memory_utilization", "block_size", "enforce_eager", "trust_remote_code",
+                "async_scheduling"} & seen.keys()
 
 
 @pytest.mark.parametrize("argv,needle", [

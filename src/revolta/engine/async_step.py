@@ -13,12 +13,13 @@ How (`EngineConfig.async_scheduling`, vLLM's `async_scheduling` for plain decode
              committed (its input tokens were known), each of its requests gets one placeholder token
              (`SeqState.num_placeholders`), the scheduler plans the next step as usual, and it launches with its
              input ids taken on the device from the in-flight step's samples. Only then does the host wait for
-             the older step's tokens and append them (stop rules). A request that stopped there already has a row
-             in the newer step: that row is dropped and the request's blocks and slot freed at once (a later step
-             that reuses them runs after it on the same stream).
-    land     otherwise (a request waiting for admission, one ending by length, a stopped or aborted request, too
-             few free blocks, a prefix-cache snapshot due) the host reads the in-flight step's tokens, commits it,
-             and the engine schedules the next step synchronously (which may launch asynchronously again).
+             the older step's tokens and append them (stop rules). A request that ended there (a stop, or its
+             last token by length) already has a row in the newer step: that row is dropped and the request's
+             blocks and slot freed at once (a later step that reuses them runs after it on the same stream); the
+             step after takes its input ids from the rows that are left.
+    land     otherwise (a request waiting for admission, too few free blocks, a prefix-cache snapshot due) the
+             host reads the in-flight step's tokens, commits it, and the engine schedules the next step
+             synchronously (which may launch asynchronously again).
 
 Tokens are those of a synchronous run: the same forward rows, the same sampling draws in the same order (greedy
 and seeded requests are reproducible either way; tests/engine/test_async_scheduling.py).
@@ -71,6 +72,9 @@ class InFlightStep:
     def row_of(self, request_id: str) -> int | None:
         return next((i for i, it in enumerate(self.items) if it.seq.request_id == request_id), None)
 
+    def kept_rows(self) -> list[int]:
+        return [i for i in range(len(self.items)) if i not in self.dropped]
+
 
 def plain_request(r: Request) -> bool:
     """Sampled with no decision on the host before the draw: no penalties or min_tokens (they read the output
@@ -81,22 +85,21 @@ def plain_request(r: Request) -> bool:
 
 def chain_blocker(step: InFlightStep, scheduler: Scheduler, allocator: HybridAllocator) -> str | None:
     """Why the step after `step` cannot be planned before `step`'s tokens are read, or None when it can: then
-    the scheduler will plan exactly `step`'s requests, one token each, in the same order, with no preemption."""
-    if step.dropped:
-        return "a request ended"
+    the scheduler will plan exactly `step`'s rows that are not dropped (`kept_rows`), one token each, in the same
+    order, with no preemption. A request whose in-flight token is its last (by length, or a stop the host will find)
+    is planned too: its row of the next step is dropped when the older step lands."""
     if scheduler.waiting:
         return "requests wait for admission"
-    running = scheduler.running
-    if len(running) != len(step.items) or any(it.seq is not s for it, s in zip(step.items, running)):
+    running, kept = scheduler.running, [step.items[i] for i in step.kept_rows()]
+    if not running:
+        return "no request runs"
+    if len(running) != len(kept) or any(it.seq is not s for it, s in zip(kept, running)):
         return "the running requests changed"
     if len(running) > scheduler.max_num_batched_tokens:
         return "max_num_batched_tokens is below the number of running requests"
     bs, interval = allocator.block_size, allocator.config.snapshot_interval
     new_blocks = 0
-    for it in step.items:
-        r = it.seq.request
-        if r.finished or len(r.token_ids) + 1 >= r.max_tokens:  # its in-flight token is its last
-            return "a request ends by length"
+    for it in kept:
         end = it.seq.num_computed_tokens + 2  # tokens in the cache after the next step
         new_blocks += -(-end // bs) > len(allocator.block_ids(it.seq))
         if allocator.config.enable_prefix_caching and interval and end % interval == 0:

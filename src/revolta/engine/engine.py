@@ -45,6 +45,7 @@ from .tp_executor import TPGroup
 from .request import Request
 from .runner import StepSequence
 from .sample_step import StepSampler
+from .sampling import device_tensor
 from .scheduler import ScheduledSeq, Scheduler, SeqState
 from .sleep import SLEEP_LEVELS, EngineAsleepError, check_host_memory, host_available_bytes
 from .spec_policy import SpecPolicy
@@ -208,6 +209,7 @@ class EngineStatus:
     spec_paused: bool = False  # the adaptive policy decodes plainly (drafting does not pay at this batch size)
     spec_paused_steps: int = 0  # decode steps run without drafting by the policy's choice
     spec_speedup: float | None = None  # the policy's estimate: tokens/s drafting over plain (None: not measured)
+    async_steps: int = 0  # decode steps launched before the previous step's tokens were read (async_scheduling)
 
 
 class Engine:
@@ -426,7 +428,8 @@ class Engine:
                            spec=self.spec_stats if self.spec.enabled else None,
                            spec_paused=self.policy is not None and self.policy.paused,
                            spec_paused_steps=self.num_paused_steps,
-                           spec_speedup=self.policy.estimated_speedup() if self.policy is not None else None)
+                           spec_speedup=self.policy.estimated_speedup() if self.policy is not None else None,
+                           async_steps=self.num_chained_steps)
 
     # ---- sleep and pause (sleep.py; LLM.sleep / LLM.pause handle the requests in flight) -------
     def check_sleep(self, level: int) -> None:
@@ -567,20 +570,25 @@ class Engine:
     def _chain(self) -> list[Request]:
         """Plan and launch the step after the in-flight one on placeholders, then land the in-flight one."""
         prev = self._inflight
-        self.scheduler.update(prev.items)  # its input tokens were known; none of its requests ended yet
+        rows = prev.kept_rows()  # the rows of requests that had not ended when it launched
+        kept = [prev.items[i] for i in rows]
+        self.scheduler.update(kept)  # their input tokens were known; none of them ended yet as far as the host knows
         prev.committed = True
-        for it in prev.items:
+        for it in kept:
             it.seq.num_placeholders = 1
         try:
             items = self.scheduler.schedule()
             step = self._model_step(items)
-            if [it.seq for it in items] != [it.seq for it in prev.items] or not self.executor.runs_async(step):
+            if [it.seq for it in items] != [it.seq for it in kept] or not self.executor.runs_async(step):
                 raise RuntimeError("async scheduling planned a step other than the in-flight one's requests "
                                    "(a bug: chain_blocker let it through); set async_scheduling=False")
-            nxt = self._launch(items, step, prev.tokens.ids)
+            ids = prev.tokens.ids  # [len(prev.items)] on the device
+            if len(rows) < len(prev.items):
+                ids = ids[device_tensor(rows, torch.long, ids.device)]
+            nxt = self._launch(items, step, ids)
         except BaseException:  # the caller aborts what it ran; nothing refers to the placeholders any more
             self._inflight = None
-            for it in prev.items:
+            for it in kept:
                 it.seq.num_placeholders = 0
             raise
         self.num_chained_steps += 1
@@ -605,7 +613,7 @@ class Engine:
         for i, it in kept:
             if it.seq.request.finished:
                 if step.committed:
-                    successor.dropped.add(i)
+                    successor.dropped.add(successor.row_of(it.seq.request_id))
                     self.scheduler.finish(it.seq)
                 self._seqs.pop(it.seq.request_id, None)
         return gained

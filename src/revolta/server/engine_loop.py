@@ -71,6 +71,7 @@ class EngineStats:
     spec_paused: bool = False  # the adaptive policy decodes plainly: drafting does not pay at this batch size
     spec_paused_steps: int = 0  # decode steps run without drafting by the policy's choice
     spec_speedup: float | None = None  # its estimate of tokens/s drafting over plain (None: not measured)
+    async_steps: int = 0  # decode steps planned before the previous step's tokens were read (--async-scheduling)
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,7 @@ class EngineLoop:
                                  accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
                                  spec_paused=st.spec_paused,
                                  spec_paused_steps=st.spec_paused_steps,
-                                 spec_speedup=st.spec_speedup)
+                                 spec_speedup=st.spec_speedup, async_steps=st.async_steps)
 
 
 def _answer(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

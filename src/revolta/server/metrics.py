@@ -102,6 +102,10 @@ class Metrics:
                 "# HELP revolta:kv_cache_free_blocks Free KV cache blocks (prefix-cached ones included).",
                 "# TYPE revolta:kv_cache_free_blocks gauge",
                 f"revolta:kv_cache_free_blocks{{{m}}} {stats.num_free_blocks}",
+                "# HELP revolta:async_scheduled_steps_total Decode steps planned and launched before the previous "
+                "step's tokens were read (--async-scheduling).",
+                "# TYPE revolta:async_scheduled_steps_total counter",
+                f"revolta:async_scheduled_steps_total{{{m}}} {stats.async_steps}",
                 "# HELP vllm:cache_config_info Information of the KV cache configuration.",
                 "# TYPE vllm:cache_config_info gauge",
                 f'vllm:cache_config_info{{{m},block_size="{stats.block_size}",'
