@@ -163,3 +163,48 @@ def test_pause_clears_or_keeps_the_prefix_cache(llm, clear_cache):
     again = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert (again.num_cached_tokens > 0) is not clear_cache
+
+
+@pytest.fixture(scope="module")
+def async_llm(llm):
+    """The same checkpoint without speculation and with async_scheduling: greedy tokens equal `reference`."""
+    return LLM(model=str(llm.model_path), seed=0, kv_cache_gib=0.02, max_model_len=320, block_size=64,
+               speculative_config={"method": None}, async_scheduling=True)
+
+
+def launch_ahead(llm) -> str:
+    """A request past its prefill with its next decode step launched and not yet read (async scheduling)."""
+    rid = llm.add_request(PROMPTS[0], PARAMS)
+    llm.step()  # the prefill
+    llm.step()  # a decode step launched ahead
+    assert llm.engine._inflight is not None and llm.engine._inflight.row_of(rid) is not None
+    return rid
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_pause_with_a_step_in_flight(async_llm, reference, mode):
+    rid = launch_ahead(async_llm)
+    outputs = async_llm.pause(mode=mode, clear_cache=mode != "keep")
+    with pytest.raises(RuntimeError, match="paused"):
+        async_llm.step()
+    async_llm.resume()
+    if mode == "keep":
+        assert outputs == [] and finish(async_llm, rid).outputs[0].token_ids == reference[0]
+    else:
+        (out,) = [o for o in outputs if o.finished and o.request_id == rid]
+        tokens = out.outputs[0].token_ids
+        assert tokens == reference[0] if mode == "wait" else tokens == reference[0][:len(tokens)]
+    assert greedy(async_llm) == reference  # the engine serves on, nothing left behind
+    assert async_llm.engine.num_chained_steps > 0
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait"])
+def test_sleep_with_a_step_in_flight(async_llm, reference, mode):
+    rid = launch_ahead(async_llm)
+    outputs = async_llm.sleep(level=1, mode=mode)
+    (out,) = [o for o in outputs if o.finished and o.request_id == rid]
+    tokens = out.outputs[0].token_ids
+    assert tokens == reference[0] if mode == "wait" else tokens == reference[0][:len(tokens)]
+    assert async_llm.engine._inflight is None
+    async_llm.wake_up()
+    assert greedy(async_llm) == reference

@@ -446,12 +446,12 @@ class Engine:
         """Free the device memory of an idle engine (see sleep.py for the levels); refuses with requests left."""
         if self.sleep_level is not None:
             return
-        if self._inflight is not None:  # only ended requests' rows are left in it: let the device finish them
-            self._inflight.tokens.read()
-            self._inflight = None
         if self.has_unfinished():
             raise RuntimeError(f"sleep with {len(self.scheduler.running) + len(self.scheduler.waiting)} requests "
                                "unfinished; finish or abort them first (LLM.sleep(mode=...) does)")
+        if self._inflight is not None:  # only ended requests' rows are left in it: let the device finish them
+            self._inflight.tokens.read()
+            self._inflight = None
         self.check_sleep(level)
         if level > 0:
             memory = self.executor.plan_sleep(level)
@@ -597,7 +597,8 @@ class Engine:
 
     def _land(self, step: InFlightStep, successor: InFlightStep | None = None) -> list[Request]:
         """Read an in-flight step's tokens and append them (stop rules). Not yet committed: commit it now. Committed
-        (`successor` was planned on it, same rows): a request that ended here leaves `successor` and its cache."""
+        (`successor` was planned on its rows that were not dropped): a request that ended here leaves `successor`
+        (its row is dropped) and its blocks and slot are freed."""
         token_ids = step.tokens.read()
         now, gained = time.time(), []
         kept = [(i, it) for i, it in enumerate(step.items) if i not in step.dropped]
