@@ -173,17 +173,36 @@ def test_abort_and_late_arrivals_while_a_step_is_in_flight(model):
 
 @torch.no_grad()
 def test_requests_the_async_path_does_not_cover_run_synchronously(model):
-    """Penalties and logprobs read the output on the host before each draw: a batch with such a request runs its
-    steps synchronously (same tokens as a synchronous engine); alone, the plain requests go asynchronous again."""
+    """Penalties and logit_bias adjust the logits from the output so far / host tables before each draw: a batch with
+    such a request runs its steps synchronously (same tokens as a synchronous engine); alone, the plain requests go
+    asynchronous again."""
     def reqs():
         return [request("plain", ids(8, seed=5), max_tokens=20),
                 request("pen", ids(8, seed=6), max_tokens=6, repetition_penalty=1.3),
-                request("lp", ids(8, seed=7), max_tokens=4, logprobs=2)]
+                request("bias", ids(8, seed=7), max_tokens=4, logit_bias={5: 3.0})]
 
     sync_reqs, async_reqs, engine = twin_runs(model, reqs)
     assert outputs(async_reqs) == outputs(sync_reqs)
-    assert [len(e) for e in async_reqs[2].logprobs] == [len(e) for e in sync_reqs[2].logprobs]
     assert engine.num_chained_steps >= 8  # "plain" alone, after the others finished
+    assert engine.num_async_steps - engine.num_chained_steps == 1  # only once the others were gone
+    assert_clean(engine)
+
+
+@torch.no_grad()
+def test_logprobs_are_read_with_the_tokens(model):
+    """Logprobs of an asynchronous step are computed on the device and read with its tokens: the entries (chosen
+    token, rank, top alternatives) and the cumulative logprob equal a synchronous engine's."""
+    def reqs():
+        return [request("lp2", ids(8, seed=7), max_tokens=9, logprobs=2),
+                request("plain", ids(12, seed=8), max_tokens=12),
+                request("lp0", ids(5, seed=9), max_tokens=7, logprobs=0, temperature=0.7, seed=3)]
+
+    sync_reqs, async_reqs, engine = twin_runs(model, reqs)
+    assert outputs(async_reqs) == outputs(sync_reqs)
+    for a, s in zip(async_reqs, sync_reqs):
+        assert a.logprobs == s.logprobs and a.cumulative_logprob == s.cumulative_logprob, a.request_id
+    assert len(async_reqs[0].logprobs) == 9 and all(len(e) in (2, 3) for e in async_reqs[0].logprobs)
+    assert engine.num_chained_steps >= 8
     assert_clean(engine)
 
 

@@ -39,24 +39,30 @@ from .scheduler import ScheduledSeq, Scheduler
 
 class PendingTokens:
     """A step's sampled tokens on their way to the host: `ids` [B] int64 on the device (the next step's inputs),
-    a pinned host copy started without waiting, and `read()` which waits for it."""
+    and `extra` tensors of the same step (logprob values), with pinned host copies started without waiting;
+    `read()` / `read_extra()` wait for them."""
 
-    def __init__(self, ids: Tensor):
+    def __init__(self, ids: Tensor, extra: tuple[Tensor, ...] = ()):
         self.ids = ids
         self._event = None
         if ids.is_cuda:
-            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self._host.copy_(ids, non_blocking=True)
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, *extra)]
+            for h, t in zip(self._host, (ids, *extra)):
+                h.copy_(t, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = ids
+            self._host = [ids, *extra]
 
     def read(self) -> list[int]:
         """The token ids (waits for the step that samples them)."""
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return self._host[0].tolist()
+
+    def read_extra(self) -> list[list]:
+        """The extra tensors as lists (after `read`)."""
+        return [h.tolist() for h in self._host[1:]]
 
 
 @dataclass
@@ -65,9 +71,10 @@ class InFlightStep:
     successor was planned on top of it); dropped: rows whose request ended (stopped or aborted) after launch."""
 
     items: list[ScheduledSeq]
-    tokens: PendingTokens
+    tokens: PendingTokens  # with compute_logprobs' values of `logprob_rows` as its extra tensors
     committed: bool = False
     dropped: set[int] = field(default_factory=set)
+    logprob_rows: list[int] = field(default_factory=list)  # rows whose request asks for logprobs
 
     def row_of(self, request_id: str) -> int | None:
         return next((i for i, it in enumerate(self.items) if it.seq.request_id == request_id), None)
@@ -77,10 +84,9 @@ class InFlightStep:
 
 
 def plain_request(r: Request) -> bool:
-    """Sampled with no decision on the host before the draw: no penalties or min_tokens (they read the output
-    so far), no grammar, no logprobs (one more host read per step)."""
-    p = r.params
-    return not p.adjusts_logits and r.constraint is None and p.logprobs is None
+    """Sampled with no decision on the host before the draw: no penalties, min_tokens or logit_bias (they read the
+    output so far or host tables), no grammar. Logprobs are computed on the device and read with the tokens."""
+    return not r.params.adjusts_logits and r.constraint is None
 
 
 def chain_blocker(step: InFlightStep, scheduler: Scheduler, allocator: HybridAllocator) -> str | None:

@@ -44,7 +44,7 @@ from .executor import Executor, ModelStep, StepItem, UniProcExecutor, forwarded
 from .tp_executor import TPGroup
 from .request import Request
 from .runner import StepSequence
-from .sample_step import StepSampler
+from .sample_step import StepSampler, record_logprob
 from .sampling import device_tensor
 from .scheduler import ScheduledSeq, Scheduler, SeqState
 from .sleep import SLEEP_LEVELS, EngineAsleepError, check_host_memory, host_available_bytes
@@ -120,8 +120,8 @@ class EngineConfig:
     # request); None: on where the Triton kernels run (kernels "triton"); LLM runs it after building the engine
     warmup: bool | None = None
     # launch a plain decode step before the host reads the previous step's tokens, hiding the host's work between
-    # steps (vLLM's name; async_step.py); steps it does not cover (prefill, speculation, penalties, grammars,
-    # logprobs) run synchronously
+    # steps (vLLM's name; async_step.py); steps it does not cover (prefill, speculation, penalties, logit_bias,
+    # grammars) run synchronously
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -563,9 +563,13 @@ class Engine:
         """Run a plain decode step and sample it on the device, without reading its tokens."""
         step.input_ids = input_ids
         result = self.executor.execute(step)
-        ids = self.sampler.pick([it.seq.request for it in items], result.logits)  # [B] on the device
+        requests = [it.seq.request for it in items]
+        ids = self.sampler.pick(requests, result.logits)  # [B] on the device
+        logprobs = self.sampler.logprob_values(requests, result.logits, ids)
         self.num_async_steps += 1
-        return InFlightStep(items, PendingTokens(ids))
+        if logprobs is None:
+            return InFlightStep(items, PendingTokens(ids))
+        return InFlightStep(items, PendingTokens(ids, logprobs[1]), logprob_rows=logprobs[0])
 
     def _chain(self) -> list[Request]:
         """Plan and launch the step after the in-flight one on placeholders, then land the in-flight one."""
@@ -600,11 +604,19 @@ class Engine:
         (`successor` was planned on its rows that were not dropped): a request that ended here leaves `successor`
         (its row is dropped) and its blocks and slot are freed."""
         token_ids = step.tokens.read()
+        entries = {}
+        if step.logprob_rows:
+            rows = step.logprob_rows
+            entries = dict(zip(rows, self.sampler.logprob_entries(
+                [token_ids[b] for b in rows], [step.items[b].seq.request.params.logprobs for b in rows],
+                *step.tokens.read_extra())))
         now, gained = time.time(), []
         kept = [(i, it) for i, it in enumerate(step.items) if i not in step.dropped]
         for i, it in kept:
             r = it.seq.request
             it.seq.num_placeholders = 0
+            if i in entries:
+                record_logprob(r, entries[i])
             r.append(token_ids[i], self.sampler.eos_token_ids)
             if r.metrics.first_token_time is None:
                 r.metrics.first_token_time = now

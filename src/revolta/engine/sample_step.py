@@ -21,8 +21,14 @@ from torch import Tensor
 from ..spec.verify import greedy_accept, rejection_sample
 from ..tokenizer import Tokenizer
 from .request import Logprob, Request
-from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs
+from .sampling import Sampler, SamplingParams, apply_penalties, compute_logprobs, device_tensor
 from .structured import apply_row_constraints
+
+
+def record_logprob(r: Request, entry: dict[int, Logprob]) -> None:
+    """Add one sampled token's logprob entry (its chosen token first) to the request."""
+    r.logprobs.append(entry)
+    r.cumulative_logprob += next(iter(entry.values())).logprob
 
 
 class StepSampler:
@@ -119,14 +125,29 @@ class StepSampler:
     # ---- logprobs -----------------------------------------------------------------------------------
     def _logprob_entries(self, logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
         """Per row: {chosen token: Logprob, + the top num_top[row] alternatives} (one host transfer)."""
-        chosen, rank, top_lp, top_ids = (x.tolist() for x in compute_logprobs(logits, token_ids, max(num_top)))
+        values = compute_logprobs(logits, token_ids, max(num_top))
+        return self.logprob_entries(token_ids.tolist(), num_top, *(x.tolist() for x in values))
+
+    def logprob_values(self, requests: list[Request], logits: Tensor, token_ids: Tensor
+                       ) -> tuple[list[int], tuple[Tensor, ...]] | None:
+        """For a step whose tokens are read later (async scheduling): the rows whose request asks for logprobs and
+        `compute_logprobs` of them, left on the device (None: no request asks)."""
+        asking = [b for b, r in enumerate(requests) if r.params.logprobs is not None]
+        if not asking:
+            return None
+        rows = device_tensor(asking, torch.long, logits.device)
+        return asking, compute_logprobs(logits[rows], token_ids[rows], max(requests[b].params.logprobs for b in asking))
+
+    def logprob_entries(self, token_ids: list[int], num_top: list[int], chosen: list[float], rank: list[int],
+                        top_lp: list[list[float]], top_ids: list[list[int]]) -> list[dict[int, Logprob]]:
+        """The entries of rows whose `compute_logprobs` values were read to the host."""
         tok = self.tokenizer
 
         def decode(i: int) -> str | None:
             return tok.decode([i], skip_special_tokens=False) if tok is not None else None
 
         entries = []
-        for b, token_id in enumerate(token_ids.tolist()):
+        for b, token_id in enumerate(token_ids):
             entry = {token_id: Logprob(chosen[b], rank[b], decode(token_id))}
             for k in range(num_top[b]):
                 entry.setdefault(top_ids[b][k], Logprob(top_lp[b][k], k + 1, decode(top_ids[b][k])))
@@ -138,9 +159,7 @@ class StepSampler:
         rows = torch.tensor(asking, device=logits.device)
         entries = self._logprob_entries(logits[rows], token_ids[rows], [requests[b].params.logprobs for b in asking])
         for b, entry in zip(asking, entries):
-            r = requests[b]
-            r.logprobs.append(entry)
-            r.cumulative_logprob += next(iter(entry.values())).logprob
+            record_logprob(requests[b], entry)
 
     def prompt_logprobs(self, request: Request, first: int, logits: Tensor) -> None:
         """logits [n, V]: row j predicts prompt token first + j (a preempted request's recompute
