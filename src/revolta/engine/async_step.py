@@ -2,7 +2,9 @@
 
 Why: a synchronous step leaves the GPU idle while the host reads the sampled tokens, appends them (detokenizer,
 stop strings), schedules and packs the next step: 0.5-1.1 ms of a 13-14 ms C8 step of the full-depth stand-in on
-the H200, the gap between its wall-time and GPU-time roofline fractions (benchmarks/RESULTS.md, F1 run I).
+the H200, the gap between its wall-time and GPU-time roofline fractions (benchmarks/RESULTS.md, F1 run I). Measured
+(RESULTS.md A1, H100, the same engine and graphs): a C8 decode loop 1.09-1.15x faster (66-70% -> 73-76% of its
+roofline), C1 1.06-1.11x.
 
 How (`EngineConfig.async_scheduling`, vLLM's `async_scheduling` for plain decode steps):
 
