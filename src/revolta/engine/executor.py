@@ -118,7 +118,8 @@ class Executor(ABC):
 
     def runs_async(self, step: ModelStep) -> bool:
         """Whether `step` may run before the host has read the previous step's tokens, taking them from
-        `step.input_ids` (async scheduling, async_step.py); executors that cannot say no."""
+        `step.input_ids` (async scheduling, async_step.py). This default says no: an executor that cannot take its
+        input ids on the device (the multi-process one) keeps it."""
         return False
 
     @abstractmethod
