@@ -58,9 +58,10 @@ def test_graph_decode_equals_eager(model):
 @torch.no_grad()
 def test_async_scheduling_equals_synchronous_graph_decode(model):
     """async_scheduling on the graph path: a chained step's input ids are the previous step's samples, copied on the
-    device into the graph's input buffer, and the sampling parameters reach the device through pinned memory: the
-    greedy and seeded tokens of synchronous steps, with a request stopping while its successor is in flight, and
-    the graphs served the chained steps."""
+    device into the graph's input buffer (gathered from the rows left once a request ended), the sampling parameters
+    reach the device through pinned memory and logprobs are read with the tokens: the greedy and seeded tokens and
+    the logprob entries of synchronous steps, with a request stopping while its successor is in flight, and the
+    graphs served the chained steps."""
     from revolta.engine import Request
     from revolta.engine.sampling import SamplingParams, make_generator
 
@@ -68,7 +69,8 @@ def test_async_scheduling_equals_synchronous_graph_decode(model):
         out = []
         for i, p in enumerate(prompts()):
             params = SamplingParams(temperature=0.8 if i == 4 else 0.0, seed=7 + i, max_tokens=20, ignore_eos=True,
-                                    stop_token_ids=[stop] if stop is not None and i == 2 else [])
+                                    stop_token_ids=[stop] if stop is not None and i == 2 else [],
+                                    logprobs=2 if i == 3 else None)
             out.append(Request(str(i), p, params, generator=make_generator(7 + i, "cuda") if i == 4 else None))
         return out
 
@@ -81,7 +83,7 @@ def test_async_scheduling_equals_synchronous_graph_decode(model):
         while engine.has_unfinished():
             engine.step()
         engine.step()  # lands a step left in flight
-        return engine, [(r.token_ids, r.finish_reason, r.stop_reason) for r in requests]
+        return engine, [(r.token_ids, r.finish_reason, r.stop_reason, r.logprobs) for r in requests]
 
     probe = reqs()
     generate(False, probe)
