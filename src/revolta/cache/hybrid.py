@@ -343,6 +343,11 @@ class HybridAllocator:
         seq = self._seqs.get(request.request_id)
         return tuple(seq.block_ids) if seq else ()
 
+    def num_blocks(self, request: CacheRequest) -> int:
+        """Length of the request's block table (`block_ids` without the copy)."""
+        seq = self._seqs.get(request.request_id)
+        return len(seq.block_ids) if seq else 0
+
     def state_slot(self, request: CacheRequest) -> int:
         seq = self._seqs.get(request.request_id)
         return seq.running_slot if seq else 0

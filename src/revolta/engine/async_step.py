@@ -69,12 +69,11 @@ class PendingTokens:
 
 @dataclass
 class InFlightStep:
-    """A launched step whose tokens the host has not read. committed: the scheduler already committed it (a
-    successor was planned on top of it); dropped: rows whose request ended (stopped or aborted) after launch."""
+    """A launched step whose tokens the host has not read. dropped: rows whose request ended (stopped or aborted)
+    after launch."""
 
     items: list[ScheduledSeq]
     tokens: PendingTokens  # with compute_logprobs' values of `logprob_rows` as its extra tensors
-    committed: bool = False
     dropped: set[int] = field(default_factory=set)
     logprob_rows: list[int] = field(default_factory=list)  # rows whose request asks for logprobs
 
@@ -109,7 +108,7 @@ def chain_blocker(step: InFlightStep, scheduler: Scheduler, allocator: HybridAll
     new_blocks = 0
     for it in kept:
         end = it.seq.num_computed_tokens + 2  # tokens in the cache after the next step
-        new_blocks += -(-end // bs) > len(allocator.block_ids(it.seq))
+        new_blocks += -(-end // bs) > allocator.num_blocks(it.seq)
         if allocator.config.enable_prefix_caching and interval and end % interval == 0:
             return "a prefix-cache snapshot is due"  # its key would hash the placeholder
     if new_blocks > allocator.num_free_blocks:

@@ -577,7 +577,6 @@ class Engine:
         rows = prev.kept_rows()  # the rows of requests that had not ended when it launched
         kept = [prev.items[i] for i in rows]
         self.scheduler.update(kept)  # their input tokens were known; none of them ended yet as far as the host knows
-        prev.committed = True
         for it in kept:
             it.seq.num_placeholders = 1
         try:
@@ -600,18 +599,15 @@ class Engine:
         return self._land(prev, nxt)
 
     def _land(self, step: InFlightStep, successor: InFlightStep | None = None) -> list[Request]:
-        """Read an in-flight step's tokens and append them (stop rules). Not yet committed: commit it now. Committed
-        (`successor` was planned on its rows that were not dropped): a request that ended here leaves `successor`
-        (its row is dropped) and its blocks and slot are freed."""
+        """Read an in-flight step's tokens and append them (stop rules). Without `successor`: commit the step now. With
+        one (planned on this step's rows that were not dropped; `_chain` committed them): a request that ended here
+        leaves `successor` (its row is dropped) and its blocks and slot are freed."""
         token_ids = step.tokens.read()
-        entries = {}
-        if step.logprob_rows:
-            rows = step.logprob_rows
-            entries = dict(zip(rows, self.sampler.logprob_entries(
-                [token_ids[b] for b in rows], [step.items[b].seq.request.params.logprobs for b in rows],
-                *step.tokens.read_extra())))
+        requests = [it.seq.request for it in step.items]
+        entries = {} if not step.logprob_rows else \
+            self.sampler.logprob_rows_entries(requests, token_ids, step.logprob_rows, step.tokens.read_extra())
         now, gained = time.time(), []
-        kept = [(i, it) for i, it in enumerate(step.items) if i not in step.dropped]
+        kept = [(i, step.items[i]) for i in step.kept_rows()]
         for i, it in kept:
             r = it.seq.request
             it.seq.num_placeholders = 0
@@ -621,11 +617,11 @@ class Engine:
             if r.metrics.first_token_time is None:
                 r.metrics.first_token_time = now
             gained.append(r)
-        if not step.committed:
+        if successor is None:
             self.scheduler.update([it for _, it in kept])
         for i, it in kept:
             if it.seq.request.finished:
-                if step.committed:
+                if successor is not None:
                     successor.dropped.add(successor.row_of(it.seq.request_id))
                     self.scheduler.finish(it.seq)
                 self._seqs.pop(it.seq.request_id, None)

@@ -154,11 +154,16 @@ class StepSampler:
             entries.append(entry)
         return entries
 
+    def logprob_rows_entries(self, requests: list[Request], token_ids: list[int], rows: list[int],
+                             values: list[list]) -> dict[int, dict[int, Logprob]]:
+        """Row -> entry for the `rows` of `logprob_values`, from its values read to the host."""
+        return dict(zip(rows, self.logprob_entries([token_ids[b] for b in rows],
+                                                   [requests[b].params.logprobs for b in rows], *values)))
+
     def _record_logprobs(self, requests: list[Request], logits: Tensor, token_ids: Tensor) -> None:
-        asking = [b for b, r in enumerate(requests) if r.params.logprobs is not None]
-        rows = torch.tensor(asking, device=logits.device)
-        entries = self._logprob_entries(logits[rows], token_ids[rows], [requests[b].params.logprobs for b in asking])
-        for b, entry in zip(asking, entries):
+        rows, values = self.logprob_values(requests, logits, token_ids)
+        entries = self.logprob_rows_entries(requests, token_ids.tolist(), rows, [x.tolist() for x in values])
+        for b, entry in entries.items():
             record_logprob(requests[b], entry)
 
     def prompt_logprobs(self, request: Request, first: int, logits: Tensor) -> None:
