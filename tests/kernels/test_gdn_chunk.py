@@ -168,6 +168,34 @@ def test_intra_group_heads_is_bitwise_the_default(request, dtype, l2norm):
     assert chunk_variants(32, 32)["intra_heads"].intra_group_heads and not chunk_config(32, 32, 70).intra_group_heads
 
 
+@pytest.mark.parametrize("T,pieces,has_init", [(520, 4, True), (333, 2, False), (333, 8, True)])
+def test_pipelined_pieces_are_bitwise_one_piece(T, pieces, has_init):
+    """pipeline_pieces cuts one sequence into chunk-aligned pieces (the last one partial at T = 333), each walk starting
+    from the slot state the previous one wrote: outputs and the final state equal the one-piece call bitwise (under
+    the interpreter the pieces run in order; tests/gpu runs them on their streams). q, k, v as views of one fused
+    buffer, as the layer passes them."""
+    H, HV, K, V = 1, 2, 32, 32
+    gen = torch.Generator().manual_seed(T + pieces)
+    mixed = (torch.randn(T, 2 * H * K + HV * V, generator=gen) * 0.5).half()
+    q, k, v = (t.unflatten(-1, (-1, d)) for t, d in zip(mixed.split([H * K, H * K, HV * V], -1), (K, K, V)))
+    g = -torch.rand(T, HV, generator=gen) * 0.7
+    beta = torch.rand(T, HV, generator=gen)
+    pool0 = torch.randn(NUM_SLOTS, HV, K, V, generator=gen) * 0.5
+    cu, slots, init = torch.tensor([0, T], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), torch.tensor([has_init])
+    outs = []
+    for n in (0, pieces):
+        config = dataclasses.replace(chunk_config(K, V), pipeline_pieces=n)
+        assert config.pipeline_pieces_for(1, T, config.serial_walk_programs(1, HV, V), 132) == min(max(n, 1), T // 128)
+        pool = pool0.clone()
+        outs.append((gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, init, config=config), pool))
+    assert not outs[1][0].isnan().any() and not outs[1][1].isnan().any()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(outs[1][1][:3], pool0[:3]), "only the sequence's slot changes"
+    config = chunk_variants(K, V)["pipe4"]
+    assert config.pipeline_pieces_for(2, T, 4, 132) == 1, "several sequences run as one piece"
+    assert config.pipeline_pieces_for(1, T, 132, 132) == 1, "a walk that fills the SMs runs as one piece"
+
+
 def test_k_halves_needs_two_dot_tiles():
     q, k, v, g, beta, pool, cu = make([3], 2, 4, 16, 16, torch.float32, 0)
     config = chunk_variants(16, 16)["khalves"]

@@ -78,10 +78,20 @@ class ChunkConfig:
     # heads of one k head) once instead of HV / H times, on H programs per chunk instead of HV (chunk_intra.py;
     # opt-in: slower on an H100, RESULTS.md K1)
     intra_group_heads: bool = False
+    # one sequence cut into this many chunk-aligned pieces whose stages overlap on three streams: piece i's serial
+    # walk (which leaves most SMs idle) beside piece i+1's intra and piece i-1's output stage (`_pipelined`); 0 or 1:
+    # off. Applies to a one-sequence batch whose walk is not split and has fewer programs than the GPU has SMs.
+    pipeline_pieces: int = 0
 
     def serial_walk_programs(self, num_seqs: int, num_v_heads: int, V: int) -> int:
         """Programs of the walk when it is not split: one per (sequence, v-head, V tile)."""
         return num_seqs * num_v_heads * (V // _fit(self.walk_bv, V))
+
+    def pipeline_pieces_for(self, num_seqs: int, num_tokens: int, walk_programs: int, num_sms: int) -> int:
+        """How many pipelined pieces a batch whose walk is not split runs as (`pipeline_pieces`; 1 = not
+        pipelined): one sequence only, at least two chunks a piece, a walk with SMs to spare."""
+        pieces = min(self.pipeline_pieces, num_tokens // (2 * BT))
+        return pieces if pieces > 1 and num_seqs == 1 and walk_programs < num_sms else 1
 
     def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int, walk_programs: int = 0) -> int:
         """Chunks per walk segment for a batch of num_tokens tokens, or 0 for no split. walk_programs: the serial
@@ -203,58 +213,180 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         "walk_prefetch is a variant of the one-tile walk: set walk_k_halves=False with it"
     assert not (cfg.walk_stage_u and (cfg.walk_k_halves or cfg.walk_transposed)), \
         "walk_stage_u is a variant of the one-tile [K, BV] walk: set walk_k_halves and walk_transposed to False with it"
-    scale = float(K**-0.5 if scale is None else scale)
-    prec = "ieee"  # fp32 inputs: exact fp32 products (no TF32); fp16/bf16 inputs ignore it
-    tensor_f32 = arch >= 80 and dt != torch.float32  # fp32 products may use TF32 tensor cores
-    solve_prec = "tf32" if tensor_f32 else "ieee"  # T is rounded to the input dtype after, as in fla
-    merge_prec = "tf32x3" if tensor_f32 else "ieee"  # ~fp32 accuracy: the merge chains the state itself
-    log_b = max(1, (B - 1).bit_length())
-    seg = cfg.segment_chunks(T, HV, _num_sms(dev), cfg.serial_walk_programs(B, HV, V))
-    num_chunks_max = T // BT + B  # >= Σ ceil(len_b / 64), known without reading the lengths
-    num_segs_max = (num_chunks_max + seg - 1) // seg + B if seg else B
-
-    cu_chunks = torch.empty(B + 1, dtype=torch.int32, device=dev)
-    cu_segs = torch.empty(B + 1, dtype=torch.int32, device=dev)
-    _gdn_chunk_index_kernel[(1,)](cu_seqlens, cu_chunks, cu_segs, B, seg or NO_SPLIT,
-                                  BLOCK=max(16, triton.next_power_of_2(B)))
-
-    w = torch.empty(T, HV, K, dtype=dt, device=dev)
-    u = torch.empty(T, HV, V, dtype=dt, device=dev)
-    gcum = torch.empty(T, HV, dtype=torch.float32, device=dev)
-    k_rstd = torch.empty(T, H, dtype=torch.float32, device=dev)
-    _gdn_chunk_intra_kernel[(num_chunks_max, H if cfg.intra_group_heads else HV)](
-        k, v, g, beta, cu_seqlens, cu_chunks, w, u, gcum, k_rstd, B, k.stride(0), v.stride(0), g.stride(0),
-        beta.stride(0), H=H, HV=HV, K=K, V=V, BK=_fit(cfg.intra_bk, K), BV=_fit(cfg.intra_bv, V),
-        USE_L2NORM=use_qk_l2norm, DOT_PREC=prec, SOLVE_PREC=solve_prec, LOG_NUM_SEQ=log_b,
-        GROUP_HEADS=cfg.intra_group_heads, num_warps=cfg.intra_warps, num_stages=2)
-
-    h = torch.empty(num_chunks_max, HV, *((V, K) if cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
-    v_new = torch.empty(T, HV, V, dtype=dt, device=dev)
-    h_start = gcum  # read only by segments after a sequence's first: none without a split
-    walk_bv, walk_warps, walk_stages = _fit(cfg.walk_bv, V), cfg.walk_warps, cfg.walk_stages
-    if seg:
-        hm = torch.empty(num_segs_max, HV, K, V + K, dtype=torch.float32, device=dev)
-        h_start = torch.empty(num_segs_max, HV, K, V, dtype=torch.float32, device=dev)
-        pbv = _fit(_fit(cfg.prescan_bv, V), K)
-        _gdn_chunk_prescan_kernel[((V + K) // pbv, num_segs_max, HV)](
-            k, w, u, gcum, k_rstd, hm, cu_seqlens, cu_chunks, cu_segs, B, seg, k.stride(0), H=H, HV=HV, K=K,
-            V=V, BV=pbv, DOT_PREC=prec, LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves,
-            num_warps=cfg.prescan_warps, num_stages=cfg.cp_stages)
-        mbv = _fit(cfg.merge_bv, V)
-        _gdn_chunk_merge_kernel[(V // mbv, B, HV)](
-            hm, h_start, ssm_state, slots, has_initial_state, cu_segs, HV=HV, K=K, V=V, BV=mbv,
-            MERGE_PREC=merge_prec, num_warps=cfg.merge_warps, num_stages=2)  # [K, K] fp32 tiles: 96 KiB (160 at 3 stages)
-        walk_bv, walk_warps, walk_stages = _fit(cfg.cp_walk_bv, V), cfg.cp_walk_warps, cfg.cp_stages
-    _gdn_chunk_walk_kernel[(V // walk_bv, num_segs_max, HV)](
-        k, w, u, gcum, k_rstd, h, v_new, ssm_state, slots, has_initial_state, h_start, cu_seqlens, cu_chunks,
-        cu_segs, B, seg or NO_SPLIT, k.stride(0), H=H, HV=HV, K=K, V=V, BV=walk_bv, DOT_PREC=prec,
-        LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves, TRANSPOSED=cfg.walk_transposed, PREFETCH=cfg.walk_prefetch,
-        STAGE_U=cfg.walk_stage_u, num_warps=walk_warps, num_stages=walk_stages)
-
-    ovp = _fit(cfg.out_vp, V)
-    _gdn_chunk_o_kernel[(V // ovp, num_chunks_max, HV)](
-        q, k, h, v_new, gcum, k_rstd, o, cu_seqlens, cu_chunks, B, scale, q.stride(0), k.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=_fit(cfg.out_bk, K), BV=_fit(cfg.out_bv, ovp), VP=ovp, USE_L2NORM=use_qk_l2norm,
-        DOT_PREC=prec, LOG_NUM_SEQ=log_b, H_T=cfg.walk_transposed, num_warps=cfg.out_warps,
-        num_stages=cfg.out_stages)
+    launch = _Launch(cfg, H, HV, K, V, float(K**-0.5 if scale is None else scale), use_qk_l2norm,
+                     tensor_f32=arch >= 80 and dt != torch.float32)
+    walk_programs, num_sms = cfg.serial_walk_programs(B, HV, V), _num_sms(dev)
+    seg = cfg.segment_chunks(T, HV, num_sms, walk_programs)
+    pieces = 1 if seg else cfg.pipeline_pieces_for(B, T, walk_programs, num_sms)
+    if pieces > 1:
+        _pipelined(launch, pieces, q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_initial_state, o)
+        return o
+    piece = launch.piece(q, k, v, g, beta, cu_seqlens, has_initial_state, o, B, T // BT + B, seg)
+    launch.intra(piece)
+    launch.walk(piece, ssm_state, slots)
+    launch.out(piece)
     return o
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One launch set's view of the batch: the whole batch, or (pipelined) a chunk-aligned token range of its one
+    sequence. Buffers are views of the call's; `num_chunks` bounds the grid (programs past the real count exit)."""
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+    cu_seqlens: Tensor  # int32 [B+1]
+    cu_chunks: Tensor  # int32 [B+1]
+    cu_segs: Tensor  # int32 [B+1]
+    has_initial_state: Tensor  # bool [B]
+    o: Tensor  # [T, HV, V]
+    w: Tensor  # [T, HV, K]
+    u: Tensor  # [T, HV, V]
+    gcum: Tensor  # [T, HV] fp32
+    k_rstd: Tensor  # [T, H] fp32
+    h: Tensor  # [num_chunks, HV, K, V] (or [.., V, K] transposed)
+    v_new: Tensor  # [T, HV, V]
+    num_seqs: int
+    num_chunks: int
+    seg: int  # chunks per walk segment, 0: one serial walk per sequence
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """The three stages' launches for one call (shapes, precisions and the configuration fixed)."""
+    cfg: ChunkConfig
+    H: int
+    HV: int
+    K: int
+    V: int
+    scale: float
+    use_qk_l2norm: bool
+    tensor_f32: bool  # fp32 products may use TF32 tensor cores (sm80+, 16-bit inputs)
+
+    def piece(self, q, k, v, g, beta, cu_seqlens, has_initial_state, o, num_seqs, num_chunks, seg,
+              buffers: tuple | None = None, h: Tensor | None = None) -> _Piece:
+        """Index tables for `cu_seqlens` (launched now) and the stage buffers (new, or the given views)."""
+        T, dev, dt = q.shape[0], q.device, v.dtype
+        cu_chunks = torch.empty(num_seqs + 1, dtype=torch.int32, device=dev)
+        cu_segs = torch.empty(num_seqs + 1, dtype=torch.int32, device=dev)
+        _gdn_chunk_index_kernel[(1,)](cu_seqlens, cu_chunks, cu_segs, num_seqs, seg or NO_SPLIT,
+                                      BLOCK=max(16, triton.next_power_of_2(num_seqs)))
+        H, HV, K, V = self.H, self.HV, self.K, self.V
+        w, u, gcum, k_rstd, v_new = buffers or (
+            torch.empty(T, HV, K, dtype=dt, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev),
+            torch.empty(T, HV, dtype=torch.float32, device=dev), torch.empty(T, H, dtype=torch.float32, device=dev),
+            torch.empty(T, HV, V, dtype=dt, device=dev))
+        if h is None:
+            h = torch.empty(num_chunks, HV, *((V, K) if self.cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
+        return _Piece(q, k, v, g, beta, cu_seqlens, cu_chunks, cu_segs, has_initial_state, o, w, u, gcum, k_rstd, h,
+                      v_new, num_seqs, num_chunks, seg)
+
+    @property
+    def prec(self) -> str:
+        return "ieee"  # fp32 inputs: exact fp32 products (no TF32); fp16/bf16 inputs ignore it
+
+    def intra(self, p: _Piece) -> None:
+        cfg, K, V = self.cfg, self.K, self.V
+        solve_prec = "tf32" if self.tensor_f32 else "ieee"  # T is rounded to the input dtype after, as in fla
+        _gdn_chunk_intra_kernel[(p.num_chunks, self.H if cfg.intra_group_heads else self.HV)](
+            p.k, p.v, p.g, p.beta, p.cu_seqlens, p.cu_chunks, p.w, p.u, p.gcum, p.k_rstd, p.num_seqs, p.k.stride(0),
+            p.v.stride(0), p.g.stride(0), p.beta.stride(0), H=self.H, HV=self.HV, K=K, V=V, BK=_fit(cfg.intra_bk, K),
+            BV=_fit(cfg.intra_bv, V), USE_L2NORM=self.use_qk_l2norm, DOT_PREC=self.prec, SOLVE_PREC=solve_prec,
+            LOG_NUM_SEQ=_log_num_seqs(p.num_seqs), GROUP_HEADS=cfg.intra_group_heads, num_warps=cfg.intra_warps,
+            num_stages=2)
+
+    def walk(self, p: _Piece, ssm_state: Tensor, slots: Tensor) -> None:
+        """The state walk from each sequence's slot state (or zeros) to its final state, written back to the slot;
+        split into segments after a prescan and a merge when `p.seg`."""
+        cfg, H, HV, K, V, dev = self.cfg, self.H, self.HV, self.K, self.V, p.v.device
+        B, log_b = p.num_seqs, _log_num_seqs(p.num_seqs)
+        merge_prec = "tf32x3" if self.tensor_f32 else "ieee"  # ~fp32 accuracy: the merge chains the state itself
+        num_segs_max = (p.num_chunks + p.seg - 1) // p.seg + B if p.seg else B
+        h_start = p.gcum  # read only by segments after a sequence's first: none without a split
+        walk_bv, walk_warps, walk_stages = _fit(cfg.walk_bv, V), cfg.walk_warps, cfg.walk_stages
+        if p.seg:
+            hm = torch.empty(num_segs_max, HV, K, V + K, dtype=torch.float32, device=dev)
+            h_start = torch.empty(num_segs_max, HV, K, V, dtype=torch.float32, device=dev)
+            pbv = _fit(_fit(cfg.prescan_bv, V), K)
+            _gdn_chunk_prescan_kernel[((V + K) // pbv, num_segs_max, HV)](
+                p.k, p.w, p.u, p.gcum, p.k_rstd, hm, p.cu_seqlens, p.cu_chunks, p.cu_segs, B, p.seg, p.k.stride(0),
+                H=H, HV=HV, K=K, V=V, BV=pbv, DOT_PREC=self.prec, LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves,
+                num_warps=cfg.prescan_warps, num_stages=cfg.cp_stages)
+            mbv = _fit(cfg.merge_bv, V)
+            _gdn_chunk_merge_kernel[(V // mbv, B, HV)](
+                hm, h_start, ssm_state, slots, p.has_initial_state, p.cu_segs, HV=HV, K=K, V=V, BV=mbv,
+                MERGE_PREC=merge_prec, num_warps=cfg.merge_warps, num_stages=2)  # [K, K] fp32: 96 KiB (160 at 3 stages)
+            walk_bv, walk_warps, walk_stages = _fit(cfg.cp_walk_bv, V), cfg.cp_walk_warps, cfg.cp_stages
+        _gdn_chunk_walk_kernel[(V // walk_bv, num_segs_max, HV)](
+            p.k, p.w, p.u, p.gcum, p.k_rstd, p.h, p.v_new, ssm_state, slots, p.has_initial_state, h_start,
+            p.cu_seqlens, p.cu_chunks, p.cu_segs, B, p.seg or NO_SPLIT, p.k.stride(0), H=H, HV=HV, K=K, V=V,
+            BV=walk_bv, DOT_PREC=self.prec, LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves,
+            TRANSPOSED=cfg.walk_transposed, PREFETCH=cfg.walk_prefetch, STAGE_U=cfg.walk_stage_u,
+            num_warps=walk_warps, num_stages=walk_stages)
+
+    def out(self, p: _Piece) -> None:
+        cfg, K, V = self.cfg, self.K, self.V
+        ovp = _fit(cfg.out_vp, V)
+        _gdn_chunk_o_kernel[(V // ovp, p.num_chunks, self.HV)](
+            p.q, p.k, p.h, p.v_new, p.gcum, p.k_rstd, p.o, p.cu_seqlens, p.cu_chunks, p.num_seqs, self.scale,
+            p.q.stride(0), p.k.stride(0), H=self.H, HV=self.HV, K=K, V=V, BK=_fit(cfg.out_bk, K),
+            BV=_fit(cfg.out_bv, ovp), VP=ovp, USE_L2NORM=self.use_qk_l2norm, DOT_PREC=self.prec,
+            LOG_NUM_SEQ=_log_num_seqs(p.num_seqs), H_T=cfg.walk_transposed, num_warps=cfg.out_warps,
+            num_stages=cfg.out_stages)
+
+
+def _log_num_seqs(num_seqs: int) -> int:
+    return max(1, (num_seqs - 1).bit_length())
+
+
+def _pipelined(launch: _Launch, pieces: int, q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_initial_state,
+               o) -> None:
+    """One sequence in `pieces` chunk-aligned token ranges whose stages overlap: piece i's serial walk (a few
+    programs, most SMs idle: one per v-head and 64 columns, 96 on 132 SMs at the real shape) runs beside piece i+1's
+    intra stage and piece i-1's output stage. Piece i+1's walk starts from the state piece i's walk wrote to the slot.
+    Bitwise the one-piece call (every chunk's arithmetic is the same; the walk's state passes through the fp32 slot).
+
+    Streams (CUDA): intra on the caller's stream, the walks on a high-priority stream (their blocks go first as SMs
+    free up: they are the critical path), the outputs on a third; each waits for its inputs by event and the caller's
+    stream waits for all before returning, so the call is graph-capturable and every buffer, allocated on the
+    caller's stream before the fork, is freed after the join. Elsewhere (the Triton interpreter) the pieces run in
+    order on one stream."""
+    T, HV, K, V = q.shape[0], launch.HV, launch.K, launch.V
+    dev, dt = v.device, v.dtype
+    num_chunks = -(-T // BT)
+    step = -(-num_chunks // pieces) * BT  # tokens per piece, a multiple of the chunk
+    bounds = [(a, min(a + step, T)) for a in range(0, T, step)]
+    buffers = (torch.empty(T, HV, K, dtype=dt, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev),
+               torch.empty(T, HV, dtype=torch.float32, device=dev),
+               torch.empty(T, launch.H, dtype=torch.float32, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev))
+    h = torch.empty(num_chunks, HV, *((V, K) if launch.cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
+    started = torch.ones_like(has_initial_state)  # later pieces start from the slot state the previous one wrote
+    parts = [launch.piece(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], cu_seqlens.clamp(max=b - a),
+                          has_initial_state if a == 0 else started, o[a:b], 1, -(-(b - a) // BT), 0,
+                          buffers=tuple(x[a:b] for x in buffers), h=h[a // BT:-(-b // BT)])
+             for a, b in bounds]
+    if dev.type != "cuda":
+        for p in parts:
+            launch.intra(p)
+            launch.walk(p, ssm_state, slots)
+            launch.out(p)
+        return
+    main = torch.cuda.current_stream(dev)
+    walk_stream = torch.cuda.Stream(dev, priority=-1)
+    out_stream = torch.cuda.Stream(dev)
+    walk_stream.wait_stream(main)
+    out_stream.wait_stream(main)
+    for p in parts:
+        launch.intra(p)  # on main
+        intra_done = main.record_event()
+        with torch.cuda.stream(walk_stream):
+            walk_stream.wait_event(intra_done)
+            launch.walk(p, ssm_state, slots)
+            walk_done = walk_stream.record_event()
+        with torch.cuda.stream(out_stream):
+            out_stream.wait_event(walk_done)
+            launch.out(p)
+    main.wait_stream(walk_stream)
+    main.wait_stream(out_stream)

@@ -29,6 +29,10 @@ What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one pr
   and how (existing knobs of `ChunkConfig`);
 - the fully parallel stages' tiles and warps (intra, output), in case the per-stage profile puts
   the gap there rather than in the walk;
+- one sequence cut into pieces whose stages overlap on three streams (`pipeline_pieces`): the serial
+  walk of one sequence leaves a third of the SMs idle (96 programs, one an SM, on 132), which the
+  next piece's intra stage and the previous piece's output stage can use; these override the
+  default itself (`_ON_DEFAULT`), not the prefetch walk;
 - the intra stage per (chunk, k head) over its value heads (`intra_group_heads`), so the K Kᵀ and
   1/‖k‖ that the HV / H value heads of one k head share are computed once (outputs bitwise those of
   the same warps without it: intra_heads the default's, intra_heads_w8 intra_w8's).
@@ -101,6 +105,14 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
     ("intra_heads_w8", dict(intra_group_heads=True, intra_warps=8)),
 )
 
+# name -> overrides of the default itself (chunk_config(K, V, 90)), for candidates timed against today's default
+_ON_DEFAULT: tuple[tuple[str, dict], ...] = (
+    ("pipe2", dict(pipeline_pieces=2)),
+    ("pipe3", dict(pipeline_pieces=3)),
+    ("pipe4", dict(pipeline_pieces=4)),
+    ("pipe8", dict(pipeline_pieces=8)),
+)
+
 
 # the sm_90 default walk until the staged-U walk replaced it (32 columns, U and the factors prefetched in registers,
 # split below 132 programs): the base every other candidate overrides, so a name keeps the walk it was timed as
@@ -113,8 +125,9 @@ def chunk_variants(K: int, V: int) -> dict[str, ChunkConfig]:
     the prefetched factors unless their overrides name it, as they were timed (K halves cannot take it)."""
     default = chunk_config(K, V, 90)
     base = dataclasses.replace(default, **PREFETCH_WALK)
-    return {name: default if name == "default" else dataclasses.replace(base, **_tiling_base(over), **over)
-            for name, over in _OVERRIDES}
+    variants = {name: default if name == "default" else dataclasses.replace(base, **_tiling_base(over), **over)
+                for name, over in _OVERRIDES}
+    return variants | {name: dataclasses.replace(default, **over) for name, over in _ON_DEFAULT}
 
 
 def _tiling_base(over: dict) -> dict:
@@ -125,7 +138,10 @@ def _tiling_base(over: dict) -> dict:
 def variant_overrides(name: str) -> dict:
     """The fields a candidate sets over chunk_config(K, V, 90) (for the benchmark's JSON): none for the default, else
     the prefetch walk's and its own."""
+    on_default = dict(_ON_DEFAULT)
+    if name in on_default:
+        return dict(on_default[name])
     found = dict(_OVERRIDES)
-    assert name in found, f"unknown chunk variant {name!r}: choose from {list(found)}"
+    assert name in found, f"unknown chunk variant {name!r}: choose from {list(found) + list(on_default)}"
     over = found[name]
     return {} if name == "default" else {**PREFETCH_WALK, **_tiling_base(over), **over}
