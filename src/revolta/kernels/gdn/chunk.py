@@ -13,6 +13,8 @@ synchronises with the device and can be graph-captured):
    summary of each segment) and a merge (the segments' start states): context parallelism, so
    one long sequence does not run as a few hundred programs for T / 64 serial steps.
 3. `_gdn_chunk_o_kernel` (V block, chunk, v-head): outputs from h_c and V'.
+With `pipeline_pieces`, one sequence whose serial walk leaves SMs idle runs as chunk-aligned pieces whose
+stages overlap on three streams (`_pipelined`): piece i's walk beside piece i+1's intra and i-1's outputs.
 
 q and k stay raw in memory: their L2 norms (and the q scale) are per-row factors applied to dot
 results or folded into the other operand. W, U, h_c, V' are stored in the input dtype (fp32 for
