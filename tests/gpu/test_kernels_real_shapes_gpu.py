@@ -204,9 +204,10 @@ def test_gdn_pipelined_prefill_is_bitwise_one_piece(dtype):
     init = torch.tensor([True], device="cuda")
     x = inputs()
     pool = pool0.clone()
-    o_ref = gdn_chunk_prefill(*x, cu, pool, slots, init)
+    one_piece = dataclasses.replace(chunk_config(K, V, 90), pipeline_pieces=0)
+    o_ref = gdn_chunk_prefill(*x, cu, pool, slots, init, config=one_piece)
     for pieces in (2, 4):
-        config = dataclasses.replace(chunk_config(K, V, 90), pipeline_pieces=pieces)
+        config = dataclasses.replace(chunk_config(K, V, 90), pipeline_pieces=pieces, pipeline_min_chunks=2)
         pool_p = pool0.clone()
         o = gdn_chunk_prefill(*x, cu, pool_p, slots, init, config=config)
         torch.cuda.synchronize()
@@ -223,6 +224,6 @@ def test_gdn_pipelined_prefill_is_bitwise_one_piece(dtype):
         pool_g.copy_(pool0)
         graph.replay()
         pool_y = pool0.clone()
-        o_y = gdn_chunk_prefill(*y, cu, pool_y, slots, init)
+        o_y = gdn_chunk_prefill(*y, cu, pool_y, slots, init, config=one_piece)
         torch.cuda.synchronize()
         assert torch.equal(o_g, o_y) and torch.equal(pool_g, pool_y), f"{pieces} pieces, graph replay"

@@ -184,7 +184,7 @@ def test_pipelined_pieces_are_bitwise_one_piece(T, pieces, has_init):
     cu, slots, init = torch.tensor([0, T], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), torch.tensor([has_init])
     outs = []
     for n in (0, pieces):
-        config = dataclasses.replace(chunk_config(K, V), pipeline_pieces=n)
+        config = dataclasses.replace(chunk_config(K, V), pipeline_pieces=n, pipeline_min_chunks=2)
         assert config.pipeline_pieces_for(1, T, config.serial_walk_programs(1, HV, V), 132) == min(max(n, 1), T // 128)
         pool = pool0.clone()
         outs.append((gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, init, config=config), pool))
@@ -194,6 +194,9 @@ def test_pipelined_pieces_are_bitwise_one_piece(T, pieces, has_init):
     config = chunk_variants(K, V)["pipe4"]
     assert config.pipeline_pieces_for(2, T, 4, 132) == 1, "several sequences run as one piece"
     assert config.pipeline_pieces_for(1, T, 132, 132) == 1, "a walk that fills the SMs runs as one piece"
+    default = chunk_config(128, 128, 90)  # the real shape's 96 walk programs: 8K tokens as 2 pieces, 32K as 3
+    assert [default.pipeline_pieces_for(1, t, 96, 132) for t in (4096, 8191, 8192, 12288, 32768)] == [1, 1, 2, 3, 3]
+    assert chunk_config(128, 128, 70).pipeline_pieces_for(1, 32768, 8, 80) == 1, "sm_70 keeps one piece (not timed)"
 
 
 def test_k_halves_needs_two_dot_tiles():

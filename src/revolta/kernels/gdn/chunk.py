@@ -80,10 +80,12 @@ class ChunkConfig:
     # heads of one k head) once instead of HV / H times, on H programs per chunk instead of HV (chunk_intra.py;
     # opt-in: slower on an H100, RESULTS.md K1)
     intra_group_heads: bool = False
-    # one sequence cut into this many chunk-aligned pieces whose stages overlap on three streams: piece i's serial
-    # walk (which leaves most SMs idle) beside piece i+1's intra and piece i-1's output stage (`_pipelined`); 0 or 1:
-    # off. Applies to a one-sequence batch whose walk is not split and has fewer programs than the GPU has SMs.
+    # one sequence cut into up to this many chunk-aligned pieces of at least `pipeline_min_chunks` chunks, whose
+    # stages overlap on three streams: piece i's serial walk (which leaves SMs idle) beside piece i+1's intra and
+    # piece i-1's output stage (`_pipelined`); 0 or 1: off. Applies to a one-sequence batch whose walk is not split and
+    # has fewer programs than the GPU has SMs.
     pipeline_pieces: int = 0
+    pipeline_min_chunks: int = 2
 
     def serial_walk_programs(self, num_seqs: int, num_v_heads: int, V: int) -> int:
         """Programs of the walk when it is not split: one per (sequence, v-head, V tile)."""
@@ -92,7 +94,7 @@ class ChunkConfig:
     def pipeline_pieces_for(self, num_seqs: int, num_tokens: int, walk_programs: int, num_sms: int) -> int:
         """How many pipelined pieces a batch whose walk is not split runs as (`pipeline_pieces`; 1 = not
         pipelined): one sequence only, at least two chunks a piece, a walk with SMs to spare."""
-        pieces = min(self.pipeline_pieces, num_tokens // (2 * BT))
+        pieces = min(self.pipeline_pieces, num_tokens // (BT * max(2, self.pipeline_min_chunks)))
         return pieces if pieces > 1 and num_seqs == 1 and walk_programs < num_sms else 1
 
     def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int, walk_programs: int = 0) -> int:
@@ -126,10 +128,14 @@ def chunk_config(K: int, V: int, arch: int = 90) -> ChunkConfig:
     # fla's walk (walk_stage_u: the walk 305 -> 261 µs at 1 x 8K, 284 -> 239 at 8 x 1K on an H100 against
     # 32 columns with U prefetched in registers; RESULTS.md K1); 96 programs on 132 SMs stay serial
     # (serial_min_fill). Split walk and prescan: many programs per SM hide latency, so 2 stages.
+    # One sequence of >= 8K tokens runs as 2-3 pipelined pieces of >= 64 chunks (the walk's 96 programs leave 36 SMs
+    # idle): on an H100, 1 x 8K 0.91 -> 0.97x fla (bf16) / 0.94 -> 1.00x (fp16) as 2 pieces, 1 x 32K 0.96 -> 1.08x as
+    # 3 (RESULTS.md K1b); shorter sequences are not pipelined (not timed).
     return ChunkConfig(intra_bk=64, intra_bv=64, intra_warps=4, walk_bv=64, walk_warps=4, walk_stages=3,
                        cp_walk_bv=64, cp_walk_warps=4, cp_stages=2, prescan_bv=64, prescan_warps=4,
                        merge_bv=32, merge_warps=8, out_bk=64, out_bv=64, out_vp=128, out_warps=4, out_stages=2,
-                       cp_min_tokens=16384, seg_chunks=0, walk_stage_u=True, serial_min_fill=0.5)
+                       cp_min_tokens=16384, seg_chunks=0, walk_stage_u=True, serial_min_fill=0.5,
+                       pipeline_pieces=3, pipeline_min_chunks=64)
 
 
 def _fit(block: int, n: int) -> int:

@@ -32,7 +32,8 @@ What they vary, and why (fla 0.6.0's `chunk_gated_delta_rule_fwd_h` walks one pr
 - one sequence cut into pieces whose stages overlap on three streams (`pipeline_pieces`): the serial
   walk of one sequence leaves a third of the SMs idle (96 programs, one an SM, on 132), which the
   next piece's intra stage and the previous piece's output stage can use; these override the
-  default itself (`_ON_DEFAULT`), not the prefetch walk;
+  default itself (`_ON_DEFAULT`), not the prefetch walk (since K1b the default pipelines 8K+ tokens
+  as 2-3 pieces; pipeN cuts any one sequence into N pieces of >= 2 chunks);
 - the intra stage per (chunk, k head) over its value heads (`intra_group_heads`), so the K Kᵀ and
   1/‖k‖ that the HV / H value heads of one k head share are computed once (outputs bitwise those of
   the same warps without it: intra_heads the default's, intra_heads_w8 intra_w8's).
@@ -107,16 +108,17 @@ _OVERRIDES: tuple[tuple[str, dict], ...] = (
 
 # name -> overrides of the default itself (chunk_config(K, V, 90)), for candidates timed against today's default
 _ON_DEFAULT: tuple[tuple[str, dict], ...] = (
-    ("pipe2", dict(pipeline_pieces=2)),
-    ("pipe3", dict(pipeline_pieces=3)),
-    ("pipe4", dict(pipeline_pieces=4)),
-    ("pipe8", dict(pipeline_pieces=8)),
+    ("no_pipe", dict(pipeline_pieces=0)),  # the default before pieces (K1b)
+    ("pipe2", dict(pipeline_pieces=2, pipeline_min_chunks=2)),
+    ("pipe3", dict(pipeline_pieces=3, pipeline_min_chunks=2)),
+    ("pipe4", dict(pipeline_pieces=4, pipeline_min_chunks=2)),
+    ("pipe8", dict(pipeline_pieces=8, pipeline_min_chunks=2)),
 )
 
 
 # the sm_90 default walk until the staged-U walk replaced it (32 columns, U and the factors prefetched in registers,
 # split below 132 programs): the base every other candidate overrides, so a name keeps the walk it was timed as
-PREFETCH_WALK = dict(walk_bv=32, walk_prefetch=True, walk_stage_u=False, serial_min_fill=1.0)
+PREFETCH_WALK = dict(walk_bv=32, walk_prefetch=True, walk_stage_u=False, serial_min_fill=1.0, pipeline_pieces=0)
 
 
 def chunk_variants(K: int, V: int) -> dict[str, ChunkConfig]:
