@@ -17,7 +17,7 @@ minutes on an H200, most of it Triton compiling ours and autotuning fla):
    stage's growth from 8K to 32K and its ratio to fla's; fla's autotuned configurations;
 4. k1_variant_checks, k1_variants: the sm_90 launch-configuration candidates of
    kernels/gdn/chunk_variants.py (GDN_VARIANTS=a,b selects the timed ones; GDN_DTYPES=bf16 times
-   one dtype here and in k1_prefill), each checked against the torch reference (varlen, serial
+   one dtype here and in k1_prefill, GDN_SHAPES=1x8K,1x32K some of the shapes), each checked against the torch reference (varlen, serial
    and split, bf16 and fp16), then timed at the three shapes, CUDA graph, beside the default and
    fla's µs from k1_prefill, each with its per-stage GPU µs (profiler) and its output's
    difference to the default's, so one run shows which configuration to make the default (needs
@@ -266,6 +266,14 @@ def k1_variant_checks():
 PREFILL_CASES = [("1x8K", [8192]), ("1x32K", [32768]), ("8x1K", [1024] * 8)]
 
 
+def _prefill_cases() -> list:
+    """k1_prefill's and k1_variants' shapes: GDN_SHAPES=1x8K,1x32K times those (default all three)."""
+    names = os.environ.get("GDN_SHAPES", ",".join(n for n, _ in PREFILL_CASES)).split(",")
+    unknown = set(names) - {n for n, _ in PREFILL_CASES}
+    assert not unknown, f"GDN_SHAPES names unknown shapes {sorted(unknown)}: choose from {[n for n, _ in PREFILL_CASES]}"
+    return [(n, lens) for n, lens in PREFILL_CASES if n in names]
+
+
 def _fla_prefill_calls(sets, lens, pool):
     """fla chunk prefill on the same inputs: one sequence in fla's batch form [1, T, ...] (no
     cu_seqlens, its fastest path), several with int64 cu_seqlens; initial states = our slots' states."""
@@ -289,7 +297,7 @@ PEER_US: dict = {}  # (shape, dtype) -> fla graph µs, for the variants' ratios
 @section
 def k1_prefill():
     for dtype in _prefill_dtypes():
-        for name, lens in PREFILL_CASES:
+        for name, lens in _prefill_cases():
             T, B = sum(lens), len(lens)
             sets = _prefill_sets(lens, dtype)
             cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
@@ -337,7 +345,7 @@ def k1_variants():
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for dtype in _prefill_dtypes():
         dt = str(dtype).split(".")[-1]
-        for name, lens in PREFILL_CASES:
+        for name, lens in _prefill_cases():
             B = len(lens)
             sets = _prefill_sets(lens, dtype)
             cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)

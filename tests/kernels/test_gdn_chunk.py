@@ -168,8 +168,9 @@ def test_intra_group_heads_is_bitwise_the_default(request, dtype, l2norm):
     assert chunk_variants(32, 32)["intra_heads"].intra_group_heads and not chunk_config(32, 32, 70).intra_group_heads
 
 
-@pytest.mark.parametrize("T,pieces,has_init", [(520, 4, True), (333, 2, False), (333, 8, True)])
-def test_pipelined_pieces_are_bitwise_one_piece(T, pieces, has_init):
+@pytest.mark.parametrize("T,pieces,has_init,lead", [(520, 4, True, 0.0), (333, 2, False, 0.0), (333, 8, True, 0.0),
+                                                    (520, 2, True, 0.7), (520, 3, False, 0.5)])
+def test_pipelined_pieces_are_bitwise_one_piece(T, pieces, has_init, lead):
     """pipeline_pieces cuts one sequence into chunk-aligned pieces (the last one partial at T = 333), each walk starting
     from the slot state the previous one wrote: outputs and the final state equal the one-piece call bitwise (under
     the interpreter the pieces run in order; tests/gpu runs them on their streams). q, k, v as views of one fused
@@ -184,7 +185,7 @@ def test_pipelined_pieces_are_bitwise_one_piece(T, pieces, has_init):
     cu, slots, init = torch.tensor([0, T], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), torch.tensor([has_init])
     outs = []
     for n in (0, pieces):
-        config = dataclasses.replace(chunk_config(K, V), pipeline_pieces=n, pipeline_min_chunks=2)
+        config = dataclasses.replace(chunk_config(K, V), pipeline_pieces=n, pipeline_min_chunks=2, pipeline_lead=lead)
         assert config.pipeline_pieces_for(1, T, config.serial_walk_programs(1, HV, V), 132) == min(max(n, 1), T // 128)
         pool = pool0.clone()
         outs.append((gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, init, config=config), pool))
@@ -194,6 +195,9 @@ def test_pipelined_pieces_are_bitwise_one_piece(T, pieces, has_init):
     config = chunk_variants(K, V)["pipe4"]
     assert config.pipeline_pieces_for(2, T, 4, 132) == 1, "several sequences run as one piece"
     assert config.pipeline_pieces_for(1, T, 132, 132) == 1, "a walk that fills the SMs runs as one piece"
+    cuts = lambda lead, n: dataclasses.replace(config, pipeline_lead=lead).pipeline_cuts(128, n)  # noqa: E731
+    assert cuts(0.0, 2) == [0, 64, 128] and cuts(0.0, 3) == [0, 43, 86, 128] and cuts(0.0, 5) == [0, 26, 52, 78, 104, 128]
+    assert cuts(0.65, 2) == [0, 83, 128] and cuts(0.5, 3) == [0, 64, 96, 128] and cuts(1.0, 2) == [0, 64, 128]
     default = chunk_config(128, 128, 90)  # the real shape's 96 walk programs: 8K tokens as 2 pieces, 32K as 3
     assert [default.pipeline_pieces_for(1, t, 96, 132) for t in (4096, 8191, 8192, 12288, 32768)] == [1, 1, 2, 3, 3]
     assert chunk_config(128, 128, 70).pipeline_pieces_for(1, 32768, 8, 80) == 1, "sm_70 keeps one piece (not timed)"

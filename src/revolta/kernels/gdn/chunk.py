@@ -86,6 +86,10 @@ class ChunkConfig:
     # has fewer programs than the GPU has SMs.
     pipeline_pieces: int = 0
     pipeline_min_chunks: int = 2
+    # the first piece's share of the chunks (0: equal pieces); the others share the rest equally. A longer first walk
+    # gives the next piece's intra stage time to finish beside it, a shorter last piece leaves less output work after
+    # the last walk (`pipeline_cuts`)
+    pipeline_lead: float = 0.0
 
     def serial_walk_programs(self, num_seqs: int, num_v_heads: int, V: int) -> int:
         """Programs of the walk when it is not split: one per (sequence, v-head, V tile)."""
@@ -96,6 +100,14 @@ class ChunkConfig:
         pipelined): one sequence only, at least two chunks a piece, a walk with SMs to spare."""
         pieces = min(self.pipeline_pieces, num_tokens // (BT * max(2, self.pipeline_min_chunks)))
         return pieces if pieces > 1 and num_seqs == 1 and walk_programs < num_sms else 1
+
+    def pipeline_cuts(self, num_chunks: int, pieces: int) -> list[int]:
+        """Chunk offsets where the pieces start, then num_chunks (pieces >= 2)."""
+        first = round(self.pipeline_lead * num_chunks)
+        if not 0 < first < num_chunks:
+            first = -(-num_chunks // pieces)
+        step = -(-(num_chunks - first) // (pieces - 1))
+        return [0, *range(first, num_chunks, step), num_chunks]
 
     def segment_chunks(self, num_tokens: int, num_v_heads: int, num_sms: int, walk_programs: int = 0) -> int:
         """Chunks per walk segment for a batch of num_tokens tokens, or 0 for no split. walk_programs: the serial
@@ -363,8 +375,8 @@ def _pipelined(launch: _Launch, pieces: int, q, k, v, g, beta, cu_seqlens, ssm_s
     T, HV, K, V = q.shape[0], launch.HV, launch.K, launch.V
     dev, dt = v.device, v.dtype
     num_chunks = -(-T // BT)
-    step = -(-num_chunks // pieces) * BT  # tokens per piece, a multiple of the chunk
-    bounds = [(a, min(a + step, T)) for a in range(0, T, step)]
+    cuts = launch.cfg.pipeline_cuts(num_chunks, pieces)
+    bounds = [(c0 * BT, min(c1 * BT, T)) for c0, c1 in zip(cuts, cuts[1:])]
     buffers = (torch.empty(T, HV, K, dtype=dt, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev),
                torch.empty(T, HV, dtype=torch.float32, device=dev),
                torch.empty(T, launch.H, dtype=torch.float32, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev))

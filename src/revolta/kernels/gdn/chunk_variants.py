@@ -113,6 +113,11 @@ _ON_DEFAULT: tuple[tuple[str, dict], ...] = (
     ("pipe3", dict(pipeline_pieces=3, pipeline_min_chunks=2)),
     ("pipe4", dict(pipeline_pieces=4, pipeline_min_chunks=2)),
     ("pipe8", dict(pipeline_pieces=8, pipeline_min_chunks=2)),
+    # the first piece longer (a fluid model of the stages, fitted to K1b's rows, puts 2 pieces split 0.6-0.7 / 0.4-0.3
+    # 5-7% below equal halves at 1 x 8K and 1 x 32K)
+    ("pipe2_lead60", dict(pipeline_pieces=2, pipeline_min_chunks=2, pipeline_lead=0.6)),
+    ("pipe2_lead70", dict(pipeline_pieces=2, pipeline_min_chunks=2, pipeline_lead=0.7)),
+    ("pipe3_lead50", dict(pipeline_pieces=3, pipeline_min_chunks=2, pipeline_lead=0.5)),
 )
 
 
