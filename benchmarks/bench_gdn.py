@@ -17,9 +17,9 @@ minutes on an H200, most of it Triton compiling ours and autotuning fla):
    stage's growth from 8K to 32K and its ratio to fla's; fla's autotuned configurations;
 4. k1_variant_checks, k1_variants: the sm_90 launch-configuration candidates of
    kernels/gdn/chunk_variants.py (GDN_VARIANTS=a,b selects the timed ones; GDN_DTYPES=bf16 times
-   one dtype here and in k1_prefill, GDN_SHAPES=1x8K,1x32K some of the shapes), each checked against the torch reference (varlen, serial
-   and split, bf16 and fp16), then timed at the three shapes, CUDA graph, beside the default and
-   fla's µs from k1_prefill, each with its per-stage GPU µs (profiler) and its output's
+   one dtype here and in k1_prefill, GDN_SHAPES=1x8K,1x32K some shapes), each checked against the
+   torch reference (varlen, serial and split, bf16 and fp16), then timed at the three shapes, CUDA
+   graph, beside the default and fla's µs from k1_prefill, each with its per-stage GPU µs (profiler) and its output's
    difference to the default's, so one run shows which configuration to make the default (needs
    k1_prefill in the same run for fla's µs); then the shared memory / registers / spills of
    every compiled chunk kernel;
@@ -270,7 +270,8 @@ def _prefill_cases() -> list:
     """k1_prefill's and k1_variants' shapes: GDN_SHAPES=1x8K,1x32K times those (default all three)."""
     names = os.environ.get("GDN_SHAPES", ",".join(n for n, _ in PREFILL_CASES)).split(",")
     unknown = set(names) - {n for n, _ in PREFILL_CASES}
-    assert not unknown, f"GDN_SHAPES names unknown shapes {sorted(unknown)}: choose from {[n for n, _ in PREFILL_CASES]}"
+    assert not unknown, \
+        f"GDN_SHAPES names unknown shapes {sorted(unknown)}: choose from {[n for n, _ in PREFILL_CASES]}"
     return [(n, lens) for n, lens in PREFILL_CASES if n in names]
 
 

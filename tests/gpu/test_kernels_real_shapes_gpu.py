@@ -200,7 +200,8 @@ def test_gdn_pipelined_prefill_is_bitwise_one_piece(dtype):
         return q, k, v, g, beta
 
     pool0 = torch.randn(4, HV, K, V, device="cuda", generator=gen) * 0.5
-    cu, slots = torch.tensor([0, T], dtype=torch.int32, device="cuda"), torch.tensor([2], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([2], dtype=torch.int32, device="cuda")
     init = torch.tensor([True], device="cuda")
     x = inputs()
     pool = pool0.clone()

@@ -97,7 +97,8 @@ class ChunkConfig:
 
     def pipeline_pieces_for(self, num_seqs: int, num_tokens: int, walk_programs: int, num_sms: int) -> int:
         """How many pipelined pieces a batch whose walk is not split runs as (`pipeline_pieces`; 1 = not
-        pipelined): one sequence only, at least two chunks a piece, a walk with SMs to spare."""
+        pipelined): one sequence only, at least `pipeline_min_chunks` (and 2) chunks a piece, a walk with SMs to
+        spare."""
         pieces = min(self.pipeline_pieces, num_tokens // (BT * max(2, self.pipeline_min_chunks)))
         return pieces if pieces > 1 and num_seqs == 1 and walk_programs < num_sms else 1
 
@@ -370,8 +371,8 @@ def _pipelined(launch: _Launch, pieces: int, q, k, v, g, beta, cu_seqlens, ssm_s
 
     Streams (CUDA): one per stage, by priority the walks (the critical path), the intra stages, the outputs; each
     waits for its inputs by event and the caller's stream waits for all before returning, so the call is
-    graph-capturable and every buffer, allocated on the caller's stream before the fork, is freed after the join. Elsewhere (the Triton interpreter) the pieces run in
-    order on one stream."""
+    graph-capturable and every buffer, allocated on the caller's stream before the fork, is freed after the join.
+    Elsewhere (the Triton interpreter) the pieces run in order on one stream."""
     T, HV, K, V = q.shape[0], launch.HV, launch.K, launch.V
     dev, dt = v.device, v.dtype
     num_chunks = -(-T // BT)
@@ -394,8 +395,8 @@ def _pipelined(launch: _Launch, pieces: int, q, k, v, g, beta, cu_seqlens, ssm_s
         return
     main = torch.cuda.current_stream(dev)
     # priorities (lower runs first when SMs free up): the walk, then the intra stage that the next walk waits for,
-    # then the outputs, which nothing in the call waits for (in a fluid model of the stages, the intra stage ahead of
-    # the outputs is worth ~60 µs at 1 x 8K on an H100)
+    # then the outputs, which nothing in the call waits for (against intra on the caller's stream at the outputs'
+    # priority: no change beyond run-to-run noise on an H100, RESULTS.md K1b)
     walk_stream, intra_stream, out_stream = (torch.cuda.Stream(dev, priority=p) for p in (-2, -1, 0))
     for stream in (walk_stream, intra_stream, out_stream):
         stream.wait_stream(main)
