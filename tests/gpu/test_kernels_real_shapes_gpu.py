@@ -228,3 +228,31 @@ def test_gdn_pipelined_prefill_is_bitwise_one_piece(dtype):
         o_y = gdn_chunk_prefill(*y, cu, pool_y, slots, init, config=one_piece)
         torch.cuda.synchronize()
         assert torch.equal(o_g, o_y) and torch.equal(pool_g, pool_y), f"{pieces} pieces, graph replay"
+
+
+def test_gdn_pipelined_mixed_batch_is_bitwise_one_piece():
+    """A long prompt (8,229 tokens) between decode rows with the host's cu_seqlens, as the engine's mixed steps pass
+    them: the default pipelines it (2 pieces, the decode rows in the first and last) on its streams; outputs and
+    every slot equal the one-piece call bitwise, bf16."""
+    import dataclasses
+
+    from revolta.kernels.gdn.chunk import chunk_config, gdn_chunk_prefill
+    H, HV, K, V, lens = 16, 48, 128, 128, [1, 1, 8192 + 37, 1]
+    T, gen = sum(lens), torch.Generator(device="cuda").manual_seed(6)
+    q, k = (torch.randn(T, H, K, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(T, HV, V, device="cuda", generator=gen).bfloat16()
+    g = -torch.rand(T, HV, device="cuda", generator=gen) * 0.7
+    beta = torch.rand(T, HV, device="cuda", generator=gen)
+    host = [0, 1, 2, T - 1, T]
+    cu = torch.tensor(host, dtype=torch.int32, device="cuda")
+    slots = torch.tensor([3, 0, 5, 2], dtype=torch.int32, device="cuda")
+    init = torch.tensor([True, False, True, True], device="cuda")
+    pool0 = torch.randn(6, HV, K, V, device="cuda", generator=gen) * 0.5
+    default = chunk_config(K, V, 90)
+    assert default.pipeline_plan(host, HV, 132) is not None
+    pool_a, pool_b = pool0.clone(), pool0.clone()
+    o_a = gdn_chunk_prefill(q, k, v, g, beta, cu, pool_a, slots, init,
+                            config=dataclasses.replace(default, pipeline_pieces=0))
+    o_b = gdn_chunk_prefill(q, k, v, g, beta, cu, pool_b, slots, init, config=default, host_cu_seqlens=host)
+    torch.cuda.synchronize()
+    assert torch.equal(o_a, o_b) and torch.equal(pool_a, pool_b)

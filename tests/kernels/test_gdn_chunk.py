@@ -187,22 +187,52 @@ def test_pipelined_pieces_are_bitwise_one_piece(T, pieces, has_init, lead):
     outs = []
     for n in (0, pieces):
         config = dataclasses.replace(chunk_config(K, V), pipeline_pieces=n, pipeline_min_chunks=2, pipeline_lead=lead)
-        assert config.pipeline_pieces_for(1, T, config.serial_walk_programs(1, HV, V), 132) == min(max(n, 1), T // 128)
+        assert config.pipeline_pieces_for(T, config.serial_walk_programs(1, HV, V), 132) == min(max(n, 1), T // 128)
         pool = pool0.clone()
         outs.append((gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, init, config=config), pool))
     assert not outs[1][0].isnan().any() and not outs[1][1].isnan().any()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert torch.equal(outs[1][1][:3], pool0[:3]), "only the sequence's slot changes"
     config = chunk_variants(K, V)["pipe4"]
-    assert config.pipeline_pieces_for(2, T, 4, 132) == 1, "several sequences run as one piece"
-    assert config.pipeline_pieces_for(1, T, 132, 132) == 1, "a walk that fills the SMs runs as one piece"
+    assert config.pipeline_pieces_for(T, 132, 132) == 1, "a walk that fills the SMs runs as one piece"
     cuts = lambda lead, n: dataclasses.replace(config, pipeline_lead=lead).pipeline_cuts(128, n)  # noqa: E731
     assert cuts(0.0, 2) == [0, 64, 128] and cuts(0.0, 3) == [0, 43, 86, 128]
     assert cuts(0.0, 5) == [0, 26, 52, 78, 104, 128]
     assert cuts(0.65, 2) == [0, 83, 128] and cuts(0.5, 3) == [0, 64, 96, 128] and cuts(1.0, 2) == [0, 64, 128]
     default = chunk_config(128, 128, 90)  # the real shape's 96 walk programs: 8K tokens as 2 pieces, 32K as 3
-    assert [default.pipeline_pieces_for(1, t, 96, 132) for t in (4096, 8191, 8192, 12288, 32768)] == [1, 1, 2, 3, 3]
-    assert chunk_config(128, 128, 70).pipeline_pieces_for(1, 32768, 8, 80) == 1, "sm_70 keeps one piece (not timed)"
+    assert [default.pipeline_pieces_for(t, 96, 132) for t in (4096, 8191, 8192, 12288, 32768)] == [1, 1, 2, 3, 3]
+    assert chunk_config(128, 128, 70).pipeline_pieces_for(32768, 8, 80) == 1, "sm_70 keeps one piece (not timed)"
+
+
+@pytest.mark.parametrize("lens", [[1, 3, 400, 1, 2], [330, 1, 0, 2], [1, 2, 333]])
+def test_pipelined_mixed_batch_is_bitwise_one_piece(lens):
+    """A long prompt beside decode rows / short prompts (the engine's mixed steps) with the host's cu_seqlens: the long
+    sequence is cut into pieces, the others walk whole in the first or the last piece; outputs and every slot equal
+    the one-piece call bitwise, and without the host copy the batch runs as one piece."""
+    H, HV, K, V = 1, 2, 32, 32
+    q, k, v, g, beta, pool0, cu = make(lens, H, HV, K, V, torch.float16, seed=sum(lens))
+    B = len(lens)
+    slots = torch.tensor([5, 0, 3, 1, 4][:B], dtype=torch.int32)
+    init = torch.tensor([True, False, True, True, False][:B])
+    host = cu.tolist()
+    config = dataclasses.replace(chunk_config(K, V), pipeline_pieces=3, pipeline_min_chunks=2)
+    plan = config.pipeline_plan(host, HV, 132)
+    long = lens.index(max(lens))
+    assert plan is not None and plan.seq == long and len(plan.pieces()) == min(3, max(lens) // 128)
+    assert plan.pieces()[0] == (0, plan.cuts[0], 0, long + 1) and plan.pieces()[-1][1:] == (sum(lens), long, B)
+    assert all((c - host[long]) % 64 == 0 for c in plan.cuts)
+    outs = []
+    for cfg, hint in ((dataclasses.replace(config, pipeline_pieces=0), None), (config, host), (config, None)):
+        pool = pool0.clone()
+        outs.append((gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, init, config=cfg, host_cu_seqlens=hint),
+                     pool))
+    assert not outs[1][0].isnan().any() and not outs[1][1].isnan().any()
+    for o, pool in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(pool, outs[0][1])
+    o_ref = gdn_chunk_prefill_ref(q, k, v, g, beta, cu, pool0.clone(), slots, init)
+    torch.testing.assert_close(outs[1][0], o_ref, **TOL[torch.float16])
+    assert config.pipeline_plan([0, 200, 400], HV, 132) is None, "no sequence holds 7/8 of the tokens"
+    assert config.pipeline_plan([0, 1, 2], HV, 132) is None, "too short to cut"
 
 
 def test_k_halves_needs_two_dot_tiles():

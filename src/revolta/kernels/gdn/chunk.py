@@ -13,8 +13,9 @@ synchronises with the device and can be graph-captured):
    summary of each segment) and a merge (the segments' start states): context parallelism, so
    one long sequence does not run as a few hundred programs for T / 64 serial steps.
 3. `_gdn_chunk_o_kernel` (V block, chunk, v-head): outputs from h_c and V'.
-With `pipeline_pieces`, one sequence whose serial walk leaves SMs idle runs as chunk-aligned pieces whose
-stages overlap on three streams (`_pipelined`): piece i's walk beside piece i+1's intra and i-1's outputs.
+With `pipeline_pieces`, a long sequence whose serial walk leaves SMs idle (alone, or beside decode rows when the
+caller passes the host's cu_seqlens) runs as chunk-aligned pieces whose stages overlap on three streams
+(`_pipelined`): piece i's walk beside piece i+1's intra and i-1's outputs.
 
 q and k stay raw in memory: their L2 norms (and the q scale) are per-row factors applied to dot
 results or folded into the other operand. W, U, h_c, V' are stored in the input dtype (fp32 for
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,24 @@ from .chunk_out import _gdn_chunk_o_kernel
 from .chunk_state import _gdn_chunk_merge_kernel, _gdn_chunk_prescan_kernel, _gdn_chunk_walk_kernel
 
 NO_SPLIT = 1 << 30  # segment length meaning "one segment per sequence"
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a batch runs as pipelined pieces: sequence `seq` (of num_seqs) is cut at the token offsets `cuts` (flat
+    batch positions, chunk-aligned within the sequence); the first piece also holds the sequences before it, the last
+    the ones after it."""
+    seq: int
+    num_seqs: int
+    cuts: tuple[int, ...]
+    num_tokens: int
+
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """(first token, end token, first sequence, end sequence) of each piece."""
+        bounds = (0, *self.cuts, self.num_tokens)
+        last = len(bounds) - 2
+        return [(lo, hi, 0 if i == 0 else self.seq, self.num_seqs if i == last else self.seq + 1)
+                for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
 
 
 @dataclass(frozen=True)
@@ -82,8 +102,8 @@ class ChunkConfig:
     intra_group_heads: bool = False
     # one sequence cut into up to this many chunk-aligned pieces of at least `pipeline_min_chunks` chunks, whose
     # stages overlap on three streams: piece i's serial walk (which leaves SMs idle) beside piece i+1's intra and
-    # piece i-1's output stage (`_pipelined`); 0 or 1: off. Applies to a one-sequence batch whose walk is not split and
-    # has fewer programs than the GPU has SMs.
+    # piece i-1's output stage (`_pipelined`); 0 or 1: off. Applies where the walk is not split, the sequence's walk
+    # has fewer programs than the GPU has SMs and it holds 7/8 of the batch's tokens (`pipeline_plan`).
     pipeline_pieces: int = 0
     pipeline_min_chunks: int = 2
     # the first piece's share of the chunks (0: equal pieces); the others share the rest equally. A longer first walk
@@ -95,12 +115,28 @@ class ChunkConfig:
         """Programs of the walk when it is not split: one per (sequence, v-head, V tile)."""
         return num_seqs * num_v_heads * (V // _fit(self.walk_bv, V))
 
-    def pipeline_pieces_for(self, num_seqs: int, num_tokens: int, walk_programs: int, num_sms: int) -> int:
-        """How many pipelined pieces a batch whose walk is not split runs as (`pipeline_pieces`; 1 = not
-        pipelined): one sequence only, at least `pipeline_min_chunks` (and 2) chunks a piece, a walk with SMs to
-        spare."""
+    def pipeline_pieces_for(self, num_tokens: int, seq_walk_programs: int, num_sms: int) -> int:
+        """How many pipelined pieces one sequence of num_tokens runs as (`pipeline_pieces`; 1 = not pipelined): at
+        least `pipeline_min_chunks` (and 2) chunks a piece, a walk (seq_walk_programs: its v-heads x V tiles) with
+        SMs to spare."""
         pieces = min(self.pipeline_pieces, num_tokens // (BT * max(2, self.pipeline_min_chunks)))
-        return pieces if pieces > 1 and num_seqs == 1 and walk_programs < num_sms else 1
+        return pieces if pieces > 1 and seq_walk_programs < num_sms else 1
+
+    def pipeline_plan(self, cu_seqlens: Sequence[int], seq_walk_programs: int, num_sms: int) -> PipelinePlan | None:
+        """Whether a batch (host cu_seqlens) whose walk is not split runs pipelined, and how: its longest sequence
+        must hold at least 7/8 of the tokens (the others, decode rows or short prompts, ride in the first and last
+        pieces) and be long enough for `pipeline_pieces_for`. None: one piece."""
+        lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+        if not lens:
+            return None
+        seq = max(range(len(lens)), key=lens.__getitem__)
+        pieces = self.pipeline_pieces_for(lens[seq], seq_walk_programs, num_sms)
+        if pieces <= 1 or 8 * lens[seq] < 7 * cu_seqlens[-1]:
+            return None
+        start = cu_seqlens[seq]
+        cuts = self.pipeline_cuts(-(-lens[seq] // BT), pieces)
+        return PipelinePlan(seq, len(lens), tuple(min(start + c * BT, start + lens[seq]) for c in cuts[1:-1]),
+                            cu_seqlens[-1])
 
     def pipeline_cuts(self, num_chunks: int, pieces: int) -> list[int]:
         """Chunk offsets where the pieces start, then num_chunks (pieces >= 2)."""
@@ -143,7 +179,8 @@ def chunk_config(K: int, V: int, arch: int = 90) -> ChunkConfig:
     # (serial_min_fill). Split walk and prescan: many programs per SM hide latency, so 2 stages.
     # One sequence of >= 8K tokens runs as 2-3 pipelined pieces of >= 64 chunks (the walk's 96 programs leave 36 SMs
     # idle): on an H100, 1 x 8K 0.91 -> 0.97x fla (bf16) / 0.94 -> 1.00x (fp16) as 2 pieces, 1 x 32K 0.96 -> 1.08x as
-    # 3 (RESULTS.md K1b); shorter sequences are not pipelined (not timed).
+    # 3 (RESULTS.md K1b); shorter sequences are not pipelined (not timed), nor batches of several long ones; beside
+    # decode rows (the engine's mixed steps) it is, by the same rule, not timed.
     return ChunkConfig(intra_bk=64, intra_bv=64, intra_warps=4, walk_bv=64, walk_warps=4, walk_stages=3,
                        cp_walk_bv=64, cp_walk_warps=4, cp_stages=2, prescan_bv=64, prescan_warps=4,
                        merge_bv=32, merge_warps=8, out_bk=64, out_bv=64, out_vp=128, out_warps=4, out_stages=2,
@@ -205,7 +242,8 @@ def _check_prefill_inputs(q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_in
 
 def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
                       ssm_state: Tensor, slots: Tensor, has_initial_state: Tensor, scale: float | None = None,
-                      use_qk_l2norm: bool = True, config: ChunkConfig | None = None) -> Tensor:
+                      use_qk_l2norm: bool = True, config: ChunkConfig | None = None,
+                      host_cu_seqlens: Sequence[int] | None = None) -> Tensor:
     """Chunked (C = 64) gated delta rule over a flat varlen batch, states from/to a slot pool.
 
     q, k: [T, H, K] raw (normalised in the kernels when use_qk_l2norm; views with contiguous heads
@@ -213,7 +251,10 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     ssm_state: [num_slots, HV, K, V] fp32; slots: int32 [B]; has_initial_state: bool [B] (False:
     start from zeros). Each sequence's final state is written to its slot (length 0: untouched).
     Returns o [T, HV, V] in v.dtype. scale defaults to K^-1/2. config: launch configuration
-    (default `chunk_config` for the device).
+    (default `chunk_config` for the device). host_cu_seqlens: the host's copy of cu_seqlens where the caller has one
+    (the engine's steps do): a batch where one sequence holds nearly all tokens (a long prompt beside decode rows) may
+    then run pipelined (`ChunkConfig.pipeline_pieces`); it must equal cu_seqlens, and a CUDA graph captured with it
+    replays those lengths only. A one-sequence batch needs no copy.
 
     V100: every tl.dot here runs on FMA units on sm70 (Triton has no Volta MMA); the follow-up is
     a variant doing the intra-chunk products (K Kᵀ, T·[K|V], Q Kᵀ, Q h, A V') as torch.bmm on
@@ -238,13 +279,14 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
                      tensor_f32=arch >= 80 and dt != torch.float32)
     walk_programs, num_sms = cfg.serial_walk_programs(B, HV, V), _num_sms(dev)
     seg = cfg.segment_chunks(T, HV, num_sms, walk_programs)
-    pieces = 1 if seg else cfg.pipeline_pieces_for(B, T, walk_programs, num_sms)
-    if pieces > 1:
-        _pipelined(launch, pieces, q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_initial_state, o)
+    host_cu = [0, T] if B == 1 else host_cu_seqlens
+    plan = None if seg or host_cu is None else cfg.pipeline_plan(host_cu, walk_programs // B, num_sms)
+    if plan is not None:
+        _pipelined(launch, plan, q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_initial_state, o)
         return o
-    piece = launch.piece(q, k, v, g, beta, cu_seqlens, has_initial_state, o, B, T // BT + B, seg)
+    piece = launch.piece(q, k, v, g, beta, cu_seqlens, has_initial_state, slots, o, B, T // BT + B, seg)
     launch.intra(piece)
-    launch.walk(piece, ssm_state, slots)
+    launch.walk(piece, ssm_state)
     launch.out(piece)
     return o
 
@@ -262,6 +304,7 @@ class _Piece:
     cu_chunks: Tensor  # int32 [B+1]
     cu_segs: Tensor  # int32 [B+1]
     has_initial_state: Tensor  # bool [B]
+    slots: Tensor  # int32 [B]
     o: Tensor  # [T, HV, V]
     w: Tensor  # [T, HV, K]
     u: Tensor  # [T, HV, V]
@@ -286,7 +329,7 @@ class _Launch:
     use_qk_l2norm: bool
     tensor_f32: bool  # fp32 products may use TF32 tensor cores (sm80+, 16-bit inputs)
 
-    def piece(self, q, k, v, g, beta, cu_seqlens, has_initial_state, o, num_seqs, num_chunks, seg,
+    def piece(self, q, k, v, g, beta, cu_seqlens, has_initial_state, slots, o, num_seqs, num_chunks, seg,
               buffers: tuple | None = None, h: Tensor | None = None) -> _Piece:
         """Index tables for `cu_seqlens` (launched now) and the stage buffers (new, or the given views)."""
         T, dev, dt = q.shape[0], q.device, v.dtype
@@ -301,8 +344,8 @@ class _Launch:
             torch.empty(T, HV, V, dtype=dt, device=dev))
         if h is None:
             h = torch.empty(num_chunks, HV, *((V, K) if self.cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
-        return _Piece(q, k, v, g, beta, cu_seqlens, cu_chunks, cu_segs, has_initial_state, o, w, u, gcum, k_rstd, h,
-                      v_new, num_seqs, num_chunks, seg)
+        return _Piece(q, k, v, g, beta, cu_seqlens, cu_chunks, cu_segs, has_initial_state, slots, o, w, u, gcum,
+                      k_rstd, h, v_new, num_seqs, num_chunks, seg)
 
     @property
     def prec(self) -> str:
@@ -318,7 +361,7 @@ class _Launch:
             LOG_NUM_SEQ=_log_num_seqs(p.num_seqs), GROUP_HEADS=cfg.intra_group_heads, num_warps=cfg.intra_warps,
             num_stages=2)
 
-    def walk(self, p: _Piece, ssm_state: Tensor, slots: Tensor) -> None:
+    def walk(self, p: _Piece, ssm_state: Tensor) -> None:
         """The state walk from each sequence's slot state (or zeros) to its final state, written back to the slot;
         split into segments after a prescan and a merge when `p.seg`."""
         cfg, H, HV, K, V, dev = self.cfg, self.H, self.HV, self.K, self.V, p.v.device
@@ -337,11 +380,11 @@ class _Launch:
                 num_warps=cfg.prescan_warps, num_stages=cfg.cp_stages)
             mbv = _fit(cfg.merge_bv, V)
             _gdn_chunk_merge_kernel[(V // mbv, B, HV)](
-                hm, h_start, ssm_state, slots, p.has_initial_state, p.cu_segs, HV=HV, K=K, V=V, BV=mbv,
+                hm, h_start, ssm_state, p.slots, p.has_initial_state, p.cu_segs, HV=HV, K=K, V=V, BV=mbv,
                 MERGE_PREC=merge_prec, num_warps=cfg.merge_warps, num_stages=2)  # [K, K] fp32: 96 KiB (160 at 3 stages)
             walk_bv, walk_warps, walk_stages = _fit(cfg.cp_walk_bv, V), cfg.cp_walk_warps, cfg.cp_stages
         _gdn_chunk_walk_kernel[(V // walk_bv, num_segs_max, HV)](
-            p.k, p.w, p.u, p.gcum, p.k_rstd, p.h, p.v_new, ssm_state, slots, p.has_initial_state, h_start,
+            p.k, p.w, p.u, p.gcum, p.k_rstd, p.h, p.v_new, ssm_state, p.slots, p.has_initial_state, h_start,
             p.cu_seqlens, p.cu_chunks, p.cu_segs, B, p.seg or NO_SPLIT, p.k.stride(0), H=H, HV=HV, K=K, V=V,
             BV=walk_bv, DOT_PREC=self.prec, LOG_NUM_SEQ=log_b, K_HALVES=cfg.walk_k_halves,
             TRANSPOSED=cfg.walk_transposed, PREFETCH=cfg.walk_prefetch, STAGE_U=cfg.walk_stage_u,
@@ -362,12 +405,14 @@ def _log_num_seqs(num_seqs: int) -> int:
     return max(1, (num_seqs - 1).bit_length())
 
 
-def _pipelined(launch: _Launch, pieces: int, q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_initial_state,
-               o) -> None:
-    """One sequence in `pieces` chunk-aligned token ranges whose stages overlap: piece i's serial walk (a few
-    programs, most SMs idle: one per v-head and 64 columns, 96 on 132 SMs at the real shape) runs beside piece i+1's
-    intra stage and piece i-1's output stage. Piece i+1's walk starts from the state piece i's walk wrote to the slot.
-    Bitwise the one-piece call (every chunk's arithmetic is the same; the walk's state passes through the fp32 slot).
+def _pipelined(launch: _Launch, plan: PipelinePlan, q, k, v, g, beta, cu_seqlens, ssm_state, slots,
+               has_initial_state, o) -> None:
+    """The batch as pieces (`plan`) whose stages overlap: the long sequence is cut into chunk-aligned token ranges,
+    and piece i's serial walk (a few programs, most SMs idle: one per v-head and 64 columns, 96 on 132 SMs at the
+    real shape) runs beside piece i+1's intra stage and piece i-1's output stage. Piece i+1's walk starts the long
+    sequence from the state piece i's walk wrote to its slot; the other sequences walk whole in the first or the last
+    piece. Bitwise the one-piece call (every chunk's arithmetic is the same; the walk's state passes through the fp32
+    slot).
 
     Streams (CUDA): one per stage, by priority the walks (the critical path), the intra stages, the outputs; each
     waits for its inputs by event and the caller's stream waits for all before returning, so the call is
@@ -375,22 +420,25 @@ def _pipelined(launch: _Launch, pieces: int, q, k, v, g, beta, cu_seqlens, ssm_s
     Elsewhere (the Triton interpreter) the pieces run in order on one stream."""
     T, HV, K, V = q.shape[0], launch.HV, launch.K, launch.V
     dev, dt = v.device, v.dtype
-    num_chunks = -(-T // BT)
-    cuts = launch.cfg.pipeline_cuts(num_chunks, pieces)
-    bounds = [(c0 * BT, min(c1 * BT, T)) for c0, c1 in zip(cuts, cuts[1:])]
+    pieces = plan.pieces()
+    bounds = [(hi - lo) // BT + (s1 - s0) for lo, hi, s0, s1 in pieces]  # each piece's chunk-count bound
     buffers = (torch.empty(T, HV, K, dtype=dt, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev),
                torch.empty(T, HV, dtype=torch.float32, device=dev),
                torch.empty(T, launch.H, dtype=torch.float32, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev))
-    h = torch.empty(num_chunks, HV, *((V, K) if launch.cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
-    started = torch.ones_like(has_initial_state)  # later pieces start from the slot state the previous one wrote
-    parts = [launch.piece(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], cu_seqlens.clamp(max=b - a),
-                          has_initial_state if a == 0 else started, o[a:b], 1, -(-(b - a) // BT), 0,
-                          buffers=tuple(x[a:b] for x in buffers), h=h[a // BT:-(-b // BT)])
-             for a, b in bounds]
+    h = torch.empty(sum(bounds), HV, *((V, K) if launch.cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
+    started = torch.ones_like(has_initial_state[:1])  # the long sequence after the first piece: from its slot state
+    parts, h_at = [], 0
+    for (lo, hi, s0, s1), n_chunks in zip(pieces, bounds):
+        cu = (cu_seqlens[s0:s1 + 1] - lo).clamp(0, hi - lo)  # [0, .., hi - lo]: the piece's own varlen batch
+        init = has_initial_state[s0:s1] if lo == 0 else torch.cat((started, has_initial_state[s0 + 1:s1]))
+        parts.append(launch.piece(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], cu, init, slots[s0:s1],
+                                  o[lo:hi], s1 - s0, n_chunks, 0, buffers=tuple(x[lo:hi] for x in buffers),
+                                  h=h[h_at:h_at + n_chunks]))
+        h_at += n_chunks
     if dev.type != "cuda":
         for p in parts:
             launch.intra(p)
-            launch.walk(p, ssm_state, slots)
+            launch.walk(p, ssm_state)
             launch.out(p)
         return
     main = torch.cuda.current_stream(dev)
@@ -406,7 +454,7 @@ def _pipelined(launch: _Launch, pieces: int, q, k, v, g, beta, cu_seqlens, ssm_s
             intra_done = intra_stream.record_event()
         with torch.cuda.stream(walk_stream):
             walk_stream.wait_event(intra_done)
-            launch.walk(p, ssm_state, slots)
+            launch.walk(p, ssm_state)
             walk_done = walk_stream.record_event()
         with torch.cuda.stream(out_stream):
             out_stream.wait_event(walk_done)

@@ -6,6 +6,8 @@ expanded to the value heads. State layout is [HV, K, V] (FLA's and HF's default)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -164,10 +166,11 @@ def gdn_replay_commit_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
 
 def gdn_chunk_prefill_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
                           ssm_state: Tensor, slots: Tensor, has_initial_state: Tensor, scale: float | None = None,
-                          use_qk_l2norm: bool = True) -> Tensor:
+                          use_qk_l2norm: bool = True, host_cu_seqlens: Sequence[int] | None = None) -> Tensor:
     """Varlen prefill. q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV] fp32; cu_seqlens int32 [B+1];
     has_initial_state bool [B] (False: start from zeros). Final states are written to slots[b]
     (a sequence of length 0 leaves its slot untouched). Returns o [T, HV, V] (v.dtype).
+    host_cu_seqlens: the kernel's scheduling hint (chunk.py), unused here.
     """
     HV = v.shape[1]
     qe, ke = _prepare_qk(q, k, HV, scale, use_qk_l2norm)
