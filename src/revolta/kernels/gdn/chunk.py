@@ -280,6 +280,8 @@ def gdn_chunk_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     walk_programs, num_sms = cfg.serial_walk_programs(B, HV, V), _num_sms(dev)
     seg = cfg.segment_chunks(T, HV, num_sms, walk_programs)
     host_cu = [0, T] if B == 1 else host_cu_seqlens
+    assert host_cu is None or (len(host_cu) == B + 1 and host_cu[0] == 0 and host_cu[-1] == T), \
+        f"host_cu_seqlens must be the host copy of cu_seqlens ([0, ..., T={T}], B+1={B + 1} entries), got {host_cu}"
     plan = None if seg or host_cu is None else cfg.pipeline_plan(host_cu, walk_programs // B, num_sms)
     if plan is not None:
         _pipelined(launch, plan, q, k, v, g, beta, cu_seqlens, ssm_state, slots, has_initial_state, o)
