@@ -114,8 +114,6 @@ class PagedMeta:
     group_cos, group_sin: [B, R] fp32 rotary tables of the first token of the compress group
     each sequence's first new token falls in (its pooled index key is rotated with them).
     max_new_tokens: the largest per-sequence token count of the step (python int, no sync).
-    host_cu_seqlens: cu_seqlens as python ints (the step's host copy), for kernels that schedule by the lengths
-    (the GDN prefill's pipelined pieces); None where the caller has none.
     """
 
     storage: PagedCache
@@ -130,7 +128,6 @@ class PagedMeta:
     group_sin: Tensor
     max_new_tokens: int
     spec: VerifyMeta | None = None  # set on a speculative verify step
-    host_cu_seqlens: tuple[int, ...] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -278,8 +278,7 @@ class ModelRunner:
                          has_initial_state=inputs.has_initial_state, cu_seqlens=inputs.cu_seqlens,
                          seq_lens=inputs.seq_lens, block_table=inputs.block_table,
                          slot_mapping=inputs.slot_mapping, group_cos=group_cos, group_sin=group_sin,
-                         max_new_tokens=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])),
-                         host_cu_seqlens=tuple(cu_seqlens))
+                         max_new_tokens=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])))
 
     def _inputs(self, seqs: list[StepSequence]) -> StepInputs:
         """One packed host -> device copy of the step's metadata."""

@@ -112,7 +112,7 @@ class GatedDeltaNet(nn.Module):
             gates = (self.A_log, self.dt_bias) if pm.ops.gdn_gates is not None else None
             return pm.ops.gdn_recurrent_update(q, k, v, g, beta, cache.ssm_state, pm.slots, scale, gates=gates)
         return pm.ops.gdn_chunk_prefill(q, k, v, g, beta, pm.cu_seqlens, cache.ssm_state, pm.slots,
-                                        pm.has_initial_state, scale, host_cu_seqlens=pm.host_cu_seqlens)
+                                        pm.has_initial_state, scale, host_cu_seqlens=meta.cu_seqlens)
 
     def _mix_verify(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: ForwardMeta) -> Tensor:
         """Speculative verify on the paged cache: every row computed like a single-token decode
