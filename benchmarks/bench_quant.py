@@ -183,6 +183,8 @@ def main() -> int:
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activations of the GEMV rows")
     ap.add_argument("--eager", action="store_true", help="time the GEMV calls themselves, not a graph replay")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--ms", default="1,5,8,16,40",
+                    help="the GEMV rows' token counts (comma list; \"\": none, the prefill rows only)")
     ap.add_argument("--moe", action="store_true", help="AWQ MoE at the real shapes beside the 16-bit grouped MoE "
                                                        "(bench_quant_moe.py) instead of the linears")
     ap.add_argument("--moe-ms", default="1,8,40", help="--moe: the token counts")
@@ -211,7 +213,7 @@ def main() -> int:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     cfg = ModelConfig.from_pretrained(os.path.join(HERE, "..", "tests", "data", "qwen3_8_flash_next_config.json"))
     shapes = projections(cfg)
-    Ms = (1, 5, 8, 16, 40)
+    Ms = tuple(int(m) for m in args.ms.split(",") if m)  # "": prefill rows only
     if args.small:
         shapes, Ms = [("small a", 128, 256), ("small b", 64, 128)], (1, 5, 17)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -233,9 +235,9 @@ def main() -> int:
         print(f"\n{fmt_name} ({'group ' + str(args.group) + ', symmetric' if fmt_name == 'ct-int4' else 'ModelOpt'})")
         for label, N, K in shapes[:1] + shapes[3:4]:
             fmt, t = packed_ct(N, K, args.group, device, gen) if fmt_name == "ct-int4" else packed_nvfp4(N, K, device, gen)
-            gemv_rows(fmt_name, fmt, t, label, N, K, Ms[:1] + Ms[2:3], dtype, args, gen, rows)
+            gemv_rows(fmt_name, fmt, t, label, N, K, Ms[:1] + Ms[2:3], dtype, args, gen, rows)  # M = 1 and 8 by default
     one = [r for r in rows if r["M"] == 1 and r["fmt"] == "awq"]
-    if not args.small:
+    if one and not args.small:
         print(f"\nAWQ M = 1, % of copy: tile {min(r['tile_of_copy'] for r in one):.0%}-"
               f"{max(r['tile_of_copy'] for r in one):.0%}, nibble {min(r['nibble_of_copy'] for r in one):.0%}-"
               f"{max(r['nibble_of_copy'] for r in one):.0%} (target >= 70%)")
