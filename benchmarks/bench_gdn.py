@@ -264,15 +264,17 @@ def k1_variant_checks():
 
 
 PREFILL_CASES = [("1x8K", [8192]), ("1x32K", [32768]), ("8x1K", [1024] * 8)]
+EXTRA_PREFILL_CASES = [("1x4K", [4096]), ("1x16K", [16384])]  # only where GDN_SHAPES names them
 
 
 def _prefill_cases() -> list:
-    """k1_prefill's and k1_variants' shapes: GDN_SHAPES=1x8K,1x32K times those (default all three)."""
+    """k1_prefill's and k1_variants' shapes: GDN_SHAPES=1x8K,1x32K times those (default PREFILL_CASES' three;
+    EXTRA_PREFILL_CASES only when named)."""
     names = os.environ.get("GDN_SHAPES", ",".join(n for n, _ in PREFILL_CASES)).split(",")
-    unknown = set(names) - {n for n, _ in PREFILL_CASES}
-    assert not unknown, \
-        f"GDN_SHAPES names unknown shapes {sorted(unknown)}: choose from {[n for n, _ in PREFILL_CASES]}"
-    return [(n, lens) for n, lens in PREFILL_CASES if n in names]
+    cases = PREFILL_CASES + EXTRA_PREFILL_CASES
+    unknown = set(names) - {n for n, _ in cases}
+    assert not unknown, f"GDN_SHAPES names unknown shapes {sorted(unknown)}: choose from {[n for n, _ in cases]}"
+    return [(n, lens) for n, lens in cases if n in names]
 
 
 def _fla_prefill_calls(sets, lens, pool):
