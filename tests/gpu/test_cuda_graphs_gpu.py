@@ -90,7 +90,13 @@ def test_async_scheduling_equals_synchronous_graph_decode(model):
     stop = probe[2].token_ids[9]
     _, expected = generate(False, reqs(stop))
     engine, got = generate(True, reqs(stop))
-    assert got == expected
+    for i, (g, e) in enumerate(zip(got, expected)):  # which request and which field, for a failure on one card
+        first = next((j for j, (a, b) in enumerate(zip(g[0], e[0])) if a != b), None)
+        assert g[0] == e[0], f"request {i}: tokens differ first at {first} ({len(g[0])} / {len(e[0])} tokens)"
+        assert g[1:3] == e[1:3], f"request {i}: finish {g[1:3]}, synchronous {e[1:3]}"
+        diffs = [(j, t, a[t].logprob - b[t].logprob if t in a else "missing")
+                 for j, (a, b) in enumerate(zip(g[3] or [], e[3] or [])) for t in b if a.get(t) != b[t]]
+        assert g[3] == e[3], f"request {i}: logprob entries differ (position, token, difference): {diffs[:6]}"
     assert expected[2][2] == stop and len(expected[2][0]) <= 10
     assert engine.num_chained_steps >= 10 and engine.graphs.num_replays >= engine.num_async_steps
     assert not engine.allocator._seqs
