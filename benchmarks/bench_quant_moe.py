@@ -85,6 +85,7 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "j": ("default", dict(JOINT=True)),
     "pdl": ("default", dict(PDL=True)),
     "b64": ("default", dict(ACT_BLOCK=64, SUM_BLOCK=64)),
+    "pdl-b64": ("default", dict(PDL=True, ACT_BLOCK=64, SUM_BLOCK=64)),  # each gained at 8 fp16 tokens (K5n, K5o)
     "j-pdl": ("default", dict(JOINT=True, PDL=True)),
     "j-pdl-b64": ("default", dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64)),
     "j-nofx-pdl-b64": ("default", dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64, FIXUP=False)),
