@@ -75,9 +75,14 @@ def test_async_scheduling_equals_synchronous_graph_decode(model):
         return out
 
     def generate(async_scheduling, requests):
+        # one captured size: a step launched before the host saw a request end still has that request's row (it
+        # is dropped afterwards), so with sizes 1, 2, 4, 8 the async engine can replay the 8-row graph where the
+        # synchronous one replays the 4-row graph (here: the step after requests 0 and 1 end), and the GPU's
+        # kernels round a row differently at different batch sizes; with one graph every decode step runs the
+        # same kernels in both engines, so bitwise equality is the contract under test
         engine = Engine(model, EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=96,
                                             kernels="triton", enable_prefix_caching=False, kv_cache_gib=1.0,
-                                            async_scheduling=async_scheduling))
+                                            cudagraph_capture_sizes=(8,), async_scheduling=async_scheduling))
         for r in requests:
             engine.add_request(r)
         while engine.has_unfinished():
@@ -99,6 +104,7 @@ def test_async_scheduling_equals_synchronous_graph_decode(model):
         assert g[3] == e[3], f"request {i}: logprob entries differ (position, token, difference): {diffs[:6]}"
     assert expected[2][2] == stop and len(expected[2][0]) <= 10
     assert engine.num_chained_steps >= 10 and engine.graphs.num_replays >= engine.num_async_steps
+    assert engine.graphs.batch_sizes == [8]
     assert not engine.allocator._seqs
 
 

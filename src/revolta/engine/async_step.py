@@ -24,7 +24,11 @@ How (`EngineConfig.async_scheduling`, vLLM's `async_scheduling` for plain decode
              synchronously (which may launch asynchronously again).
 
 Tokens are those of a synchronous run: the same forward rows, the same sampling draws in the same order (greedy
-and seeded requests are reproducible either way; tests/engine/test_async_scheduling.py).
+and seeded requests are reproducible either way; tests/engine/test_async_scheduling.py). One difference in the
+batches: the step launched before the host saw a request end still carries that request's row, so with CUDA graphs
+of several sizes it can replay a larger graph than the synchronous engine would for that step (5 rows in the 8-row
+graph where the synchronous step has 3 rows in the 4-row one), and GPU kernels may round a row differently at
+another batch size; with one capture size, or on the CPU's row-invariant path, the outputs are bitwise the same.
 """
 
 from __future__ import annotations
