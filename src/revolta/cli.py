@@ -189,9 +189,8 @@ def _add_serve_parser(sub) -> None:
                             "leaving it unset)")
     serve.add_argument("--enforce-eager", action="store_true", default=None, help="capture no CUDA graphs")
     serve.add_argument("--async-scheduling", action="store_true", default=None,
-                       help="launch each plain decode step before the previous step's tokens are read (hides the "
-                            "host's work between steps; prefill, speculation, penalties, logit_bias and grammars run "
-                            "synchronously)")
+                       help="launch each decode step before the previous step's tokens are read (hides the "
+                            "host's work between steps; prefill, speculation and grammars run synchronously)")
     serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                        help="start-up warm-up requests that compile every speculative round's row count and a prefill "
                             "before the first request (default: on with the Triton kernels, i.e. on a GPU)")

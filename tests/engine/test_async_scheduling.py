@@ -172,20 +172,43 @@ def test_abort_and_late_arrivals_while_a_step_is_in_flight(model):
 
 
 @torch.no_grad()
-def test_requests_the_async_path_does_not_cover_run_synchronously(model):
-    """Penalties and logit_bias adjust the logits from the output so far / host tables before each draw: a batch with
-    such a request runs its steps synchronously (same tokens as a synchronous engine); alone, the plain requests go
-    asynchronous again."""
+def test_penalties_logit_bias_and_min_tokens_run_asynchronously(model):
+    """Penalties, logit_bias and min_tokens adjust the logits from the output so far: in a chained step the host has
+    not read the previous step's token, which the penalties count on the device (the step's input id), and
+    min_tokens counts as generated. Greedy and seeded tokens equal a synchronous engine's, and the steps chained."""
     def reqs():
-        return [request("plain", ids(8, seed=5), max_tokens=20),
-                request("pen", ids(8, seed=6), max_tokens=6, repetition_penalty=1.3),
-                request("bias", ids(8, seed=7), max_tokens=4, logit_bias={5: 3.0})]
+        probe = [request("p", ids(8, seed=6), max_tokens=12)]
+        drive(make_engine(model, False), probe)
+        often = max(set(probe[0].token_ids), key=probe[0].token_ids.count)  # the token repetition would repeat
+        return [request("plain", ids(8, seed=5), max_tokens=16),
+                request("rep", ids(8, seed=6), max_tokens=12, repetition_penalty=1.8),
+                request("freq", ids(8, seed=6), max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5),
+                request("bias", ids(8, seed=7), max_tokens=10, logit_bias={often: 4.0, 5: -2.0}),
+                # the stop id is masked for exactly 6 tokens, then its bias makes it the 7th: a chained step must
+                # count the unread 6th token, or the mask holds a step longer
+                request("min", ids(8, seed=6), max_tokens=12, min_tokens=6, stop_token_ids=[7], logit_bias={7: 100.0}),
+                request("seeded", ids(9, seed=8), max_tokens=12, temperature=0.9, seed=4, frequency_penalty=1.0)]
 
     sync_reqs, async_reqs, engine = twin_runs(model, reqs)
     assert outputs(async_reqs) == outputs(sync_reqs)
-    assert engine.num_chained_steps >= 8  # "plain" alone, after the others finished
-    assert engine.num_async_steps - engine.num_chained_steps == 1  # only once the others were gone
+    plain_sync = [request("rep", ids(8, seed=6), max_tokens=12)]
+    drive(make_engine(model, False), plain_sync)
+    assert async_reqs[1].token_ids != plain_sync[0].token_ids, "the repetition penalty changed nothing: no test"
+    assert len(async_reqs[4].token_ids) == 7 and async_reqs[4].stop_reason == 7
+    assert engine.num_chained_steps >= 8
     assert_clean(engine)
+
+
+def test_only_grammars_keep_a_request_synchronous():
+    """plain_request: grammar-constrained requests decide their bitmask from the tokens the host has read; the logit
+    adjustments do not stop a request from running asynchronously."""
+    from revolta.engine.async_step import plain_request
+
+    adjusted = request("adj", [1, 2], 4, repetition_penalty=1.2, logit_bias={3: 1.0}, min_tokens=2)
+    assert plain_request(adjusted) and plain_request(request("plain", [1, 2], 4))
+    constrained = request("grammar", [1, 2], 4)
+    constrained.constraint = object()  # any constraint
+    assert not plain_request(constrained)
 
 
 @torch.no_grad()

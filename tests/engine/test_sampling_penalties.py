@@ -30,6 +30,23 @@ def test_min_tokens_masks_stop_ids_until_reached():
     assert torch.isfinite(out).all()
 
 
+def test_in_flight_token_counts_as_output():
+    """in_flight (async scheduling: each row's sampled token the host has not appended) = that token at the end of
+    the row's output: the same penalties, bias and min_tokens mask, bitwise."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 12, generator=gen) * 3
+    p = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.4),
+         SamplingParams(min_tokens=3, max_tokens=8, logit_bias={2: 1.5}),
+         SamplingParams(frequency_penalty=-1.0, logit_bias={4: -2.0, 9: 0.5})]
+    prompts, outputs, stops = [[1, 5], [0], [7, 7]], [[3, 3, 8], [6], []], [(11,), (11, 4), (11,)]
+    in_flight = torch.tensor([3, 9, 5])
+    got = apply_penalties(logits, p, prompts, outputs, stops, in_flight=in_flight)
+    want = apply_penalties(logits, p, prompts, [o + [t] for o, t in zip(outputs, in_flight.tolist())], stops)
+    assert torch.equal(got, want)
+    assert got[1, 11] == float("-inf")  # 2 outputs with the one in flight: still under min_tokens = 3
+    assert not torch.equal(got, apply_penalties(logits, p, prompts, outputs, stops))  # the token mattered
+
+
 @pytest.mark.parametrize("field,value", [("presence_penalty", 3.0), ("frequency_penalty", -2.5),
                                          ("repetition_penalty", 0.0), ("min_tokens", -1)])
 def test_invalid_values_name_the_field(field, value):

@@ -59,9 +59,9 @@ def test_graph_decode_equals_eager(model):
 def test_async_scheduling_equals_synchronous_graph_decode(model):
     """async_scheduling on the graph path: a chained step's input ids are the previous step's samples, copied on the
     device into the graph's input buffer (gathered from the rows left once a request ended), the sampling parameters
-    reach the device through pinned memory and logprobs are read with the tokens: the greedy and seeded tokens and
-    the logprob entries of synchronous steps, with a request stopping while its successor is in flight, and the
-    graphs served the chained steps."""
+    reach the device through pinned memory, penalties count the token in flight and logprobs are read with the
+    tokens: the greedy and seeded tokens and the logprob entries of synchronous steps, with a request stopping while
+    its successor is in flight, and the graphs served the chained steps."""
     from revolta.engine import Request
     from revolta.engine.sampling import SamplingParams, make_generator
 
@@ -70,7 +70,8 @@ def test_async_scheduling_equals_synchronous_graph_decode(model):
         for i, p in enumerate(prompts()):
             params = SamplingParams(temperature=0.8 if i == 4 else 0.0, seed=7 + i, max_tokens=20, ignore_eos=True,
                                     stop_token_ids=[stop] if stop is not None and i == 2 else [],
-                                    logprobs=2 if i == 3 else None)
+                                    logprobs=2 if i == 3 else None,
+                                    **(dict(repetition_penalty=1.3, frequency_penalty=0.5) if i == 5 else {}))
             out.append(Request(str(i), p, params, generator=make_generator(7 + i, "cuda") if i == 4 else None))
         return out
 

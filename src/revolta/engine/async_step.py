@@ -89,9 +89,10 @@ class InFlightStep:
 
 
 def plain_request(r: Request) -> bool:
-    """Sampled with no decision on the host before the draw: no penalties, min_tokens or logit_bias (they read the
-    output so far or host tables), no grammar. Logprobs are computed on the device and read with the tokens."""
-    return not r.params.adjusts_logits and r.constraint is None
+    """Sampled with no decision on the host before the draw: no grammar (its bitmask follows the tokens the host has
+    read). Penalties, min_tokens and logit_bias count the one token in flight on the device (`apply_penalties`'
+    in_flight); logprobs are computed on the device and read with the tokens."""
+    return r.constraint is None
 
 
 def chain_blocker(step: InFlightStep, scheduler: Scheduler, allocator: HybridAllocator) -> str | None:

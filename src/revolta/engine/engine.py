@@ -120,8 +120,8 @@ class EngineConfig:
     # request); None: on where the Triton kernels run (kernels "triton"); LLM runs it after building the engine
     warmup: bool | None = None
     # launch a plain decode step before the host reads the previous step's tokens, hiding the host's work between
-    # steps (vLLM's name; async_step.py); steps it does not cover (prefill, speculation, penalties, logit_bias,
-    # grammars) run synchronously
+    # steps (vLLM's name; async_step.py); steps it does not cover (prefill, speculation, grammars) run
+    # synchronously
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -564,7 +564,8 @@ class Engine:
         step.input_ids = input_ids
         result = self.executor.execute(step)
         requests = [it.seq.request for it in items]
-        ids = self.sampler.pick(requests, result.logits)  # [B] on the device
+        # penalties count each row's unread token: the step's input id (the previous step's sample) when chained
+        ids = self.sampler.pick(requests, result.logits, in_flight=input_ids)  # [B] on the device
         logprobs = self.sampler.logprob_values(requests, result.logits, ids)
         self.num_async_steps += 1
         if logprobs is None:

@@ -58,16 +58,18 @@ class StepSampler:
         for r, token_id in zip(requests, token_ids.tolist()):
             r.append(token_id, self.eos_token_ids)
 
-    def pick(self, requests: list[Request], logits: Tensor) -> Tensor:
-        """The tokens `sample` appends -> [N] int64 on logits.device, without waiting for the device when no
-        request needs a host decision first (penalties and grammars read the requests' tokens on the host, which
-        they already have); masks the padding rows of logits in place."""
+    def pick(self, requests: list[Request], logits: Tensor, in_flight: Tensor | None = None) -> Tensor:
+        """The tokens `sample` appends -> [N] int64 on logits.device, without waiting for the device (penalties and
+        grammars read the requests' tokens on the host, which they already have); masks the padding rows of logits
+        in place. in_flight: [N] each row's token sampled but not yet appended (async scheduling), which the
+        penalties count (`apply_penalties`)."""
         self._mask_padding(logits)
         params = [r.params for r in requests]
         sample_logits = logits  # logprobs report the raw model distribution, as vLLM does
         if any(p.adjusts_logits for p in params):
             sample_logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
-                                            [r.token_ids for r in requests], [self._stop_ids(p) for p in params])
+                                            [r.token_ids for r in requests], [self._stop_ids(p) for p in params],
+                                            in_flight)
         constrained = [b for b, r in enumerate(requests) if r.constraint is not None]
         if constrained:  # one bitmask copy for the whole batch
             sample_logits = sample_logits.clone() if sample_logits is logits else sample_logits

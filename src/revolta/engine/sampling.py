@@ -235,36 +235,50 @@ class Sampler:
 
 
 def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
-                    output_ids: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]]) -> Tensor:
+                    output_ids: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]],
+                    in_flight: Tensor | None = None) -> Tensor:
     """Logit processors applied before sampling, vectorised over the batch (returns a new tensor).
 
     logits: [N, V] fp32; prompt_ids / output_ids: each row's tokens so far; stop_ids: per row the
-    end-of-sequence and stop token ids that `min_tokens` masks while too few tokens exist.
+    end-of-sequence and stop token ids that `min_tokens` masks while too few tokens exist. in_flight: [N] int64 on
+    logits.device, each row's output token that the host has not read yet (async scheduling: the step's input ids,
+    sampled by the step before; output_ids lack it), counted as one more output token. The host lists reach the
+    device in a few copies through pinned memory, so nothing here waits for the device.
     """
     N, V = logits.shape
     device = logits.device
     out = logits.clone()
+    extra = 0 if in_flight is None else 1
     if any(p.has_penalties for p in params):
         counts = torch.zeros(N, V, device=device)
-        seen = torch.zeros(N, V, dtype=torch.bool, device=device)
-        for row, (prompt, output) in enumerate(zip(prompt_ids, output_ids)):
-            if output:
-                ids = torch.tensor(output, device=device)
-                counts[row].index_add_(0, ids, torch.ones(len(output), device=device))
-            if prompt:
-                seen[row, torch.tensor(prompt, device=device)] = True
-        seen |= counts > 0
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        rows = [row for row, output in enumerate(output_ids) for _ in output]
+        if rows:
+            counts.index_put_((device_tensor(rows, torch.long, device),
+                               device_tensor([t for output in output_ids for t in output], torch.long, device)),
+                              torch.ones(len(rows), device=device), accumulate=True)
+        if in_flight is not None:
+            counts.index_put_((torch.arange(N, device=device), in_flight), torch.ones(N, device=device),
+                              accumulate=True)
+        seen = counts > 0
+        rows = [row for row, prompt in enumerate(prompt_ids) for _ in prompt]
+        if rows:
+            seen[device_tensor(rows, torch.long, device),
+                 device_tensor([t for prompt in prompt_ids for t in prompt], torch.long, device)] = True
+        rep = device_tensor([p.repetition_penalty for p in params], torch.float32, device)[:, None]
         out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        freq = device_tensor([p.frequency_penalty for p in params], torch.float32, device)[:, None]
+        pres = device_tensor([p.presence_penalty for p in params], torch.float32, device)[:, None]
         out = out - freq * counts - pres * (counts > 0).float()
-    for row, (p, output, stops) in enumerate(zip(params, output_ids, stop_ids)):
-        if p.logit_bias:
-            ids = torch.tensor([t for t in p.logit_bias if t < V], device=device, dtype=torch.long)
-            out[row, ids] += torch.tensor([b for t, b in p.logit_bias.items() if t < V], device=device)
-        if len(output) < p.min_tokens and stops:
-            out[row, torch.tensor([t for t in stops if t < V], device=device, dtype=torch.long)] = float("-inf")
+    bias = [(row, t, b) for row, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items() if t < V]
+    if bias:  # one addition an entry (a request's logit_bias keys are distinct)
+        out.index_put_((device_tensor([r for r, _, _ in bias], torch.long, device),
+                        device_tensor([t for _, t, _ in bias], torch.long, device)),
+                       device_tensor([b for _, _, b in bias], out.dtype, device), accumulate=True)
+    masked = [(row, t) for row, (p, output, stops) in enumerate(zip(params, output_ids, stop_ids))
+              if len(output) + extra < p.min_tokens for t in stops if t < V]
+    if masked:
+        out[device_tensor([r for r, _ in masked], torch.long, device),
+            device_tensor([t for _, t in masked], torch.long, device)] = float("-inf")
     return out
 
 
