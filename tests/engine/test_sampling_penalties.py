@@ -47,6 +47,25 @@ def test_in_flight_token_counts_as_output():
     assert not torch.equal(got, apply_penalties(logits, p, prompts, outputs, stops))  # the token mattered
 
 
+def test_step_sampler_sends_a_penalised_prompt_once():
+    """The prompt ids the penalties read stay on the device while the request is in the batch (one copy, not one a
+    step), only for penalised requests, and leave with the request; the penalties equal those over the lists."""
+    from revolta.engine.request import Request
+    from revolta.engine.sample_step import StepSampler
+
+    sampler, cpu = StepSampler(frozenset({11}), 12), torch.device("cpu")
+    pen = Request("pen", [1, 2, 3], SamplingParams(repetition_penalty=1.5, max_tokens=4))
+    plain = Request("plain", [4, 5], SamplingParams(max_tokens=4))
+    first = sampler._penalty_prompts([pen, plain], cpu)
+    assert first[0].tolist() == [1, 2, 3] and first[1] == []
+    assert sampler._penalty_prompts([plain, pen], cpu)[1] is first[0]  # kept, not copied again
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(apply_penalties(logits, [pen.params], [first[0]], [[7]], [()]),
+                       apply_penalties(logits, [pen.params], [[1, 2, 3]], [[7]], [()]))
+    sampler._penalty_prompts([plain], cpu)
+    assert not sampler._prompts  # the penalised request left the batch
+
+
 @pytest.mark.parametrize("field,value", [("presence_penalty", 3.0), ("frequency_penalty", -2.5),
                                          ("repetition_penalty", 0.0), ("min_tokens", -1)])
 def test_invalid_values_name_the_field(field, value):

@@ -41,10 +41,26 @@ class StepSampler:
     def __init__(self, eos_token_ids: frozenset[int], num_text_ids: int, tokenizer: Tokenizer | None = None):
         self.eos_token_ids, self.num_text_ids, self.tokenizer = eos_token_ids, num_text_ids, tokenizer
         self.sampler = Sampler()
+        # id(request) -> (request, its prompt ids on the device), for the penalised requests of the last batch: the
+        # penalties read a prompt every step, and 8 prompts of 32K ids cost ~40 ms of host time a step as lists
+        self._prompts: dict[int, tuple[Request, Tensor]] = {}
 
     def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
         """What `min_tokens` masks while too few tokens exist."""
         return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+
+    def _penalty_prompts(self, requests: list[Request], device: torch.device) -> list[Tensor | list[int]]:
+        """Each request's prompt ids for apply_penalties: on the device, copied once while the request keeps
+        needing them (the cache holds this batch's penalised requests only); [] where no penalty reads them."""
+        kept: dict[int, tuple[Request, Tensor]] = {}
+        for r in requests:
+            if r.params.has_penalties and id(r) not in kept:
+                hit = self._prompts.get(id(r))
+                if hit is None or hit[1].device != device:  # the request object itself is held: its id stays its own
+                    hit = (r, device_tensor(r.prompt_token_ids, torch.long, device))
+                kept[id(r)] = hit
+        self._prompts = kept
+        return [kept[id(r)][1] if id(r) in kept else [] for r in requests]
 
     def _mask_padding(self, logits: Tensor) -> None:
         if self.num_text_ids < logits.shape[-1]:
@@ -67,7 +83,7 @@ class StepSampler:
         params = [r.params for r in requests]
         sample_logits = logits  # logprobs report the raw model distribution, as vLLM does
         if any(p.adjusts_logits for p in params):
-            sample_logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
+            sample_logits = apply_penalties(logits, params, self._penalty_prompts(requests, logits.device),
                                             [r.token_ids for r in requests], [self._stop_ids(p) for p in params],
                                             in_flight)
         constrained = [b for b, r in enumerate(requests) if r.constraint is not None]
@@ -89,14 +105,15 @@ class StepSampler:
         # request (a row's argmax does not depend on the rows beside it)
         plain = [r.params.greedy and not r.params.adjusts_logits and r.constraint is None for r in requests]
         argmax = logits.argmax(-1).tolist() if any(plain) else None
+        prompts = self._penalty_prompts(requests, logits.device)
         accepted, offset = [], 0
-        for r, d, is_plain in zip(requests, drafts, plain):
+        for r, d, is_plain, prompt in zip(requests, drafts, plain, prompts):
             n = len(d) + 1
             rows, offset = logits[offset:offset + n], offset + n  # [n, V]
             p = r.params
             sample_rows = rows
             if p.adjusts_logits:  # row j sees the output extended by the drafts before it
-                sample_rows = apply_penalties(rows, [p] * n, [r.prompt_token_ids] * n,
+                sample_rows = apply_penalties(rows, [p] * n, [prompt] * n,
                                               [r.token_ids + list(d[:j]) for j in range(n)], [self._stop_ids(p)] * n)
             if r.constraint is not None:  # row j as the grammar stands after drafts d[:j]
                 sample_rows = sample_rows.clone() if sample_rows is rows else sample_rows

@@ -239,7 +239,8 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
                     in_flight: Tensor | None = None) -> Tensor:
     """Logit processors applied before sampling, vectorised over the batch (returns a new tensor).
 
-    logits: [N, V] fp32; prompt_ids / output_ids: each row's tokens so far; stop_ids: per row the
+    logits: [N, V] fp32; prompt_ids / output_ids: each row's tokens so far (a prompt may be a long tensor on
+    logits.device, which the caller keeps for the request's steps: StepSampler); stop_ids: per row the
     end-of-sequence and stop token ids that `min_tokens` masks while too few tokens exist. in_flight: [N] int64 on
     logits.device, each row's output token that the host has not read yet (async scheduling: the step's input ids,
     sampled by the step before; output_ids lack it), counted as one more output token. The host lists reach the
@@ -260,10 +261,14 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
             counts.index_put_((torch.arange(N, device=device), in_flight), torch.ones(N, device=device),
                               accumulate=True)
         seen = counts > 0
-        rows = [row for row, prompt in enumerate(prompt_ids) for _ in prompt]
+        listed = [(row, prompt) for row, prompt in enumerate(prompt_ids) if not isinstance(prompt, Tensor)]
+        rows = [row for row, prompt in listed for _ in prompt]
         if rows:
             seen[device_tensor(rows, torch.long, device),
-                 device_tensor([t for prompt in prompt_ids for t in prompt], torch.long, device)] = True
+                 device_tensor([t for _, prompt in listed for t in prompt], torch.long, device)] = True
+        for row, prompt in enumerate(prompt_ids):
+            if isinstance(prompt, Tensor):
+                seen[row, prompt] = True
         rep = device_tensor([p.repetition_penalty for p in params], torch.float32, device)[:, None]
         out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
         freq = device_tensor([p.frequency_penalty for p in params], torch.float32, device)[:, None]
