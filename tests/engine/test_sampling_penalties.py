@@ -62,7 +62,8 @@ def test_step_sampler_sends_a_penalised_prompt_once():
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(1))
     assert torch.equal(apply_penalties(logits, [pen.params], [first[0]], [[7]], [()]),
                        apply_penalties(logits, [pen.params], [[1, 2, 3]], [[7]], [()]))
-    sampler._penalty_prompts([plain], cpu)
+    sampler._penalty_prompts([plain, pen], cpu)
+    sampler.pick([plain], torch.zeros(1, 12))  # a batch that no penalty reads
     assert not sampler._prompts  # the penalised request left the batch
 
 

@@ -86,6 +86,8 @@ class StepSampler:
             sample_logits = apply_penalties(logits, params, self._penalty_prompts(requests, logits.device),
                                             [r.token_ids for r in requests], [self._stop_ids(p) for p in params],
                                             in_flight)
+        else:
+            self._prompts = {}  # no penalised request in this batch: none of the prompts is kept
         constrained = [b for b, r in enumerate(requests) if r.constraint is not None]
         if constrained:  # one bitmask copy for the whole batch
             sample_logits = sample_logits.clone() if sample_logits is logits else sample_logits
