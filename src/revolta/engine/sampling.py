@@ -261,14 +261,9 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
             counts.index_put_((torch.arange(N, device=device), in_flight), torch.ones(N, device=device),
                               accumulate=True)
         seen = counts > 0
-        listed = [(row, prompt) for row, prompt in enumerate(prompt_ids) if not isinstance(prompt, Tensor)]
-        rows = [row for row, prompt in listed for _ in prompt]
-        if rows:
-            seen[device_tensor(rows, torch.long, device),
-                 device_tensor([t for _, prompt in listed for t in prompt], torch.long, device)] = True
-        for row, prompt in enumerate(prompt_ids):
-            if isinstance(prompt, Tensor):
-                seen[row, prompt] = True
+        for row, prompt in enumerate(prompt_ids):  # StepSampler passes device tensors; a list is copied here
+            if len(prompt):
+                seen[row, prompt if isinstance(prompt, Tensor) else device_tensor(prompt, torch.long, device)] = True
         rep = device_tensor([p.repetition_penalty for p in params], torch.float32, device)[:, None]
         out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
         freq = device_tensor([p.frequency_penalty for p in params], torch.float32, device)[:, None]
