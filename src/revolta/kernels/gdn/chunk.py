@@ -423,14 +423,14 @@ def _pipelined(launch: _Launch, plan: PipelinePlan, q, k, v, g, beta, cu_seqlens
     T, HV, K, V = q.shape[0], launch.HV, launch.K, launch.V
     dev, dt = v.device, v.dtype
     pieces = plan.pieces()
-    bounds = [(hi - lo) // BT + (s1 - s0) for lo, hi, s0, s1 in pieces]  # each piece's chunk-count bound
+    chunks = [(hi - lo) // BT + (s1 - s0) for lo, hi, s0, s1 in pieces]  # a bound on each piece's chunks
     buffers = (torch.empty(T, HV, K, dtype=dt, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev),
                torch.empty(T, HV, dtype=torch.float32, device=dev),
                torch.empty(T, launch.H, dtype=torch.float32, device=dev), torch.empty(T, HV, V, dtype=dt, device=dev))
-    h = torch.empty(sum(bounds), HV, *((V, K) if launch.cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
+    h = torch.empty(sum(chunks), HV, *((V, K) if launch.cfg.walk_transposed else (K, V)), dtype=dt, device=dev)
     started = torch.ones_like(has_initial_state[:1])  # the long sequence after the first piece: from its slot state
     parts, h_at = [], 0
-    for (lo, hi, s0, s1), n_chunks in zip(pieces, bounds):
+    for (lo, hi, s0, s1), n_chunks in zip(pieces, chunks):
         cu = (cu_seqlens[s0:s1 + 1] - lo).clamp(0, hi - lo)  # [0, .., hi - lo]: the piece's own varlen batch
         init = has_initial_state[s0:s1] if lo == 0 else torch.cat((started, has_initial_state[s0 + 1:s1]))
         parts.append(launch.piece(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], cu, init, slots[s0:s1],
