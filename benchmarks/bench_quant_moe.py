@@ -86,6 +86,11 @@ VARIANTS = {  # name -> (path, config overrides of quant_grouped_config's choice
     "pdl": ("default", dict(PDL=True)),
     "b64": ("default", dict(ACT_BLOCK=64, SUM_BLOCK=64)),
     "pdl-b64": ("default", dict(PDL=True, ACT_BLOCK=64, SUM_BLOCK=64)),  # each gained at 8 fp16 tokens (K5n, K5o)
+    # chained, with the reduces inside the kernels (two launches), or with twice the down / gate_up K slices (more
+    # loads in flight for the H200's bandwidth: K5o's M = 8 fp16 was 59% of copy there against 67% on an H100)
+    "fx-pdl": ("default", dict(FIXUP=True, PDL=True)),
+    "pdl-sd2x": ("default", dict(PDL=True, SPLIT_DOWN=8)),
+    "pdl-su2x": ("default", dict(PDL=True, SPLIT_UP=32)),
     "j-pdl": ("default", dict(JOINT=True, PDL=True)),
     "j-pdl-b64": ("default", dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64)),
     "j-nofx-pdl-b64": ("default", dict(JOINT=True, PDL=True, ACT_BLOCK=64, SUM_BLOCK=64, FIXUP=False)),
