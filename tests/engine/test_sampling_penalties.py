@@ -47,24 +47,46 @@ def test_in_flight_token_counts_as_output():
     assert not torch.equal(got, apply_penalties(logits, p, prompts, outputs, stops))  # the token mattered
 
 
-def test_step_sampler_sends_a_penalised_prompt_once():
-    """The prompt ids the penalties read stay on the device while the request is in the batch (one copy, not one a
-    step), only for penalised requests, and leave with the request; the penalties equal those over the lists."""
+def test_step_sampler_keeps_a_penalised_requests_ids_on_the_device():
+    """The ids the penalties read stay on the device while the request is in the batch: its prompt copied once, its
+    output grown by the tokens appended since the step before (one copy for the batch, not the whole output every
+    step), only for penalised requests, dropped when the request leaves; the penalties equal those over the lists."""
     from revolta.engine.request import Request
     from revolta.engine.sample_step import StepSampler
 
     sampler, cpu = StepSampler(frozenset({11}), 12), torch.device("cpu")
-    pen = Request("pen", [1, 2, 3], SamplingParams(repetition_penalty=1.5, max_tokens=4))
+    pen = Request("pen", [1, 2, 3], SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, max_tokens=200))
     plain = Request("plain", [4, 5], SamplingParams(max_tokens=4))
-    first = sampler._penalty_prompts([pen, plain], cpu)
-    assert first[0].tolist() == [1, 2, 3] and first[1] == []
-    assert sampler._penalty_prompts([plain, pen], cpu)[1] is first[0]  # kept, not copied again
+    first = sampler._penalty_ids([pen, plain], cpu)
+    assert first[0].prompt.tolist() == [1, 2, 3] and first[0].output.tolist() == [] and first[1] is None
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(apply_penalties(logits, [pen.params], [first[0]], [[7]], [()]),
-                       apply_penalties(logits, [pen.params], [[1, 2, 3]], [[7]], [()]))
-    sampler._penalty_prompts([plain, pen], cpu)
+    for step in range(70):  # past the buffer's first 64 slots
+        pen.token_ids.append(step % 7)
+        if step % 5 == 0:
+            pen.token_ids.append(9)  # two new tokens since the step before
+        again = sampler._penalty_ids([plain, pen], cpu)[1]
+        assert again is first[0] and again.output.tolist() == pen.token_ids  # kept, and up to date
+        assert torch.equal(apply_penalties(logits, [pen.params], [again.prompt], [again.output], [()]),
+                           apply_penalties(logits, [pen.params], [[1, 2, 3]], [list(pen.token_ids)], [()]))
+    copied = []
+    real = first[0].extend
+    first[0].extend = lambda new: (copied.append(len(new)), real(new))
+    pen.token_ids.append(4)
+    sampler._penalty_ids([pen], cpu)
+    assert copied == [1]  # the step's one new token, not the output so far
     sampler.pick([plain], torch.zeros(1, 12))  # a batch that no penalty reads
-    assert not sampler._prompts  # the penalised request left the batch
+    assert not sampler._penalised  # the penalised request left the batch
+
+
+def test_penalties_count_only_penalised_rows_outputs():
+    """A row without penalties may pass its output ids or not: the logits are the same, bitwise (its counts meet a
+    zero penalty); min_tokens reads only the number of ids."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 10, generator=gen)
+    p = [SamplingParams(presence_penalty=0.7, repetition_penalty=1.3), SamplingParams(min_tokens=3, max_tokens=9)]
+    a = apply_penalties(logits, p, [[1], [2]], [[3, 3], [4, 5]], [(), (9,)])
+    b = apply_penalties(logits, p, [[1], [2]], [torch.tensor([3, 3]), [4, 5]], [(), (9,)])
+    assert torch.equal(a, b) and torch.equal(a[1, :9], logits[1, :9]) and a[1, 9] == float("-inf")
 
 
 @pytest.mark.parametrize("field,value", [("presence_penalty", 3.0), ("frequency_penalty", -2.5),

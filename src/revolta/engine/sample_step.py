@@ -31,6 +31,41 @@ def record_logprob(r: Request, entry: dict[int, Logprob]) -> None:
     r.cumulative_logprob += next(iter(entry.values())).logprob
 
 
+class PenaltyIds:
+    """A penalised request's token ids on the device, as apply_penalties reads them each step: its prompt, copied
+    once, and its output so far, in a buffer that grows by the tokens appended since the step before
+    (`StepSampler._penalty_ids`). As host lists the penalties' ids cost ~40 ms of host time a step for 8 prompts of
+    32K ids and ~22 ms for 8 outputs of 8K (CPU, RESULTS.md H1); this way a step copies its new tokens only."""
+
+    def __init__(self, request: Request, device: torch.device):
+        self.request = request
+        self.prompt = device_tensor(request.prompt_token_ids, torch.long, device)  # [P] int64
+        self._output = torch.empty(64, dtype=torch.long, device=device)  # [capacity]: the first num_output are set
+        self.num_output = 0
+
+    @property
+    def output(self) -> Tensor:
+        return self._output[:self.num_output]  # [num_output] int64, the request's output ids as of the last extend
+
+    def unseen(self) -> list[int]:
+        """The request's output ids appended since the last `extend`."""
+        ids = self.request.token_ids
+        if len(ids) < self.num_output:  # a request's output only grows (Request.append)
+            raise RuntimeError(f"request {self.request.request_id}: its output shrank from {self.num_output} to "
+                               f"{len(ids)} tokens while its penalties kept them on the device")
+        return ids[self.num_output:]
+
+    def extend(self, new: Tensor) -> None:
+        """new: [k] int64 on the device, the `unseen` ids."""
+        n = self.num_output + len(new)
+        if n > len(self._output):  # doubling: a request's copies into the buffer add up to O(its output)
+            grown = torch.empty(max(2 * len(self._output), n), dtype=torch.long, device=self._output.device)
+            grown[:self.num_output] = self.output
+            self._output = grown
+        self._output[self.num_output:n] = new
+        self.num_output = n
+
+
 class StepSampler:
     """Turns a step's logits into appended tokens for the engine's requests.
 
@@ -41,26 +76,31 @@ class StepSampler:
     def __init__(self, eos_token_ids: frozenset[int], num_text_ids: int, tokenizer: Tokenizer | None = None):
         self.eos_token_ids, self.num_text_ids, self.tokenizer = eos_token_ids, num_text_ids, tokenizer
         self.sampler = Sampler()
-        # id(request) -> (request, its prompt ids on the device), for the penalised requests of the last batch: the
-        # penalties read a prompt every step, and 8 prompts of 32K ids cost ~40 ms of host time a step as lists
-        self._prompts: dict[int, tuple[Request, Tensor]] = {}
+        # id(request) -> its ids on the device, for the penalised requests of the last batch (PenaltyIds; the entry
+        # holds the request, so its id is not reused while cached)
+        self._penalised: dict[int, PenaltyIds] = {}
 
     def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
         """What `min_tokens` masks while too few tokens exist."""
         return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
 
-    def _penalty_prompts(self, requests: list[Request], device: torch.device) -> list[Tensor | list[int]]:
-        """Each request's prompt ids for apply_penalties: on the device, copied once while the request keeps
-        needing them (the cache holds this batch's penalised requests only); [] where no penalty reads them."""
-        kept: dict[int, tuple[Request, Tensor]] = {}
+    def _penalty_ids(self, requests: list[Request], device: torch.device) -> list[PenaltyIds | None]:
+        """Each penalised request's ids on the device, brought up to date with one copy for the whole batch (None for
+        the others). The cache then holds this batch's penalised requests only."""
+        kept: dict[int, PenaltyIds] = {}
         for r in requests:
             if r.params.has_penalties and id(r) not in kept:
-                hit = self._prompts.get(id(r))
-                if hit is None or hit[1].device != device:  # the request object itself is held: its id stays its own
-                    hit = (r, device_tensor(r.prompt_token_ids, torch.long, device))
-                kept[id(r)] = hit
-        self._prompts = kept
-        return [kept[id(r)][1] if id(r) in kept else [] for r in requests]
+                hit = self._penalised.get(id(r))
+                kept[id(r)] = hit if hit is not None and hit.prompt.device == device else PenaltyIds(r, device)
+        self._penalised = kept
+        unseen = [(ids, new) for ids in kept.values() if (new := ids.unseen())]
+        if unseen:
+            flat = device_tensor([t for _, new in unseen for t in new], torch.long, device)  # [sum k]
+            offset = 0
+            for ids, new in unseen:
+                ids.extend(flat[offset:offset + len(new)])
+                offset += len(new)
+        return [kept.get(id(r)) for r in requests]
 
     def _mask_padding(self, logits: Tensor) -> None:
         if self.num_text_ids < logits.shape[-1]:
@@ -83,11 +123,12 @@ class StepSampler:
         params = [r.params for r in requests]
         sample_logits = logits  # logprobs report the raw model distribution, as vLLM does
         if any(p.adjusts_logits for p in params):
-            sample_logits = apply_penalties(logits, params, self._penalty_prompts(requests, logits.device),
-                                            [r.token_ids for r in requests], [self._stop_ids(p) for p in params],
-                                            in_flight)
+            ids = self._penalty_ids(requests, logits.device)
+            sample_logits = apply_penalties(logits, params, [d.prompt if d else [] for d in ids],
+                                            [d.output if d else r.token_ids for d, r in zip(ids, requests)],
+                                            [self._stop_ids(p) for p in params], in_flight)
         else:
-            self._prompts = {}  # no penalised request in this batch: none of the prompts is kept
+            self._penalised = {}  # no penalised request in this batch: none of its ids is kept
         constrained = [b for b, r in enumerate(requests) if r.constraint is not None]
         if constrained:  # one bitmask copy for the whole batch
             sample_logits = sample_logits.clone() if sample_logits is logits else sample_logits
@@ -107,16 +148,20 @@ class StepSampler:
         # request (a row's argmax does not depend on the rows beside it)
         plain = [r.params.greedy and not r.params.adjusts_logits and r.constraint is None for r in requests]
         argmax = logits.argmax(-1).tolist() if any(plain) else None
-        prompts = self._penalty_prompts(requests, logits.device)
+        penalty_ids = self._penalty_ids(requests, logits.device)
         accepted, offset = [], 0
-        for r, d, is_plain, prompt in zip(requests, drafts, plain, prompts):
+        for r, d, is_plain, ids in zip(requests, drafts, plain, penalty_ids):
             n = len(d) + 1
             rows, offset = logits[offset:offset + n], offset + n  # [n, V]
             p = r.params
             sample_rows = rows
             if p.adjusts_logits:  # row j sees the output extended by the drafts before it
-                sample_rows = apply_penalties(rows, [p] * n, [prompt] * n,
-                                              [r.token_ids + list(d[:j]) for j in range(n)], [self._stop_ids(p)] * n)
+                if ids is None:  # min_tokens / logit_bias only: the ids are not counted, their number is
+                    prompt, outputs = [], [r.token_ids + list(d[:j]) for j in range(n)]
+                else:
+                    drafted = torch.cat((ids.output, device_tensor(list(d), torch.long, logits.device)))
+                    prompt, outputs = ids.prompt, [drafted[:ids.num_output + j] for j in range(n)]
+                sample_rows = apply_penalties(rows, [p] * n, [prompt] * n, outputs, [self._stop_ids(p)] * n)
             if r.constraint is not None:  # row j as the grammar stands after drafts d[:j]
                 sample_rows = sample_rows.clone() if sample_rows is rows else sample_rows
                 r.constraint.mask_rows(sample_rows, d)

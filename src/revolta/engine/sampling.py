@@ -239,8 +239,8 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
                     in_flight: Tensor | None = None) -> Tensor:
     """Logit processors applied before sampling, vectorised over the batch (returns a new tensor).
 
-    logits: [N, V] fp32; prompt_ids / output_ids: each row's tokens so far (a prompt may be a long tensor on
-    logits.device, which the caller keeps for the request's steps: StepSampler); stop_ids: per row the
+    logits: [N, V] fp32; prompt_ids / output_ids: each row's tokens so far, lists or int64 tensors on logits.device
+    (StepSampler keeps a penalised request's ids there across its steps: `PenaltyIds`); stop_ids: per row the
     end-of-sequence and stop token ids that `min_tokens` masks while too few tokens exist. in_flight: [N] int64 on
     logits.device, each row's output token that the host has not read yet (async scheduling: the step's input ids,
     sampled by the step before; output_ids lack it), counted as one more output token. The host lists reach the
@@ -250,13 +250,19 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
     device = logits.device
     out = logits.clone()
     extra = 0 if in_flight is None else 1
-    if any(p.has_penalties for p in params):
+    penalised = [row for row, p in enumerate(params) if p.has_penalties]
+    if penalised:
         counts = torch.zeros(N, V, device=device)
-        rows = [row for row, output in enumerate(output_ids) for _ in output]
-        if rows:
-            counts.index_put_((device_tensor(rows, torch.long, device),
-                               device_tensor([t for output in output_ids for t in output], torch.long, device)),
-                              torch.ones(len(rows), device=device), accumulate=True)
+        # the penalised rows' output ids (another row's counts would meet a zero penalty: the same logits)
+        outputs = [output_ids[row] for row in penalised]
+        total = sum(len(o) for o in outputs)
+        if total:
+            rows = torch.repeat_interleave(device_tensor(penalised, torch.long, device),
+                                           device_tensor([len(o) for o in outputs], torch.long, device),
+                                           output_size=total)  # [total]; output_size: no device sync
+            ids = torch.cat([o if isinstance(o, Tensor) else device_tensor(list(o), torch.long, device)
+                             for o in outputs if len(o)])  # [total]
+            counts.index_put_((rows, ids), torch.ones(total, device=device), accumulate=True)
         if in_flight is not None:
             counts.index_put_((torch.arange(N, device=device), in_flight), torch.ones(N, device=device),
                               accumulate=True)
