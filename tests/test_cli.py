@@ -136,7 +136,7 @@ def _fake_serve(tmp_path, monkeypatch, check_address=False):
     import revolta.llm
 
     if not check_address:
-        monkeypatch.setattr(revolta.cli, "_check_address", lambda host, port: None)
+        monkeypatch.setattr(revolta.cli, "_reserve_address", lambda host, port: None)
     import revolta.server.app
 
     seen = {}
@@ -221,6 +221,38 @@ def test_serve_refuses_a_taken_port_before_loading(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "--port" in err and not seen
     assert main(["serve", str(tmp_path), "--port", str(port)]) == 0  # free again: it starts
+
+
+def test_serve_holds_its_port_while_the_model_loads(tmp_path, monkeypatch):
+    """`revolta serve` binds its address before the model loads and hands that socket to the server, so nothing
+    started while it loads takes the port (a tensor-parallel run failed that way: a rank's gloo listener bound the
+    ephemeral port the test had picked, and uvicorn then found it in use after the model had loaded)."""
+    import socket
+
+    import revolta.llm
+    import revolta.server.app
+
+    seen = _fake_serve(tmp_path, monkeypatch, check_address=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    class LoadingLLM:  # what starts while the model loads tries the port
+        def __init__(self, **kwargs):
+            with socket.socket() as other:
+                try:
+                    other.bind(("127.0.0.1", port))
+                    seen["taken_while_loading"] = True
+                except OSError:
+                    seen["taken_while_loading"] = False
+            self.model_path, self.max_model_len = tmp_path, 4096
+
+    monkeypatch.setattr(revolta.llm, "LLM", LoadingLLM)
+    monkeypatch.setattr(revolta.server.app, "run_server",
+                        lambda llm, config, host, port, **k: seen.update(bound=k["sock"].getsockname()[1])
+                        or k["sock"].close() or 0)
+    assert main(["serve", str(tmp_path), "--port", str(port)]) == 0
+    assert seen["taken_while_loading"] is False and seen["bound"] == port
 
 
 def test_generate_takes_serves_kv_cache_dtype(monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -463,23 +464,26 @@ def _require_server_extra() -> None:
                         "pip install 'revolta[server]' (from a checkout: pip install -e '.[server]')") from None
 
 
-def _check_address(host: str, port: int) -> None:
-    """The listening address is free, checked before the model loads (uvicorn would find out only after)."""
-    import socket
-
+def _reserve_address(host: str, port: int) -> socket.socket:
+    """The listening address, bound before the model loads and handed to the server (as vLLM does): a taken port is
+    an error now rather than after minutes of loading, and nothing started meanwhile can take it (the tensor-parallel
+    ranks' gloo listeners bind ephemeral ports, which a port picked by binding port 0 is one of). Not listening yet:
+    a client is refused until the server starts, as before."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, OverflowError) as e:
         raise UserError(f"--host {host} --port {port}: not an address to listen on ({e}); pass e.g. --host 0.0.0.0 "
                         "--port 8000") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port, or stop the "
-                            "server using it") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port, or stop the "
+                        "server using it") from None
+    return sock
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -518,11 +522,16 @@ def _serve(args: argparse.Namespace) -> int:
     parse_limits(args.limit_mm_per_prompt)  # the LLM applies them; a bad one is an error before loading
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
         raise UserError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
-    _check_address(args.host, args.port)  # the last check before the model loads
-    from .llm import LLM
+    sock = _reserve_address(args.host, args.port)  # the last check before the model loads
+    try:
+        from .llm import LLM
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-              max_model_len=args.max_model_len, **engine_args)
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+                  max_model_len=args.max_model_len, **engine_args)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     config = ServerConfig(served_model_name=name, served_model_aliases=aliases, model_path=str(llm.model_path),
                           max_model_len=llm.max_model_len,
                           api_key=args.api_key, sse_keep_alive_interval=keep_alive,
@@ -531,7 +540,7 @@ def _serve(args: argparse.Namespace) -> int:
                           max_pending_requests=args.max_pending_requests,
                           structured_disable_any_whitespace=compact_json,
                           enable_dev_endpoints=args.enable_dev_endpoints, **media_flags)
-    return run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection)
+    return run_server(llm, config, args.host, args.port, fault_injection=args.enable_fault_injection, sock=sock)
 
 
 if __name__ == "__main__":

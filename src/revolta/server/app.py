@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -66,9 +67,10 @@ def build_app(llm: Any, config: ServerConfig, fault_injection: bool = False,
 
 
 def run_server(llm: Any, config: ServerConfig, host: str, port: int, fault_injection: bool = False,
-               log_level: str = "info") -> int:
+               log_level: str = "info", sock: socket.socket | None = None) -> int:
     """Serve until stopped; returns 0, or EXIT_ENGINE_FAILED when the engine stopped on a FatalEngineError
-    (the server keeps answering, /health 503, for FATAL_EXIT_DELAY_S, then shuts down)."""
+    (the server keeps answering, /health 503, for FATAL_EXIT_DELAY_S, then shuts down). sock: host:port already
+    bound (`revolta serve` binds it before the model loads), listened on and closed here; None: uvicorn binds it."""
     import uvicorn
 
     fatal: list[BaseException] = []
@@ -82,8 +84,10 @@ def run_server(llm: Any, config: ServerConfig, host: str, port: int, fault_injec
     # http="h11"/"httptools" both advertise ASGI 2.3, so Starlette watches for disconnects while streaming
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
+        if sock is not None:
+            sock.close()
         close = getattr(llm, "close", None)
         if close is not None:
             close()  # the engine thread has stopped: end its worker processes (tensor-parallel ranks), bounded
