@@ -55,6 +55,22 @@ def test_graph_decode_equals_eager(model):
         assert ((a - b).abs().max() / b.abs().max()).item() <= tol, r.request_id
 
 
+def async_requests(stop=None):
+    """The async test's requests (benchmarks/diag_async.py replays them): greedy, one seeded (4), one with logprobs
+    (3), one penalised (5), and request 2 stopping at token `stop`."""
+    from revolta.engine import Request
+    from revolta.engine.sampling import SamplingParams, make_generator
+
+    out = []
+    for i, p in enumerate(prompts()):
+        params = SamplingParams(temperature=0.8 if i == 4 else 0.0, seed=7 + i, max_tokens=20, ignore_eos=True,
+                                stop_token_ids=[stop] if stop is not None and i == 2 else [],
+                                logprobs=2 if i == 3 else None,
+                                **(dict(repetition_penalty=1.3, frequency_penalty=0.5) if i == 5 else {}))
+        out.append(Request(str(i), p, params, generator=make_generator(7 + i, "cuda") if i == 4 else None))
+    return out
+
+
 @torch.no_grad()
 def test_async_scheduling_equals_synchronous_graph_decode(model):
     """async_scheduling on the graph path: a chained step's input ids are the previous step's samples, copied on the
@@ -62,19 +78,6 @@ def test_async_scheduling_equals_synchronous_graph_decode(model):
     reach the device through pinned memory, penalties count the token in flight and logprobs are read with the
     tokens: the greedy and seeded tokens and the logprob entries of synchronous steps, with a request stopping while
     its successor is in flight, and the graphs served the chained steps."""
-    from revolta.engine import Request
-    from revolta.engine.sampling import SamplingParams, make_generator
-
-    def reqs(stop=None):
-        out = []
-        for i, p in enumerate(prompts()):
-            params = SamplingParams(temperature=0.8 if i == 4 else 0.0, seed=7 + i, max_tokens=20, ignore_eos=True,
-                                    stop_token_ids=[stop] if stop is not None and i == 2 else [],
-                                    logprobs=2 if i == 3 else None,
-                                    **(dict(repetition_penalty=1.3, frequency_penalty=0.5) if i == 5 else {}))
-            out.append(Request(str(i), p, params, generator=make_generator(7 + i, "cuda") if i == 4 else None))
-        return out
-
     def generate(async_scheduling, requests):
         # one captured size: a step launched before the host saw a request end still has that request's row (it
         # is dropped afterwards), so with sizes 1, 2, 4, 8 the async engine can replay the 8-row graph where the
@@ -91,11 +94,11 @@ def test_async_scheduling_equals_synchronous_graph_decode(model):
         engine.step()  # lands a step left in flight
         return engine, [(r.token_ids, r.finish_reason, r.stop_reason, r.logprobs) for r in requests]
 
-    probe = reqs()
+    probe = async_requests()
     generate(False, probe)
     stop = probe[2].token_ids[9]
-    _, expected = generate(False, reqs(stop))
-    engine, got = generate(True, reqs(stop))
+    _, expected = generate(False, async_requests(stop))
+    engine, got = generate(True, async_requests(stop))
     for i, (g, e) in enumerate(zip(got, expected)):  # which request and which field, for a failure on one card
         first = next((j for j, (a, b) in enumerate(zip(g[0], e[0])) if a != b), None)
         assert g[0] == e[0], f"request {i}: tokens differ first at {first} ({len(g[0])} / {len(e[0])} tokens)"

@@ -35,7 +35,7 @@ class PenaltyIds:
     """A penalised request's token ids on the device, as apply_penalties reads them each step: its prompt, copied
     once, and its output so far, in a buffer that grows by the tokens appended since the step before
     (`StepSampler._penalty_ids`). As host lists the penalties' ids cost ~40 ms of host time a step for 8 prompts of
-    32K ids and ~22 ms for 8 outputs of 8K (CPU, RESULTS.md H1); this way a step copies its new tokens only."""
+    32K ids and 11-16 ms for 8 outputs of 8K (CPU, RESULTS.md H1); this way a step copies its new tokens only."""
 
     def __init__(self, request: Request, device: torch.device):
         self.request = request
