@@ -260,7 +260,7 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], prompt_ids
             rows = torch.repeat_interleave(device_tensor(penalised, torch.long, device),
                                            device_tensor([len(o) for o in outputs], torch.long, device),
                                            output_size=total)  # [total]; output_size: no device sync
-            ids = torch.cat([o if isinstance(o, Tensor) else device_tensor(list(o), torch.long, device)
+            ids = torch.cat([o if isinstance(o, Tensor) else device_tensor(o, torch.long, device)
                              for o in outputs if len(o)])  # [total]
             counts.index_put_((rows, ids), torch.ones(total, device=device), accumulate=True)
         if in_flight is not None:
